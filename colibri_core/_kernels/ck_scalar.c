@@ -1,0 +1,124 @@
+/* ck_scalar.c -- portable C reference/fallback of every kernel tile.
+ *
+ * Written to mirror colibri_core/quant.py step by step (the int8 path computes the
+ * same exact integer group dot products as matvec_q4_q8_ref); only the float
+ * summation order differs. Every other backend is tested against these. */
+#include <math.h>
+#include "ck.h"
+
+/* Per-group symmetric int8 quantization of one activation row; must equal
+ * quant.quantize_act_q8 bit for bit: float32 arithmetic, rint (half-even), clamp ±127. */
+void ck_scalar_act_quant(const float *x, int64_t cols, int64_t group,
+                         int8_t *xq, float *xs, int32_t *xsum) {
+    int64_t cp = (cols + group - 1) / group * group;
+    for (int64_t c0 = 0, g = 0; c0 < cp; c0 += group, g++) {
+        int64_t c1 = c0 + group < cols ? c0 + group : cols;
+        float amax = 0.0f;
+        for (int64_t c = c0; c < c1; c++) amax = fmaxf(amax, fabsf(ck_ldf(x + c)));
+        float s = amax / 127.0f;
+        float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        int32_t sum = 0;
+        for (int64_t c = c0; c < c0 + group; c++) {
+            float v = c < c1 ? rintf(ck_ldf(x + c) * inv) : 0.0f;
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            xq[c] = (int8_t)v;
+            sum += (int8_t)v;
+        }
+        ck_stf(xs + g, s);
+        ck_sti(xsum + g, sum);
+    }
+}
+
+/* nibble k (0 <= k < cp) of a q4 row */
+static inline int q4_at(const uint8_t *row, int64_t k) {
+    uint8_t byte = row[(k >> 6) * 32 + (k & 31)];
+    return (k & 32) ? byte >> 4 : byte & 15;
+}
+
+static void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res) {
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *row = w->data + (r0 + r) * (w->cp / 2);
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        const uint8_t *zp = w->zeros + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = a->q + (t0 + t) * a->cp;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int32_t dot = 0;   /* block-wise so that the compiler can vectorize it */
+                for (int64_t b = g * w->group / 64; b < (g + 1) * w->group / 64; b++)
+                    for (int j = 0; j < 32; j++)
+                        dot += (row[b * 32 + j] & 15) * xq[b * 64 + j] +
+                               (row[b * 32 + j] >> 4) * xq[b * 64 + 32 + j];
+                int32_t corr = dot - (int32_t)zp[g] * ck_ldi(a->sum + (t0 + t) * a->ng + g);
+                acc += (float)corr * (ck_ldf(sc + g) * ck_ldf(a->s + (t0 + t) * a->ng + g));
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
+void ck_scalar_q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res) {
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *row = w->data + (r0 + r) * (w->cp / 2);
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        const uint8_t *zp = w->zeros + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const float *xr = x->x + (t0 + t) * x->ld;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int64_t k1 = (g + 1) * w->group < w->cols ? (g + 1) * w->group : w->cols;
+                float z = (float)zp[g], gacc = 0.0f;
+                for (int64_t k = g * w->group; k < k1; k++)
+                    gacc += ((float)q4_at(row, k) - z) * ck_ldf(xr + k);
+                acc += gacc * ck_ldf(sc + g);
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
+void ck_scalar_q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                     float *res) {
+    for (int r = 0; r < rt; r++) {
+        const int8_t *row = w->data + (r0 + r) * w->cp;
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = a->q + (t0 + t) * a->cp;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int32_t dot = 0;
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k++)
+                    dot += (int32_t)row[k] * xq[k];
+                acc += (float)dot * (ck_ldf(sc + g) * ck_ldf(a->s + (t0 + t) * a->ng + g));
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
+void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res) {
+    for (int r = 0; r < rt; r++) {
+        const int8_t *row = w->data + (r0 + r) * w->cp;
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const float *xr = x->x + (t0 + t) * x->ld;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int64_t k1 = (g + 1) * w->group < w->cols ? (g + 1) * w->group : w->cols;
+                float gacc = 0.0f;
+                for (int64_t k = g * w->group; k < k1; k++)
+                    gacc += (float)row[k] * ck_ldf(xr + k);
+                acc += gacc * ck_ldf(sc + g);
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
+const ck_backend_t ck_backend_scalar = {
+    "scalar", ck_scalar_act_quant, q4_i8, ck_scalar_q4_f32, ck_scalar_q8_i8,
+    ck_scalar_q8_f32, 1, 1,
+};

@@ -1,0 +1,265 @@
+"""Configuration: the model definition and the engine's runtime settings.
+
+Three pydantic models, all frozen and refusing unknown keys:
+
+- `ModelConfig`   what the model *is* (sizes, layer kinds, routing rules); lives in the
+                  model directory's config.json.
+- `EngineConfig`  how to *run* it (threads, load mode, sampling defaults, dynamic-k policy).
+- `RunConfig`     a file in configs/: which model, plus engine settings.
+
+A bad file fails with `ConfigError`, one line per problem: the file, the field, the value
+and what is allowed.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError, ExpertIndexError
+
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class FileInfo(BaseModel):
+    model_config = _STRICT
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class FormatVersion(BaseModel):
+    model_config = _STRICT
+    major: int = Field(ge=0)
+    minor: int = Field(ge=0)
+
+
+class ModelConfig(BaseModel):
+    """Hyperparameters of a converted model (config.json of a model directory)."""
+
+    model_config = _STRICT
+
+    architecture: str = "qwen2_moe"          # family the checkpoint came from (informational)
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(ge=0)     # dense FFN width (dense layers)
+    moe_intermediate_size: int = Field(default=0, ge=0)  # routed expert width
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: Optional[int] = Field(default=None, gt=0)  # None -> hidden_size // num_heads
+    max_position_embeddings: int = Field(default=2048, gt=0)  # the context length
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    qk_norm: Literal["none", "per_head", "full"] = "none"  # RMSNorm on q/k: per head (Qwen3)
+                                                          # or over the projection (OLMoE)
+
+    num_experts: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0)
+    layer_types: list[Literal["dense", "moe"]]    # one entry per global layer index
+    norm_topk_prob: bool = True
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+    routed_scaling_factor: float = 1.0
+    n_group: int = Field(default=1, ge=1)       # group-limited routing (DeepSeek)
+    topk_group: int = Field(default=1, ge=1)
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    shared_expert_gate: bool = False            # Qwen2-MoE: sigmoid gate on the shared expert
+
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = []
+
+    format: Optional[FormatVersion] = None
+    files: dict[str, FileInfo] = {}
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "moe"]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelConfig":
+        problems = []
+        if len(self.layer_types) != self.num_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries, "
+                            f"num_layers is {self.num_layers}")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of "
+                            f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
+                            f"num_heads={self.num_heads}; set head_dim")
+        if self.head_size % 2:
+            problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
+        if "moe" in self.layer_types and self.num_experts == 0:
+            problems.append("layer_types has 'moe' layers but num_experts is 0")
+        if "dense" in self.layer_types and self.intermediate_size == 0:
+            problems.append("layer_types has 'dense' layers but intermediate_size is 0")
+        if self.num_experts and self.num_experts % self.n_group:
+            problems.append(f"num_experts={self.num_experts} is not a multiple of "
+                            f"n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            problems.append(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def check_experts(self) -> None:
+        """Reference-design check at load: top_k must fit the experts."""
+        if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
+            raise ExpertIndexError(
+                f"top_k={self.top_k} but the model has {self.num_experts} experts per layer; "
+                f"check the 'top_k' field of config.json (allowed 1..{self.num_experts})")
+
+
+class SamplingConfig(BaseModel):
+    model_config = _STRICT
+    temperature: float = Field(default=0.8, ge=0.0)   # 0 -> greedy
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    max_new_tokens: int = Field(default=64, ge=0)
+    stop: list[str] = []
+
+
+class LengthRule(BaseModel):
+    """Prompts with min_tokens <= length <= max_tokens use k (bounds optional)."""
+    model_config = _STRICT
+    min_tokens: Optional[int] = Field(default=None, ge=0)
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    k: int = Field(ge=1)
+
+    def matches(self, n: int) -> bool:
+        return ((self.min_tokens is None or n >= self.min_tokens)
+                and (self.max_tokens is None or n <= self.max_tokens))
+
+
+class EngineConfig(BaseModel):
+    """Runtime settings; every field has a default."""
+
+    model_config = _STRICT
+
+    threads: int = Field(default=2, ge=1, le=512)
+    load_mode: Literal["mmap", "copy"] = "mmap"
+    routing: Literal["fixed", "float"] = "fixed"       # fixed-point softmax weights, or float
+    activations: Literal["int8", "float"] = "int8"     # int8 per-group activations, or float
+    sampling: SamplingConfig = SamplingConfig()
+    length_policy: list[LengthRule] = []               # dynamic k by prompt length
+    prefetch: Literal["none", "willneed", "populate"] = "willneed"
+    experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
+    plugins_dir: Optional[str] = None
+    debug: list[Literal["routing", "memory", "timing"]] = []
+    max_resident_mb: Optional[float] = Field(default=None, gt=0)
+
+
+class RunConfig(BaseModel):
+    """A file in configs/: `model:` (a directory, relative to the file, or `builtin`)
+    and `engine:` settings."""
+
+    model_config = _STRICT
+    model: str
+    engine: EngineConfig = EngineConfig()
+    description: str = ""
+
+
+# ----------------------------------------------------------------------------- loading
+
+def format_validation_error(source: str, err: ValidationError) -> str:
+    """One line per problem: `source: field 'a.b': value X: what is allowed`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (not allowed; check the spelling)"
+        elif e["type"] == "missing":
+            lines.append(f"{source}: field '{loc}': missing (required)")
+            continue
+        lines.append(f"{source}: field '{loc}': value {shown}: {msg}")
+    return "\n".join(lines)
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML or JSON file into a dict, with one-line errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text)
+    except Exception as e:  # json/yaml syntax errors carry line numbers in their text
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse(model_cls, data: dict, source: str):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(source, e)) from None
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    cfg = parse(ModelConfig, read_mapping(path), str(path))
+    cfg.check_experts()
+    return cfg
+
+
+def load_run_config(path: Path) -> tuple[RunConfig, Path]:
+    """Returns the config and the resolved model directory."""
+    path = Path(path)
+    cfg = parse(RunConfig, read_mapping(path), str(path))
+    return cfg, resolve_model_path(cfg.model, path.parent)
+
+
+def resolve_model_path(model: str, base: Path) -> Path:
+    if model == "builtin" or model.startswith("builtin:"):
+        name = model.partition(":")[2] or "builtin"
+        return builtin_model_dir(name)
+    p = Path(model).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+def builtin_model_dir(name: str = "builtin") -> Path:
+    return Path(str(resources.files("colibri_core") / "models" / name))
+
+
+def configs_dir() -> Path:
+    """The shipped configs/ folder (installed as the package colibri_core.configs)."""
+    return Path(str(resources.files("colibri_core.configs")))
+
+
+def find_config(name_or_path: str) -> Path:
+    """A path, or the name of a shipped config (`builtin` -> configs/builtin.yaml)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for ext in ("", ".yaml", ".yml", ".json"):
+        cand = configs_dir() / f"{name_or_path}{ext}"
+        if cand.is_file():
+            return cand
+    shipped = sorted(q.stem for q in configs_dir().glob("*.y*ml"))
+    raise ConfigError(f"config {name_or_path!r}: no such file, and not a shipped config "
+                      f"(shipped: {', '.join(shipped) or 'none'})")

@@ -1,0 +1,195 @@
+"""The composition root: config -> weights -> model -> tokenizer, plugins, hot-plug.
+
+Small on purpose; no math here. Typical use:
+
+    eng = Engine.from_config("builtin")           # or Engine.from_model_dir(path)
+    for ev in eng.generate("The assert statement", max_new_tokens=32):
+        print(ev.text, end="")
+    logits = eng.next_token_logits([1, 2, 3])
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from . import kernels
+from .config import EngineConfig, ModelConfig, find_config, load_run_config
+from .errors import RequestError
+from .generate import Generation
+from .model import Model
+from .requests import check_k, split_mode_prefix
+from .sampler import Sampler
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+log = logging.getLogger("colibri")
+_request_ids = itertools.count(1)
+
+
+class Engine:
+    def __init__(self, model_dir: Union[str, Path], config: EngineConfig = EngineConfig(),
+                 plugin_manager=None):
+        self.config = config
+        self.model_dir = Path(model_dir)
+        kernels.set_threads(config.threads)
+        self.weights = load_model(self.model_dir, config.load_mode)
+        self.model_cfg: ModelConfig = self.weights.cfg
+        tok_path = self.model_dir / "tokenizer.json"
+        self.tokenizer = Tokenizer(tok_path, self.model_cfg.vocab_size) if tok_path.exists() else None
+        self.pm = plugin_manager
+        self.hooks = None
+        if plugin_manager is not None:
+            from .plugins import HookRelay
+            self.hooks = HookRelay(plugin_manager)
+        self.model = Model(self.weights, config, self.hooks)
+        self.expert_set_version = 0
+        self._pending_changes: list = []      # callables applied between two tokens
+        if self.hooks is not None and self.hooks.engine_start is not None:
+            self.hooks.engine_start(engine=self)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, name_or_path: Union[str, Path] = "builtin", **overrides) -> "Engine":
+        """Load a run config (a path or a shipped config name) and build the engine.
+        `overrides` replace engine settings, e.g. threads=1."""
+        cfg, model_dir = load_run_config(find_config(str(name_or_path)))
+        engine_cfg = cfg.engine.model_copy(update=overrides) if overrides else cfg.engine
+        if overrides:
+            engine_cfg = EngineConfig.model_validate(engine_cfg.model_dump())
+        return cls(model_dir, engine_cfg)
+
+    @classmethod
+    def from_model_dir(cls, path: Union[str, Path], **settings) -> "Engine":
+        return cls(path, EngineConfig(**settings))
+
+    def close(self) -> None:
+        if self.hooks is not None and self.hooks.engine_stop is not None:
+            self.hooks.engine_stop(engine=self)
+        self.weights.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def num_experts(self) -> int:
+        return self.model_cfg.num_experts + self.model.num_hot_slots
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_dir}: the model has no tokenizer.json; pass token ids")
+        ids = self.tokenizer.encode(text)
+        if self.model_cfg.bos_token_id is not None:
+            ids = [self.model_cfg.bos_token_id] + ids
+        return ids
+
+    def choose_k(self, prompt_tokens: int, explicit: Optional[int], prefix: Optional[int],
+                 request: dict) -> tuple[int, str]:
+        """Precedence: argument, MODE: prefix, plugin, length policy, model (requests.py)."""
+        cfg = self.model_cfg
+        if not cfg.moe_layers:
+            return cfg.top_k, "model (no MoE layers)"
+        n = self.num_experts
+        if explicit is not None:
+            return check_k(explicit, n, "the top_k argument"), "argument"
+        if prefix is not None:
+            return check_k(prefix, n, "the MODE: prefix"), "prefix"
+        if self.hooks is not None and self.hooks.choose_k is not None:
+            got = self.hooks.choose_k(prompt_tokens=prompt_tokens, request=request,
+                                      default_k=cfg.top_k)
+            if got is not None:
+                return check_k(int(got), n, "a colibri_choose_k plugin"), "plugin"
+        for rule in self.config.length_policy:
+            if rule.matches(prompt_tokens):
+                return check_k(rule.k, n, "the engine config's length_policy"), "policy"
+        return cfg.top_k, "model"
+
+    def prepare_ids(self, prompt: Union[str, Sequence[int]], reserve: int = 1) -> tuple[list[int], Optional[int], Optional[int]]:
+        """-> (token ids, k from a MODE: prefix, original length if truncated)."""
+        prefix_k = None
+        if isinstance(prompt, str):
+            prefix_k, text = split_mode_prefix(prompt)
+            if not text:
+                raise RequestError("empty prompt: give at least one character of text "
+                                   "(after any MODE: prefix)")
+            ids = self.encode(text)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("empty prompt: no tokens to run")
+        V = self.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token id {bad[0]} out of range 0..{V - 1}")
+        ctx = self.model_cfg.max_position_embeddings
+        keep = max(1, ctx - reserve)
+        truncated = None
+        if len(ids) > keep:
+            truncated = len(ids)
+            log.warning("prompt of %d tokens exceeds the context of %d; keeping its last %d "
+                        "tokens", len(ids), ctx, keep)
+            ids = ids[-keep:]
+        return ids, prefix_k, truncated
+
+    def generate(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: Optional[int] = None,
+                 top_k: Optional[int] = None, temperature: Optional[float] = None,
+                 top_p: Optional[float] = None, seed: Optional[int] = None,
+                 stop: Optional[list[str]] = None, pin_experts: bool = False) -> Generation:
+        s = self.config.sampling
+        n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if n_new < 0:
+            raise RequestError(f"max_new_tokens={n_new}: must be >= 0")
+        ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
+        rid = f"req-{next(_request_ids)}"
+        k, source = self.choose_k(len(ids), top_k, prefix_k, {"id": rid})
+        try:
+            sampler = Sampler(s.temperature if temperature is None else temperature,
+                              s.top_p if top_p is None else top_p,
+                              s.seed if seed is None else seed)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return Generation(self, ids, k, source, n_new, sampler,
+                          list(s.stop if stop is None else stop), pin_experts=pin_experts,
+                          request_id=rid, truncated_from=truncated)
+
+    def next_token_logits(self, token_ids: Sequence[int], top_k: Optional[int] = None,
+                          all_positions: bool = False) -> np.ndarray:
+        """Logits [V] after `token_ids` (or [n, V] for every position)."""
+        ids, _, _ = self.prepare_ids(list(token_ids), reserve=0)
+        k, _ = self.choose_k(len(ids), top_k, None, {})
+        self.apply_expert_changes()
+        cache = self.model.new_cache(len(ids))
+        return self.model.forward([np.asarray(ids)], [cache], [k], all_logits=all_positions)[0]
+
+    def score_batch(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
+                    all_positions: bool = False) -> list[np.ndarray]:
+        """One batched forward over many (short) sequences: prefill only, no decode."""
+        if not sequences:
+            return []
+        prepared = [self.prepare_ids(list(s), reserve=0)[0] for s in sequences]
+        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {})
+        self.apply_expert_changes()
+        caches = [self.model.new_cache(len(p)) for p in prepared]
+        return self.model.forward([np.asarray(p) for p in prepared], caches, [k] * len(prepared),
+                                  all_logits=all_positions)
+
+    # ------------------------------------------------------------------ expert changes
+    def queue_expert_change(self, change) -> None:
+        """Queue a callable(engine) that changes the expert set; applied between tokens."""
+        self._pending_changes.append(change)
+
+    def apply_expert_changes(self) -> None:
+        """Called on the engine's thread between two tokens; no-op when nothing is queued."""
+        if not self._pending_changes:
+            return
+        pending, self._pending_changes = self._pending_changes, []
+        for change in pending:
+            change(self)
+            self.expert_set_version += 1

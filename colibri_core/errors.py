@@ -1,0 +1,31 @@
+"""Typed errors. Each message is one line naming the thing (file, field, value) and the fix.
+
+The CLI prints `str(error)` and exits non-zero; it never shows a traceback for these.
+"""
+
+
+class ColibriError(Exception):
+    """Base class of every error a user can cause."""
+
+
+class ConfigError(ColibriError, ValueError):
+    """A model or engine configuration is invalid (one line per problem)."""
+
+
+class ModelFormatError(ColibriError, ValueError):
+    """A model directory or one of its files is missing, truncated or malformed."""
+
+
+class ExpertIndexError(ModelFormatError):
+    """`top_k` / expert indices that do not fit the model's experts (reference-design text)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"FATAL: expert index out of bounds: {detail}")
+
+
+class RequestError(ColibriError, ValueError):
+    """A request is invalid: bad token ids, bad k, empty prompt, malformed MODE: prefix."""
+
+
+class KernelError(ColibriError, RuntimeError):
+    """The compiled kernels are missing or were called with bad arguments."""

@@ -1,0 +1,140 @@
+"""Token generation: prefill, then decode one token at a time, streaming.
+
+Between two tokens (and only there) the engine applies queued expert changes, so every
+token is computed with exactly one expert set, whose version is recorded on the token.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import numpy as np
+
+from .sampler import Sampler
+from .tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("colibri")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    step: int                  # 0-based index of the generated token
+    token_id: int
+    text: str                  # new text this token completed (may be "")
+    expert_set_version: int    # the expert set the token was computed with
+    latency_s: float           # time from the previous token (or request start)
+
+
+@dataclass
+class Generation:
+    """Iterate to stream tokens; afterwards `stop_reason`, `token_ids`, `text` are set."""
+
+    engine: "Engine"
+    prompt_ids: list[int]
+    k: int
+    k_source: str
+    max_new_tokens: int
+    sampler: Sampler
+    stop: list[str]
+    pin_experts: bool = False
+    request_id: str = ""
+    truncated_from: Optional[int] = None
+    stop_reason: Optional[str] = None      # "length" | "eos" | "stop" | "context"
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    events: list[TokenEvent] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self._run()
+
+    def run(self) -> "Generation":
+        for _ in self:
+            pass
+        return self
+
+    def _run(self) -> Iterator[TokenEvent]:
+        eng = self.engine
+        cfg = eng.model_cfg
+        ctx = cfg.max_position_embeddings
+        capacity = min(ctx, len(self.prompt_ids) + self.max_new_tokens)
+        cache = eng.model.new_cache(max(capacity, len(self.prompt_ids)))
+        decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
+        hooks = eng.hooks
+        if hooks is not None and hooks.request_start is not None:
+            hooks.request_start(request_id=self.request_id, prompt_tokens=len(self.prompt_ids), k=self.k)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()                       # no collector pauses inside a token
+        try:
+            t_prev = time.perf_counter()
+            eng.apply_expert_changes()
+            version = eng.expert_set_version
+            logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k])[0]
+            eos = set(cfg.eos_token_ids)
+            step = 0
+            while True:
+                if step >= self.max_new_tokens:
+                    self.stop_reason = "length"
+                    break
+                tok = self._sample(logits)
+                if tok in eos:
+                    self.stop_reason = "eos"
+                    break
+                self.token_ids.append(tok)
+                piece = decoder.push(tok) if decoder is not None else ""
+                piece, stop_hit = self._cut_at_stop(piece)
+                self.text += piece
+                now = time.perf_counter()
+                ev = TokenEvent(step, tok, piece, version, now - t_prev)
+                t_prev = now
+                self.events.append(ev)
+                if hooks is not None and hooks.token is not None:
+                    hooks.token(request_id=self.request_id, step=step, token_id=tok, text=piece,
+                                expert_set_version=version)
+                yield ev
+                step += 1
+                if stop_hit:
+                    self.stop_reason = "stop"
+                    break
+                if step >= self.max_new_tokens:
+                    self.stop_reason = "length"
+                    break
+                if cache.length >= cache.capacity:
+                    self.stop_reason = "context"
+                    break
+                if not self.pin_experts:
+                    eng.apply_expert_changes()          # between two tokens, on this thread
+                    version = eng.expert_set_version
+                logits = eng.model.forward([np.asarray([tok])], [cache], [self.k])[0]
+            if decoder is not None and self.stop_reason != "stop":
+                tail = decoder.flush()
+                self.text += tail
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+            if hooks is not None and hooks.request_end is not None:
+                hooks.request_end(request_id=self.request_id, n_tokens=len(self.token_ids),
+                                  stop_reason=self.stop_reason)
+
+    def _sample(self, logits: np.ndarray) -> int:
+        hooks = self.engine.hooks
+        if hooks is not None and hooks.sample is not None:
+            got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
+            if got is not None:
+                return int(got)
+        return self.sampler(logits)
+
+    def _cut_at_stop(self, piece: str) -> tuple[str, bool]:
+        """Cut the new text before the first stop string (which may straddle tokens)."""
+        if not self.stop:
+            return piece, False
+        candidate = self.text + piece
+        cuts = [i for i in (candidate.find(s) for s in self.stop) if i >= 0]
+        if not cuts:
+            return piece, False
+        return candidate[len(self.text):max(min(cuts), len(self.text))], True

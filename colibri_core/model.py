@@ -1,0 +1,301 @@
+"""The forward pass: token ids of a batch of sequences in, logits out. No I/O, no sampling.
+
+One path serves a prompt's prefill, a decode step and the scoring of many short sequences:
+the batch's tokens are flattened into one [T, H] activation matrix so every weight matrix
+is read once per layer for the whole batch; only attention is per sequence, each with its
+own positions and KV cache.
+
+Shape legend: T tokens in the batch, H hidden, NH / NKV query / key-value heads, D head
+dim, E experts, K experts per token, V vocab, S cached positions of one sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import kernels
+from .config import EngineConfig, ModelConfig
+from .errors import RequestError
+from .quant import Q4Tensor, Q8Tensor
+from .routing import Routing, route
+from .weights import MADV_POPULATE_READ, FFNWeights, LayerWeights, ModelWeights
+
+import mmap as _mmap
+
+
+class KVCache:
+    """Keys and values of one sequence, every layer: [L, capacity, NKV, D] float32."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int):
+        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_size)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.capacity = capacity
+        self.length = 0          # positions filled
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+@dataclass
+class LayerTrace:
+    """What the router did in one layer (handed to hooks / kept for tests)."""
+    layer: int
+    routing: Routing
+
+
+class Model:
+    def __init__(self, weights: ModelWeights, engine: EngineConfig = EngineConfig(), hooks=None):
+        self.w = weights
+        self.cfg = weights.cfg
+        self.engine = engine
+        self.hooks = hooks                   # plugins.HookRelay or None
+        self.act = engine.activations
+        self.routing_mode = engine.routing
+        hd = self.cfg.head_size
+        inv = 1.0 / (self.cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        self._inv_freq = inv                 # [D/2]
+        self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
+                          "populate": MADV_POPULATE_READ}[engine.prefetch]
+        self.last_routing: list[LayerTrace] = []
+        # Experts per layer: the model's own, then hot-plugged ones (slots >= num_experts).
+        # Router rows follow the same order; a vacant slot has router row None.
+        self.experts = {lw.index: list(lw.experts) for lw in weights.layers if lw.kind == "moe"}
+        self.routers = {lw.index: lw.router for lw in weights.layers if lw.kind == "moe"}
+        self.router_bias = {lw.index: lw.router_bias for lw in weights.layers if lw.kind == "moe"}
+
+    # ------------------------------------------------------------------ small blocks
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.cfg, capacity)
+
+    def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        var = np.mean(x * x, axis=-1, keepdims=True)
+        return (x / np.sqrt(var + self.cfg.rms_norm_eps)) * w
+
+    def linear(self, w, x: np.ndarray) -> np.ndarray:
+        """x [T, in] @ w^T -> [T, out] float32, whatever the stored number type."""
+        if isinstance(w, Q4Tensor):
+            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
+            kernels.q4_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
+            return out
+        if isinstance(w, Q8Tensor):
+            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
+            kernels.q8_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
+            return out
+        return (x @ np.asarray(w, np.float32).T).astype(np.float32, copy=False)
+
+    def _ffn(self, ffn: FFNWeights, x: np.ndarray, out: np.ndarray,
+             row_weights: Optional[np.ndarray] = None, accumulate: bool = False) -> None:
+        if isinstance(ffn.w1, Q4Tensor) and isinstance(ffn.w2, Q4Tensor):
+            kernels.expert_ffn(ffn.w1, ffn.w3, ffn.w2, x, out, act=self.act,
+                               row_weights=row_weights, accumulate=accumulate)
+            return
+        g = self.linear(ffn.w1, x)
+        u = self.linear(ffn.w3, x)
+        y = self.linear(ffn.w2, (g / (1.0 + np.exp(-g))) * u)
+        if row_weights is not None:
+            y *= row_weights[:, None]
+        if accumulate:
+            out += y
+        else:
+            out[...] = y
+
+    def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Rotate-half rotary embedding (Hugging Face layout). x [T, heads, D], pos [T]."""
+        ang = pos[:, None].astype(np.float64) * self._inv_freq[None, :]      # [T, D/2]
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    # ------------------------------------------------------------------ attention
+    def _attention(self, lw: LayerWeights, xn: np.ndarray, pos: np.ndarray,
+                   spans: list[tuple[int, int, KVCache]]) -> np.ndarray:
+        cfg, a = self.cfg, lw.attn
+        T, D, NH, NKV = xn.shape[0], cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+        q, k, v = self.linear(a.wq, xn), self.linear(a.wk, xn), self.linear(a.wv, xn)
+        if a.bq is not None:
+            q += a.bq
+            k += a.bk
+            v += a.bv
+        if cfg.qk_norm == "full":                                      # over the projection
+            q, k = self._rmsnorm(q, a.q_norm), self._rmsnorm(k, a.k_norm)
+        q, k, v = q.reshape(T, NH, D), k.reshape(T, NKV, D), v.reshape(T, NKV, D)
+        if cfg.qk_norm == "per_head":
+            q, k = self._rmsnorm(q, a.q_norm), self._rmsnorm(k, a.k_norm)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        out = np.empty((T, NH, D), dtype=np.float32)
+        group = NH // NKV
+        scale = 1.0 / math.sqrt(D)
+        L = lw.index
+        for t0, t1, cache in spans:
+            s0 = cache.length
+            n = t1 - t0
+            cache.k[L, s0:s0 + n] = k[t0:t1]
+            cache.v[L, s0:s0 + n] = v[t0:t1]
+            keys = cache.k[L, :s0 + n]                                   # [S, NKV, D]
+            vals = cache.v[L, :s0 + n]
+            qs = q[t0:t1].reshape(n, NKV, group, D)
+            sc = np.einsum("tkgd,skd->kgts", qs, keys) * scale           # [NKV, G, n, S]
+            if n > 1:                                                    # causal mask
+                mask = np.arange(s0 + n)[None, :] > (s0 + np.arange(n))[:, None]
+                sc = np.where(mask[None, None], -np.inf, sc)
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc /= sc.sum(axis=-1, keepdims=True)
+            o = np.einsum("kgts,skd->tkgd", sc.astype(np.float32), vals)
+            out[t0:t1] = o.reshape(n, NH, D)
+        return self.linear(a.wo, out.reshape(T, NH * D))
+
+    # ------------------------------------------------------------------ MoE
+    def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray) -> np.ndarray:
+        cfg, L = self.cfg, lw.index
+        router = self.routers[L]
+        logits = xn @ router.T                                            # [T, E]
+        r = route(logits, k_tok, mode=self.routing_mode, scoring=cfg.scoring_func,
+                  norm_topk_prob=cfg.norm_topk_prob, bias=self.router_bias[L],
+                  n_group=cfg.n_group, topk_group=cfg.topk_group,
+                  scaling=cfg.routed_scaling_factor)
+        hooks = self.hooks
+        if hooks is not None and hooks.routing is not None:
+            override = hooks.routing(layer=L, expert_ids=r.ids, weights=r.weights,
+                                     scores=r.scores, logits=logits)
+            if override is not None:
+                r = Routing(np.asarray(override[0], np.int64), np.asarray(override[1], np.float32),
+                            r.scores)
+        self.last_routing.append(LayerTrace(L, r))
+        experts = self.experts[L]
+        out = np.zeros_like(xn)
+        used = np.unique(r.ids[r.ids >= 0])
+        if self._prefetch is not None:
+            for e in used:                         # one madvise per routed expert, up front
+                f = experts[e].file
+                if f is not None:
+                    f.madvise(self._prefetch)
+        if hooks is not None and hooks.expert_prefetch is not None:
+            hooks.expert_prefetch(layer=L, experts=[(int(e), experts[e].address, experts[e].nbytes)
+                                                    for e in used])
+        timing = hooks is not None and hooks.expert_timing is not None
+        T = xn.shape[0]
+        for e in used:
+            rows, slot = np.nonzero(r.ids == e)
+            ex = experts[e]
+            if timing:
+                c0, t0 = kernels.rdtsc(), _perf()
+            if T == 1:
+                self._run_expert(ex, xn, out, r.weights[0, slot])
+            else:
+                buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
+                self._run_expert(ex, np.ascontiguousarray(xn[rows]), buf, r.weights[rows, slot])
+                out[rows] += buf
+            if timing:
+                hooks.expert_timing(layer=L, expert=int(e), cycles=kernels.rdtsc() - c0,
+                                    seconds=_perf() - t0)
+        if lw.shared is not None:
+            sh = np.empty_like(xn)
+            self._ffn(lw.shared, xn, sh)
+            if lw.shared_gate is not None:
+                g = xn @ np.asarray(lw.shared_gate, np.float32).T               # [T, 1]
+                sh *= 1.0 / (1.0 + np.exp(-g))
+            out += sh
+        return out
+
+    def _run_expert(self, ex, x: np.ndarray, out: np.ndarray, row_weights: np.ndarray) -> None:
+        rw = np.ascontiguousarray(row_weights, np.float32)
+        if getattr(ex, "ffn", None) is not None:
+            self._ffn(ex.ffn, x, out, row_weights=rw, accumulate=True)
+        else:                                      # hot-plugged custom code: ffn_forward
+            y = np.empty_like(x)
+            ex.forward(x, y)
+            out += y * rw[:, None]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],
+                ks: Sequence[int] | None = None, all_logits: bool = False) -> list[np.ndarray]:
+        """Run a batch: tokens[i] (int ids) continue sequence i whose KV cache is caches[i].
+
+        ks[i] is the top-k for sequence i (default: the model's). Returns per sequence the
+        logits [V] of its last token, or [n_i, V] for all its tokens when all_logits.
+        """
+        cfg = self.cfg
+        if len(tokens) != len(caches):
+            raise RequestError(f"{len(tokens)} token lists but {len(caches)} caches")
+        ks = list(ks) if ks is not None else [cfg.top_k] * len(tokens)
+        ids, pos, kt, spans = [], [], [], []
+        t = 0
+        for toks, cache, k in zip(tokens, caches, ks):
+            toks = np.asarray(toks, dtype=np.int64).reshape(-1)
+            n = len(toks)
+            if n == 0:
+                raise RequestError("empty token list in batch")
+            if cache.length + n > cache.capacity:
+                raise RequestError(f"sequence needs {cache.length + n} positions, its cache "
+                                   f"holds {cache.capacity}")
+            if cfg.moe_layers and not 1 <= k <= cfg.num_experts + self.num_hot_slots:
+                raise RequestError(f"top_k={k} out of range 1..{cfg.num_experts}")
+            bad = (toks < 0) | (toks >= cfg.vocab_size)
+            if bad.any():
+                raise RequestError(f"token id {int(toks[bad][0])} out of range 0..{cfg.vocab_size - 1}")
+            ids.append(toks)
+            pos.append(np.arange(cache.length, cache.length + n))
+            kt.append(np.full(n, k))
+            spans.append((t, t + n, cache))
+            t += n
+        ids, pos, kt = np.concatenate(ids), np.concatenate(pos), np.concatenate(kt)
+        self.last_routing = []
+        x = self._embed(ids)                                              # [T, H]
+        hooks = self.hooks
+        for lw in self.w.layers:
+            if hooks is not None and hooks.before_layer is not None:
+                hooks.before_layer(layer=lw.index, hidden=x)
+            x = x + self._attention(lw, self._rmsnorm(x, lw.attn_norm), pos, spans)
+            xn = self._rmsnorm(x, lw.ffn_norm)
+            if lw.kind == "dense":
+                y = np.empty_like(xn)
+                self._ffn(lw.dense, xn, y)
+            else:
+                kk = kt
+                if hooks is not None and hooks.choose_k_token is not None:
+                    logits = xn @ self.routers[lw.index].T
+                    probs = np.exp(logits - logits.max(1, keepdims=True))
+                    probs /= probs.sum(1, keepdims=True)
+                    got = hooks.choose_k_token(layer=lw.index, probs=probs, default_k=kt)
+                    if got is not None:
+                        kk = np.clip(np.asarray(got, np.int64), 1, len(self.experts[lw.index]))
+                y = self._moe(lw, xn, kk)
+            x = x + y
+            if hooks is not None and hooks.after_layer is not None:
+                hooks.after_layer(layer=lw.index, hidden=x)
+        results = []
+        for t0, t1, cache in spans:
+            cache.length += t1 - t0
+            rows = x[t0:t1] if all_logits else x[t1 - 1:t1]
+            logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
+            results.append(logits if all_logits else logits[0])
+        return results
+
+    @property
+    def num_hot_slots(self) -> int:
+        if not self.experts:
+            return 0
+        return max(len(v) for v in self.experts.values()) - self.cfg.num_experts
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        e = self.w.embed
+        if isinstance(e, Q4Tensor):
+            from .quant import dequantize_q4
+            rows = Q4Tensor(e.data[ids], e.scales[ids], e.zeros[ids], len(ids), e.cols, e.group)
+            return dequantize_q4(rows).astype(np.float32)
+        if isinstance(e, Q8Tensor):
+            from .quant import dequantize_q8
+            rows = Q8Tensor(e.data[ids], e.scales[ids], len(ids), e.cols, e.group)
+            return dequantize_q8(rows).astype(np.float32)
+        return np.asarray(e[ids], dtype=np.float32)
+
+
+def _perf() -> float:
+    import time
+    return time.perf_counter()

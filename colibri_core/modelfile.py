@@ -1,0 +1,270 @@
+"""The model directory on disk: container files, their section tables, and the reader that
+maps them into zero-copy numpy views. No math here. Layout: docs/FORMAT.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Union
+
+import numpy as np
+
+from .errors import ModelFormatError
+from .quant import Q4Tensor, Q8Tensor, padded_cols
+
+MAGIC = b"COLIBRI\x00"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+ALIGN = 4096
+_PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
+MAX_TABLE_BYTES = 64 << 20          # a section table larger than this is corrupt
+
+PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+ALL_DTYPES = set(PLAIN_DTYPES) | {"q4", "q8"}
+
+Tensor = Union[np.ndarray, Q4Tensor, Q8Tensor]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def expert_file_name(layer: int, idx: int) -> str:
+    return f"expert_{layer}_{idx}.bin"
+
+
+# ----------------------------------------------------------------------------- writer
+
+def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarray]]]:
+    """-> (dtype, shape, extra table keys, [(part name, contiguous array)])."""
+    if isinstance(t, Q4Tensor):
+        return "q4", [t.rows, t.cols], {"group_size": t.group}, [
+            ("data", np.ascontiguousarray(t.data, np.uint8)),
+            ("scales", np.ascontiguousarray(t.scales, np.float32)),
+            ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
+    if isinstance(t, Q8Tensor):
+        return "q8", [t.rows, t.cols], {"group_size": t.group}, [
+            ("data", np.ascontiguousarray(t.data, np.int8)),
+            ("scales", np.ascontiguousarray(t.scales, np.float32))]
+    a = np.asarray(t)
+    for name, dt in PLAIN_DTYPES.items():
+        if a.dtype == dt and name != "bf16":
+            return name, list(a.shape), {}, [("data", np.ascontiguousarray(a))]
+    raise TypeError(f"cannot store array of dtype {a.dtype}; convert to float32 or float16")
+
+
+def write_container(path: Path, sections: Iterable[tuple[str, Tensor]]) -> None:
+    """Write sections to `path` (through a temporary file renamed at the end)."""
+    path = Path(path)
+    entries, blobs = [], []
+    for name, t in sections:
+        dtype, shape, extra, parts = _parts_of(t)
+        entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
+                        "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
+        blobs.append(parts)
+    if len({e["name"] for e in entries}) != len(entries):
+        raise ValueError(f"{path.name}: duplicate section names")
+    # The header size depends on the offsets written in it: iterate to a fixed point.
+    header = ALIGN
+    while True:
+        off = header
+        for e, parts in zip(entries, blobs):
+            for p, a in parts:
+                e["parts"][p] = [off, int(a.nbytes)]
+                off = _align(off + max(a.nbytes, 1))
+        table = json.dumps({"sections": entries}, separators=(",", ":")).encode()
+        need = _align(_PREFIX.size + len(table))
+        if need <= header:
+            break
+        header = need
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(table)))
+        f.write(table)
+        for e, parts in zip(entries, blobs):
+            for p, a in parts:
+                f.seek(e["parts"][p][0])
+                f.write(a.tobytes())
+        f.truncate(off)
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- reader
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    group_size: int
+    parts: dict[str, tuple[int, int]]   # part -> (offset, nbytes)
+
+
+def _expected_part_sizes(dtype: str, shape: tuple[int, ...], group: int) -> dict[str, int]:
+    if dtype in PLAIN_DTYPES:
+        return {"data": int(np.prod(shape, dtype=np.int64)) * np.dtype(PLAIN_DTYPES[dtype]).itemsize}
+    rows, cols = shape
+    cp = padded_cols(cols, group)
+    ng = cp // group
+    if dtype == "q4":
+        return {"data": rows * cp // 2, "scales": rows * ng * 4, "zeros": rows * ng}
+    return {"data": rows * cp, "scales": rows * ng * 4}
+
+
+def parse_table(buf, file_size: int, source: str) -> list[Section]:
+    """Validate the prefix and section table of a container held in `buf`."""
+    if file_size < _PREFIX.size:
+        raise ModelFormatError(f"{source}: file is {file_size} bytes, too short for a header")
+    magic, major, minor, tlen = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ModelFormatError(f"{source}: not a Colibri file (magic {magic!r}, expected {MAGIC!r})")
+    if major != FORMAT_MAJOR:
+        raise ModelFormatError(f"{source}: format version {major}.{minor} is not readable by "
+                               f"this Colibri (reads {FORMAT_MAJOR}.x); re-convert the model")
+    if tlen > MAX_TABLE_BYTES or _PREFIX.size + tlen > file_size:
+        raise ModelFormatError(f"{source}: section table length {tlen} exceeds the file "
+                               f"({file_size} bytes); the file is truncated or corrupt")
+    try:
+        table = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))
+        raw = table["sections"]
+        if not isinstance(raw, list):
+            raise TypeError("'sections' is not a list")
+    except Exception as e:
+        raise ModelFormatError(f"{source}: unreadable section table ({e})") from None
+    sections, spans, names = [], [], set()
+    for i, e in enumerate(raw):
+        where = f"{source}: section {i}"
+        try:
+            name, dtype = str(e["name"]), e["dtype"]
+            shape = tuple(int(s) for s in e["shape"])
+            group = int(e.get("group_size", 0))
+            parts = {str(k): (int(v[0]), int(v[1])) for k, v in e["parts"].items()}
+        except Exception as ex:
+            raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: {ex})") from None
+        where = f"{source}: section '{name}'"
+        if name in names:
+            raise ModelFormatError(f"{where}: duplicate name")
+        names.add(name)
+        if dtype not in ALL_DTYPES:
+            raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (expected one of "
+                                   f"{sorted(ALL_DTYPES)})")
+        if not 1 <= len(shape) <= 4 or any(s <= 0 or s > 1 << 40 for s in shape):
+            raise ModelFormatError(f"{where}: invalid shape {list(shape)}")
+        if dtype in ("q4", "q8"):
+            if len(shape) != 2 or group <= 0 or group % 64 or group > 1 << 20:
+                raise ModelFormatError(f"{where}: {dtype} needs a 2-D shape and a group size "
+                                       f"that is a positive multiple of 64 (got {list(shape)}, "
+                                       f"group {group})")
+        expected = _expected_part_sizes(dtype, shape, group)
+        if set(parts) != set(expected):
+            raise ModelFormatError(f"{where}: parts {sorted(parts)}, expected {sorted(expected)}")
+        for p, (off, n) in parts.items():
+            if n != expected[p]:
+                raise ModelFormatError(f"{where}: part '{p}' has {n} bytes, expected "
+                                       f"{expected[p]} for shape {list(shape)}")
+            if off % ALIGN or off < _PREFIX.size + tlen:
+                raise ModelFormatError(f"{where}: part '{p}' offset {off} is not a 4096-byte "
+                                       f"boundary after the header")
+            if off + n > file_size:
+                raise ModelFormatError(f"{where}: part '{p}' ends at {off + n}, past the end of "
+                                       f"the file ({file_size} bytes): the file is truncated")
+            spans.append((off, off + n, name))
+        sections.append(Section(name, dtype, shape, group, parts))
+    spans.sort()
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ModelFormatError(f"{source}: sections '{an}' and '{bn}' overlap")
+    return sections
+
+
+class ContainerFile:
+    """One mapped (or copied-in) container file; hands out zero-copy views."""
+
+    def __init__(self, path: Path, load_mode: str = "mmap"):
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ModelFormatError(f"{self.path}: file not found") from None
+        except OSError as e:
+            raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size == 0:
+                raise ModelFormatError(f"{self.path}: file is empty")
+            if load_mode == "mmap":
+                self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+                self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+            else:  # copy-in: one read into private memory, for file systems without mmap
+                self._mm = None
+                self.buf = np.empty(self.size, dtype=np.uint8)
+                view = memoryview(self.buf)
+                got = 0
+                while got < self.size:
+                    n = os.readv(fd, [view[got:]])
+                    if n == 0:
+                        raise ModelFormatError(f"{self.path}: file shrank while reading")
+                    got += n
+        finally:
+            os.close(fd)
+        self.sections = {s.name: s for s in parse_table(self.buf, self.size, str(self.path))}
+        self.base_address = int(self.buf.ctypes.data)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sections
+
+    def _part(self, s: Section, part: str, dtype, shape) -> np.ndarray:
+        off, n = s.parts[part]
+        return self.buf[off:off + n].view(dtype).reshape(shape)
+
+    def tensor(self, name: str) -> Tensor:
+        s = self.sections.get(name)
+        if s is None:
+            raise ModelFormatError(f"{self.path}: missing section '{name}'")
+        if s.dtype in PLAIN_DTYPES:
+            return self._part(s, "data", PLAIN_DTYPES[s.dtype], s.shape)
+        rows, cols = s.shape
+        cp = padded_cols(cols, s.group_size)
+        ng = cp // s.group_size
+        if s.dtype == "q4":
+            return Q4Tensor(self._part(s, "data", np.uint8, (rows, cp // 2)),
+                            self._part(s, "scales", np.float32, (rows, ng)),
+                            self._part(s, "zeros", np.uint8, (rows, ng)),
+                            rows, cols, s.group_size)
+        return Q8Tensor(self._part(s, "data", np.int8, (rows, cp)),
+                        self._part(s, "scales", np.float32, (rows, ng)),
+                        rows, cols, s.group_size)
+
+    def madvise(self, advice: int) -> None:
+        """One call for the whole file (prefetch a whole expert in one batch)."""
+        if self._mm is not None:
+            try:
+                self._mm.madvise(advice)
+            except OSError:
+                pass  # e.g. MADV_POPULATE_READ on an old kernel: prefetch is best effort
+
+    def close(self) -> None:
+        self.sections = {}
+        self.buf = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still alive somewhere; the mapping goes when they do
+            self._mm = None

@@ -1,0 +1,242 @@
+"""A model directory opened for inference: config, mapped files, and per-layer weight views
+(the jump table: (layer, expert) -> section views, computed once at load). No math.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import numpy as np
+
+from .config import ModelConfig, load_model_config
+from .errors import ModelFormatError
+from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, ContainerFile, Tensor, expert_file_name,
+                        sha256_file, write_container)
+from .quant import Q4Tensor, Q8Tensor
+
+Matrix = Union[np.ndarray, Q4Tensor, Q8Tensor]
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+@dataclass
+class FFNWeights:
+    w1: Matrix   # gate [I, H]
+    w3: Matrix   # up   [I, H]
+    w2: Matrix   # down [H, I]
+
+
+@dataclass
+class Expert:
+    layer: int
+    index: int
+    ffn: FFNWeights
+    file: Optional[ContainerFile] = None   # the mapped expert_{layer}_{index}.bin
+
+    @property
+    def name(self) -> str:
+        return f"expert_{self.layer}_{self.index}"
+
+    @property
+    def address(self) -> int:
+        return self.file.base_address if self.file is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.size if self.file is not None else 0
+
+
+@dataclass
+class AttentionWeights:
+    wq: Matrix                      # [heads*hd, H]
+    wk: Matrix                      # [kv_heads*hd, H]
+    wv: Matrix                      # [kv_heads*hd, H]
+    wo: Matrix                      # [H, heads*hd]
+    bq: Optional[np.ndarray] = None
+    bk: Optional[np.ndarray] = None
+    bv: Optional[np.ndarray] = None
+    q_norm: Optional[np.ndarray] = None  # [hd] (per head) or [heads*hd] (whole projection)
+    k_norm: Optional[np.ndarray] = None
+
+
+@dataclass
+class LayerWeights:
+    index: int                       # global layer index
+    kind: str                        # "dense" | "moe"
+    attn_norm: np.ndarray            # [H]
+    ffn_norm: np.ndarray             # [H]
+    attn: AttentionWeights
+    dense: Optional[FFNWeights] = None
+    router: Optional[np.ndarray] = None       # [E, H] f32
+    router_bias: Optional[np.ndarray] = None  # [E] selection-only bias
+    experts: list[Expert] = field(default_factory=list)
+    shared: Optional[FFNWeights] = None
+    shared_gate: Optional[np.ndarray] = None  # [1, H]
+
+
+@dataclass
+class ModelWeights:
+    cfg: ModelConfig
+    path: Path
+    embed: Matrix                    # [V, H]
+    final_norm: np.ndarray           # [H]
+    lm_head: Matrix                  # [V, H] (the embedding when tied)
+    layers: list[LayerWeights]
+    files: list[ContainerFile]
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+        self.layers = []
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _check_files(cfg: ModelConfig, path: Path) -> None:
+    if cfg.format is None:
+        raise ModelFormatError(f"{path / 'config.json'}: no 'format' field; not a converted "
+                               f"Colibri model directory")
+    if cfg.format.major != FORMAT_MAJOR:
+        raise ModelFormatError(f"{path / 'config.json'}: format {cfg.format.major}."
+                               f"{cfg.format.minor}, this Colibri reads {FORMAT_MAJOR}.x; "
+                               f"re-convert the model")
+    for name, info in cfg.files.items():
+        f = path / name
+        if os.sep in name or name.startswith(".."):
+            raise ModelFormatError(f"{path / 'config.json'}: file name {name!r} is not a plain name")
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise ModelFormatError(f"{f}: missing (listed in config.json)") from None
+        if size != info.size:
+            raise ModelFormatError(f"{f}: size {size} bytes, config.json records {info.size}; "
+                                   f"the file was truncated or replaced — re-convert or restore it")
+
+
+def load_model(path: Union[str, Path], load_mode: str = "mmap") -> ModelWeights:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: model directory not found")
+    cfg = load_model_config(path / "config.json")
+    _check_files(cfg, path)
+    files: list[ContainerFile] = []
+
+    def open_file(name: str) -> ContainerFile:
+        f = ContainerFile(path / name, load_mode)
+        files.append(f)
+        return f
+
+    try:
+        main = open_file("model.bin")
+        routing = open_file("routing.bin") if cfg.moe_layers else None
+        H = cfg.hidden_size
+
+        def get(f: ContainerFile, name: str, shape=None, optional=False):
+            if optional and name not in f:
+                return None
+            t = f.tensor(name)
+            got = (t.rows, t.cols) if isinstance(t, (Q4Tensor, Q8Tensor)) else tuple(t.shape)
+            if shape is not None and tuple(shape) != got:
+                raise ModelFormatError(f"{f.path}: section '{name}' has shape {list(got)}, "
+                                       f"expected {list(shape)} from config.json")
+            return t
+
+        hd, nh, nkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+        layers = []
+        for L, kind in enumerate(cfg.layer_types):
+            p = f"layer.{L}."
+            attn = AttentionWeights(
+                wq=get(main, p + "wq", (nh * hd, H)), wk=get(main, p + "wk", (nkv * hd, H)),
+                wv=get(main, p + "wv", (nkv * hd, H)), wo=get(main, p + "wo", (H, nh * hd)),
+                bq=get(main, p + "bq", (nh * hd,), optional=True),
+                bk=get(main, p + "bk", (nkv * hd,), optional=True),
+                bv=get(main, p + "bv", (nkv * hd,), optional=True),
+                q_norm=get(main, p + "q_norm", optional=cfg.qk_norm == "none"),
+                k_norm=get(main, p + "k_norm", optional=cfg.qk_norm == "none"))
+            lw = LayerWeights(L, kind, get(main, p + "attn_norm", (H,)),
+                              get(main, p + "ffn_norm", (H,)), attn)
+            if kind == "dense":
+                I = cfg.intermediate_size
+                lw.dense = FFNWeights(get(main, p + "w1", (I, H)), get(main, p + "w3", (I, H)),
+                                      get(main, p + "w2", (H, I)))
+            else:
+                E, I = cfg.num_experts, cfg.expert_intermediate
+                lw.router = np.ascontiguousarray(get(routing, p + "router", (E, H)), np.float32)
+                lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
+                for e in range(E):
+                    f = open_file(expert_file_name(L, e))
+                    ffn = FFNWeights(get(f, "w1", (I, H)), get(f, "w3", (I, H)), get(f, "w2", (H, I)))
+                    lw.experts.append(Expert(L, e, ffn, f))
+                if cfg.shared_expert_intermediate_size:
+                    S = cfg.shared_expert_intermediate_size
+                    lw.shared = FFNWeights(get(main, p + "shared_w1", (S, H)),
+                                           get(main, p + "shared_w3", (S, H)),
+                                           get(main, p + "shared_w2", (H, S)))
+                    if cfg.shared_expert_gate:
+                        lw.shared_gate = get(main, p + "shared_gate", (1, H))
+            layers.append(lw)
+        embed = get(main, "embed", (cfg.vocab_size, H))
+        lm_head = embed if cfg.tie_word_embeddings else get(main, "lm_head", (cfg.vocab_size, H))
+        return ModelWeights(cfg, path, embed, get(main, "final_norm", (H,)), lm_head, layers, files)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_model_dir(out: Path, cfg: ModelConfig,
+                    main_sections: Iterable[tuple[str, Tensor]],
+                    routing_sections: Iterable[tuple[str, Tensor]],
+                    experts: Iterable[tuple[int, int, FFNWeights]],
+                    extra_files: Iterable[Path] = ()) -> ModelConfig:
+    """Write a complete model directory into `out` (which must exist and be empty or a
+    staging folder). config.json is written last, with sizes and hashes, so a directory
+    without it is never mistaken for a model. Returns the final config."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_container(out / "model.bin", main_sections)
+    routing_sections = list(routing_sections)
+    names = ["model.bin"]
+    if routing_sections:
+        write_container(out / "routing.bin", routing_sections)
+        names.append("routing.bin")
+    for L, e, ffn in experts:
+        name = expert_file_name(L, e)
+        write_container(out / name, [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)])
+        names.append(name)
+    for extra in extra_files:
+        target = out / Path(extra).name
+        if Path(extra).resolve() != target.resolve():
+            target.write_bytes(Path(extra).read_bytes())
+        names.append(target.name)
+    files = {n: {"size": (out / n).stat().st_size, "sha256": sha256_file(out / n)} for n in names}
+    data = cfg.model_dump(exclude={"format", "files"})
+    data["format"] = {"major": FORMAT_MAJOR, "minor": FORMAT_MINOR}
+    data["files"] = files
+    final = ModelConfig.model_validate(data)
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(final.model_dump(), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out / "config.json")
+    return final
+
+
+def verify_checksums(path: Path) -> list[str]:
+    """Problems found comparing every file's sha256 with config.json (empty: all good)."""
+    cfg = load_model_config(Path(path) / "config.json")
+    problems = []
+    for name, info in sorted(cfg.files.items()):
+        f = Path(path) / name
+        if not f.exists():
+            problems.append(f"{f}: missing")
+        elif f.stat().st_size != info.size:
+            problems.append(f"{f}: size {f.stat().st_size}, expected {info.size}")
+        elif sha256_file(f) != info.sha256:
+            problems.append(f"{f}: sha256 mismatch (file corrupted or modified)")
+    return problems

@@ -1,0 +1,27 @@
+"""setuptools glue: cffi's `cffi_modules` and the mapping of the top-level
+`configs/` and `plugins/` folders into the installed package, so that they are
+found after `pip install .` as well as after an editable install."""
+from setuptools import setup
+
+setup(
+    packages=[
+        "colibri_core",
+        "colibri_core.convert",
+        "colibri_core.hotplug",
+        "colibri_core.configs",
+        "colibri_core.plugins",
+    ],
+    package_dir={
+        "colibri_core": "colibri_core",
+        "colibri_core.configs": "configs",
+        "colibri_core.plugins": "plugins",
+    },
+    package_data={
+        "colibri_core": ["_kernels/*.c", "_kernels/*.h", "models/*/*", "include/*.h"],
+        "colibri_core.configs": ["*.yaml", "*.json"],
+        "colibri_core.plugins": ["*.py"],
+    },
+    include_package_data=True,
+    cffi_modules=["colibri_core/_kernels_build.py:ffibuilder"],
+    zip_safe=False,
+)
