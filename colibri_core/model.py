@@ -45,6 +45,7 @@ class LayerTrace:
     """What the router did in one layer (handed to hooks / kept for tests)."""
     layer: int
     routing: Routing
+    logits: np.ndarray   # [T, E] router logits
 
 
 class Model:
@@ -166,7 +167,7 @@ class Model:
             if override is not None:
                 r = Routing(np.asarray(override[0], np.int64), np.asarray(override[1], np.float32),
                             r.scores)
-        self.last_routing.append(LayerTrace(L, r))
+        self.last_routing.append(LayerTrace(L, r, logits))
         experts = self.experts[L]
         out = np.zeros_like(xn)
         used = np.unique(r.ids[r.ids >= 0])

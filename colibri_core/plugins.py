@@ -10,17 +10,13 @@ Loading order (pluggy calls implementations last-registered first, so a later
 source overrides an earlier one for firstresult hooks):
   1. the hook specs (colibri_core.hookspecs)
   2. setuptools entry points of the group "colibri"
-  3. built-in plugins (objects, or names of modules in colibri_core.plugins)
+  3. built-in plugins (objects, or names of modules in colibri_core.builtin_plugins)
   4. loose ``*.py`` modules from a plugins folder (config or ``--plugins-dir``)
 
 ``COLIBRI_TRACE_HOOKS=1`` prints every hook call and its result to stderr.
 
 The built-in plugin modules live in the top-level ``plugins/`` folder, installed as
-the package ``colibri_core.plugins``. In a source checkout this module *is*
-``colibri_core.plugins``, so it lists that folder in its ``__path__`` and
-``colibri_core.plugins.tracer`` imports the same way in both layouts; in an
-installed tree the package shadows this file and re-exports its names
-(see ``plugins/__init__.py``).
+the package ``colibri_core.builtin_plugins`` (setup.py maps the folder).
 """
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ from typing import Any, Iterable, Mapping
 import pluggy
 
 from colibri_core import hookspecs
+from colibri_core.errors import ColibriError
 from colibri_core.hookspecs import PROJECT_NAME, hookimpl
 
 __all__ = [
@@ -52,13 +49,8 @@ __all__ = [
     "hookimpl",
 ]
 
-# Make ``colibri_core.plugins.<name>`` find the built-in modules of a source checkout.
-_BUILTIN_DIR = Path(__file__).resolve().parent.parent / "plugins"
-if __name__ == "colibri_core.plugins":
-    __path__ = [str(_BUILTIN_DIR)] if _BUILTIN_DIR.is_dir() else []
-
 ENTRYPOINT_GROUP = PROJECT_NAME
-#: Built-ins registered by default: each name is a module of colibri_core.plugins whose
+#: Built-ins registered by default: each name is a module of colibri_core.builtin_plugins whose
 #: ``from_env(environ)`` returns a plugin object, or None when it is not switched on.
 DEFAULT_BUILTINS: tuple[str, ...] = ("tracer",)
 #: Every hook name, in the order the specs are written.
@@ -67,10 +59,10 @@ HOOK_NAMES: tuple[str, ...] = tuple(
 )
 _TRACE_ENV = "COLIBRI_TRACE_HOOKS"
 _DIR_MODULE_PREFIX = "colibri_plugins_dir"
-_BUILTIN_PACKAGE = "colibri_core.plugins"
+_BUILTIN_PACKAGE = "colibri_core.builtin_plugins"
 
 
-class PluginLoadError(RuntimeError):
+class PluginLoadError(ColibriError):
     """A plugin could not be imported or registered; the message names its source."""
 
 
@@ -171,7 +163,7 @@ def build_plugin_manager(
             None for none.
         load_entrypoints: load the setuptools entry points of the group "colibri".
         builtins: plugin objects to register, or names of modules in
-            ``colibri_core.plugins`` whose ``from_env(environ)`` returns a plugin or None.
+            ``colibri_core.builtin_plugins`` whose ``from_env(environ)`` returns a plugin or None.
             The default registers the tracer when ``COLIBRI_DEBUG`` is set.
         trace_hooks: print every hook call to stderr; None reads ``COLIBRI_TRACE_HOOKS``.
         environ: environment used by built-ins and ``trace_hooks`` (default os.environ).
@@ -329,18 +321,22 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _trace_hook_calls(pm: pluggy.PluginManager, stream=None) -> Any:
+def _trace_hook_calls(pm: pluggy.PluginManager) -> Any:
     """Print each hook call (and its result, when there is one) like datasette does."""
+
+    def emit(line: str) -> None:
+        print(f"colibri hook: {line}", file=sys.stderr, flush=True)
 
     def before(hook_name, hook_impls, kwargs):
         args = ", ".join(f"{k}={_short(v)}" for k, v in kwargs.items())
-        plugins = ", ".join(impl.plugin_name for impl in hook_impls)
-        print(f"colibri hook: {hook_name}({args}) -> [{plugins}]", file=stream or sys.stderr, flush=True)
+        emit(f"{hook_name}({args}) -> [{', '.join(impl.plugin_name for impl in hook_impls)}]")
 
     def after(outcome, hook_name, hook_impls, kwargs):
         if outcome.exception is not None:
-            print(f"colibri hook: {hook_name} raised {_one_line(outcome.exception)}", file=stream or sys.stderr, flush=True)
-        elif outcome.get_result() not in (None, []):
-            print(f"colibri hook: {hook_name} returned {_short(outcome.get_result())}", file=stream or sys.stderr, flush=True)
+            emit(f"{hook_name} raised {_one_line(outcome.exception)}")
+            return
+        result = outcome.get_result()
+        if result is not None and not (isinstance(result, list) and not result):
+            emit(f"{hook_name} returned {_short(result)}")
 
     return pm.add_hookcall_monitoring(before, after)

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
+from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
 
 # Cumulative sums are compared with this slack, so that p=0.7 and probabilities
@@ -56,11 +57,11 @@ class AdaptiveK:
 
     def __init__(self, p: float = 0.7, k_min: int = 1, k_max: int | None = None) -> None:
         if not 0.0 < p <= 1.0:
-            raise ValueError(f"AdaptiveK: p must be in (0, 1], got {p}")
+            raise ConfigError(f"AdaptiveK: p must be in (0, 1], got {p}")
         if k_min < 1:
-            raise ValueError(f"AdaptiveK: k_min must be >= 1, got {k_min}")
+            raise ConfigError(f"AdaptiveK: k_min must be >= 1, got {k_min}")
         if k_max is not None and k_max < k_min:
-            raise ValueError(f"AdaptiveK: k_max ({k_max}) must be >= k_min ({k_min})")
+            raise ConfigError(f"AdaptiveK: k_max ({k_max}) must be >= k_min ({k_min})")
         self.p, self.k_min, self.k_max = float(p), int(k_min), k_max
 
     @hookimpl

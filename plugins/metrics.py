@@ -23,6 +23,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
 
 #: Upper bounds (milliseconds) of the inter-token latency buckets; a last bucket
@@ -95,7 +96,7 @@ class Metrics:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if list(buckets_ms) != sorted(set(buckets_ms)) or not buckets_ms:
-            raise ValueError(f"Metrics: buckets_ms must be increasing and not empty, got {buckets_ms}")
+            raise ConfigError(f"Metrics: buckets_ms must be increasing and not empty, got {buckets_ms}")
         self.hotplug_threshold = hotplug_threshold
         self.buckets_ms = tuple(buckets_ms)
         self.clock = clock

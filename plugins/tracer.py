@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
 
 KINDS = ("routing", "memory", "timing")
@@ -39,6 +40,16 @@ _ENV_FILE = "COLIBRI_DEBUG_FILE"
 def perf_counter_cycles() -> int:
     """Fallback cycle counter: nanoseconds of ``time.perf_counter_ns`` (a 1 GHz 'clock')."""
     return time.perf_counter_ns()
+
+
+def default_cycle_counter() -> Callable[[], int]:
+    """The counter the engine times experts with: the C ``kernels.rdtsc`` when the
+    compiled kernels import, else :func:`perf_counter_cycles`."""
+    try:
+        from colibri_core.kernels import rdtsc
+    except Exception:  # kernels not built: the engine cannot time experts either
+        return perf_counter_cycles
+    return rdtsc
 
 
 def measure_frequency(cycle_counter: Callable[[], int], seconds: float = 0.02) -> float:
@@ -59,9 +70,10 @@ class Tracer:
         fd: file descriptor to write to (default 2, stderr); not closed by the tracer.
         path: file to append to instead of ``fd``; opened here, closed by ``close()``
             or at colibri_engine_stop.
-        cycle_counter: callable returning the cycle counter (e.g. the C rdtsc); default
-            ``time.perf_counter_ns``. Its frequency is measured once, here, when
-            "timing" is enabled.
+        cycle_counter: callable returning the cycle counter the engine's ``cycles`` come
+            from; default :func:`default_cycle_counter` (the C rdtsc, or
+            ``time.perf_counter_ns`` without compiled kernels). Its frequency is
+            measured once, here, when "timing" is enabled.
         freq_hz: skip the measurement and use this frequency.
     """
 
@@ -76,15 +88,16 @@ class Tracer:
         self.kinds = frozenset(kinds)
         unknown = sorted(self.kinds - set(KINDS))
         if unknown:
-            raise ValueError(f"unknown trace kind {unknown[0]!r}: choose from {','.join(KINDS)}")
+            raise ConfigError(f"unknown trace kind {unknown[0]!r}: choose from {','.join(KINDS)}")
         if fd is not None and path is not None:
-            raise ValueError("Tracer: give fd or path, not both")
+            raise ConfigError("Tracer: give fd or path, not both")
         self.path = None if path is None else os.fspath(path)
         self._owns_fd = path is not None
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self._owns_fd else (2 if fd is None else fd)
-        self.cycle_counter = cycle_counter or perf_counter_cycles
+        self.cycle_counter = cycle_counter
         self.freq_hz = freq_hz
         if "timing" in self.kinds and self.freq_hz is None:
+            self.cycle_counter = self.cycle_counter or default_cycle_counter()
             self.freq_hz = measure_frequency(self.cycle_counter)
         # Bind only the enabled kinds' hook implementations (see _IMPLS below).
         for kind in sorted(self.kinds):
@@ -116,11 +129,11 @@ class Tracer:
             return None
         fd_text, path = env.get(_ENV_FD, "").strip(), env.get(_ENV_FILE, "").strip() or None
         if fd_text and path:
-            raise ValueError(f"set {_ENV_FD} or {_ENV_FILE}, not both")
+            raise ConfigError(f"set {_ENV_FD} or {_ENV_FILE}, not both")
         try:
             fd = int(fd_text) if fd_text else None
         except ValueError:
-            raise ValueError(f"{_ENV_FD} must be a file descriptor number, got {fd_text!r}") from None
+            raise ConfigError(f"{_ENV_FD} must be a file descriptor number, got {fd_text!r}") from None
         return cls.from_spec(spec, path=path, fd=fd, **kwargs)
 
     # -- output ------------------------------------------------------------------------

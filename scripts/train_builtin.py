@@ -415,6 +415,10 @@ def main(argv=None) -> int:
                 flush=True,
             )
             t_log, tok_log = now, 0
+        if args.steps <= 0 and step < total_steps and time.time() - t_start > 1.25 * budget_s:
+            # machine got slower than calibrated (shared CPU): stop rather than overrun badly
+            print(f"WARNING: wall-clock budget exceeded by 25%, stopping at step {step}/{total_steps}", flush=True)
+            break
         if args.eval_every and step % args.eval_every == 0:
             vq, _ = evaluate(model, val_stream, L, 32, max_windows=64)
             print(f"  quick val ce {vq:.4f} (ppl {math.exp(vq):.2f})", flush=True)

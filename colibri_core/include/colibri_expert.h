@@ -77,7 +77,7 @@ typedef struct colibri_expert_meta {
 _Static_assert(sizeof(colibri_expert_meta_t) == 360, "colibri_expert_meta_t must be 360 bytes");
 #endif
 
-#define COLIBRI_EXPORT __attribute__((visibility("default"), used))
+#define COLIBRI_EXPORT __attribute__((visibility("default")))
 
 /*
  * The calling contract of ffn_forward:

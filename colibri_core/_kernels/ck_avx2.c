@@ -1,0 +1,306 @@
+/* ck_avx2.c -- AVX2+FMA tiles, selected at run time (ck_core.c checks
+ * __builtin_cpu_supports), so the file is compiled without -mavx2 and every function
+ * carries __attribute__((target("avx2,fma"))). All loads are unaligned.
+ *
+ * int8 path, per 64-value block: one 32-byte load of nibbles; `& 0x0F` gives values
+ * 0..31, `>> 4` values 32..63 (FORMAT.md order). maddubs(u8 nibble, s8 activation)
+ * gives i16 pair sums (|.| <= 2*15*127 = 3810), up to 4 blocks are summed in i16
+ * (<= 30480, no saturation), then madd(., 1) widens to i32. Per group the i32 dot goes
+ * to float and is scaled by scale_w * xs; the zero-point term scale_w*xs*zero*xsum is
+ * summed as a scalar and subtracted once at the end. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#include "ck.h"
+
+#define AVX2_FN static __attribute__((target("avx2,fma")))
+#define AVX2_INL static inline __attribute__((target("avx2,fma"), always_inline))
+
+AVX2_INL float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2_INL int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* Same arithmetic as the scalar version (float32 mul by 1/s, round half-even, clamp),
+ * so results are bit-identical; partial last groups go to the scalar code. */
+AVX2_FN void act_quant(const float *x, int64_t cols, int64_t group, int8_t *xq, float *xs,
+                       int32_t *xsum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t c0 = 0, g = 0; c0 < cols; c0 += group, g++) {
+        if (cols - c0 < group) {
+            ck_scalar_act_quant(x + c0, cols - c0, group, xq + c0, xs + g, xsum + g);
+            break;
+        }
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c0 + group; c += 8)
+            m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + c), absmask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float s = _mm_cvtss_f32(m4) / 127.0f;
+        __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+        __m256i vsum = _mm256_setzero_si256();
+        for (int64_t c = c0; c < c0 + group; c += 32) {
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) {
+                __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + c + 8 * k), inv);
+                v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+            }
+            vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                                           _mm256_add_epi32(q[2], q[3])));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                           _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + c), _mm256_permutevar8x32_epi32(p, perm));
+        }
+        ck_stf(xs + g, s);
+        ck_sti(xsum + g, hsum_epi32(vsum));
+    }
+}
+
+/* ------------------------------------------------------------------ q4, int8 act */
+
+/* RT rows x NT tokens; res[r*ldr + t]. RT, NT are compile-time after inlining. */
+AVX2_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0,
+                         float *res, int ldr, const int RT, const int NT) {
+    const int64_t rb = w->cp / 2, ng = w->ng, bpg = w->group / 64;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint8_t *wr = w->data + r0 * rb;
+    const int8_t *xr = a->q + t0 * a->cp;
+    __m256 facc[CK_MAX_RT][CK_MAX_NT];
+    float corr[CK_MAX_RT][CK_MAX_NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) { facc[r][t] = _mm256_setzero_ps(); corr[r][t] = 0.0f; }
+
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i iacc[CK_MAX_RT][CK_MAX_NT];
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) iacc[r][t] = _mm256_setzero_si256();
+        for (int64_t kb0 = 0; kb0 < bpg; kb0 += 4) {
+            int64_t b1 = g * bpg + (kb0 + 4 < bpg ? kb0 + 4 : bpg);
+            __m256i sacc[CK_MAX_RT][CK_MAX_NT];
+#pragma GCC unroll 4
+            for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) sacc[r][t] = _mm256_setzero_si256();
+            for (int64_t b = g * bpg + kb0; b < b1; b++) {
+                __m256i lo[CK_MAX_RT], hi[CK_MAX_RT];
+#pragma GCC unroll 4
+                for (int r = 0; r < RT; r++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wr + r * rb + b * 32));
+                    lo[r] = _mm256_and_si256(v, m4);
+                    hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *xp = xr + t * a->cp + b * 64;
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));
+#pragma GCC unroll 4
+                    for (int r = 0; r < RT; r++)
+                        sacc[r][t] = _mm256_add_epi16(
+                            sacc[r][t], _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], x0),
+                                                         _mm256_maddubs_epi16(hi[r], x1)));
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+                    iacc[r][t] = _mm256_add_epi32(iacc[r][t], _mm256_madd_epi16(sacc[r][t], ones));
+        }
+        float xs[CK_MAX_NT], xz[CK_MAX_NT];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            xs[t] = ck_ldf(a->s + (t0 + t) * a->ng + g);
+            xz[t] = (float)ck_ldi(a->sum + (t0 + t) * a->ng + g);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            float sw = ck_ldf(w->scales + (r0 + r) * ng + g);
+            float z = (float)w->zeros[(r0 + r) * ng + g];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                float c = sw * xs[t];
+                facc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), _mm256_set1_ps(c),
+                                             facc[r][t]);
+                corr[r][t] += c * (z * xz[t]);   /* z*xsum is exact in float (< 2^24) */
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) res[r * ldr + t] = hsum_ps(facc[r][t]) - corr[r][t];
+}
+
+/* Decode (nt == 1) runs 4 rows at a time; batches run 2 rows x up to 4 tokens, enough
+ * to reuse each unpacked weight vector 4 times while the accumulators fit in registers. */
+AVX2_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                   float *res) {
+    if (nt == 1) {
+        switch (rt) {
+        case 4: q4_i8_tile(w, r0, a, t0, res, 1, 4, 1); break;
+        case 3: q4_i8_tile(w, r0, a, t0, res, 1, 3, 1); break;
+        case 2: q4_i8_tile(w, r0, a, t0, res, 1, 2, 1); break;
+        default: q4_i8_tile(w, r0, a, t0, res, 1, 1, 1); break;
+        }
+        return;
+    }
+    for (int r = 0; r < rt; r += 2) {
+        float *rs = res + r * nt;
+        if (rt - r >= 2) {
+            switch (nt) {
+            case 4: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 2, 4); break;
+            case 3: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 2, 3); break;
+            default: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 2, 2); break;
+            }
+        } else {
+            switch (nt) {
+            case 4: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 1, 4); break;
+            case 3: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 1, 3); break;
+            default: q4_i8_tile(w, r0 + r, a, t0, rs, nt, 1, 2); break;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ q4, float act */
+
+/* 64 nibbles -> 8 x 8 floats (q - z), in value order */
+AVX2_INL void q4_dequant_block(const uint8_t *p, __m256 zf, __m256 wf[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                       _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int k = 0; k < 4; k++) {
+        wf[2 * k] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[k])), zf);
+        wf[2 * k + 1] = _mm256_sub_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(part[k], 8))), zf);
+    }
+}
+
+/* One row x NT tokens. Blocks wholly past `cols` are skipped (their weights are the zero
+ * point, i.e. exactly 0); a partial last block reads x from the zero-padded tail copy. */
+AVX2_INL void q4_f32_tile(const ck_q4 *w, int64_t r, const ck_xf *x, int64_t t0, float *res,
+                          int ldr, const int NT) {
+    const int64_t bpg = w->group / 64, nblk = (x->cols + 63) / 64;
+    const int64_t nfull = x->tail ? x->cols / 64 : nblk;
+    const uint8_t *row = w->data + r * (w->cp / 2);
+    __m256 facc[CK_MAX_NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) facc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w->ng; g++) {
+        __m256 zf = _mm256_set1_ps((float)w->zeros[r * w->ng + g]), gacc[CK_MAX_NT], wf[8];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) gacc[t] = _mm256_setzero_ps();
+        int64_t b1 = (g + 1) * bpg < nblk ? (g + 1) * bpg : nblk;
+        for (int64_t b = g * bpg; b < b1; b++) {
+            q4_dequant_block(row + b * 32, zf, wf);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const float *xp = b < nfull ? x->x + (t0 + t) * x->ld + b * 64
+                                            : x->tail + (t0 + t) * 64;
+                for (int k = 0; k < 8; k++)
+                    gacc[t] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + 8 * k), gacc[t]);
+            }
+        }
+        __m256 sc = _mm256_set1_ps(ck_ldf(w->scales + r * w->ng + g));
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) facc[t] = _mm256_fmadd_ps(gacc[t], sc, facc[t]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) res[t] = hsum_ps(facc[t]);
+    (void)ldr;
+}
+
+AVX2_FN void q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                    float *res) {
+    for (int r = 0; r < rt; r++) {
+        switch (nt) {
+        case 4: q4_f32_tile(w, r0 + r, x, t0, res + r * nt, nt, 4); break;
+        case 3: q4_f32_tile(w, r0 + r, x, t0, res + r * nt, nt, 3); break;
+        case 2: q4_f32_tile(w, r0 + r, x, t0, res + r * nt, nt, 2); break;
+        default: q4_f32_tile(w, r0 + r, x, t0, res + r * nt, nt, 1); break;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ q8 */
+
+/* s8 x s8 with maddubs: |w| as u8 times x with w's sign (pairs <= 2*128*127 < 2^15). */
+AVX2_FN void q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                   float *res) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rt; r++) {
+        const int8_t *row = w->data + (r0 + r) * w->cp;
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xr = a->q + (t0 + t) * a->cp;
+            __m256 facc = _mm256_setzero_ps();
+            for (int64_t g = 0; g < w->ng; g++) {
+                __m256i iacc = _mm256_setzero_si256();
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 32) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(row + k));
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + k));
+                    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv),
+                                                     _mm256_sign_epi8(xv, wv));
+                    iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(p, ones));
+                }
+                float c = ck_ldf(w->scales + (r0 + r) * w->ng + g) *
+                          ck_ldf(a->s + (t0 + t) * a->ng + g);
+                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(c), facc);
+            }
+            res[r * nt + t] = hsum_ps(facc);
+        }
+    }
+}
+
+AVX2_FN void q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                    float *res) {
+    for (int r = 0; r < rt; r++) {
+        const int8_t *row = w->data + (r0 + r) * w->cp;
+        for (int t = 0; t < nt; t++) {
+            const float *xr = x->x + (t0 + t) * x->ld;
+            __m256 facc = _mm256_setzero_ps();
+            float tail = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int64_t k = g * w->group, k1 = k + w->group < x->cols ? k + w->group : x->cols;
+                __m256 gacc = _mm256_setzero_ps();
+                float gtail = 0.0f;
+                for (; k + 8 <= k1; k += 8) {
+                    __m128i b8 = _mm_loadl_epi64((const __m128i *)(row + k));
+                    __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+                    gacc = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr + k), gacc);
+                }
+                for (; k < k1; k++) gtail += (float)row[k] * ck_ldf(xr + k);
+                float sc = ck_ldf(w->scales + (r0 + r) * w->ng + g);
+                facc = _mm256_fmadd_ps(gacc, _mm256_set1_ps(sc), facc);
+                tail += gtail * sc;
+            }
+            res[r * nt + t] = hsum_ps(facc) + tail;
+        }
+    }
+}
+
+const ck_backend_t ck_backend_avx2 = {"avx2", act_quant, q4_i8, q4_f32, q8_i8, q8_f32, 4, 4};
+
+#else
+typedef int ck_avx2_unused; /* not x86: nothing to compile here */
+#endif

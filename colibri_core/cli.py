@@ -1,0 +1,183 @@
+"""`colibri` command line: arguments -> config -> engine -> stream.
+
+    colibri run [--config FILE | --model DIR] [--prompt TEXT] [-n N] [--top-k K] ...
+    colibri inspect MODEL_DIR [--verify]
+    colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G]
+
+User mistakes print one line `colibri: error: ...` and exit 2; Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import ColibriError
+
+
+def _engine_from_args(args):
+    from .config import EngineConfig, find_config, load_run_config
+    from .engine import Engine
+    overrides = {}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if getattr(args, "load_mode", None):
+        overrides["load_mode"] = args.load_mode
+    if getattr(args, "routing", None):
+        overrides["routing"] = args.routing
+    if getattr(args, "activations", None):
+        overrides["activations"] = args.activations
+    if getattr(args, "plugins_dir", None):
+        overrides["plugins_dir"] = args.plugins_dir
+    if getattr(args, "experts_dir", None):
+        overrides["experts_dir"] = args.experts_dir
+    if args.model:
+        base = EngineConfig()
+        model_dir = Path(args.model)
+    else:
+        cfg, model_dir = load_run_config(find_config(args.config or "builtin"))
+        base = cfg.engine
+    engine_cfg = EngineConfig.model_validate({**base.model_dump(), **overrides})
+    return Engine(model_dir, engine_cfg)
+
+
+def cmd_run(args) -> int:
+    eng = _engine_from_args(args)
+    try:
+        prompt = args.prompt
+        if prompt is None:
+            prompt = "The "
+        gen = eng.generate(prompt, max_new_tokens=args.n, top_k=args.top_k,
+                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                           stop=args.stop)
+        out = sys.stdout
+        if not args.quiet:
+            print(f"colibri: model {eng.model_dir} | {eng.model_cfg.architecture}, "
+                  f"{eng.model_cfg.num_layers} layers ({len(eng.model_cfg.moe_layers)} MoE), "
+                  f"k={gen.k} ({gen.k_source}), threads={eng.config.threads}", file=sys.stderr)
+        shown = prompt.split("|", 1)[1] if prompt.startswith("MODE:") and "|" in prompt else prompt
+        out.write(shown)
+        out.flush()
+        t0 = time.perf_counter()
+        first = None
+        for ev in gen:
+            if first is None:
+                first = time.perf_counter() - t0
+            out.write(ev.text)
+            out.flush()
+        dt = time.perf_counter() - t0
+        out.write("\n")
+        n = len(gen.token_ids)
+        if not args.quiet:
+            decode = (n - 1) / (dt - first) if n > 1 and first is not None and dt > first else 0.0
+            print(f"colibri: {n} tokens, stop={gen.stop_reason}, first token "
+                  f"{(first or 0) * 1000:.0f} ms, decode {decode:.1f} tok/s", file=sys.stderr)
+    finally:
+        eng.close()
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .config import load_model_config
+    from .modelfile import ContainerFile
+    from .weights import load_model, verify_checksums
+    path = Path(args.model_dir)
+    w = load_model(path)          # validates sizes, tables and shapes
+    cfg = w.cfg
+    total = sum(f.size for f in w.files)
+    print(f"{path}: {cfg.architecture}, format {cfg.format.major}.{cfg.format.minor}")
+    print(f"  layers {cfg.num_layers}: " + "".join("D" if t == "dense" else "M" for t in cfg.layer_types)
+          + f"  (D dense, M MoE)")
+    print(f"  hidden {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_size}, "
+          f"vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}")
+    if cfg.moe_layers:
+        print(f"  experts {cfg.num_experts} x {cfg.expert_intermediate}, top_k {cfg.top_k}, "
+              f"scoring {cfg.scoring_func}, norm_topk_prob {cfg.norm_topk_prob}, shared "
+              f"{cfg.shared_expert_intermediate_size or 'none'}")
+    print(f"  files {len(w.files)}, {total / 2**20:.2f} MiB")
+    main = w.files[0]
+    for s in main.sections.values():
+        if s.name in ("embed", "lm_head") or s.name.startswith("layer.0."):
+            g = f" g{s.group_size}" if s.group_size else ""
+            print(f"    {s.name:24s} {s.dtype}{g} {list(s.shape)}")
+    w.close()
+    if args.verify:
+        problems = verify_checksums(path)
+        for p in problems:
+            print(f"  FAIL {p}")
+        if problems:
+            raise ColibriError(f"{path}: {len(problems)} file(s) failed verification")
+        print(f"  verify: all {len(cfg.files)} files match their sha256")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+    t0 = time.perf_counter()
+    cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
+                  progress=sys.stderr.isatty(), overwrite=args.force)
+    print(f"colibri: converted {args.hf_dir} -> {args.out_dir} ({cfg.architecture}, "
+          f"{len(cfg.files)} files) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri", description="CPU-first MoE inference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="generate text, streaming tokens to the terminal")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--config", help="run config file or shipped config name (default: builtin)")
+    src.add_argument("--model", help="model directory (engine defaults)")
+    r.add_argument("--prompt", "-p", help="prompt text; may start with MODE:kN|")
+    r.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
+    r.add_argument("--top-k", type=int, dest="top_k", help="experts per token for this request")
+    r.add_argument("--threads", type=int)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--temperature", type=float)
+    r.add_argument("--top-p", type=float, dest="top_p")
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--load-mode", choices=["mmap", "copy"])
+    r.add_argument("--routing", choices=["fixed", "float"])
+    r.add_argument("--activations", choices=["int8", "float"])
+    r.add_argument("--quiet", "-q", action="store_true", help="print only the text")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("inspect", help="describe (and optionally verify) a model directory")
+    i.add_argument("model_dir")
+    i.add_argument("--verify", action="store_true", help="check every file's sha256")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32])
+    c.add_argument("--group-size", type=int, default=128, dest="group_size")
+    c.add_argument("--force", action="store_true", help="replace an existing output directory")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(format="colibri: warning: %(message)s", level=logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ColibriError as e:
+        for line in str(e).splitlines():
+            print(f"colibri: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ncolibri: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

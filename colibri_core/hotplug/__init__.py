@@ -1,0 +1,54 @@
+"""Hot-plugged experts: .so files dropped into a watched folder, checked, probed, adopted.
+
+Modules (each importing only those above it):
+
+    errors.py    typed errors (ValueError / RuntimeError subclasses) with a `reason` code
+    elf.py       ELF64 reader: headers, sections, segments, symbols, vaddr -> file offset
+    meta.py      colibri_expert_meta (include/colibri_expert.h) read from the file, checked
+    staging.py   ownership/permission checks, private staging copy named by sha256
+    state.py     the JSON state file (slots, versions, history), written atomically
+    probe.py     out-of-process probe: `python -m colibri_core.hotplug.probe PATH HIDDEN`
+    isolated.py  isolated mode: ffn_forward in a helper process over shared memory
+    expert.py    HotExpert, ExpertChange, Q4Weights; dlopen happens here (from drain())
+    watcher.py   the watchdog observer: queues paths, nothing else
+    manager.py   HotplugManager: worker thread + drain()/release()/rollback()/list()
+    builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so
+
+Names are imported lazily, so that `python -m colibri_core.hotplug.probe` (and the isolated
+helper) start without importing numpy or watchdog. See docs/HOTPLUG.md.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "HotplugManager": "manager",
+    "HotExpert": "expert", "ExpertChange": "expert", "Q4Weights": "expert",
+    "INPROCESS": "expert", "ISOLATED": "expert",
+    "build_expert": "builder", "compile_shared": "builder", "include_dir": "builder",
+    "read_expert_file": "meta", "ExpertMeta": "meta", "ExpertFileInfo": "meta",
+    "ABI_VERSION": "meta",
+    "ElfFile": "elf",
+    "run_probe": "probe",
+    "HotplugError": "errors", "ExpertRejected": "errors", "ElfFormatError": "errors",
+    "ExpertIncomplete": "errors", "ArchitectureMismatch": "errors",
+    "ExpertAbiError": "errors", "ExpertMetadataError": "errors",
+    "ExpertSecurityError": "errors", "ExpertProbeError": "errors",
+    "ExpertForwardError": "errors", "ExpertCrashed": "errors", "ExpertReleased": "errors",
+    "ExpertBuildError": "errors", "RollbackError": "errors", "HotplugStateError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,333 @@
+"""`colibri expert build`: turn trained expert weights (.npz) into a hot-pluggable .so.
+
+The .npz holds float arrays `w1` [I, H] (gate), `w3` [I, H] (up), `w2` [H, I] (down),
+`router_row` [H] and optionally `router_bias` (a scalar). The builder
+
+1. quantizes the three matrices with `quant.quantize_q4` (docs/FORMAT.md `q4` layout),
+2. writes each part (data, scales, zeros) and the router row to a binary file and embeds
+   them with `.incbin` in an assembler file, one exported symbol per part
+   (`colibri_w1_data`, ..., `colibri_router_row`), 64-byte aligned, with exact `.size`,
+3. generates a C file with the metadata record and a plain C `ffn_forward` that runs the
+   same INT4 weights (the fallback; the engine prefers its own kernels on the q4 symbols),
+4. compiles with `gcc -shared -fPIC -O3` to a hidden temporary name and renames it into
+   place, so a watching engine never sees a half-written file.
+
+The compiler and flags are recorded in the metadata's `target` field.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..quant import DEFAULT_GROUP, quantize_q4
+from .errors import ExpertBuildError, HotplugError
+from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
+
+DEFAULT_CFLAGS = ("-O3",)
+BASE_FLAGS = ("-shared", "-fPIC", "-fvisibility=hidden")
+
+
+def include_dir() -> Path:
+    """Folder holding colibri_expert.h (pass it to the compiler with -I)."""
+    return Path(__file__).resolve().parent.parent / "include"
+
+
+def target_string(cc: str, flags: Sequence[str]) -> str:
+    """`<machine> <compiler> <version> <flags>`, truncated to fit the metadata field."""
+    try:
+        ver = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        ver = "?"
+    text = " ".join([platform.machine(), Path(cc).name, ver or "?", *flags])
+    return text.encode()[:TARGET_LEN - 1].decode("utf-8", "ignore")
+
+
+def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLike, *,
+                   cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
+                   defines: dict[str, str | int] | None = None,
+                   target: str | None = None) -> str:
+    """Compile C/assembler sources into a shared object, atomically (temp name + rename).
+
+    `defines` become -D options; EXPERT_TARGET (the metadata `target` text) is added unless
+    given. Returns the target string. Raises ExpertBuildError with the compiler's message.
+    """
+    out_so = Path(out_so)
+    flags = [*BASE_FLAGS, *cflags]
+    target = target if target is not None else target_string(cc, flags)
+    defs = {"EXPERT_TARGET": _c_string(target), **(defines or {})}
+    tmp = out_so.with_name(f".{out_so.name}.{os.getpid()}.tmp")
+    cmd = [cc, *flags, f"-I{include_dir()}", *(f"-D{k}={v}" for k, v in defs.items()),
+           "-o", str(tmp), *map(str, sources), "-lm"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ExpertBuildError(f"{out_so}: cannot run the compiler {cc!r}: {e}",
+                               path=str(out_so)) from None
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        first = (res.stderr.strip().splitlines() or ["(no output)"])
+        errs = [line for line in first if "error" in line] or first
+        raise ExpertBuildError(f"{out_so}: compiler failed ({shlex.join(cmd[:1])}): "
+                               f"{errs[0]}", path=str(out_so))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out_so)
+    return target
+
+
+def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
+                 layer: int | Sequence[int], name: str, version: str, *,
+                 group_size: int = DEFAULT_GROUP, router_bias: float | None = None,
+                 cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
+                 keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
+    """Build a hot-pluggable expert .so from an .npz of float weights; return its checked info.
+
+    `layer` is one global layer index or several. `router_bias` overrides the .npz's.
+    `keep_sources`, when given, is a folder that receives the generated .c/.S/.bin files.
+    """
+    npz_path, out_so = Path(npz_path), Path(out_so)
+    layers = [int(layer)] if isinstance(layer, (int, np.integer)) else [int(v) for v in layer]
+    if not 1 <= len(layers) <= MAX_LAYERS or min(layers) < 0:
+        raise ExpertBuildError(f"{out_so}: layers {layers}, expected 1..{MAX_LAYERS} global"
+                               " layer indices >= 0", path=str(out_so))
+    if not NAME_RE.match(name):
+        raise ExpertBuildError(f"{out_so}: expert name {name!r}, expected 1-63 characters of"
+                               " [A-Za-z0-9_.-]", path=str(out_so))
+    if len(version.encode()) >= VERSION_LEN or not version.isprintable():
+        raise ExpertBuildError(f"{out_so}: version {version!r}, expected printable text of"
+                               f" at most {VERSION_LEN - 1} bytes", path=str(out_so))
+    w1, w3, w2, row, bias = _load_npz(npz_path)
+    if router_bias is not None:
+        bias = float(router_bias)
+    inter, hidden = w1.shape
+    try:
+        q = {"w1": quantize_q4(w1, group_size), "w3": quantize_q4(w3, group_size),
+             "w2": quantize_q4(w2, group_size)}
+    except ValueError as e:
+        raise ExpertBuildError(f"{npz_path}: cannot quantize: {e}", path=str(npz_path)) from None
+
+    with tempfile.TemporaryDirectory(prefix="colibri-build-") as tmpdir:
+        work = Path(keep_sources) if keep_sources is not None else Path(tmpdir)
+        work.mkdir(parents=True, exist_ok=True)
+        blobs = {"colibri_router_row": row.astype("<f4").tobytes()}
+        for m, t in q.items():
+            blobs[f"colibri_{m}_data"] = np.ascontiguousarray(t.data, np.uint8).tobytes()
+            blobs[f"colibri_{m}_scales"] = np.ascontiguousarray(t.scales, "<f4").tobytes()
+            blobs[f"colibri_{m}_zeros"] = np.ascontiguousarray(t.zeros, np.uint8).tobytes()
+        asm = [_ASM_HEAD]
+        for sym, payload in blobs.items():
+            blob = (work / f"{sym}.bin").resolve()
+            blob.write_bytes(payload)
+            asm.append(_ASM_BLOB.format(sym=sym, path=_asm_path(blob)))
+        (work / "expert_data.S").write_text("".join(asm))
+        (work / "expert.c").write_text(_C_SOURCE)
+        defines = {"H": hidden, "I": inter, "G": group_size,
+                   "LAYERS": "{" + ",".join(map(str, layers)) + "}", "N_LAYERS": len(layers),
+                   "ROUTER_BIAS": f"{bias!r}f" if np.isfinite(bias) else "0.0f",
+                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
+        out_so.parent.mkdir(parents=True, exist_ok=True)
+        compile_shared([work / "expert.c", work / "expert_data.S"], out_so, cc=cc,
+                       cflags=cflags, defines=defines)
+    return read_expert_file(str(out_so), hidden)
+
+
+def _load_npz(path: Path):
+    try:
+        with np.load(path) as z:
+            arrays = {k: np.asarray(z[k]) for k in z.files}
+    except (OSError, ValueError) as e:
+        raise ExpertBuildError(f"{path}: cannot read the .npz: {e}", path=str(path)) from None
+    missing = [k for k in ("w1", "w3", "w2", "router_row") if k not in arrays]
+    if missing:
+        raise ExpertBuildError(f"{path}: missing arrays {missing}, expected w1 [I,H], w3 [I,H],"
+                               " w2 [H,I], router_row [H] (+ optional router_bias)",
+                               path=str(path))
+    w1, w3, w2, row = (arrays[k].astype(np.float32) for k in ("w1", "w3", "w2", "router_row"))
+    if w1.ndim != 2:
+        raise ExpertBuildError(f"{path}: w1 has shape {w1.shape}, expected [I, H]",
+                               path=str(path))
+    inter, hidden = w1.shape
+    for k, arr, want in (("w3", w3, (inter, hidden)), ("w2", w2, (hidden, inter)),
+                         ("router_row", row, (hidden,))):
+        if arr.shape != want:
+            raise ExpertBuildError(f"{path}: {k} has shape {arr.shape}, expected {want}"
+                                   f" (from w1 [I={inter}, H={hidden}])", path=str(path))
+    for k, arr in (("w1", w1), ("w3", w3), ("w2", w2), ("router_row", row)):
+        if not np.isfinite(arr).all():
+            raise ExpertBuildError(f"{path}: {k} has non-finite values", path=str(path))
+    bias = float(np.asarray(arrays.get("router_bias", 0.0)).reshape(-1)[0]) \
+        if np.asarray(arrays.get("router_bias", 0.0)).size else 0.0
+    if not np.isfinite(bias):
+        raise ExpertBuildError(f"{path}: router_bias {bias} is not finite", path=str(path))
+    return w1, w3, w2, row, bias
+
+
+def _c_string(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def _asm_path(path: Path) -> str:
+    s = str(path)
+    if any(c in s for c in '"\\\n'):
+        raise ExpertBuildError(f"{path}: build folder path has quote/backslash/newline"
+                               " characters, which .incbin cannot name", path=s)
+    return s
+
+
+_ASM_HEAD = """\
+/* Generated by colibri expert build: the expert's data, embedded with .incbin. */
+\t.section .note.GNU-stack,"",@progbits
+\t.section .rodata.colibri_expert,"a",@progbits
+"""
+
+_ASM_BLOB = """\
+\t.globl {sym}
+\t.type {sym}, @object
+\t.balign 64
+{sym}:
+\t.incbin "{path}"
+\t.size {sym}, . - {sym}
+"""
+
+# The generated C part: metadata + the INT4 fallback ffn_forward (thread-safe: no globals
+# written, scratch on the heap per call). H, I, G, LAYERS... come from -D options.
+_C_SOURCE = r"""/* Generated by colibri expert build. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "colibri_expert.h"
+
+#define HP (((H) + (G) - 1) / (G) * (G))
+#define IP (((I) + (G) - 1) / (G) * (G))
+
+const colibri_expert_meta_t colibri_expert_meta = {
+    .magic = COLIBRI_EXPERT_MAGIC,
+    .abi_version = COLIBRI_EXPERT_ABI_VERSION,
+    .struct_size = sizeof(colibri_expert_meta_t),
+    .flags = COLIBRI_FLAG_THREAD_SAFE | COLIBRI_FLAG_HAS_Q4,
+    .hidden_size = H,
+    .intermediate_size = I,
+    .group_size = G,
+    .n_layers = N_LAYERS,
+    .layers = LAYERS,
+    .router_bias = ROUTER_BIAS,
+    .name = EXPERT_NAME,
+    .version = EXPERT_VERSION,
+    .target = EXPERT_TARGET,
+};
+
+extern const uint8_t colibri_w1_data[], colibri_w1_zeros[];
+extern const uint8_t colibri_w3_data[], colibri_w3_zeros[];
+extern const uint8_t colibri_w2_data[], colibri_w2_zeros[];
+extern const float colibri_w1_scales[], colibri_w3_scales[], colibri_w2_scales[];
+
+/* Sum of each group of G values of v [n_padded]. */
+static void group_sums(const float *v, int n_padded, float *sums)
+{
+    for (int g = 0; g < n_padded / G; g++) {
+        float s = 0.0f;
+        for (int k = 0; k < G; k++)
+            s += v[g * G + k];
+        sums[g] = s;
+    }
+}
+
+/* out[r] = sum_c W[r, c] v[c], W in q4 layout [rows, cols_padded]; v zero-padded.
+   Per group: scale * (sum q*v - zero * sum v). */
+static void q4_matvec(const uint8_t *data, const float *scales, const uint8_t *zeros,
+                      int rows, int cols_padded, const float *v, const float *vsum,
+                      float *out)
+{
+    const int ng = cols_padded / G, half = cols_padded / 2;
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *d = data + (long)r * half;
+        float acc = 0.0f;
+        for (int g = 0; g < ng; g++) {
+            float s = 0.0f;
+            for (int b = g * (G / 64); b < (g + 1) * (G / 64); b++) {
+                const uint8_t *blk = d + b * 32;
+                const float *vb = v + b * 64;
+                for (int j = 0; j < 32; j++)
+                    s += (float)(blk[j] & 15) * vb[j] + (float)(blk[j] >> 4) * vb[32 + j];
+            }
+            acc += scales[(long)r * ng + g] * (s - (float)zeros[(long)r * ng + g] * vsum[g]);
+        }
+        out[r] = acc;
+    }
+}
+
+COLIBRI_EXPORT int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
+{
+    if (hidden != H || n_tokens < 1)
+        return 1;
+    float *buf = malloc(sizeof(float) * (HP + HP / G + 2 * IP + IP / G));
+    if (!buf)
+        return 2;
+    float *xp = buf, *xs = xp + HP, *h = xs + HP / G, *u = h + IP, *hs = u + IP;
+    memset(buf, 0, sizeof(float) * (HP + HP / G + 2 * IP + IP / G));
+    for (int t = 0; t < n_tokens; t++) {
+        memcpy(xp, x + (long)t * H, sizeof(float) * H);
+        group_sums(xp, HP, xs);
+        q4_matvec(colibri_w1_data, colibri_w1_scales, colibri_w1_zeros, I, HP, xp, xs, h);
+        q4_matvec(colibri_w3_data, colibri_w3_scales, colibri_w3_zeros, I, HP, xp, xs, u);
+        for (int i = 0; i < I; i++)
+            h[i] = h[i] / (1.0f + expf(-h[i])) * u[i];     /* silu(gate) * up */
+        group_sums(h, IP, hs);
+        q4_matvec(colibri_w2_data, colibri_w2_scales, colibri_w2_zeros, H, IP, h, hs,
+                  y + (long)t * H);
+    }
+    free(buf);
+    return 0;
+}
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`colibri expert build WEIGHTS.npz -o OUT.so --layer L --name N --version V`."""
+    ap = argparse.ArgumentParser(prog="colibri expert build",
+                                 description="Build a hot-pluggable expert .so from an .npz"
+                                 " (w1 [I,H], w3 [I,H], w2 [H,I], router_row [H],"
+                                 " optional router_bias).")
+    ap.add_argument("npz")
+    ap.add_argument("-o", "--output", required=True, help="the .so to write")
+    ap.add_argument("--layer", type=int, action="append", required=True,
+                    help="global layer index (repeat for several layers)")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP)
+    ap.add_argument("--router-bias", type=float, default=None)
+    ap.add_argument("--cc", default=os.environ.get("CC", "gcc"))
+    ap.add_argument("--cflags", default=" ".join(DEFAULT_CFLAGS),
+                    help="compiler flags (recorded in the metadata), default -O3")
+    ap.add_argument("--keep-sources", default=None, metavar="DIR",
+                    help="also write the generated .c/.S/.bin files to DIR")
+    args = ap.parse_args(argv)
+    try:
+        info = build_expert(args.npz, args.output, args.layer, args.name, args.version,
+                            group_size=args.group_size, router_bias=args.router_bias,
+                            cc=args.cc, cflags=shlex.split(args.cflags),
+                            keep_sources=args.keep_sources)
+    except HotplugError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    m = info.meta
+    print(f"built {args.output}: expert {m.name} {m.version}, layers {list(m.layers)},"
+          f" hidden {m.hidden_size}, intermediate {m.intermediate_size}, group"
+          f" {m.group_size}, {info.size} bytes, target {m.target!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

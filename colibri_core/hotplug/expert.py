@@ -1,0 +1,220 @@
+"""HotExpert: one adopted hot-plugged expert, as the engine sees it; ExpertChange.
+
+Two steps, on two threads:
+- `prepare_expert` (manager's worker thread): map the staged file read-only and make the
+  zero-copy views (router row, INT4 weights); for an isolated expert, start its helper.
+- `PreparedExpert.materialize` (engine thread, inside drain()): dlopen() the staged file with
+  RTLD_NOW for an in-process expert, and return the HotExpert.
+
+Shape legend: N = tokens, H = hidden size, I = intermediate size, Hp/Ip padded to G.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from cffi import FFI
+
+from ..quant import Q4Tensor, padded_cols
+from .errors import ExpertCrashed, ExpertForwardError, ExpertReleased
+from .isolated import IsolatedRunner
+from .meta import ExpertFileInfo
+
+INPROCESS, ISOLATED = "inprocess", "isolated"
+ISOLATION_MODES = (INPROCESS, ISOLATED)
+
+_ffi = FFI()
+_ffi.cdef("int ffn_forward(const float *x, float *y, int n_tokens, int hidden);")
+
+
+@dataclass(frozen=True)
+class Q4Weights:
+    """The expert's own INT4 weights (views into the staged file: no copies)."""
+
+    w1: Q4Tensor   # gate [I, H]
+    w3: Q4Tensor   # up   [I, H]
+    w2: Q4Tensor   # down [H, I]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w1.rows
+
+    @property
+    def group_size(self) -> int:
+        return self.w1.group
+
+
+@dataclass(eq=False)
+class HotExpert:
+    """An adopted expert. `forward` is its ffn_forward; `q4` (when present) its weights.
+
+    Identity is the object itself: a replaced expert is a new HotExpert with the same slot.
+    """
+
+    slot: int                        # stable index, >= the model's num_experts
+    name: str
+    version: str
+    sha256: str
+    source_path: str                 # the file in the watched folder
+    staged_path: str                 # the private copy that is actually loaded
+    layers: tuple[int, ...]          # global layer indices it is routable in
+    router_row: np.ndarray           # float32 [H], read-only view
+    router_bias: float
+    q4: Q4Weights | None
+    thread_safe: bool
+    isolation: str                   # "inprocess" | "isolated"
+    hidden_size: int
+    target: str                      # compiler + flags recorded by the builder
+    lib: object | None               # cffi lib (in-process), kept alive until release()
+    status: str = "active"           # active | replaced | removed | crashed | released
+    _runner: IsolatedRunner | None = field(default=None, repr=False)
+    _lock: threading.Lock | None = field(default=None, repr=False)
+    _fn: object = field(default=None, repr=False)
+    _mm: mmap.mmap | None = field(default=None, repr=False)
+
+    # -- the call
+    def forward(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out[N, H] = ffn_forward(x[N, H]); float32, C-contiguous; out is overwritten.
+
+        Raises ExpertForwardError (nonzero return, bad arrays), ExpertCrashed (isolated helper
+        died: the expert is disabled), ExpertReleased (after manager.release()).
+        """
+        h = self.hidden_size
+        if (x.dtype != np.float32 or out.dtype != np.float32 or x.ndim != 2
+                or x.shape[1] != h or out.shape != x.shape or not x.flags.c_contiguous
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ExpertForwardError(
+                f"expert {self.name}: forward expects x and out float32 C-contiguous"
+                f" [N, {h}] of the same shape (out writable), got x {x.dtype}{x.shape}"
+                f" out {out.dtype}{out.shape}")
+        n = x.shape[0]
+        if n == 0:
+            return
+        if self.status == "released":
+            raise ExpertReleased(f"expert {self.name} {self.version}: forward() after"
+                                 " release()")
+        if self._runner is not None:
+            with self._lock:
+                try:
+                    rc = self._runner.forward(x, out)
+                except ExpertCrashed:
+                    self.status = "crashed"
+                    raise
+        else:
+            px = _ffi.from_buffer("float[]", x)
+            py = _ffi.from_buffer("float[]", out, require_writable=True)
+            if self._lock is None:
+                rc = self._fn(px, py, n, h)
+            else:
+                with self._lock:
+                    rc = self._fn(px, py, n, h)
+        if rc != 0:
+            raise ExpertForwardError(f"expert {self.name} {self.version}: ffn_forward"
+                                     f" returned {rc} (n_tokens={n}), expected 0")
+
+    @property
+    def alive(self) -> bool:
+        """False once an isolated helper died (checked without blocking)."""
+        if self.status == "crashed":
+            return False
+        if self._runner is not None and not self._runner.alive():
+            self.status = "crashed"
+            return False
+        return True
+
+    @property
+    def helper_pid(self) -> int | None:
+        return self._runner.pid if self._runner is not None else None
+
+    def _release(self) -> None:
+        if self.status == "released":
+            return
+        self.status = "released"
+        if self._runner is not None:
+            self._runner.close()
+        elif self.lib is not None:
+            _ffi.dlclose(self.lib)
+        self.lib = self._fn = None
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertChange:
+    """One change for the engine to apply between two tokens.
+
+    add:     `expert` is new (a new slot or a returning name's slot), `previous` None.
+    replace: `expert` takes over `previous`'s slot; release(previous) once unused.
+    remove:  `expert` leaves its slot (file deleted, or its helper crashed); `previous` None;
+             release(expert) once unused.
+    """
+
+    kind: Literal["add", "replace", "remove"]
+    expert: HotExpert
+    previous: HotExpert | None = None
+    version: int = 0             # manager.version after this change
+    reason: str = ""             # for remove: "deleted" | "crashed"; for replace: "rollback"...
+
+
+class PreparedExpert:
+    """A checked, staged and probed expert, mapped and ready to be loaded by drain()."""
+
+    def __init__(self, info: ExpertFileInfo, sha256: str, staged: str, source: str,
+                 isolation: str, *, call_timeout_s: float, capacity: int):
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation {isolation!r}, expected one of {ISOLATION_MODES}")
+        self.info, self.sha256, self.staged, self.source = info, sha256, staged, source
+        self.isolation = isolation
+        meta = info.meta
+        with open(staged, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.router_row = np.frombuffer(self._mm, "<f4", meta.hidden_size,
+                                        info.router_row.offset)
+        self.q4 = None
+        if info.q4 is not None:
+            h, i, g = meta.hidden_size, meta.intermediate_size, meta.group_size
+            self.q4 = Q4Weights(*(self._q4(m, rows, cols, g) for m, rows, cols in
+                                  (("w1", i, h), ("w3", i, h), ("w2", h, i))))
+        self.runner = None
+        if isolation == ISOLATED:
+            self.runner = IsolatedRunner(staged, meta.hidden_size, capacity=capacity,
+                                         call_timeout_s=call_timeout_s)
+
+    def _q4(self, m: str, rows: int, cols: int, group: int) -> Q4Tensor:
+        parts = self.info.q4
+        ng = padded_cols(cols, group) // group
+
+        def view(part: str, dtype: str, shape: tuple[int, int]) -> np.ndarray:
+            p = parts[f"{m}.{part}"]
+            return np.frombuffer(self._mm, dtype, p.nbytes // np.dtype(dtype).itemsize,
+                                 p.offset).reshape(shape)
+        return Q4Tensor(view("data", "u1", (rows, padded_cols(cols, group) // 2)),
+                        view("scales", "<f4", (rows, ng)), view("zeros", "u1", (rows, ng)),
+                        rows, cols, group)
+
+    @property
+    def name(self) -> str:
+        return self.info.meta.name
+
+    def materialize(self, slot: int) -> HotExpert:
+        """Load it (dlopen, RTLD_NOW, in-process mode). Engine thread only (drain)."""
+        meta = self.info.meta
+        lib = fn = None
+        if self.runner is None:
+            lib = _ffi.dlopen(self.staged, _ffi.RTLD_NOW | _ffi.RTLD_LOCAL)
+            fn = lib.ffn_forward
+        lock = None if (meta.thread_safe and self.runner is None) else threading.Lock()
+        return HotExpert(slot=slot, name=meta.name, version=meta.version, sha256=self.sha256,
+                         source_path=self.source, staged_path=self.staged,
+                         layers=meta.layers, router_row=self.router_row,
+                         router_bias=meta.router_bias, q4=self.q4,
+                         thread_safe=meta.thread_safe, isolation=self.isolation,
+                         hidden_size=meta.hidden_size, target=meta.target, lib=lib,
+                         _runner=self.runner, _lock=lock, _fn=fn, _mm=self._mm)
+
+    def discard(self) -> None:
+        """Never adopted: stop its helper."""
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None

@@ -1,0 +1,546 @@
+"""HotplugManager: the watched experts folder -> checked, probed experts -> drain().
+
+Three threads, one job each:
+
+    watchdog observer   queues paths (watcher.py)                 never touches a file
+    worker              settle -> check -> stage -> probe -> map  may take seconds
+    engine (caller)     drain(): dlopen + apply, between 2 tokens microseconds to ~1 ms
+
+Per file: wait until size/mtime/ctime/inode are unchanged for `settle_s`; refuse it when it
+is a symlink, group/world-writable, foreign-owned or not a complete ELF; copy it to the
+private staging folder as `<sha256>.so` (hashing while copying); refuse a hash not on the
+allowlist; read and check the metadata of the staged copy against the host and the model;
+probe it in a separate process (skipped for a hash this name already adopted); map its data
+(and start its helper, isolated mode); queue it. drain() turns the queue into ExpertChange
+objects in order, loading in-process experts with dlopen(RTLD_NOW) only there.
+
+An expert's identity is its metadata `name`: a file whose name is already active replaces
+it (same slot); deleting the file an active expert came from removes it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+from .elf import ElfFile
+from .errors import (ExpertProbeError, ExpertRejected, ExpertSecurityError, HotplugError,
+                     RollbackError)
+from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
+from .meta import read_expert_file
+from .probe import run_probe
+from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
+                      stage_file)
+from .state import NameRecord, VersionRecord, load_state, save_state
+from .watcher import FolderWatcher, is_expert_name, isolation_from_name
+
+log = logging.getLogger("colibri.hotplug")
+
+EventCallback = Callable[[str, dict], None]
+
+
+class HotplugManager:
+    """Watches `experts_dir` and hands adopted experts to the engine through drain().
+
+    Arguments:
+        experts_dir: the watched folder (`experts_so/` by default in the engine).
+        hidden_size: the model's hidden size; experts must match it.
+        moe_layers: global indices of the model's MoE layers; targets must be among them.
+        first_slot: the model's num_experts; hot experts get slots first_slot, first_slot+1...
+        state_dir: private folder for the state file and the staging copies (made 0700).
+        allowlist: sha256 hex digests allowed to load (None: no allowlist).
+        isolation_default: "inprocess" or "isolated" for the folder; a file named
+            `*.isolated.so` / `*.inprocess.so` overrides it.
+        probe_timeout_s: limit of the out-of-process probe, and of one isolated call.
+        settle_s: how long a file must stay unchanged before it is checked.
+        on_event: callback(kind, info) with kind "loaded" | "rejected" | "unloaded".
+        watch: False to skip the watchdog observer (then call rescan() yourself).
+    """
+
+    def __init__(self, experts_dir: str | os.PathLike, hidden_size: int,
+                 moe_layers: Iterable[int], first_slot: int, state_dir: str | os.PathLike,
+                 allowlist: Iterable[str] | None = None, isolation_default: str = INPROCESS,
+                 probe_timeout_s: float = 5.0, settle_s: float = 0.2,
+                 on_event: EventCallback | None = None, *, watch: bool = True,
+                 isolated_capacity: int = 64):
+        if isolation_default not in ISOLATION_MODES:
+            raise ValueError(f"isolation_default {isolation_default!r}, expected one of"
+                             f" {ISOLATION_MODES}")
+        self.experts_dir = os.path.abspath(os.fspath(experts_dir))
+        self.hidden_size = int(hidden_size)
+        self.moe_layers = frozenset(int(v) for v in moe_layers)
+        self.first_slot = int(first_slot)
+        self.state_dir = os.path.abspath(os.fspath(state_dir))
+        self.staging_dir = os.path.join(self.state_dir, "staging")
+        self.allowlist = None if allowlist is None else frozenset(s.lower() for s in allowlist)
+        self.isolation_default = isolation_default
+        self.probe_timeout_s = float(probe_timeout_s)
+        self.settle_s = float(settle_s)
+        self.on_event = on_event
+        self.watch = watch
+        self.isolated_capacity = isolated_capacity
+
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._requests: dict[str, None] = {}          # paths queued by the watcher, in order
+        self._settling: dict[str, tuple[FileSig, float]] = {}
+        self._seen: dict[str, FileSig] = {}           # last checked signature per path
+        self._busy = False
+        self._ops: deque = deque()                    # ("upsert", Prepared, rollback) / ("delete", path)
+        self._active: dict[str, HotExpert] = {}       # name -> expert (mutated by drain)
+        self._records: dict[str, NameRecord] = {}
+        self._next_slot = self.first_slot
+        self._version = 0
+        self._dirty = False
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self._watcher: FolderWatcher | None = None
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Load the state, check the folder, start the worker and the watcher, scan the folder.
+
+        Raises ExpertSecurityError when the folder itself is refused (symlink, writable by
+        group/others, foreign owner), HotplugStateError for an unusable state folder.
+        """
+        ensure_private_dir(self.state_dir)
+        ensure_private_dir(self.staging_dir)
+        next_slot, self._records = load_state(self.state_dir)
+        used = [r.slot for r in self._records.values()]
+        self._next_slot = max([next_slot or self.first_slot, self.first_slot,
+                               *(s + 1 for s in used)])
+        self._clean_staging()
+        try:
+            check_folder(self.experts_dir)
+        except ExpertSecurityError as e:
+            self._reject(self.experts_dir, e)
+            raise
+        self._stopping = False
+        self._worker = threading.Thread(target=self._work, name="colibri-hotplug-worker",
+                                        daemon=True)
+        self._worker.start()
+        if self.watch:
+            self._watcher = FolderWatcher(self.experts_dir, self._request)
+            self._watcher.start()
+        self.rescan()
+
+    def stop(self) -> None:
+        """Stop the watcher and the worker and save the state. Active experts stay usable."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=30.0)
+            self._worker = None
+        with self._lock:
+            pending = [op[1] for op in self._ops if op[0] == "upsert"]
+            self._ops.clear()
+        for prep in pending:
+            prep.discard()
+        self._save_state()
+
+    def close(self) -> None:
+        """stop(), then release every active expert (the engine must be done with them)."""
+        self.stop()
+        with self._lock:
+            experts = list(self._active.values())
+            self._active.clear()
+        for e in experts:
+            e._release()
+
+    def rescan(self) -> None:
+        """Queue every expert file of the folder and every vanished source (e.g. at start)."""
+        try:
+            names = os.listdir(self.experts_dir)
+        except OSError as e:
+            log.error("cannot list %s: %s", self.experts_dir, e)
+            return
+        for n in sorted(names):
+            if is_expert_name(n):
+                self._request(os.path.join(self.experts_dir, n), force=True)
+        with self._lock:
+            sources = [e.source_path for e in self._active.values()]
+        for src in sources:
+            if not os.path.lexists(src):
+                self._request(src, force=True)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every queued path was checked (e.g. the initial scan). True if idle."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._requests or self._settling or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+        return True
+
+    # ------------------------------------------------------------------ engine side
+    @property
+    def version(self) -> int:
+        """Expert-set version: +1 per applied change (stamp tokens with it)."""
+        return self._version
+
+    def drain(self) -> list[ExpertChange]:
+        """Apply queued changes; return them in order. Call on the engine thread between tokens.
+
+        In-process experts are dlopen()ed here and nowhere else. Isolated experts whose
+        helper died are removed here (kind "remove", reason "crashed").
+        """
+        if not self._ops and not any(e._runner is not None for e in self._active.values()):
+            return []
+        with self._lock:
+            ops = list(self._ops)
+            self._ops.clear()
+        changes: list[ExpertChange] = []
+        for op in ops:
+            if op[0] == "upsert":
+                changes += self._apply_upsert(op[1], op[2])
+            else:
+                with self._lock:
+                    gone = [e for e in self._active.values() if e.source_path == op[1]]
+                changes += [self._remove(e, "deleted") for e in gone]
+        for e in [e for e in self._active.values() if e._runner is not None]:
+            if not e.alive:
+                changes.append(self._remove(e, "crashed"))
+        if changes:
+            with self._cond:
+                self._dirty = True
+                self._cond.notify_all()
+        return changes
+
+    def release(self, expert: HotExpert) -> None:
+        """The engine no longer uses `expert` (a replaced or removed one): unload it."""
+        with self._lock:
+            if self._active.get(expert.name) is expert:
+                raise ValueError(f"expert {expert.name} {expert.version} (slot {expert.slot})"
+                                 " is still active: release only replaced or removed experts")
+        expert._release()
+
+    def rollback(self, name: str) -> None:
+        """Queue a replace of active expert `name` by its previous version (next drain()).
+
+        Raises RollbackError when `name` is not active or has no previous version, or an
+        ExpertRejected subclass when the previous staged file no longer passes the checks.
+        The version rolled back from is not adopted again from the folder (a new file is).
+        """
+        with self._lock:
+            cur = self._active.get(name)
+            rec = self._records.get(name)
+            if cur is None or rec is None:
+                raise RollbackError(f"expert {name!r} is not active: nothing to roll back")
+            if not rec.history:
+                raise RollbackError(f"expert {name!r} has no previous version to roll back to")
+            target = rec.history[-1]
+        if self.allowlist is not None and target.sha256 not in self.allowlist:
+            raise ExpertSecurityError(f"{target.staged}: sha256 {target.sha256} is not on the"
+                                      " allowlist", reason="allowlist", path=target.staged)
+        info = read_expert_file(target.staged, self.hidden_size, self.moe_layers)
+        prep = self._prepare(info, target.sha256, target.staged, cur.source_path,
+                             cur.isolation)
+        with self._lock:
+            self._ops.append(("upsert", prep, True))
+
+    def list(self) -> list[dict]:
+        """Rows for `colibri experts list`: active experts, then known inactive names."""
+        rows = []
+        with self._lock:
+            for e in sorted(self._active.values(), key=lambda e: e.slot):
+                rows.append({"slot": e.slot, "name": e.name, "version": e.version,
+                             "layers": list(e.layers), "origin": "hot-plugged",
+                             "sha256": e.sha256, "isolation": e.isolation,
+                             "status": e.status if e.status != "active" or e.alive
+                             else "crashed"})
+            for name, rec in sorted(self._records.items(), key=lambda kv: kv[1].slot):
+                if name in self._active:
+                    continue
+                last = rec.current or (rec.history[-1] if rec.history else None)
+                rows.append({"slot": rec.slot, "name": name,
+                             "version": last.version if last else "",
+                             "layers": [], "origin": "hot-plugged",
+                             "sha256": last.sha256 if last else "",
+                             "isolation": last.isolation if last else "",
+                             "status": "disabled" if rec.disabled and rec.current is None
+                             else "removed"})
+        return rows
+
+    def active(self) -> dict[str, HotExpert]:
+        """name -> active HotExpert (a snapshot)."""
+        with self._lock:
+            return dict(self._active)
+
+    # ------------------------------------------------------------------ apply (engine thread)
+    def _apply_upsert(self, prep: PreparedExpert, rollback: bool) -> list[ExpertChange]:
+        name = prep.name
+        with self._lock:
+            cur = self._active.get(name)
+            rec = self._records[name]
+        if cur is not None and cur.sha256 == prep.sha256:
+            prep.discard()
+            return []
+        if rollback and (cur is None or not rec.history
+                         or rec.history[-1].sha256 != prep.sha256):
+            prep.discard()
+            self._emit("rejected", {"path": prep.staged, "name": name, "reason": "rollback",
+                                    "message": f"rollback of {name} superseded by a newer"
+                                               " change"})
+            return []
+        try:
+            expert = prep.materialize(rec.slot)
+        except OSError as e:
+            prep.discard()
+            self._reject(prep.source, ExpertProbeError(
+                f"{prep.staged}: dlopen failed: {e}", reason="dlopen", path=prep.staged))
+            return []
+        vrec = VersionRecord(prep.sha256, prep.staged, prep.source, expert.version,
+                             expert.isolation)
+        with self._lock:
+            self._active[name] = expert
+            self._version += 1
+            if rollback:
+                rec.history.pop()
+                rec.rolled_back.append(cur.sha256)
+            elif rec.current is not None and rec.current.sha256 != prep.sha256:
+                rec.push_history(rec.current)
+            rec.current = vrec
+            version = self._version
+        kind = "replace" if cur is not None else "add"
+        if cur is not None:
+            cur.status = "replaced"
+        self._emit("loaded", {"kind": kind, "name": name, "version": expert.version,
+                              "slot": expert.slot, "sha256": expert.sha256,
+                              "layers": list(expert.layers), "path": expert.source_path,
+                              "staged": expert.staged_path, "isolation": expert.isolation,
+                              "previous_version": cur.version if cur else None,
+                              "rollback": rollback, "set_version": version})
+        changes = [ExpertChange(kind, expert, cur, version, "rollback" if rollback else "")]
+        with self._lock:                      # the file now provides another name
+            stale = [e for n, e in self._active.items()
+                     if n != name and e.source_path == expert.source_path]
+        return changes + [self._remove(e, "renamed") for e in stale]
+
+    def _remove(self, expert: HotExpert, reason: str) -> ExpertChange:
+        """Take `expert` out of the active set: reason "deleted" | "renamed" | "crashed"."""
+        message = ""
+        if reason == "crashed":
+            message = "isolated helper " + (expert._runner.dead_reason or "died")
+            log.error("expert %s %s (slot %d) disabled: %s", expert.name, expert.version,
+                      expert.slot, message)
+        with self._lock:
+            del self._active[expert.name]
+            rec = self._records[expert.name]
+            rec.current = None
+            if reason == "crashed" and expert.sha256 not in rec.disabled:
+                rec.disabled.append(expert.sha256)
+            self._version += 1
+            version = self._version
+        expert.status = "crashed" if reason == "crashed" else "removed"
+        self._emit("unloaded", {"name": expert.name, "version": expert.version,
+                                "slot": expert.slot, "sha256": expert.sha256,
+                                "path": expert.source_path, "reason": reason,
+                                "message": message, "set_version": version})
+        return ExpertChange("remove", expert, None, version, reason)
+
+    # ------------------------------------------------------------------ worker
+    def _request(self, path: str, force: bool = False) -> None:
+        """Called by the watcher thread (and rescan): queue a path, nothing else."""
+        with self._cond:
+            if force:
+                self._seen.pop(path, None)
+            self._requests[path] = None
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        tick = max(0.005, min(self.settle_s / 4, 0.05))
+        while True:
+            with self._cond:
+                while not (self._stopping or self._requests or self._settling or self._dirty):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                if self._requests:
+                    self._busy = True
+                    now = time.monotonic()
+                    for path in self._requests:
+                        self._settling[path] = (None, now)
+                    self._requests.clear()
+                dirty, self._dirty = self._dirty, False
+            if dirty:
+                self._save_state()
+            try:
+                self._settle_round()
+            except Exception:  # noqa: BLE001 - the worker must survive anything
+                log.exception("hot-plug worker error")
+            with self._cond:
+                self._busy = False
+                if self._settling and not self._requests and not self._stopping:
+                    self._cond.wait(tick)
+
+    def _settle_round(self) -> None:
+        now = time.monotonic()
+        for path, (sig, since) in list(self._settling.items()):
+            if self._stopping:
+                return
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                self._drop_settling(path)
+                self._seen.pop(path, None)
+                with self._lock:
+                    self._ops.append(("delete", path))
+                continue
+            except OSError as e:
+                self._drop_settling(path)
+                self._reject(path, ExpertRejected(f"{path}: cannot stat: {e.strerror}",
+                                                  reason="io", path=path))
+                continue
+            new = FileSig.of(st)
+            if new != sig:
+                with self._lock:
+                    if path in self._settling:
+                        self._settling[path] = (new, now)
+                continue
+            if now - since < self.settle_s:
+                continue
+            self._drop_settling(path)
+            if self._seen.get(path) == new:
+                continue                      # nothing changed since its last verdict
+            self._seen[path] = new
+            with self._lock:
+                self._busy = True
+            self._check(path, st, new)
+
+    def _drop_settling(self, path: str) -> None:
+        with self._lock:
+            self._settling.pop(path, None)
+
+    def _check(self, path: str, st: os.stat_result, sig: FileSig) -> None:
+        """settled file -> PreparedExpert queued for drain(), or a "rejected" event."""
+        sha = staged = None
+        try:
+            check_folder(self.experts_dir)
+            check_file(path, st)
+            with ElfFile(path):
+                pass                          # complete ELF? (a half-written one is not)
+            sha, staged = stage_file(path, self.staging_dir, expect=sig)
+            if self.allowlist is not None and sha not in self.allowlist:
+                raise ExpertSecurityError(f"{path}: sha256 {sha} is not on the allowlist",
+                                          reason="allowlist", path=path)
+            info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+            name = info.meta.name
+            with self._lock:
+                rec = self._records.get(name)
+                known = rec.known_shas() if rec else set()
+                if rec is not None and sha in rec.disabled:
+                    raise ExpertRejected(f"{path}: expert {name} with sha256 {sha[:12]}… was"
+                                         " disabled after its helper crashed: expected a new"
+                                         " file version", reason="disabled", path=path)
+                pinned = rec.current if (rec is not None and sha in rec.rolled_back
+                                         and rec.current is not None) else None
+            if pinned is not None:            # rolled back from: keep the pinned version
+                log.info("%s: %s %s was rolled back; keeping %s", path, name, sha[:12],
+                         pinned.version)
+                sha, staged = pinned.sha256, pinned.staged
+                info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+            elif sha in (rec.rolled_back if rec else ()):
+                raise ExpertRejected(f"{path}: expert {name} {sha[:12]}… was rolled back:"
+                                     " expected a new file version", reason="rolled-back",
+                                     path=path)
+            if self._latest_sha(name) == sha:
+                return                        # same bytes as what is (or will be) active
+            if sha not in known:
+                run_probe(staged, self.hidden_size, self.probe_timeout_s,
+                          cwd=self.staging_dir)
+            isolation = isolation_from_name(os.path.basename(path), self.isolation_default)
+            prep = self._prepare(info, sha, staged, path, isolation)
+            with self._cond:
+                if name not in self._records:
+                    self._records[name] = NameRecord(slot=self._next_slot)
+                    self._next_slot += 1
+                    self._dirty = True
+                self._ops.append(("upsert", prep, False))
+        except FileChanged:
+            self._seen.pop(path, None)
+            self._request(path)
+        except FileNotFoundError:
+            self._seen.pop(path, None)
+            self._request(path)
+        except HotplugError as e:
+            self._reject(path, e, sha)
+            self._forget_staged(staged)
+        except OSError as e:
+            self._reject(path, ExpertRejected(f"{path}: I/O error: {e}", reason="io",
+                                              path=path), sha)
+            self._forget_staged(staged)
+
+    def _prepare(self, info, sha: str, staged: str, source: str,
+                 isolation: str) -> PreparedExpert:
+        return PreparedExpert(info, sha, staged, source, isolation,
+                              call_timeout_s=self.probe_timeout_s,
+                              capacity=self.isolated_capacity)
+
+    def _latest_sha(self, name: str) -> str | None:
+        """sha256 `name` will have once the queued ops are applied (None when unsure)."""
+        with self._lock:
+            for op in reversed(self._ops):
+                if op[0] == "delete":
+                    return None
+                if op[1].name == name:
+                    return op[1].sha256
+            cur = self._active.get(name)
+            return cur.sha256 if cur is not None else None
+
+    # ------------------------------------------------------------------ helpers
+    def _reject(self, path: str, err: HotplugError, sha: str | None = None) -> None:
+        log.warning("hot-plug refused %s: %s", path, err)
+        self._emit("rejected", {"path": path, "reason": err.reason, "message": str(err),
+                                "sha256": sha})
+
+    def _emit(self, kind: str, info: dict) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(kind, info)
+        except Exception:  # noqa: BLE001 - a broken listener must not stop hot-plugging
+            log.exception("hot-plug on_event(%r) listener failed", kind)
+
+    def _referenced_staged(self) -> set[str]:
+        with self._lock:
+            refs = {r.staged for rec in self._records.values()
+                    for r in ([rec.current] if rec.current else []) + rec.history}
+            refs |= {e.staged_path for e in self._active.values()}
+            refs |= {op[1].staged for op in self._ops if op[0] == "upsert"}
+        return refs
+
+    def _forget_staged(self, staged: str | None) -> None:
+        if staged and staged not in self._referenced_staged():
+            try:
+                os.unlink(staged)
+            except OSError:
+                pass
+
+    def _clean_staging(self) -> None:
+        refs = self._referenced_staged()
+        for n in os.listdir(self.staging_dir):
+            p = os.path.join(self.staging_dir, n)
+            if p not in refs:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+    def _save_state(self) -> None:
+        with self._lock:
+            records = {k: NameRecord(v.slot, v.current, list(v.history), list(v.rolled_back),
+                                     list(v.disabled)) for k, v in self._records.items()}
+            next_slot = self._next_slot
+        try:
+            save_state(self.state_dir, next_slot, records)
+        except OSError as e:
+            log.error("cannot save hot-plug state in %s: %s", self.state_dir, e)

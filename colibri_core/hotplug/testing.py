@@ -1,0 +1,104 @@
+"""Test experts: a small C expert with switchable faults, compiled on demand.
+
+Used by tests/test_hotplug*.py and benchmarks/bench_hotplug.py, and handy to try the
+hot-plug folder by hand. `compile_test_expert(out, fault="segv")` builds an expert whose
+ffn_forward segfaults; the other faults are listed in FAULTS.
+
+The healthy expert computes y = scale * tanh(x) row by row, so two versions built with
+different `scale` are told apart by their output.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .builder import compile_shared
+from .meta import FLAG_THREAD_SAFE
+
+FAULTS = {
+    "none": 0,
+    "segv": 1,        # writes through a null pointer on every call
+    "hang": 2,        # never returns
+    "nan": 3,         # returns NaN outputs
+    "rc": 4,          # returns 7
+    "partial": 5,     # writes only the first row of y
+    "crash_on_magic": 6,  # segfaults when x[0][0] == MAGIC_INPUT, healthy otherwise
+    "abort_on_load": 7,   # a constructor that aborts when the library is loaded
+}
+MAGIC_INPUT = 12345.0
+
+TEST_EXPERT_C = r"""
+#include <math.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "colibri_expert.h"
+
+#ifndef ABI
+#define ABI COLIBRI_EXPERT_ABI_VERSION
+#endif
+
+const colibri_expert_meta_t colibri_expert_meta = {
+    .magic = COLIBRI_EXPERT_MAGIC,
+    .abi_version = ABI,
+    .struct_size = sizeof(colibri_expert_meta_t),
+    .flags = FLAGS,
+    .hidden_size = HIDDEN,
+    .n_layers = 1,
+    .layers = {LAYER},
+    .router_bias = 0.5f,
+    .name = EXPERT_NAME,
+    .version = EXPERT_VERSION,
+    .target = EXPERT_TARGET,
+};
+
+COLIBRI_EXPORT const float colibri_router_row[HIDDEN] = {[0] = 1.0f, [HIDDEN - 1] = -1.0f};
+
+#if FAULT == 7
+__attribute__((constructor)) static void on_load(void) { abort(); }
+#endif
+#if FAULT == 1 || FAULT == 6
+static int *volatile null_ptr;      /* read at run time: the store is not optimized away */
+#endif
+
+int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
+{
+    if (hidden != HIDDEN || n_tokens < 1)
+        return 1;
+#if FAULT == 1
+    *null_ptr = 1;
+#elif FAULT == 2
+    for (;;)
+        pause();
+#elif FAULT == 4
+    return 7;
+#elif FAULT == 6
+    if (x[0] == MAGIC_INPUT)
+        *null_ptr = 1;
+#endif
+    int rows = FAULT == 5 ? 1 : n_tokens;
+    for (long i = 0; i < (long)rows * hidden; i++)
+        y[i] = FAULT == 3 ? NAN : (float)(SCALE) * tanhf(x[i]);
+    return 0;
+}
+"""
+
+
+def compile_test_expert(out_so: str | os.PathLike, *, hidden: int = 64, layer: int = 1,
+                        name: str = "test_expert", version: str = "1.0",
+                        fault: str = "none", scale: float = 1.0, abi: int | None = None,
+                        thread_safe: bool = True, cc: str = "gcc",
+                        cflags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compile the test expert to `out_so` (atomically) and return its path."""
+    defines = {"HIDDEN": hidden, "LAYER": layer, "FAULT": FAULTS[fault],
+               "SCALE": f"{float(scale)!r}f", "MAGIC_INPUT": f"{MAGIC_INPUT!r}f",
+               "FLAGS": FLAG_THREAD_SAFE if thread_safe else 0,
+               "EXPERT_NAME": f'"{name}"', "EXPERT_VERSION": f'"{version}"'}
+    if abi is not None:
+        defines["ABI"] = f"{abi}u"
+    with tempfile.TemporaryDirectory(prefix="colibri-test-expert-") as d:
+        src = Path(d) / "test_expert.c"
+        src.write_text(TEST_EXPERT_C)
+        compile_shared([src], out_so, cc=cc, cflags=cflags, defines=defines)
+    return Path(out_so)

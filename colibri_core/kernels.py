@@ -1,0 +1,308 @@
+"""Python face of the C kernels (`colibri_core._colibri_kernels`, built by cffi).
+
+This is the only module that imports the extension. Every function checks the dtype,
+shape, C-contiguity (and writability of outputs) of its numpy arguments and raises
+ValueError naming the argument; arrays are then handed to C with `ffi.from_buffer`,
+never copied. No alignment is required: weight parts may be views at any byte offset.
+The C calls release the GIL.
+
+Backends: "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64), "scalar" (portable C, the
+reference). The best one is picked at import; `COLIBRI_KERNELS=scalar` forces the scalar
+one, and `set_backend()` switches at run time (tests, benchmarks).
+Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or all cores).
+
+Quantized matrices are `quant.Q4Tensor` / `quant.Q8Tensor` in the docs/FORMAT.md layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .quant import NIBBLE_BLOCK, Q4Tensor, Q8Tensor, padded_cols
+
+try:
+    from ._colibri_kernels import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the install
+    from .errors import KernelError
+
+    raise KernelError(
+        "colibri_core._colibri_kernels is not built: run `pip install -e .` or "
+        f"`python colibri_core/_kernels_build.py` ({exc})") from exc
+
+__all__ = [
+    "backend", "available_backends", "set_backend", "set_threads", "get_threads",
+    "rdtsc", "cycle_counter_name", "Workspace", "act_quantize_q8", "q4_matmul",
+    "q8_matmul", "expert_ffn",
+]
+
+lib.ck_init()
+
+_BACKENDS = {"scalar": 0, "avx2": 1, "neon": 2}
+_NAMES = {v: k for k, v in _BACKENDS.items()}
+_ACTS = {"int8": 1, "float": 0}
+_NULL = ffi.NULL
+_f32, _u8, _i8, _i32 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.int32)
+_CTYPE = {_f32: "float[]", _u8: "uint8_t[]", _i8: "int8_t[]", _i32: "int32_t[]"}
+
+
+# ----------------------------------------------------------------------------- runtime
+
+def backend() -> str:
+    """Name of the active SIMD path: "avx2", "neon" or "scalar"."""
+    return _NAMES[lib.ck_backend()]
+
+
+def available_backends() -> list[str]:
+    return [n for n, b in _BACKENDS.items() if lib.ck_backend_available(b)]
+
+
+def set_backend(name: str) -> str:
+    """Switch the SIMD path ("scalar", "avx2", "neon" or "auto"); returns the active one.
+    Not meant to be called while other threads run kernels."""
+    if name == "auto":
+        name = next(n for n in ("avx2", "neon", "scalar") if lib.ck_backend_available(_BACKENDS[n]))
+    if name not in _BACKENDS or lib.ck_set_backend(_BACKENDS[name]) != 0:
+        raise ValueError(f"kernel backend {name!r} is not available here "
+                         f"(available: {', '.join(available_backends())})")
+    return backend()
+
+
+def set_threads(n: int) -> None:
+    """Number of OpenMP threads used by every kernel call (>= 1)."""
+    if int(n) < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    lib.ck_set_threads(int(n))
+
+
+def get_threads() -> int:
+    return lib.ck_get_threads()
+
+
+def rdtsc() -> int:
+    """Raw cycle counter (rdtsc on x86, cntvct_el0 on aarch64, else nanoseconds)."""
+    return lib.ck_rdtsc()
+
+
+def cycle_counter_name() -> str:
+    return ffi.string(lib.ck_cycle_counter_name()).decode()
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _ptr(a: np.ndarray):
+    return ffi.from_buffer(_CTYPE[a.dtype], a)
+
+
+def _arr(name: str, a, dtype: np.dtype, shape: tuple, writable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name}: dtype must be {dtype}, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name}: shape must be {shape}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: array must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name}: array must be writable")
+    return a
+
+
+def _check_group(name: str, group: int) -> None:
+    if group <= 0 or group % NIBBLE_BLOCK:
+        raise ValueError(f"{name}: group size {group} is not a positive multiple of {NIBBLE_BLOCK}")
+
+
+def _q4_parts(name: str, w) -> tuple:
+    if not isinstance(w, Q4Tensor):
+        raise ValueError(f"{name}: expected a Q4Tensor, got {type(w).__name__}")
+    _check_group(name, w.group)
+    cp = padded_cols(w.cols, w.group)
+    ng = cp // w.group
+    _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
+    _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
+    _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
+    return _ptr(w.data), _ptr(w.scales), _ptr(w.zeros)
+
+
+def _x_out(w, x, out) -> int:
+    """Checks x [N, cols] / out [N, rows] (or x [cols] / out [rows]); returns N."""
+    if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
+        raise ValueError(f"x: expected a 1-D or 2-D numpy array, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    n = x.shape[0] if x.ndim == 2 else 1
+    lead = (n,) if x.ndim == 2 else ()
+    _arr("x", x, _f32, lead + (w.cols,))
+    _arr("out", out, _f32, lead + (w.rows,), writable=True)
+    return n
+
+
+def _act(act: str) -> int:
+    try:
+        return _ACTS[act]
+    except KeyError:
+        raise ValueError(f"act must be 'int8' or 'float', got {act!r}") from None
+
+
+def _rc(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("colibri kernels: could not allocate scratch buffers")
+
+
+# ----------------------------------------------------------------------------- workspace
+
+class Workspace:
+    """Preallocated int8 activation buffers, so that the decode path allocates nothing.
+
+    Fits any call with at most `max_tokens` tokens, `max_cols` input columns (for
+    expert_ffn: max(hidden, intermediate)) and a group size of at most `group`
+    (64 and 128 both fit group=128). Not thread-safe: one Workspace per thread.
+    """
+
+    def __init__(self, max_tokens: int, max_cols: int, group: int = 128):
+        _check_group("Workspace", group)
+        if max_tokens < 1 or max_cols < 1:
+            raise ValueError("Workspace: max_tokens and max_cols must be >= 1")
+        self.max_tokens, self.max_cols, self.group = int(max_tokens), int(max_cols), int(group)
+        cp = padded_cols(self.max_cols, self.group)
+        ng = -(-self.max_cols // NIBBLE_BLOCK)  # most groups any group size >= 64 needs
+        self._qsize, self._gsize = cp, ng
+        t = self.max_tokens
+        # x side and h side (expert_ffn quantizes its hidden activation h too)
+        self.xq, self.hq = np.zeros(t * cp, np.int8), np.zeros(t * cp, np.int8)
+        self.xs, self.hs = np.zeros(t * ng, np.float32), np.zeros(t * ng, np.float32)
+        self.xsum, self.hsum = np.zeros(t * ng, np.int32), np.zeros(t * ng, np.int32)
+        self.h = np.zeros(t * padded_cols(self.max_cols, NIBBLE_BLOCK), np.float32)
+        self._x = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum))
+        self._h = (_ptr(self.h), _ptr(self.hq), _ptr(self.hs), _ptr(self.hsum))
+
+    def _fits(self, n: int, cols: int, group: int) -> None:
+        cp = padded_cols(cols, group)
+        if n > self.max_tokens or n * cp > self.max_tokens * self._qsize or \
+                n * (cp // group) > self.max_tokens * self._gsize or \
+                n * padded_cols(cols, NIBBLE_BLOCK) > self.h.size:
+            raise ValueError(
+                f"Workspace(max_tokens={self.max_tokens}, max_cols={self.max_cols}, "
+                f"group={self.group}) is too small for {n} tokens x {cols} cols, group {group}")
+
+    def __repr__(self) -> str:
+        return f"Workspace(max_tokens={self.max_tokens}, max_cols={self.max_cols}, group={self.group})"
+
+
+def _scratch(ws: Optional[Workspace], n: int, cols: int, group: int) -> tuple:
+    if ws is None:
+        return _NULL, _NULL, _NULL
+    if not isinstance(ws, Workspace):
+        raise ValueError(f"scratch: expected a kernels.Workspace, got {type(ws).__name__}")
+    ws._fits(n, cols, group)
+    return ws._x
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def act_quantize_q8(x: np.ndarray, group: int, xq: Optional[np.ndarray] = None,
+                    xs: Optional[np.ndarray] = None, xsum: Optional[np.ndarray] = None):
+    """Per-group int8 quantization of x f32 [N, C]; bit-identical to
+    quant.quantize_act_q8. Fills xq int8 [N, Cp], xs f32 [N, NG], xsum int32 [N, NG]
+    (allocated when None) and returns (xq, xs, xsum)."""
+    _check_group("group", group)
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D numpy array, got {getattr(x, 'shape', type(x).__name__)}")
+    n, cols = x.shape
+    _arr("x", x, _f32, (n, cols))
+    cp = padded_cols(cols, group)
+    ng = cp // group
+    xq = np.empty((n, cp), np.int8) if xq is None else _arr("xq", xq, _i8, (n, cp), True)
+    xs = np.empty((n, ng), np.float32) if xs is None else _arr("xs", xs, _f32, (n, ng), True)
+    xsum = np.empty((n, ng), np.int32) if xsum is None else _arr("xsum", xsum, _i32, (n, ng), True)
+    if n and cols:
+        lib.ck_act_quantize(_ptr(x), n, cols, group, _ptr(xq), _ptr(xs), _ptr(xsum))
+    elif n:
+        xq[...] = 0; xs[...] = 0; xsum[...] = 0
+    return xq, xs, xsum
+
+
+def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
+              scratch: Optional[Workspace] = None) -> np.ndarray:
+    """out = x @ W^T for a q4 matrix W [R, C]: x f32 [N, C] -> out f32 [N, R]
+    (or x [C] -> out [R]). act="int8" quantizes x per group of W and uses integer dot
+    products; act="float" dequantizes W on the fly (parity path). Returns out."""
+    mode = _act(act)
+    d, s, z = _q4_parts("w", w)
+    n = _x_out(w, x, out)
+    if n == 0 or w.rows == 0:
+        return out
+    xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
+    _rc(lib.ck_q4_matmul(d, s, z, w.rows, w.cols, w.group, _ptr(x), n, _ptr(out), mode,
+                         xq, xs, xsum))
+    return out
+
+
+def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
+              scratch: Optional[Workspace] = None) -> np.ndarray:
+    """As q4_matmul for a q8 matrix (int8 [R, Cp] data, f32 [R, NG] scales)."""
+    mode = _act(act)
+    if not isinstance(w, Q8Tensor):
+        raise ValueError(f"w: expected a Q8Tensor, got {type(w).__name__}")
+    _check_group("w", w.group)
+    cp = padded_cols(w.cols, w.group)
+    _arr("w.data", w.data, _i8, (w.rows, cp))
+    _arr("w.scales", w.scales, _f32, (w.rows, cp // w.group))
+    n = _x_out(w, x, out)
+    if n == 0 or w.rows == 0:
+        return out
+    xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
+    _rc(lib.ck_q8_matmul(_ptr(w.data), _ptr(w.scales), w.rows, w.cols, w.group, _ptr(x), n,
+                         _ptr(out), mode, xq, xs, xsum))
+    return out
+
+
+def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.ndarray,
+               act: str = "int8", row_weights: Optional[np.ndarray] = None,
+               accumulate: bool = False, workspace: Optional[Workspace] = None) -> np.ndarray:
+    """One routed (or shared/dense) expert in one call:
+        h = silu(x @ W1^T) * (x @ W3^T);  y = h @ W2^T
+        out = y * row_weights[:, None]   (out += ... when accumulate)
+    W1, W3: [I, H] q4 with the same group; W2: [H, I] q4. x, out: f32 [N, H] (or [H]).
+    row_weights: [N] (any float dtype, converted; None = 1). Gate and up share one
+    activation quantization and one pass over the rows. Returns out."""
+    mode = _act(act)
+    p1, p3, p2 = _q4_parts("w1", w1), _q4_parts("w3", w3), _q4_parts("w2", w2)
+    hidden, inter = w1.cols, w1.rows
+    if (w3.rows, w3.cols) != (inter, hidden) or w3.group != w1.group:
+        raise ValueError(f"w3: shape {(w3.rows, w3.cols)} / group {w3.group} must equal "
+                         f"w1's {(inter, hidden)} / {w1.group}")
+    if (w2.rows, w2.cols) != (hidden, inter):
+        raise ValueError(f"w2: shape must be {(hidden, inter)} (hidden, intermediate), "
+                         f"got {(w2.rows, w2.cols)}")
+    if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
+        raise ValueError(f"x: expected a 1-D or 2-D numpy array, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    n = x.shape[0] if x.ndim == 2 else 1
+    lead = (n,) if x.ndim == 2 else ()
+    _arr("x", x, _f32, lead + (hidden,))
+    _arr("out", out, _f32, lead + (hidden,), writable=True)
+    if row_weights is not None:
+        row_weights = np.ascontiguousarray(row_weights, dtype=np.float32)
+        if row_weights.shape != (n,) and not (x.ndim == 1 and row_weights.shape == ()):
+            raise ValueError(f"row_weights: shape must be ({n},), got {row_weights.shape}")
+        row_weights = row_weights.reshape(n)
+    if n == 0:
+        return out
+    if hidden == 0 or inter == 0:
+        if not accumulate:
+            out[...] = 0
+        return out
+    if workspace is not None:
+        if not isinstance(workspace, Workspace):
+            raise ValueError(f"workspace: expected a kernels.Workspace, got {type(workspace).__name__}")
+        workspace._fits(n, hidden, w1.group)
+        workspace._fits(n, inter, w2.group)
+        (xq, xs, xsum), (h, hq, hs, hsum) = workspace._x, workspace._h
+    else:
+        xq = xs = xsum = h = hq = hs = hsum = _NULL
+    rw = _NULL if row_weights is None else _ptr(row_weights)
+    _rc(lib.ck_expert_ffn(*p1, *p3, w1.group, *p2, w2.group, hidden, inter, _ptr(x), n,
+                          _ptr(out), rw, int(bool(accumulate)), mode,
+                          xq, xs, xsum, h, hq, hs, hsum))
+    return out

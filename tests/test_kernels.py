@@ -1,0 +1,312 @@
+"""The C kernels (colibri_core.kernels) against the numpy references of quant.py.
+
+Error bounds (relative, ||y - ref|| / ||ref|| over the whole output):
+  act="float" vs the float64 dequantized product ......... FLOAT_TOL = 1e-5
+  act="int8"  vs matvec_q4_q8_ref (same integer dots) ..... INT8_TOL  = 1e-5
+  expert_ffn float vs float64 composition ................. FLOAT_TOL
+  expert_ffn int8 vs the int8 composition (expert_ffn_ref)  FFN_INT8_TOL = 2e-3: h is
+      computed in float32 by the kernel and in float64 by the reference, so a few h
+      values may round to the neighbouring int8 step before the down projection.
+  act_quantize_q8 .......................................... bit-exact
+Every kernel runs on every available backend (scalar reference and SIMD) and on 1 and
+2 threads; results must not depend on the thread count at all (rows are split, never
+the reduction).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri_core import kernels as K
+from colibri_core import quant as Q
+
+FLOAT_TOL = 1e-5
+INT8_TOL = 1e-5
+FFN_INT8_TOL = 2e-3
+
+BACKENDS = K.available_backends()
+THREADS = [1, 2]
+SHAPES = [(1, 64), (3, 130), (37, 300), (259, 1000)]   # (rows, cols): odd rows, partial groups
+NS = [1, 2, 7, 33]
+GROUPS = [64, 128]
+
+
+def rel(y, ref) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    K.set_backend(request.param)
+    yield request.param
+    K.set_backend("auto")
+
+
+@pytest.fixture(params=THREADS)
+def threads(request):
+    old = K.get_threads()
+    K.set_threads(request.param)
+    yield request.param
+    K.set_threads(old)
+
+
+def unaligned_q4(t: Q.Q4Tensor) -> Q.Q4Tensor:
+    """The same tensor with every part at an odd byte offset of one bytes buffer."""
+    parts = [np.ascontiguousarray(t.data), np.ascontiguousarray(t.scales),
+             np.ascontiguousarray(t.zeros)]
+    buf = bytearray(sum(p.nbytes for p in parts) + 3 * 8)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    views, off = [], 0
+    for p in parts:
+        off += (1 - (base + off)) % 4            # address = 1 mod 4: odd, and not float-aligned
+        buf[off:off + p.nbytes] = p.tobytes()
+        views.append(np.frombuffer(buf, p.dtype, p.size, off).reshape(p.shape))
+        off += p.nbytes
+    assert all(v.ctypes.data % 4 == 1 for v in views)
+    return Q.Q4Tensor(*views, t.rows, t.cols, t.group)
+
+
+def unaligned_f32(a: np.ndarray) -> np.ndarray:
+    """Copy of a as a view offset by one float into a larger buffer."""
+    buf = np.zeros(a.size + 9, np.float32)
+    v = buf[1:1 + a.size].reshape(a.shape)
+    v[...] = a
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def case(rows: int, cols: int, group: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed * 1000003 + rows * 7919 + cols * 31 + group + n)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    t = Q.quantize_q4(w, group)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[:, ::17] *= 8.0                            # some outliers, as real activations have
+    return t, x, Q.matvec_q4_ref(t, x), Q.matvec_q4_q8_ref(t, x)
+
+
+# ----------------------------------------------------------------------------- act quant
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("cols", [1, 63, 64, 100, 128, 130, 300, 1000])
+@pytest.mark.parametrize("n", NS)
+def test_act_quantize_exact(backend, threads, group, cols, n):
+    rng = np.random.default_rng(cols * 100 + n)
+    x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
+    x[0, : min(cols, group)] = 0.0               # an all-zero group: scale 0, q 0
+    if cols > 2:                                 # exact .5 ties after scaling: half-even
+        x[-1, :3] = [127.0, 0.5, -1.5]
+    x = unaligned_f32(x)
+    xq, xs, xsum = K.act_quantize_q8(x, group)
+    rq, rs, rsum = Q.quantize_act_q8(x, group)
+    np.testing.assert_array_equal(xq, rq)
+    np.testing.assert_array_equal(xs, rs)
+    np.testing.assert_array_equal(xsum, rsum)
+
+
+# ----------------------------------------------------------------------------- q4 matmul
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("n", NS)
+def test_q4_matmul(backend, threads, group, shape, n):
+    t, x, ref_f, ref_i = case(*shape, group, n)
+    out = np.empty((n, t.rows), np.float32)
+    K.q4_matmul(t, x, out, act="float")
+    assert rel(out, ref_f) < FLOAT_TOL
+    K.q4_matmul(t, x, out, act="int8")
+    assert rel(out, ref_i) < INT8_TOL
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("n", [1, 7])
+def test_q4_matmul_unaligned(backend, threads, group, n):
+    t, x, ref_f, ref_i = case(37, 300, group, n)
+    tu, xu = unaligned_q4(t), unaligned_f32(x)
+    out = unaligned_f32(np.zeros((n, t.rows), np.float32))
+    K.q4_matmul(tu, xu, out, act="float")
+    assert rel(out, ref_f) < FLOAT_TOL
+    K.q4_matmul(tu, xu, out, act="int8", scratch=K.Workspace(n, 300, group))
+    assert rel(out, ref_i) < INT8_TOL
+
+
+def test_q4_matmul_vector_and_workspace(backend):
+    t, x, ref_f, ref_i = case(259, 1000, 128, 1)
+    ws = K.Workspace(4, 1024, 128)
+    out = np.empty(t.rows, np.float32)
+    for _ in range(2):                            # reused scratch gives the same answer
+        K.q4_matmul(t, x[0], out, act="int8", scratch=ws)
+        assert rel(out, ref_i[0]) < INT8_TOL
+    out2 = np.empty(t.rows, np.float32)
+    K.q4_matmul(t, x[0], out2)                   # internal scratch: identical
+    np.testing.assert_array_equal(out, out2)
+    with pytest.raises(ValueError, match="too small"):
+        K.q4_matmul(t, np.zeros((5, 1000), np.float32), np.empty((5, 259), np.float32),
+                    scratch=ws)
+
+
+@pytest.mark.parametrize("act", ["int8", "float"])
+def test_threads_and_backends_agree(act):
+    t, x, _, ref_i = case(259, 1000, 128, 33)
+    res = {}
+    for be in BACKENDS:
+        K.set_backend(be)
+        for th in THREADS:
+            K.set_threads(th)
+            out = np.empty((33, t.rows), np.float32)
+            res[be, th] = K.q4_matmul(t, x, out, act=act)
+    K.set_backend("auto")
+    K.set_threads(2)
+    for be in BACKENDS:                          # the thread count never changes a bit
+        np.testing.assert_array_equal(res[be, 1], res[be, 2])
+    for (be, th), y in res.items():
+        assert rel(y, res["scalar", 1]) < 1e-5, (be, th)
+
+
+def test_batch_equals_single_tokens(backend):
+    """N > 1 tiles rows x tokens; each row must equal the decode (N = 1) answer."""
+    t, x, _, _ = case(37, 300, 64, 7)
+    batch = K.q4_matmul(t, x, np.empty((7, 37), np.float32))
+    for i in range(7):
+        one = K.q4_matmul(t, x[i:i + 1], np.empty((1, 37), np.float32))
+        assert rel(one[0], batch[i]) < 1e-6
+
+
+# ----------------------------------------------------------------------------- q8 matmul
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("shape", [(3, 130), (37, 300), (259, 1000)])
+@pytest.mark.parametrize("n", [1, 7])
+def test_q8_matmul(backend, threads, group, shape, n):
+    rows, cols = shape
+    rng = np.random.default_rng(rows + cols + group + n)
+    t = Q.quantize_q8(rng.standard_normal((rows, cols)).astype(np.float32), group)
+    x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
+    out = np.empty((n, rows), np.float32)
+    K.q8_matmul(t, x, out, act="float")
+    assert rel(out, Q.matvec_q8_ref(t, x)) < FLOAT_TOL
+    K.q8_matmul(t, x, out, act="int8")
+    assert rel(out, Q.matvec_q8_q8_ref(t, x)) < INT8_TOL
+
+
+# ----------------------------------------------------------------------------- expert FFN
+
+@functools.lru_cache(maxsize=None)
+def ffn_case(hidden: int, inter: int, g13: int, g2: int, n: int):
+    rng = np.random.default_rng(hidden * 3 + inter + g13 + g2 + n)
+    w1 = Q.quantize_q4(rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1, g13)
+    w3 = Q.quantize_q4(rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1, g13)
+    w2 = Q.quantize_q4(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, g2)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    rw = rng.uniform(0.1, 1.0, n).astype(np.float32)
+    return (w1, w3, w2, x, rw, Q.expert_ffn_ref(w1, w3, w2, x, "float"),
+            Q.expert_ffn_ref(w1, w3, w2, x, "int8"))
+
+
+@pytest.mark.parametrize("dims", [(64, 128, 64, 128), (130, 300, 128, 64), (300, 259, 64, 128)])
+@pytest.mark.parametrize("n", NS)
+def test_expert_ffn(backend, threads, dims, n):
+    w1, w3, w2, x, rw, ref_f, ref_i = ffn_case(*dims, n)
+    out = np.empty_like(x)
+    K.expert_ffn(w1, w3, w2, x, out, act="float")
+    assert rel(out, ref_f) < FLOAT_TOL
+    K.expert_ffn(w1, w3, w2, x, out, act="int8")
+    assert rel(out, ref_i) < FFN_INT8_TOL
+    assert rel(out, ref_f) < 5e-2                # int8 activations vs float: a sanity bound
+    # routing weights, accumulate, workspace and unaligned views all at once
+    base = np.random.default_rng(n).standard_normal(x.shape).astype(np.float32)
+    acc = unaligned_f32(base)
+    ws = K.Workspace(n, max(dims[:2]), 128)
+    K.expert_ffn(unaligned_q4(w1), unaligned_q4(w3), unaligned_q4(w2), unaligned_f32(x), acc,
+                 act="float", row_weights=rw, accumulate=True, workspace=ws)
+    assert rel(acc - base, ref_f * rw[:, None]) < FLOAT_TOL
+    K.expert_ffn(w1, w3, w2, x, acc, act="int8", row_weights=rw, workspace=ws)
+    assert rel(acc, ref_i * rw[:, None]) < FFN_INT8_TOL
+
+
+# ----------------------------------------------------------------------------- validation
+
+def test_rejects_bad_arguments():
+    t, x, _, _ = case(37, 300, 64, 2)
+    out = np.zeros((2, 37), np.float32)
+    bad = [
+        (x.astype(np.float64), out, "dtype"),
+        (x[:, :299], out, "shape"),
+        (np.asfortranarray(x), out, "contiguous"),
+        (np.zeros((2, 600), np.float32)[:, ::2], out, "contiguous"),
+        (x, out.astype(np.float64), "dtype"),
+        (x, out[:1], "shape"),
+        (x, np.empty((37, 2), np.float32).T, "contiguous"),
+        (x, np.broadcast_to(np.float32(0), (2, 37)), "contiguous|writable"),
+        (x.tolist(), out, "numpy array"),
+    ]
+    for xx, oo, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            K.q4_matmul(t, xx, oo)
+    ro = np.empty((2, 37), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        K.q4_matmul(t, x, ro)
+    with pytest.raises(ValueError, match="act"):
+        K.q4_matmul(t, x, out, act="fp16")
+    with pytest.raises(ValueError, match="Q4Tensor"):
+        K.q4_matmul(Q.quantize_q8(np.ones((37, 300)), 64), x, out)
+    with pytest.raises(ValueError, match="w.scales: dtype"):
+        K.q4_matmul(Q.Q4Tensor(t.data, t.scales.astype(np.float64), t.zeros, 37, 300, 64), x, out)
+    with pytest.raises(ValueError, match="w.data: shape"):
+        K.q4_matmul(Q.Q4Tensor(t.data[:, :-32], t.scales, t.zeros, 37, 300, 64), x, out)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        K.q4_matmul(Q.Q4Tensor(t.data, t.scales, t.zeros, 37, 300, 96), x, out)
+    with pytest.raises(ValueError, match="Q8Tensor"):
+        K.q8_matmul(t, x, out)
+    with pytest.raises(ValueError, match="x: dtype"):
+        K.act_quantize_q8(x.astype(np.float16), 64)
+    with pytest.raises(ValueError, match="xq: shape"):
+        K.act_quantize_q8(x, 64, xq=np.empty((2, 300), np.int8))
+    w1, w3, w2, xf, rw, _, _ = ffn_case(64, 128, 64, 128, 2)
+    o = np.empty_like(xf)
+    with pytest.raises(ValueError, match="w2: shape"):
+        K.expert_ffn(w1, w3, w1, xf, o)
+    with pytest.raises(ValueError, match="w3"):
+        K.expert_ffn(w1, w2, w2, xf, o)
+    with pytest.raises(ValueError, match="row_weights"):
+        K.expert_ffn(w1, w3, w2, xf, o, row_weights=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="x: shape"):
+        K.expert_ffn(w1, w3, w2, xf[:, :32].copy(), o)
+    with pytest.raises(ValueError, match="Workspace"):
+        K.expert_ffn(w1, w3, w2, xf, o, workspace=object())
+    with pytest.raises(ValueError):
+        K.set_threads(0)
+    with pytest.raises(ValueError, match="not available"):
+        K.set_backend("sse9")
+
+
+# ----------------------------------------------------------------------------- runtime
+
+def test_runtime_info():
+    assert K.backend() in BACKENDS and "scalar" in BACKENDS
+    K.set_threads(1)
+    assert K.get_threads() == 1
+    K.set_threads(2)
+    assert K.get_threads() == 2
+    a, b = K.rdtsc(), K.rdtsc()
+    assert isinstance(a, int) and b >= a
+    assert K.cycle_counter_name() in ("rdtsc", "cntvct_el0", "clock_gettime_ns")
+
+
+def test_env_forces_scalar():
+    code = ("import numpy as np; from colibri_core import kernels as K, quant as Q; "
+            "t = Q.quantize_q4(np.ones((3, 70), np.float32), 64); "
+            "y = K.q4_matmul(t, np.ones((1, 70), np.float32), np.empty((1, 3), np.float32)); "
+            "print(K.backend(), round(float(y.sum())))")
+    env = dict(os.environ, COLIBRI_KERNELS="scalar")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=root, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["scalar", "210"]
