@@ -20,7 +20,7 @@ from .errors import ColibriError
 
 
 def _engine_from_args(args):
-    from .config import EngineConfig, find_config, load_run_config
+    from .config import EngineConfig, find_config, load_run_config, parse
     from .engine import Engine
     overrides = {}
     if args.threads is not None:
@@ -35,13 +35,16 @@ def _engine_from_args(args):
         overrides["plugins_dir"] = args.plugins_dir
     if getattr(args, "experts_dir", None):
         overrides["experts_dir"] = args.experts_dir
+    if getattr(args, "debug", None):
+        kinds = [k.strip() for k in args.debug.split(",") if k.strip()]
+        overrides["debug"] = ["routing", "memory", "timing"] if kinds == ["all"] else kinds
     if args.model:
         base = EngineConfig()
         model_dir = Path(args.model)
     else:
         cfg, model_dir = load_run_config(find_config(args.config or "builtin"))
         base = cfg.engine
-    engine_cfg = EngineConfig.model_validate({**base.model_dump(), **overrides})
+    engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
     return Engine(model_dir, engine_cfg)
 
 
@@ -144,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-mode", choices=["mmap", "copy"])
     r.add_argument("--routing", choices=["fixed", "float"])
     r.add_argument("--activations", choices=["int8", "float"])
+    r.add_argument("--debug", help="trace lines to stderr: routing,memory,timing (or all)")
+    r.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the text")
     r.set_defaults(func=cmd_run)
 

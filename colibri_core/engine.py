@@ -40,11 +40,15 @@ class Engine:
         self.model_cfg: ModelConfig = self.weights.cfg
         tok_path = self.model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path, self.model_cfg.vocab_size) if tok_path.exists() else None
+        from .plugins import HookRelay, build_plugin_manager
+        if plugin_manager is None:
+            plugin_manager = build_plugin_manager(plugins_dir=config.plugins_dir)
+            if config.debug:
+                from .builtin_plugins.tracer import Tracer
+                plugin_manager.register(Tracer(kinds=tuple(config.debug)), name="debug-tracer")
         self.pm = plugin_manager
-        self.hooks = None
-        if plugin_manager is not None:
-            from .plugins import HookRelay
-            self.hooks = HookRelay(plugin_manager)
+        # Hook attributes are None when no plugin implements them: free on the hot path.
+        self.hooks = HookRelay(plugin_manager)
         self.model = Model(self.weights, config, self.hooks)
         self.expert_set_version = 0
         self._pending_changes: list = []      # callables applied between two tokens
@@ -65,6 +69,10 @@ class Engine:
     @classmethod
     def from_model_dir(cls, path: Union[str, Path], **settings) -> "Engine":
         return cls(path, EngineConfig(**settings))
+
+    def register_plugin(self, plugin, name: Optional[str] = None) -> None:
+        """Register a plugin object (its hooks take effect at the next call site)."""
+        self.pm.register(plugin, name=name)
 
     def close(self) -> None:
         if self.hooks is not None and self.hooks.engine_stop is not None:

@@ -130,7 +130,8 @@ class ElfFile:
             raise ExpertIncomplete(
                 f"{self.path}: {what} at bytes {offset}..{offset + size} lies past the end of"
                 f" the file ({self.size} bytes): file incomplete or truncated", path=self.path)
-        assert self._mm is not None
+        if self._mm is None:
+            return b""
         return self._mm[offset:offset + size]
 
     # -- parsing

@@ -100,9 +100,12 @@ class HotExpert:
             with self._lock:
                 try:
                     rc = self._runner.forward(x, out)
-                except ExpertCrashed:
+                except ExpertCrashed as e:
                     self.status = "crashed"
-                    raise
+                    raise ExpertCrashed(
+                        f"expert {self.name} {self.version} (slot {self.slot}): isolated"
+                        f" helper died ({self._runner.dead_reason}); the expert is disabled",
+                        path=self.staged_path) from e
         else:
             px = _ffi.from_buffer("float[]", x)
             py = _ffi.from_buffer("float[]", out, require_writable=True)

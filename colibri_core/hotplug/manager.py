@@ -260,10 +260,11 @@ class HotplugManager:
             for name, rec in sorted(self._records.items(), key=lambda kv: kv[1].slot):
                 if name in self._active:
                     continue
-                last = rec.current or (rec.history[-1] if rec.history else None)
+                last = rec.last
                 rows.append({"slot": rec.slot, "name": name,
                              "version": last.version if last else "",
-                             "layers": [], "origin": "hot-plugged",
+                             "layers": list(last.layers) if last else [],
+                             "origin": "hot-plugged",
                              "sha256": last.sha256 if last else "",
                              "isolation": last.isolation if last else "",
                              "status": "disabled" if rec.disabled and rec.current is None
@@ -299,7 +300,7 @@ class HotplugManager:
                 f"{prep.staged}: dlopen failed: {e}", reason="dlopen", path=prep.staged))
             return []
         vrec = VersionRecord(prep.sha256, prep.staged, prep.source, expert.version,
-                             expert.isolation)
+                             expert.isolation, tuple(expert.layers))
         with self._lock:
             self._active[name] = expert
             self._version += 1
@@ -308,7 +309,7 @@ class HotplugManager:
                 rec.rolled_back.append(cur.sha256)
             elif rec.current is not None and rec.current.sha256 != prep.sha256:
                 rec.push_history(rec.current)
-            rec.current = vrec
+            rec.current = rec.last = vrec
             version = self._version
         kind = "replace" if cur is not None else "add"
         if cur is not None:
@@ -538,7 +539,8 @@ class HotplugManager:
     def _save_state(self) -> None:
         with self._lock:
             records = {k: NameRecord(v.slot, v.current, list(v.history), list(v.rolled_back),
-                                     list(v.disabled)) for k, v in self._records.items()}
+                                     list(v.disabled), v.last)
+                       for k, v in self._records.items()}
             next_slot = self._next_slot
         try:
             save_state(self.state_dir, next_slot, records)

@@ -12,7 +12,8 @@ slot indices, and what rollback() reads. Layout:
                                 "version": "2.0", "isolation": "inprocess"} | null,
                     "history": [ {...}, ... ],      # older adopted versions, newest last
                     "rolled_back": ["sha256", ...], # versions rolled back from: not re-adopted
-                    "disabled": ["sha256", ...]}}}  # versions whose helper crashed
+                    "disabled": ["sha256", ...],    # versions whose helper crashed
+                    "last": {...} | null}}}         # latest adopted version, kept after removal
 
 A name keeps its slot forever once assigned (a removed expert that comes back gets its old
 slot), so traces and router rows never change meaning across restarts.
@@ -37,6 +38,7 @@ class VersionRecord:
     source: str
     version: str
     isolation: str
+    layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -46,6 +48,7 @@ class NameRecord:
     history: list[VersionRecord] = field(default_factory=list)
     rolled_back: list[str] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
+    last: VersionRecord | None = None      # most recent adopted version, kept after removal
 
     def known_shas(self) -> set[str]:
         return {r.sha256 for r in ([self.current] if self.current else []) + self.history}
@@ -78,7 +81,8 @@ def load_state(state_dir: str) -> tuple[int | None, dict[str, NameRecord]]:
                 current=VersionRecord(**r["current"]) if r.get("current") else None,
                 history=[VersionRecord(**h) for h in r.get("history", [])],
                 rolled_back=list(r.get("rolled_back", [])),
-                disabled=list(r.get("disabled", [])))
+                disabled=list(r.get("disabled", [])),
+                last=VersionRecord(**r["last"]) if r.get("last") else None)
         return int(raw["next_slot"]), records
     except (KeyError, TypeError, ValueError) as e:
         raise HotplugStateError(f"{path}: malformed hot-plug state ({e!r})",

@@ -1,0 +1,1 @@
+"""Run configs shipped with Colibri (installed as the package colibri_core.configs)."""
