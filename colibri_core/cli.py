@@ -128,6 +128,38 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_expert_build(args) -> int:
+    from .hotplug.builder import main as build_main
+    return build_main(args.rest)
+
+
+def cmd_experts_list(args) -> int:
+    eng = _engine_from_args(args)
+    try:
+        cfg = eng.model_cfg
+        rows = []
+        for L in cfg.moe_layers:
+            for e in eng.weights.layers[L].experts:
+                rows.append({"slot": e.index, "name": e.name, "version": "", "layers": [L],
+                             "origin": "model file", "sha256": cfg.files[f"{e.name}.bin"].sha256,
+                             "isolation": "inprocess", "status": "active"})
+        if eng.hotplug is not None:
+            rows += eng.hotplug.list()
+        if args.json:
+            print(json.dumps({"expert_set_version": eng.expert_set_version, "experts": rows}, indent=1))
+            return 0
+        print(f"expert set version {eng.expert_set_version}")
+        print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':10s} {'origin':12s} "
+              f"{'isolation':10s} {'status':9s} sha256")
+        for r in rows:
+            print(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
+                  f"{','.join(map(str, r['layers'])):10s} {r['origin']:12s} {r['isolation']:10s} "
+                  f"{r['status']:9s} {r['sha256'][:12]}")
+    finally:
+        eng.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description="CPU-first MoE inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-mode", choices=["mmap", "copy"])
     r.add_argument("--routing", choices=["fixed", "float"])
     r.add_argument("--activations", choices=["int8", "float"])
+    r.add_argument("--experts-dir", dest="experts_dir", help="watch this folder for hot-plugged experts")
     r.add_argument("--debug", help="trace lines to stderr: routing,memory,timing (or all)")
     r.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the text")
@@ -156,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model_dir")
     i.add_argument("--verify", action="store_true", help="check every file's sha256")
     i.set_defaults(func=cmd_inspect)
+
+    eb = sub.add_parser("expert", help="expert authoring: `colibri expert build ...`")
+    eb_sub = eb.add_subparsers(dest="expert_command", required=True)
+    b = eb_sub.add_parser("build", help="build a hot-pluggable expert .so from an .npz",
+                          add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_expert_build)
+
+    el = sub.add_parser("experts", help="hot-plugged experts: `colibri experts list`")
+    el_sub = el.add_subparsers(dest="experts_command", required=True)
+    ls = el_sub.add_parser("list", help="what is live: model experts and hot-plugged ones")
+    src = ls.add_mutually_exclusive_group()
+    src.add_argument("--config")
+    src.add_argument("--model")
+    ls.add_argument("--experts-dir", dest="experts_dir", help="the watched folder")
+    ls.add_argument("--threads", type=int)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_experts_list)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     c.add_argument("hf_dir")

@@ -36,6 +36,21 @@ class FormatVersion(BaseModel):
     minor: int = Field(ge=0)
 
 
+class RopeScaling(BaseModel):
+    """YaRN rotary scaling (DeepSeek-V2/V3 long-context checkpoints), as transformers
+    computes it (modeling_rope_utils._compute_yarn_parameters)."""
+    model_config = _STRICT
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+
+
 class ModelConfig(BaseModel):
     """Hyperparameters of a converted model (config.json of a model directory)."""
 
@@ -69,6 +84,20 @@ class ModelConfig(BaseModel):
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     shared_expert_gate: bool = False            # Qwen2-MoE: sigmoid gate on the shared expert
 
+    # Attention variant. "mla": DeepSeek multi-head latent attention (colibri_core/mla.py);
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim and num_kv_heads == num_heads.
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: Optional[int] = Field(default=None, gt=0)   # None: plain wq
+    kv_lora_rank: int = Field(default=0, ge=0)
+    qk_nope_head_dim: int = Field(default=0, ge=0)
+    qk_rope_head_dim: int = Field(default=0, ge=0)
+    v_head_dim: int = Field(default=0, ge=0)
+    rope_interleave: bool = False               # rotary pairs (x0,x1),(x2,x3).. (DeepSeek)
+    rope_scaling: Optional[RopeScaling] = None
+    # Converter provenance (bits, group size, method: rtn / awq / awq-import, ...);
+    # informational, never read by the engine.
+    quantization: dict[str, Any] = {}
+
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = []
 
@@ -99,7 +128,18 @@ class ModelConfig(BaseModel):
         if self.head_dim is None and self.hidden_size % self.num_heads:
             problems.append(f"hidden_size={self.hidden_size} is not divisible by "
                             f"num_heads={self.num_heads}; set head_dim")
-        if self.head_size % 2:
+        if self.attention == "mla":
+            if not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
+                problems.append("attention 'mla' needs kv_lora_rank, qk_rope_head_dim and "
+                                "v_head_dim > 0")
+            if self.qk_rope_head_dim % 2:
+                problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+            if self.head_size != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                problems.append(f"head_dim={self.head_size} must equal qk_nope_head_dim + "
+                                f"qk_rope_head_dim for attention 'mla'")
+            if self.num_kv_heads != self.num_heads:
+                problems.append("attention 'mla' needs num_kv_heads == num_heads")
+        elif self.head_size % 2:
             problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
         if "moe" in self.layer_types and self.num_experts == 0:
             problems.append("layer_types has 'moe' layers but num_experts is 0")
@@ -143,6 +183,17 @@ class LengthRule(BaseModel):
                 and (self.max_tokens is None or n <= self.max_tokens))
 
 
+class HotplugConfig(BaseModel):
+    """Hot-plugged experts (used when EngineConfig.experts_dir is set)."""
+    model_config = _STRICT
+    isolation: Literal["inprocess", "isolated"] = "inprocess"   # per-file override by name
+    allowlist: Optional[list[str]] = None          # sha256 hex digests; None: no allowlist
+    probe_timeout_s: float = Field(default=5.0, gt=0)
+    settle_s: float = Field(default=0.2, ge=0)
+    state_dir: Optional[str] = None                # default: <experts_dir>/.colibri-state
+    startup_timeout_s: float = Field(default=30.0, ge=0)  # wait for the folder's first scan
+
+
 class EngineConfig(BaseModel):
     """Runtime settings; every field has a default."""
 
@@ -156,6 +207,7 @@ class EngineConfig(BaseModel):
     length_policy: list[LengthRule] = []               # dynamic k by prompt length
     prefetch: Literal["none", "willneed", "populate"] = "willneed"
     experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
+    hotplug: HotplugConfig = HotplugConfig()
     plugins_dir: Optional[str] = None
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
+from collections import deque
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -50,9 +52,12 @@ class Engine:
         # Hook attributes are None when no plugin implements them: free on the hot path.
         self.hooks = HookRelay(plugin_manager)
         self.model = Model(self.weights, config, self.hooks)
-        self.expert_set_version = 0
         self._pending_changes: list = []      # callables applied between two tokens
-        if self.hooks is not None and self.hooks.engine_start is not None:
+        self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
+        self.hotplug = None
+        if config.experts_dir is not None:
+            self._start_hotplug(config)
+        if self.hooks.engine_start is not None:
             self.hooks.engine_start(engine=self)
 
     # ------------------------------------------------------------------ construction
@@ -77,6 +82,9 @@ class Engine:
     def close(self) -> None:
         if self.hooks is not None and self.hooks.engine_stop is not None:
             self.hooks.engine_stop(engine=self)
+        if self.hotplug is not None:
+            self.hotplug.close()
+            self.hotplug = None
         self.weights.close()
 
     def __enter__(self):
@@ -88,7 +96,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
     @property
     def num_experts(self) -> int:
-        return self.model_cfg.num_experts + self.model.num_hot_slots
+        """Experts a request's k may range over (the model's own)."""
+        return self.model_cfg.num_experts
+
+    @property
+    def expert_set_version(self) -> int:
+        return self.model.expert_set.version
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -189,15 +202,72 @@ class Engine:
                                   all_logits=all_positions)
 
     # ------------------------------------------------------------------ expert changes
+    def _start_hotplug(self, config: EngineConfig) -> None:
+        from .hotplug.manager import HotplugManager
+        hp = config.hotplug
+        experts_dir = Path(config.experts_dir)
+        state_dir = Path(hp.state_dir) if hp.state_dir else experts_dir / ".colibri-state"
+        self.hotplug = HotplugManager(
+            experts_dir, self.model_cfg.hidden_size, self.model_cfg.moe_layers,
+            first_slot=self.model_cfg.num_experts, state_dir=state_dir,
+            allowlist=hp.allowlist, isolation_default=hp.isolation,
+            probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event)
+        self.hotplug.start()
+        # The folder's existing experts go through the same checks before the first token.
+        self.hotplug.wait_idle(hp.startup_timeout_s)
+        self.apply_expert_changes()
+
+    def _on_event(self, kind: str, info: dict) -> None:
+        # Called on the hot-plug worker (rejections, already logged there) or inside drain();
+        # hooks fire on the engine's thread at the next token boundary.
+        self._events.append((kind, dict(info)))
+
     def queue_expert_change(self, change) -> None:
-        """Queue a callable(engine) that changes the expert set; applied between tokens."""
+        """Queue a callable(ExpertSet) -> ExpertSet; applied between tokens."""
         self._pending_changes.append(change)
 
     def apply_expert_changes(self) -> None:
-        """Called on the engine's thread between two tokens; no-op when nothing is queued."""
-        if not self._pending_changes:
-            return
-        pending, self._pending_changes = self._pending_changes, []
-        for change in pending:
-            change(self)
-            self.expert_set_version += 1
+        """On the engine's thread, between two tokens: adopt queued expert changes.
+
+        Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
+        and removed experts are released (their library unloaded) once no snapshot that
+        uses them is alive: requests that pinned an older snapshot keep theirs working.
+        """
+        es = self.model.expert_set
+        if self._pending_changes:
+            pending, self._pending_changes = self._pending_changes, []
+            for change in pending:
+                es = change(es)
+        if self.hotplug is not None:
+            for ch in self.hotplug.drain():
+                if ch.previous is not None and set(ch.previous.layers) - set(ch.expert.layers):
+                    es = es.with_expert(ch.previous, remove=True)
+                if ch.kind in ("add", "replace"):
+                    es = es.with_expert(ch.expert)
+                else:
+                    es = es.with_expert(ch.expert, remove=True)
+        if es is not self.model.expert_set:
+            old, self.model.expert_set = self.model.expert_set, es
+            live = {id(h) for h in es.hot_experts()}
+            gone = [h for h in old.hot_experts() if id(h) not in live]
+            if gone and self.hotplug is not None:
+                weakref.finalize(old, _release_all, self.hotplug, gone)
+        while self._events:
+            kind, info = self._events.popleft()
+            hook = {"loaded": self.hooks.expert_loaded, "unloaded": self.hooks.expert_unloaded,
+                    "rejected": self.hooks.expert_rejected}.get(kind)
+            if hook is None:
+                continue
+            if kind == "rejected":
+                hook(path=str(info.get("path", "")),
+                     reason=str(info.get("message") or info.get("reason", "")))
+            else:
+                hook(info={**info, "expert_set_version": self.expert_set_version})
+
+
+def _release_all(manager, experts) -> None:
+    for e in experts:
+        try:
+            manager.release(e)
+        except Exception as exc:   # never raise from a finalizer
+            log.warning("releasing expert %s failed: %s", getattr(e, "name", e), exc)

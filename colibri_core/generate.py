@@ -73,8 +73,10 @@ class Generation:
         try:
             t_prev = time.perf_counter()
             eng.apply_expert_changes()
-            version = eng.expert_set_version
-            logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k])[0]
+            es = eng.model.expert_set        # a pinned request keeps this snapshot
+            version = es.version
+            logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k],
+                                       expert_set=es)[0]
             eos = set(cfg.eos_token_ids)
             step = 0
             while True:
@@ -109,8 +111,10 @@ class Generation:
                     break
                 if not self.pin_experts:
                     eng.apply_expert_changes()          # between two tokens, on this thread
-                    version = eng.expert_set_version
-                logits = eng.model.forward([np.asarray([tok])], [cache], [self.k])[0]
+                    es = eng.model.expert_set
+                    version = es.version
+                logits = eng.model.forward([np.asarray([tok])], [cache], [self.k],
+                                           expert_set=es)[0]
             if decoder is not None and self.stop_reason != "stop":
                 tail = decoder.flush()
                 self.text += tail

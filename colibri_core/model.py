@@ -19,11 +19,18 @@ import numpy as np
 from . import kernels
 from .config import EngineConfig, ModelConfig
 from .errors import RequestError
+from . import mla
 from .quant import Q4Tensor, Q8Tensor
 from .routing import Routing, route
+from .expertset import ExpertSet
 from .weights import MADV_POPULATE_READ, FFNWeights, LayerWeights, ModelWeights
 
+import logging
 import mmap as _mmap
+
+from .hotplug.errors import HotplugError
+
+log = logging.getLogger("colibri")
 
 
 class KVCache:
@@ -56,28 +63,35 @@ class Model:
         self.hooks = hooks                   # plugins.HookRelay or None
         self.act = engine.activations
         self.routing_mode = engine.routing
-        hd = self.cfg.head_size
-        inv = 1.0 / (self.cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-        self._inv_freq = inv                 # [D/2]
+        self._inv_freq, self._rope_factor = mla.rope_frequencies(self.cfg)   # [D/2], cos/sin factor
+        self.observer = None                 # callable(weight, x) seeing every linear's input
+                                             # (converter calibration); None in normal use
         self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
                           "populate": MADV_POPULATE_READ}[engine.prefetch]
         self.last_routing: list[LayerTrace] = []
-        # Experts per layer: the model's own, then hot-plugged ones (slots >= num_experts).
-        # Router rows follow the same order; a vacant slot has router row None.
-        self.experts = {lw.index: list(lw.experts) for lw in weights.layers if lw.kind == "moe"}
-        self.routers = {lw.index: lw.router for lw in weights.layers if lw.kind == "moe"}
-        self.router_bias = {lw.index: lw.router_bias for lw in weights.layers if lw.kind == "moe"}
+        # The current expert set (the engine swaps it between tokens for hot-plugging).
+        self.expert_set = ExpertSet.from_weights(weights)
+        self._warned: set = set()
 
     # ------------------------------------------------------------------ small blocks
     def new_cache(self, capacity: int) -> KVCache:
+        if self.cfg.attention == "mla":
+            return mla.MLACache(self.cfg, capacity)
         return KVCache(self.cfg, capacity)
 
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         var = np.mean(x * x, axis=-1, keepdims=True)
         return (x / np.sqrt(var + self.cfg.rms_norm_eps)) * w
 
-    def linear(self, w, x: np.ndarray) -> np.ndarray:
-        """x [T, in] @ w^T -> [T, out] float32, whatever the stored number type."""
+    def linear(self, w, x: np.ndarray, act_scale: Optional[np.ndarray] = None) -> np.ndarray:
+        """x [T, in] @ w^T -> [T, out] float32, whatever the stored number type.
+
+        act_scale [in] (AWQ, optional): the stored matrix is W * act_scale (per column), so
+        the activations are divided by it first."""
+        if self.observer is not None:
+            self.observer(w, x)
+        if act_scale is not None:
+            x = x / act_scale
         if isinstance(w, Q4Tensor):
             out = np.empty((x.shape[0], w.rows), dtype=np.float32)
             kernels.q4_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
@@ -86,17 +100,24 @@ class Model:
             out = np.empty((x.shape[0], w.rows), dtype=np.float32)
             kernels.q8_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
             return out
-        return (x @ np.asarray(w, np.float32).T).astype(np.float32, copy=False)
+        w = np.asarray(w)
+        if w.dtype == np.uint16:                 # bf16 section: widen on use
+            w = (w.astype(np.uint32) << 16).view(np.float32)
+        return (x @ w.astype(np.float32, copy=False).T).astype(np.float32, copy=False)
 
     def _ffn(self, ffn: FFNWeights, x: np.ndarray, out: np.ndarray,
              row_weights: Optional[np.ndarray] = None, accumulate: bool = False) -> None:
-        if isinstance(ffn.w1, Q4Tensor) and isinstance(ffn.w2, Q4Tensor):
+        sc = ffn.act_scales
+        if (isinstance(ffn.w1, Q4Tensor) and isinstance(ffn.w2, Q4Tensor) and "w2" not in sc
+                and self.observer is None and sc.get("w1") is sc.get("w3")):
+            if "w1" in sc:                       # AWQ: w1 and w3 share one input scale
+                x = np.ascontiguousarray(x / sc["w1"], np.float32)
             kernels.expert_ffn(ffn.w1, ffn.w3, ffn.w2, x, out, act=self.act,
                                row_weights=row_weights, accumulate=accumulate)
             return
-        g = self.linear(ffn.w1, x)
-        u = self.linear(ffn.w3, x)
-        y = self.linear(ffn.w2, (g / (1.0 + np.exp(-g))) * u)
+        g = self.linear(ffn.w1, x, sc.get("w1"))
+        u = self.linear(ffn.w3, x, sc.get("w3"))
+        y = self.linear(ffn.w2, (g / (1.0 + np.exp(-g))) * u, sc.get("w2"))
         if row_weights is not None:
             y *= row_weights[:, None]
         if accumulate:
@@ -107,8 +128,8 @@ class Model:
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Rotate-half rotary embedding (Hugging Face layout). x [T, heads, D], pos [T]."""
         ang = pos[:, None].astype(np.float64) * self._inv_freq[None, :]      # [T, D/2]
-        cos = np.cos(ang).astype(np.float32)[:, None, :]
-        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        cos = (np.cos(ang) * self._rope_factor).astype(np.float32)[:, None, :]
+        sin = (np.sin(ang) * self._rope_factor).astype(np.float32)[:, None, :]
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -117,8 +138,12 @@ class Model:
     def _attention(self, lw: LayerWeights, xn: np.ndarray, pos: np.ndarray,
                    spans: list[tuple[int, int, KVCache]]) -> np.ndarray:
         cfg, a = self.cfg, lw.attn
+        if cfg.attention == "mla":
+            return mla.attention(self, lw, xn, pos, spans)
         T, D, NH, NKV = xn.shape[0], cfg.head_size, cfg.num_heads, cfg.num_kv_heads
-        q, k, v = self.linear(a.wq, xn), self.linear(a.wk, xn), self.linear(a.wv, xn)
+        acts = a.act_scales
+        q, k, v = (self.linear(a.wq, xn, acts.get("wq")), self.linear(a.wk, xn, acts.get("wk")),
+                   self.linear(a.wv, xn, acts.get("wv")))
         if a.bq is not None:
             q += a.bq
             k += a.bk
@@ -149,15 +174,16 @@ class Model:
             sc /= sc.sum(axis=-1, keepdims=True)
             o = np.einsum("kgts,skd->tkgd", sc.astype(np.float32), vals)
             out[t0:t1] = o.reshape(n, NH, D)
-        return self.linear(a.wo, out.reshape(T, NH * D))
+        return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray) -> np.ndarray:
+    def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray, es: ExpertSet) -> np.ndarray:
         cfg, L = self.cfg, lw.index
-        router = self.routers[L]
-        logits = xn @ router.T                                            # [T, E]
+        logits = xn @ es.routers[L].T                                     # [T, slots]
+        if es.logit_bias[L] is not None:                                  # hot experts' bias,
+            logits += es.logit_bias[L]                                    # vacant slots
         r = route(logits, k_tok, mode=self.routing_mode, scoring=cfg.scoring_func,
-                  norm_topk_prob=cfg.norm_topk_prob, bias=self.router_bias[L],
+                  norm_topk_prob=cfg.norm_topk_prob, bias=es.select_bias[L],
                   n_group=cfg.n_group, topk_group=cfg.topk_group,
                   scaling=cfg.routed_scaling_factor)
         hooks = self.hooks
@@ -168,7 +194,7 @@ class Model:
                 r = Routing(np.asarray(override[0], np.int64), np.asarray(override[1], np.float32),
                             r.scores)
         self.last_routing.append(LayerTrace(L, r, logits))
-        experts = self.experts[L]
+        experts = es.experts[L]
         out = np.zeros_like(xn)
         used = np.unique(r.ids[r.ids >= 0])
         if self._prefetch is not None:
@@ -206,22 +232,33 @@ class Model:
 
     def _run_expert(self, ex, x: np.ndarray, out: np.ndarray, row_weights: np.ndarray) -> None:
         rw = np.ascontiguousarray(row_weights, np.float32)
-        if getattr(ex, "ffn", None) is not None:
+        if ex.ffn is not None:
             self._ffn(ex.ffn, x, out, row_weights=rw, accumulate=True)
-        else:                                      # hot-plugged custom code: ffn_forward
-            y = np.empty_like(x)
+            return
+        y = np.empty_like(x)                       # hot-plugged custom code: ffn_forward
+        try:
             ex.forward(x, y)
-            out += y * rw[:, None]
+        except HotplugError as e:
+            # A failing hot expert contributes nothing to this token; the hot-plug manager
+            # removes it at the next token boundary. The engine goes on.
+            if ex.name not in self._warned:
+                self._warned.add(ex.name)
+                log.warning("%s failed (%s); it contributes nothing until it is removed", ex.name, e)
+            return
+        out += y * rw[:, None]
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],
-                ks: Sequence[int] | None = None, all_logits: bool = False) -> list[np.ndarray]:
+                ks: Sequence[int] | None = None, all_logits: bool = False,
+                expert_set: Optional[ExpertSet] = None) -> list[np.ndarray]:
         """Run a batch: tokens[i] (int ids) continue sequence i whose KV cache is caches[i].
 
         ks[i] is the top-k for sequence i (default: the model's). Returns per sequence the
         logits [V] of its last token, or [n_i, V] for all its tokens when all_logits.
+        `expert_set` pins a snapshot (default: the current one).
         """
         cfg = self.cfg
+        es = expert_set or self.expert_set
         if len(tokens) != len(caches):
             raise RequestError(f"{len(tokens)} token lists but {len(caches)} caches")
         ks = list(ks) if ks is not None else [cfg.top_k] * len(tokens)
@@ -235,7 +272,7 @@ class Model:
             if cache.length + n > cache.capacity:
                 raise RequestError(f"sequence needs {cache.length + n} positions, its cache "
                                    f"holds {cache.capacity}")
-            if cfg.moe_layers and not 1 <= k <= cfg.num_experts + self.num_hot_slots:
+            if cfg.moe_layers and not 1 <= k <= cfg.num_experts:
                 raise RequestError(f"top_k={k} out of range 1..{cfg.num_experts}")
             bad = (toks < 0) | (toks >= cfg.vocab_size)
             if bad.any():
@@ -260,13 +297,13 @@ class Model:
             else:
                 kk = kt
                 if hooks is not None and hooks.choose_k_token is not None:
-                    logits = xn @ self.routers[lw.index].T
+                    logits = xn @ es.routers[lw.index].T
                     probs = np.exp(logits - logits.max(1, keepdims=True))
                     probs /= probs.sum(1, keepdims=True)
                     got = hooks.choose_k_token(layer=lw.index, probs=probs, default_k=kt)
                     if got is not None:
-                        kk = np.clip(np.asarray(got, np.int64), 1, len(self.experts[lw.index]))
-                y = self._moe(lw, xn, kk)
+                        kk = np.clip(np.asarray(got, np.int64), 1, cfg.num_experts)
+                y = self._moe(lw, xn, kk, es)
             x = x + y
             if hooks is not None and hooks.after_layer is not None:
                 hooks.after_layer(layer=lw.index, hidden=x)
@@ -278,12 +315,6 @@ class Model:
             results.append(logits if all_logits else logits[0])
         return results
 
-    @property
-    def num_hot_slots(self) -> int:
-        if not self.experts:
-            return 0
-        return max(len(v) for v in self.experts.values()) - self.cfg.num_experts
-
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         e = self.w.embed
         if isinstance(e, Q4Tensor):
@@ -294,7 +325,10 @@ class Model:
             from .quant import dequantize_q8
             rows = Q8Tensor(e.data[ids], e.scales[ids], len(ids), e.cols, e.group)
             return dequantize_q8(rows).astype(np.float32)
-        return np.asarray(e[ids], dtype=np.float32)
+        rows = np.asarray(e[ids])
+        if rows.dtype == np.uint16:              # bf16
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        return rows.astype(np.float32)
 
 
 def _perf() -> float:

@@ -41,7 +41,10 @@ def expert_file_name(layer: int, idx: int) -> str:
 # ----------------------------------------------------------------------------- writer
 
 def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarray]]]:
-    """-> (dtype, shape, extra table keys, [(part name, contiguous array)])."""
+    """-> (dtype, shape, extra table keys, [(part name, contiguous array)]).
+
+    A plain float32 / float16 array is stored as f32 / f16, a uint16 array as bf16 (the
+    reader hands bf16 sections out as uint16 views, so this round-trips)."""
     if isinstance(t, Q4Tensor):
         return "q4", [t.rows, t.cols], {"group_size": t.group}, [
             ("data", np.ascontiguousarray(t.data, np.uint8)),
@@ -53,45 +56,122 @@ def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarr
             ("scales", np.ascontiguousarray(t.scales, np.float32))]
     a = np.asarray(t)
     for name, dt in PLAIN_DTYPES.items():
-        if a.dtype == dt and name != "bf16":
+        if a.dtype == dt:
             return name, list(a.shape), {}, [("data", np.ascontiguousarray(a))]
-    raise TypeError(f"cannot store array of dtype {a.dtype}; convert to float32 or float16")
+    raise TypeError(f"cannot store array of dtype {a.dtype}; convert to float32, float16 "
+                    f"or bf16 (as uint16)")
 
 
-def write_container(path: Path, sections: Iterable[tuple[str, Tensor]]) -> None:
-    """Write sections to `path` (through a temporary file renamed at the end)."""
-    path = Path(path)
-    entries, blobs = [], []
-    for name, t in sections:
-        dtype, shape, extra, parts = _parts_of(t)
-        entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
-                        "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
-        blobs.append(parts)
-    if len({e["name"] for e in entries}) != len(entries):
-        raise ValueError(f"{path.name}: duplicate section names")
-    # The header size depends on the offsets written in it: iterate to a fixed point.
-    header = ALIGN
+DEFAULT_RESERVE = 64 << 10   # header room of a streamed container when no size is given
+
+
+def _layout(sizes: list[list[int]], header: int) -> tuple[list[list[int]], int]:
+    """Offsets of every part (sizes per section) after a header of `header` bytes."""
+    off, offs = header, []
+    for parts in sizes:
+        o = []
+        for n in parts:
+            o.append(off)
+            off = _align(off + max(n, 1))
+        offs.append(o)
+    return offs, off
+
+
+def _table(entries: list[dict], offs: list[list[int]]) -> bytes:
+    for e, o in zip(entries, offs):
+        for (p, v), off in zip(e["parts"].items(), o):
+            v[0] = off
+    return json.dumps({"sections": entries}, separators=(",", ":")).encode()
+
+
+def _fit_header(entries: list[dict], sizes: list[list[int]], header: int):
+    """Smallest header >= `header` that holds the table (offsets depend on it: iterate)."""
     while True:
-        off = header
-        for e, parts in zip(entries, blobs):
-            for p, a in parts:
-                e["parts"][p] = [off, int(a.nbytes)]
-                off = _align(off + max(a.nbytes, 1))
-        table = json.dumps({"sections": entries}, separators=(",", ":")).encode()
+        offs, end = _layout(sizes, header)
+        table = _table(entries, offs)
         need = _align(_PREFIX.size + len(table))
         if need <= header:
-            break
+            return header, table, end
         header = need
+
+
+def _write_array(f, a: np.ndarray) -> None:
+    if a.nbytes:
+        f.write(memoryview(a.reshape(-1)).cast("B"))
+
+
+def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
+                    reserve: int | None = None) -> None:
+    """Write sections to `path` (through a temporary file renamed at the end).
+
+    A list or tuple of sections (all in memory already) gets the smallest header. Any
+    other iterable is *streamed*: each section is written as soon as it is produced and
+    then dropped, so a generator of freshly quantized tensors never has more than one
+    alive here. The header room is `reserve` bytes (rounded up to 4 KiB; default 64 KiB);
+    if the section table turns out larger, the written data is shifted up in place once.
+    The result is a pure function of the sections (and `reserve`): deterministic."""
+    path = Path(path)
+    exact = isinstance(sections, (list, tuple))
+    entries: list[dict] = []
+    sizes: list[list[int]] = []
+    if exact:
+        for name, t in sections:
+            dtype, shape, extra, parts = _parts_of(t)
+            entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
+                            "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
+            sizes.append([int(a.nbytes) for _, a in parts])
+        header, _, _ = _fit_header([dict(e, parts={k: list(v) for k, v in e["parts"].items()})
+                                    for e in entries], sizes, ALIGN)
+        entries, sizes = [], []
+    else:
+        header = _align(max(reserve or DEFAULT_RESERVE, _PREFIX.size + 2))
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(table)))
-        f.write(table)
-        for e, parts in zip(entries, blobs):
-            for p, a in parts:
-                f.seek(e["parts"][p][0])
-                f.write(a.tobytes())
-        f.truncate(off)
-    os.replace(tmp, path)
+    names: set[str] = set()
+    try:
+        with open(tmp, "w+b") as f:
+            off = header
+            for name, t in sections:
+                if name in names:
+                    raise ValueError(f"{path.name}: duplicate section name {name!r}")
+                names.add(name)
+                dtype, shape, extra, parts = _parts_of(t)
+                entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
+                                "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
+                sizes.append([int(a.nbytes) for _, a in parts])
+                for _, a in parts:
+                    f.seek(off)
+                    _write_array(f, a)
+                    off = _align(off + max(a.nbytes, 1))
+                del t, parts
+            final_header, table, end = _fit_header(entries, sizes, header)
+            if final_header != header:              # table outgrew the reserve: shift data
+                f.flush()
+                _shift(f, header, off, final_header - header)
+            f.seek(0)
+            f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(table)))
+            f.write(table)
+            f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
+            f.truncate(end)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:
+    """Move bytes [start, end) of the open file up by `delta`, from the end backwards."""
+    pos = end
+    while pos > start:
+        n = min(chunk, pos - start)
+        pos -= n
+        f.seek(pos)
+        buf = f.read(n)
+        f.seek(pos + delta)
+        f.write(buf)
+    # [start, start + delta) becomes header padding, zeroed by the caller
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

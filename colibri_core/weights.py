@@ -28,6 +28,9 @@ class FFNWeights:
     w1: Matrix   # gate [I, H]
     w3: Matrix   # up   [I, H]
     w2: Matrix   # down [H, I]
+    # AWQ activation scales by matrix name ("w1", "w3", "w2"): the stored matrix is
+    # W * s per column and the engine divides its input by s (sections "<name>.act_scale").
+    act_scales: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class AttentionWeights:
     bv: Optional[np.ndarray] = None
     q_norm: Optional[np.ndarray] = None  # [hd] (per head) or [heads*hd] (whole projection)
     k_norm: Optional[np.ndarray] = None
+    act_scales: dict = field(default_factory=dict)   # "wq".."wo" -> [cols] (AWQ)
 
 
 @dataclass
@@ -146,37 +150,59 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap") -> ModelWeights:
                                        f"expected {list(shape)} from config.json")
             return t
 
+        def act_scales(f: ContainerFile, prefix: str, mats) -> dict:
+            """Optional AWQ sections `<prefix><m>.act_scale`; equal scales share one array
+            (w1/w3 of an FFN: their common input is divided once)."""
+            out = {}
+            for m, cols in mats:
+                s = get(f, prefix + m + ".act_scale", (cols,), optional=True)
+                if s is not None:
+                    same = next((v for v in out.values() if np.array_equal(v, s)), None)
+                    out[m] = same if same is not None else s
+            return out
+
+        def ffn(f: ContainerFile, prefix: str, names, I: int) -> FFNWeights:
+            """names: section names of (gate, up, down) under `prefix`."""
+            n1, n3, n2 = names
+            w = FFNWeights(get(f, prefix + n1, (I, H)), get(f, prefix + n3, (I, H)),
+                           get(f, prefix + n2, (H, I)))
+            sc = act_scales(f, prefix, ((n1, H), (n3, H), (n2, I)))
+            w.act_scales = {k: sc[n] for k, n in zip(("w1", "w3", "w2"), names) if n in sc}
+            return w
+
         hd, nh, nkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
         layers = []
         for L, kind in enumerate(cfg.layer_types):
             p = f"layer.{L}."
-            attn = AttentionWeights(
-                wq=get(main, p + "wq", (nh * hd, H)), wk=get(main, p + "wk", (nkv * hd, H)),
-                wv=get(main, p + "wv", (nkv * hd, H)), wo=get(main, p + "wo", (H, nh * hd)),
-                bq=get(main, p + "bq", (nh * hd,), optional=True),
-                bk=get(main, p + "bk", (nkv * hd,), optional=True),
-                bv=get(main, p + "bv", (nkv * hd,), optional=True),
-                q_norm=get(main, p + "q_norm", optional=cfg.qk_norm == "none"),
-                k_norm=get(main, p + "k_norm", optional=cfg.qk_norm == "none"))
+            if cfg.attention == "mla":
+                from .mla import load_mla_weights
+                attn = load_mla_weights(
+                    lambda n, shape, optional=False: get(main, n, shape, optional), p, cfg)
+            else:
+                attn = AttentionWeights(
+                    wq=get(main, p + "wq", (nh * hd, H)), wk=get(main, p + "wk", (nkv * hd, H)),
+                    wv=get(main, p + "wv", (nkv * hd, H)), wo=get(main, p + "wo", (H, nh * hd)),
+                    bq=get(main, p + "bq", (nh * hd,), optional=True),
+                    bk=get(main, p + "bk", (nkv * hd,), optional=True),
+                    bv=get(main, p + "bv", (nkv * hd,), optional=True),
+                    q_norm=get(main, p + "q_norm", optional=cfg.qk_norm == "none"),
+                    k_norm=get(main, p + "k_norm", optional=cfg.qk_norm == "none"),
+                    act_scales=act_scales(main, p, (("wq", H), ("wk", H), ("wv", H),
+                                                    ("wo", nh * hd))))
             lw = LayerWeights(L, kind, get(main, p + "attn_norm", (H,)),
                               get(main, p + "ffn_norm", (H,)), attn)
             if kind == "dense":
-                I = cfg.intermediate_size
-                lw.dense = FFNWeights(get(main, p + "w1", (I, H)), get(main, p + "w3", (I, H)),
-                                      get(main, p + "w2", (H, I)))
+                lw.dense = ffn(main, p, ("w1", "w3", "w2"), cfg.intermediate_size)
             else:
                 E, I = cfg.num_experts, cfg.expert_intermediate
                 lw.router = np.ascontiguousarray(get(routing, p + "router", (E, H)), np.float32)
                 lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
                 for e in range(E):
                     f = open_file(expert_file_name(L, e))
-                    ffn = FFNWeights(get(f, "w1", (I, H)), get(f, "w3", (I, H)), get(f, "w2", (H, I)))
-                    lw.experts.append(Expert(L, e, ffn, f))
+                    lw.experts.append(Expert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
                 if cfg.shared_expert_intermediate_size:
-                    S = cfg.shared_expert_intermediate_size
-                    lw.shared = FFNWeights(get(main, p + "shared_w1", (S, H)),
-                                           get(main, p + "shared_w3", (S, H)),
-                                           get(main, p + "shared_w2", (H, S)))
+                    lw.shared = ffn(main, p, ("shared_w1", "shared_w3", "shared_w2"),
+                                    cfg.shared_expert_intermediate_size)
                     if cfg.shared_expert_gate:
                         lw.shared_gate = get(main, p + "shared_gate", (1, H))
             layers.append(lw)
@@ -195,13 +221,18 @@ def write_model_dir(out: Path, cfg: ModelConfig,
                     main_sections: Iterable[tuple[str, Tensor]],
                     routing_sections: Iterable[tuple[str, Tensor]],
                     experts: Iterable[tuple[int, int, FFNWeights]],
-                    extra_files: Iterable[Path] = ()) -> ModelConfig:
+                    extra_files: Iterable[Path] = (), main_reserve: Optional[int] = None) -> ModelConfig:
     """Write a complete model directory into `out` (which must exist and be empty or a
     staging folder). config.json is written last, with sizes and hashes, so a directory
-    without it is never mistaken for a model. Returns the final config."""
+    without it is never mistaken for a model. Returns the final config.
+
+    Sections are written as the iterables produce them (streaming: a generator's tensors
+    are not all held at once); `main_reserve` sizes model.bin's header room (see
+    modelfile.write_container). An expert's AWQ scales (`ffn.act_scales`) are written after
+    its three matrices as `<name>.act_scale`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_container(out / "model.bin", main_sections)
+    write_container(out / "model.bin", main_sections, reserve=main_reserve)
     routing_sections = list(routing_sections)
     names = ["model.bin"]
     if routing_sections:
@@ -209,7 +240,9 @@ def write_model_dir(out: Path, cfg: ModelConfig,
         names.append("routing.bin")
     for L, e, ffn in experts:
         name = expert_file_name(L, e)
-        write_container(out / name, [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)])
+        write_container(out / name, [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)]
+                        + [(f"{m}.act_scale", np.asarray(ffn.act_scales[m], np.float32))
+                           for m in ("w1", "w3", "w2") if m in ffn.act_scales])
         names.append(name)
     for extra in extra_files:
         target = out / Path(extra).name

@@ -430,6 +430,7 @@ def main(argv=None) -> int:
         if args.eval_every and step % args.eval_every == 0:
             vq, _ = evaluate(model, val_stream, L, 32, max_windows=64)
             print(f"  quick val ce {vq:.4f} (ppl {math.exp(vq):.2f})", flush=True)
+            t_log = time.time()  # keep eval time out of the tokens/s and re-plan estimates
 
     train_time = time.time() - t_train0
     final_train_ce = sum(ce_hist[-50:]) / len(ce_hist[-50:])

@@ -3,12 +3,15 @@ writing Colibri's dequantized weights into a transformers model, so kernel/layou
 are separated from quantization loss."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 torch = None
 transformers = None
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2")
 
 
 def _imports():
@@ -17,6 +20,7 @@ def _imports():
         import torch as _t
         import transformers as _tr
         torch, transformers = _t, _tr
+        _t.set_num_threads(2)
     return torch, transformers
 
 
@@ -46,11 +50,24 @@ def make_hf_model(family: str, seed: int = 0, **over):
         kw = dict(common, intermediate_size=160, num_experts=8, num_experts_per_tok=4)
         kw.update(over)
         cfg, cls = tr.OlmoeConfig(**kw), tr.OlmoeForCausalLM
+    elif family in ("deepseek_v3", "deepseek_v2"):
+        kw = dict(common, num_key_value_heads=4, intermediate_size=320, moe_intermediate_size=96,
+                  n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+                  q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32, n_shared_experts=1)
+        if family == "deepseek_v3":
+            kw.update(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+            kw.update(over)
+            cfg, cls = tr.DeepseekV3Config(**kw), tr.DeepseekV3ForCausalLM
+        else:
+            kw.update(n_shared_experts=2, routed_scaling_factor=1.5)
+            kw.update(over)
+            cfg, cls = tr.DeepseekV2Config(**kw), tr.DeepseekV2ForCausalLM
     else:
         raise ValueError(family)
+    cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    H = cfg.hidden_size
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -62,52 +79,158 @@ def make_hf_model(family: str, seed: int = 0, **over):
             else:
                 fan_in = p.shape[-1]
                 p.normal_(0.0, 1.0 / np.sqrt(fan_in))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return model
 
 
-def save(model, path: Path) -> Path:
-    model.save_pretrained(path, safe_serialization=True)
+def save(model, path: Path, dtype=None, fused: bool = False, shards: int = 1) -> Path:
+    """save_pretrained (per-expert tensor names, as published checkpoints), optionally in
+    bf16/f16. fused=True writes the in-memory state dict instead (transformers 5's fused
+    `experts.gate_up_proj` / `down_proj` tensors); shards > 1 splits it with an index."""
+    torch, _ = _imports()
+    path = Path(path)
+    m = model if dtype is None else _copy(model).to(dtype)
+    if not fused and shards == 1:
+        m.save_pretrained(path, safe_serialization=True)
+        return path
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    m.config.architectures = [type(m).__name__]
+    m.config.save_pretrained(path)
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+    if not fused:
+        sd = _unfused(sd)
+    names = sorted(sd)
+    parts = [names[i::shards] for i in range(shards)]
+    wm = {}
+    for i, part in enumerate(parts):
+        fn = f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
+        save_file({k: sd[k] for k in part}, str(path / fn), metadata={"format": "pt"})
+        wm.update({k: fn for k in part})
+    if shards > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     return path
 
 
-def load_dequantized_into(model, colibri_dir: Path):
-    """Copy Colibri's dequantized weights back into the Hugging Face `model` (in place)."""
-    torch, _ = _imports()
-    from colibri_core.quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
-    from colibri_core.weights import load_model
+def _copy(model):
+    import copy
+    return copy.deepcopy(model)
 
-    def deq(t):
-        if isinstance(t, Q4Tensor):
-            return dequantize_q4(t)
-        if isinstance(t, Q8Tensor):
-            return dequantize_q8(t)
-        return np.asarray(t, np.float64)
+
+def _unfused(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            I = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = v[e, :I].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = v[e, I:].contiguous()
+        elif k.endswith("experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer.json (256 byte tokens, no merges): deterministic and tiny."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    path = Path(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+def _deq(t):
+    from colibri_core.quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
+    if isinstance(t, Q4Tensor):
+        return dequantize_q4(t)
+    if isinstance(t, Q8Tensor):
+        return dequantize_q8(t)
+    a = np.asarray(t)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def effective(t, act_scale=None) -> np.ndarray:
+    """The float matrix Colibri effectively multiplies by (act scale divided out)."""
+    w = _deq(t)
+    if act_scale is not None:
+        w = w / np.asarray(act_scale, np.float64)[None, :]
+    return w
+
+
+def load_dequantized_into(model, colibri_dir: Path):
+    """Copy Colibri's effective weights (dequantized, AWQ scales divided out; norms,
+    biases and routers too) back into the Hugging Face `model` (in place)."""
+    torch, _ = _imports()
+    from colibri_core.weights import load_model
 
     w = load_model(colibri_dir)
     sd = model.state_dict()
 
     def put(name, arr):
-        sd[name].copy_(torch.from_numpy(np.asarray(arr, np.float32).reshape(sd[name].shape)))
+        sd[name].copy_(torch.from_numpy(np.array(arr, np.float32).reshape(sd[name].shape)))
 
-    put("model.embed_tokens.weight", deq(w.embed))
-    put("lm_head.weight", deq(w.lm_head))
+    def put_ffn(prefix, ffn):
+        for s, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            put(prefix + f"{n}.weight", effective(getattr(ffn, s), ffn.act_scales.get(s)))
+
+    put("model.embed_tokens.weight", _deq(w.embed))
+    put("lm_head.weight", _deq(w.lm_head))
+    put("model.norm.weight", w.final_norm)
     for lw in w.layers:
         q = f"model.layers.{lw.index}."
-        for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            put(q + f"self_attn.{n}.weight", deq(getattr(lw.attn, s)))
-        if lw.kind == "dense":
-            for s, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                put(q + f"mlp.{n}.weight", deq(getattr(lw.dense, s)))
+        a = lw.attn
+        put(q + "input_layernorm.weight", lw.attn_norm)
+        put(q + "post_attention_layernorm.weight", lw.ffn_norm)
+        if w.cfg.attention == "mla":
+            names = {"wq": "q_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj",
+                     "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+            for s, n in names.items():
+                if getattr(a, s) is not None:
+                    put(q + f"self_attn.{n}.weight", effective(getattr(a, s), a.act_scales.get(s)))
+            put(q + "self_attn.kv_a_layernorm.weight", a.kv_a_norm)
+            if a.q_a_norm is not None:
+                put(q + "self_attn.q_a_layernorm.weight", a.q_a_norm)
         else:
-            gu = sd[q + "mlp.experts.gate_up_proj"]
-            dn = sd[q + "mlp.experts.down_proj"]
-            for ex in lw.experts:
-                g = np.concatenate([deq(ex.ffn.w1), deq(ex.ffn.w3)], axis=0)
-                gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
-                dn[ex.index].copy_(torch.from_numpy(deq(ex.ffn.w2).astype(np.float32)))
-            if lw.shared is not None:
-                for s, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                    put(q + f"mlp.shared_expert.{n}.weight", deq(getattr(lw.shared, s)))
+            for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+                put(q + f"self_attn.{n}.weight", effective(getattr(a, s), a.act_scales.get(s)))
+            for s, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+                if getattr(a, s) is not None:
+                    put(q + f"self_attn.{n}.bias", getattr(a, s))
+            if a.q_norm is not None:
+                put(q + "self_attn.q_norm.weight", a.q_norm)
+                put(q + "self_attn.k_norm.weight", a.k_norm)
+        if lw.kind == "dense":
+            put_ffn(q + "mlp.", lw.dense)
+            continue
+        put(q + "mlp.gate.weight", lw.router)
+        if lw.router_bias is not None:
+            put(q + "mlp.gate.e_score_correction_bias", lw.router_bias)
+        gu = sd[q + "mlp.experts.gate_up_proj"]
+        dn = sd[q + "mlp.experts.down_proj"]
+        for ex in lw.experts:
+            f, s = ex.ffn, ex.ffn.act_scales
+            g = np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0)
+            gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
+            dn[ex.index].copy_(torch.from_numpy(effective(f.w2, s.get("w2")).astype(np.float32)))
+        if lw.shared is not None:
+            name = "shared_expert." if q + "mlp.shared_expert.gate_proj.weight" in sd else "shared_experts."
+            put_ffn(q + "mlp." + name, lw.shared)
+            if lw.shared_gate is not None:
+                put(q + "mlp.shared_expert_gate.weight", lw.shared_gate)
     w.close()
     return model
 
@@ -129,3 +252,25 @@ def hf_greedy(model, ids, n: int) -> list[int]:
 def rel_err(a, ref) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def perplexity(logits: np.ndarray, ids) -> float:
+    """exp(mean NLL) of ids[1:] under logits[:-1] ([n, V] rows for each position)."""
+    lg = np.asarray(logits, np.float64)[:-1]
+    lg = lg - lg.max(axis=1, keepdims=True)
+    lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+    return float(np.exp(-lp[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
+
+
+def routing_flips(fast, ref) -> list[tuple[int, int, float]]:
+    """Tokens whose expert set differs between two engines' last forward, with the
+    reference's gap between the k-th and (k+1)-th selection value."""
+    flips = []
+    for a, b in zip(ref.model.last_routing, fast.model.last_routing):
+        for t in range(a.routing.ids.shape[0]):
+            if set(a.routing.ids[t]) != set(b.routing.ids[t]):
+                srt = np.sort(a.logits[t])[::-1]
+                k = a.routing.ids.shape[1]
+                gap = srt[k - 1] - srt[k] if k < len(srt) else np.inf
+                flips.append((a.layer, t, float(gap)))
+    return flips

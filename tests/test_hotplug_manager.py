@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from colibri_core.hotplug import HotplugManager
-from colibri_core.hotplug.errors import ExpertCrashed, ExpertSecurityError, RollbackError
+from colibri_core.hotplug.errors import (ExpertCrashed, ExpertSecurityError, HotplugStateError,
+                                         RollbackError)
 from colibri_core.hotplug.staging import sha256_file
 from colibri_core.hotplug.testing import MAGIC_INPUT, compile_test_expert
 
@@ -224,7 +225,7 @@ def test_slow_chunked_copy_and_half_written_file_are_never_loaded(make_manager, 
             for i in range(0, len(raw), 2048):
                 f.write(raw[i:i + 2048])
                 f.flush()
-                time.sleep(0.02)
+                time.sleep(0.01)
         (add,) = loop.wait_changes(1)
         assert add.expert.sha256 == sha256_file(str(src))
         assert not events.rejected(dst)
@@ -377,8 +378,8 @@ def test_isolated_expert_crash_disables_it_and_the_loop_goes_on(make_manager, fo
 
 def test_restart_keeps_slots_and_rollbacks(make_manager, folder, tmp_path):
     mgr, _ = make_manager(watch=False)
-    drop(folder, "a.so", name="a")
-    drop(folder, "b.so", name="b")
+    drop(folder, "a.so", name="a", version="1")
+    drop(folder, "b.so", name="b", version="1")
     mgr.start()
     assert mgr.wait_idle(10)
     first = {c.expert.name: c.expert.slot for c in mgr.drain()}
@@ -402,11 +403,13 @@ def test_restart_keeps_slots_and_rollbacks(make_manager, folder, tmp_path):
     drop(folder, "c.so", name="c")
     mgr2, events2 = make_manager(watch=False)
     mgr2.start()
+    with pytest.raises(HotplugStateError, match="in use by another manager"):
+        make_manager(watch=False)[0].start()        # one manager per state folder
     assert mgr2.wait_idle(10)
     got = {c.expert.name: c.expert for c in mgr2.drain()}
     assert got["b"].slot == first["b"] and got["b"].version == "1"
     assert got["c"].slot == FIRST_SLOT + 2 and "a" not in got
-    drop(folder, "a.so", name="a")
+    drop(folder, "a.so", name="a", version="1")
     mgr2.rescan()
     assert mgr2.wait_idle(10)
     (again,) = mgr2.drain()
@@ -434,3 +437,19 @@ def test_release_refuses_an_active_expert(make_manager, folder):
     threads = [threading.Thread(target=call) for _ in range(3)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+
+
+def test_a_file_that_now_provides_another_name(make_manager, folder):
+    mgr, events = make_manager(watch=False)
+    drop(folder, "slot.so", name="first")
+    mgr.start()
+    assert mgr.wait_idle(10)
+    (add,) = mgr.drain()
+    drop(folder, "slot.so", name="second")
+    mgr.rescan()
+    assert mgr.wait_idle(10)
+    add2, remove = mgr.drain()
+    assert (add2.kind, add2.expert.name, add2.expert.slot) == ("add", "second", FIRST_SLOT + 1)
+    assert (remove.kind, remove.expert, remove.reason) == ("remove", add.expert, "renamed")
+    assert [e["reason"] for e in events.of("unloaded")] == ["renamed"]
+    assert mgr.version == 3 and list(mgr.active()) == ["second"]

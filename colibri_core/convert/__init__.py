@@ -1,13 +1,27 @@
 """Hugging Face checkpoint -> Colibri model directory.
 
-    convert(hf_dir, out_dir, bits=4, group_size=128)
+    convert(hf_dir, out_dir, bits=4, group_size=128, calibration=None)
 
-Writes into a hidden staging folder beside `out_dir` and renames it into place at the
-end, so a failed or interrupted conversion never leaves a directory that looks valid.
-Tensors are read one at a time from the memory-mapped safetensors files.
+- Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (MLA attention, grouped
+  sigmoid routing); see families.py for the config mapping and what is refused.
+- Precision (`bits`): 4 -> q4 (lm_head q8 and, when tied, the embedding too), 8 -> q8,
+  16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
+  checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.
+- `calibration`: a text file; AWQ scales are searched on the model's own activations
+  (awq.py). Without it, plain round-to-nearest. AutoAWQ checkpoints are imported as they
+  are.
+- Streaming: tensors are read one at a time from the mapped safetensors files, converted
+  and written straight into their container; nothing holds more than one converted
+  tensor (calibration holds one layer in float).
+- Atomic: everything is written into a hidden staging folder beside `out_dir`, checked
+  by loading it, and renamed into place at the end; an interrupted conversion leaves no
+  directory that looks valid.
+- Deterministic: the same inputs give byte-identical files (sizes and sha256 recorded in
+  config.json).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,25 +30,17 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import ConfigError
-from ..quant import quantize_q4, quantize_q8
-from ..weights import FFNWeights, write_model_dir
-from .families import expert_weights, family_of, model_config_fields, router_weight
-from .safetensors_reader import Checkpoint
+from ..config import ModelConfig, format_validation_error
+from ..errors import ColibriError, ConfigError
+from ..quant import check_group, quantize_q4, quantize_q8
+from ..weights import (AttentionWeights, Expert, FFNWeights, LayerWeights, write_model_dir)
+from . import families as fam
+from .awq import AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens
+from .safetensors_reader import Checkpoint, f32_to_bf16
 
 VALID_BITS = (4, 8, 16, 32)
 
-
-def _matrix(w: np.ndarray, bits: int, group: int):
-    """Store a weight matrix at the requested precision."""
-    if bits == 4:
-        return quantize_q4(w, group)
-    if bits == 8:
-        return quantize_q8(w, group)
-    if bits == 16:
-        return np.asarray(w, np.float16)
-    return np.asarray(w, np.float32)
+__all__ = ["convert", "VALID_BITS"]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -42,94 +48,181 @@ def _progress(total: int, desc: str, enabled: bool):
         return None
     try:
         from tqdm import tqdm
-        return tqdm(total=total, desc=desc, unit="tensor", leave=False)
     except ImportError:
         return None
+    import sys
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (is {path.parent} a Hugging Face model directory?)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _add_bos(hf_dir: Path) -> Optional[bool]:
+    p = hf_dir / "tokenizer_config.json"
+    if not p.is_file():
+        return None
+    try:
+        v = json.loads(p.read_text(encoding="utf-8")).get("add_bos_token")
+    except Exception:
+        return None
+    return None if v is None else bool(v)
+
+
+class _Writer:
+    """Turns checkpoint tensors into stored sections for one conversion."""
+
+    def __init__(self, ck: Checkpoint, cfg: ModelConfig, bits: int, group: int,
+                 awq: Optional[AwqSpec], scales: Scales):
+        self.ck, self.cfg, self.bits, self.group, self.awq, self.scales = ck, cfg, bits, group, awq, scales
+
+    def float32(self, src: fam.Src) -> np.ndarray:
+        if src.awq:
+            if self.awq is None:
+                raise ConfigError(f"checkpoint: {src.name}.qweight is AWQ-packed but config.json "
+                                  f"has no AWQ quantization_config")
+            return awq_dequantize(self.ck, src, self.awq)
+        return src.f32(self.ck)
+
+    def vector(self, src: fam.Src) -> np.ndarray:
+        return np.ascontiguousarray(src.f32(self.ck), np.float32)
+
+    def matrix(self, src: fam.Src, key: str, bits: Optional[int] = None):
+        """-> (stored tensor, act_scale or None)."""
+        bits = bits or self.bits
+        sc = self.scales
+        scaled = key in sc.act or key in sc.fold_rows or key in sc.fold_cols
+        if src.awq and bits == 4 and not scaled:
+            return awq_q4(self.ck, src, self.awq), None
+        if bits == 16 and not src.awq and not scaled:
+            dt = src.dtype(self.ck)
+            if dt in ("BF16", "F16"):                      # lossless copy of the stored bits
+                return np.ascontiguousarray(src.raw(self.ck)), None
+            return f32_to_bf16(src.f32(self.ck)), None
+        w = self.float32(src)
+        if w.ndim != 2:
+            raise ConfigError(f"checkpoint: {src.name} has shape {list(w.shape)}, expected a matrix")
+        if bits == 32:
+            return np.ascontiguousarray(w, np.float32), None
+        if bits == 16:
+            return f32_to_bf16(w), None
+        s = sc.act.get(key)
+        if key in sc.fold_rows:
+            w = w / sc.fold_rows[key].astype(np.float64)[:, None]
+        if key in sc.fold_cols:
+            w = w * sc.fold_cols[key].astype(np.float64)[None, :]
+        if s is not None:
+            w = w * s.astype(np.float64)[None, :]
+        t = quantize_q4(w, self.group) if bits == 4 else quantize_q8(w, self.group)
+        return t, s
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             lm_head_bits: Optional[int] = None, embed_bits: Optional[int] = None,
+            calibration=None, calibration_tokens_max: int = 512,
             progress: bool = False, overwrite: bool = False) -> ModelConfig:
-    """Convert; returns the written model config."""
+    """Convert; returns the written model config. Raises ConfigError (one line) for
+    unsupported architectures and options, ModelFormatError for broken checkpoints."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    if bits not in VALID_BITS:
-        raise ConfigError(f"--bits {bits}: must be one of {VALID_BITS}")
-    cfg_path = hf_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path}: not found (is {hf_dir} a Hugging Face model directory?)")
-    hf = json.loads(cfg_path.read_text())
-    fields = model_config_fields(hf)
-    cfg = ModelConfig.model_validate(fields)
-    cfg.check_experts()
-    # lm_head / embeddings: keep at least 8 bits under a 4-bit body (llama.cpp keeps its
-    # output matrix at 6 bits for the same reason: it dominates the logit error).
+    for name, b in (("--bits", bits), ("lm_head_bits", lm_head_bits), ("embed_bits", embed_bits)):
+        if b is not None and b not in VALID_BITS:
+            raise ConfigError(f"{name} {b}: must be one of {', '.join(map(str, VALID_BITS))}")
+    try:
+        check_group(group_size)
+    except ValueError as e:
+        raise ConfigError(f"--group-size {group_size}: {e}") from None
+    hf = _read_json(hf_dir / "config.json")
+    fields = fam.model_config_fields(hf, add_bos=_add_bos(hf_dir))
+    spec = awq_spec(hf)
+    if calibration is not None:
+        if spec is not None:
+            raise ConfigError("--calibration: the checkpoint is already AWQ-quantized; it is "
+                              "imported as it is (drop --calibration)")
+        if bits not in (4, 8):
+            raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
     lm_bits = lm_head_bits or (8 if bits == 4 else bits)
-    emb_bits = embed_bits or bits
+    emb_bits = embed_bits or (lm_bits if fields.get("tie_word_embeddings") else bits)
+    method = "awq-import" if spec is not None else ("awq" if calibration is not None else "rtn")
+    try:
+        cfg = ModelConfig.model_validate(fields)
+    except Exception as e:
+        from pydantic import ValidationError
+        if isinstance(e, ValidationError):
+            raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
+        raise
+    cfg.check_experts()
     ck = Checkpoint(hf_dir)
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: exists and is not a directory")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir}: already exists and is not empty (pass overwrite / --force)")
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if staging.exists():
         shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    H = cfg.hidden_size
-    n_tensors = 3 + sum(7 if t == "dense" else 5 + 3 * cfg.num_experts for t in cfg.layer_types)
-    bar = _progress(n_tensors, "convert", progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    E, I = cfg.num_experts, cfg.expert_intermediate
+    n_attn = sum(1 for _, _, k in fam.attention_sections(ck, cfg, 0) if k == "matrix")
+    per_layer = [n_attn + (3 if t == "dense" else 3 * E + (3 if cfg.shared_expert_intermediate_size else 0))
+                 for t in cfg.layer_types]
+    total = sum(per_layer) + 1 + (0 if cfg.tie_word_embeddings else 1)
+    if calibration is not None:
+        total += cfg.num_layers
+    bar = _progress(total, "convert", progress)
 
     def tick(n=1):
         if bar is not None:
             bar.update(n)
 
-    def main_sections() -> Iterator:
-        yield "embed", _matrix(ck.get("model.embed_tokens.weight"), emb_bits, group_size)
-        tick()
-        for L, kind in enumerate(cfg.layer_types):
-            p, q = f"layer.{L}.", f"model.layers.{L}."
-            yield p + "attn_norm", ck.get(q + "input_layernorm.weight")
-            yield p + "ffn_norm", ck.get(q + "post_attention_layernorm.weight")
-            for s, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-                yield p + s, _matrix(ck.get(q + f"self_attn.{name}.weight"), bits, group_size)
-                tick()
-            if cfg.attention_bias:
-                for s, name in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-                    if q + f"self_attn.{name}.bias" in ck:
-                        yield p + s, ck.get(q + f"self_attn.{name}.bias")
-            if cfg.qk_norm != "none":
-                yield p + "q_norm", ck.get(q + "self_attn.q_norm.weight")
-                yield p + "k_norm", ck.get(q + "self_attn.k_norm.weight")
-            if kind == "dense":
-                for s, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                    yield p + s, _matrix(ck.get(q + f"mlp.{name}.weight"), bits, group_size)
-                    tick()
-            elif cfg.shared_expert_intermediate_size:
-                for s, name in (("shared_w1", "gate_proj"), ("shared_w3", "up_proj"),
-                                ("shared_w2", "down_proj")):
-                    yield p + s, _matrix(ck.get(q + f"mlp.shared_expert.{name}.weight"), bits, group_size)
-                if cfg.shared_expert_gate:
-                    yield p + "shared_gate", ck.get(q + "mlp.shared_expert_gate.weight")
-        yield "final_norm", ck.get("model.norm.weight")
-        if not cfg.tie_word_embeddings:
-            yield "lm_head", _matrix(ck.get("lm_head.weight"), lm_bits, group_size)
-        tick()
-
-    def routing_sections() -> Iterator:
-        for L in cfg.moe_layers:
-            yield f"layer.{L}.router", router_weight(ck, L)
-
-    def experts() -> Iterator:
-        I = cfg.expert_intermediate
-        for L in cfg.moe_layers:
-            for e in range(cfg.num_experts):
-                w1, w3, w2 = expert_weights(ck, L, e, I)
-                yield L, e, FFNWeights(_matrix(w1, bits, group_size), _matrix(w3, bits, group_size),
-                                       _matrix(w2, bits, group_size))
-                tick(3)
-
-    tok = hf_dir / "tokenizer.json"
+    scales = Scales()
     try:
-        final = write_model_dir(staging, cfg, main_sections(), routing_sections(), experts(),
-                                extra_files=[tok] if tok.exists() else [])
+        staging.mkdir(parents=True)
+        wr = _Writer(ck, cfg, bits, group_size, spec, scales)
+        if calibration is not None:
+            if bar is not None:
+                bar.set_description("calibrate")
+            seqs = calibration_tokens(hf_dir, Path(calibration), cfg, calibration_tokens_max)
+            embed = wr.float32(fam.Src("model.embed_tokens.weight"))
+            sc = calibrate(cfg, seqs, embed, lambda L: _float_layer(wr, L), bits, group_size, tick)
+            del embed
+            scales.act, scales.fold_cols, scales.fold_rows, scales.results, scales.tokens = \
+                sc.act, sc.fold_cols, sc.fold_rows, sc.results, sc.tokens
+            if bar is not None:
+                bar.set_description("convert")
+
+        quant = {"method": method, "bits": bits, "group_size": spec.group if spec else group_size,
+                 "lm_head_bits": lm_bits, "embed_bits": emb_bits,
+                 "source_dtypes": sorted(ck.float_dtypes())}
+        if calibration is not None:
+            quant["calibration"] = {"sha256": _sha256(Path(calibration)), "tokens": scales.tokens,
+                                    **scales.summary()}
+        cfg = cfg.model_copy(update={"quantization": quant})
+
+        main = _main_sections(wr, cfg, lm_bits, emb_bits, tick)
+        routing = list(_routing_sections(wr, cfg))
+        experts = _experts(wr, cfg, tick)
+        n_main = 4 + sum(12 + 2 * n_attn + (8 if cfg.shared_expert_intermediate_size else 6)
+                         for _ in cfg.layer_types)
+        tok = hf_dir / "tokenizer.json"
+        final = write_model_dir(staging, cfg, main, routing, experts,
+                                extra_files=[tok] if tok.exists() else [],
+                                main_reserve=16 + n_main * 256)
+        from ..weights import load_model
+        load_model(staging).close()                 # the result must load (shapes, sizes)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
@@ -140,3 +233,98 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         if bar is not None:
             bar.close()
     return final
+
+
+# ----------------------------------------------------------------------------- sections
+
+def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, tick) -> Iterator:
+    ck = wr.ck
+
+    def mat(name, src, key=None, bits=None):
+        t, s = wr.matrix(src, key or name, bits)
+        yield name, t
+        if s is not None:
+            yield name + ".act_scale", s
+        tick()
+
+    yield from mat("embed", fam.Src("model.embed_tokens.weight"), bits=emb_bits)
+    for L, kind in enumerate(cfg.layer_types):
+        p, q = f"layer.{L}.", f"model.layers.{L}."
+        yield p + "attn_norm", wr.vector(fam.Src(q + "input_layernorm.weight"))
+        yield p + "ffn_norm", wr.vector(fam.Src(q + "post_attention_layernorm.weight"))
+        for name, src, k in fam.attention_sections(ck, cfg, L):
+            if k == "matrix":
+                yield from mat(name, src)
+            else:
+                yield name, wr.vector(src)
+        if kind == "dense":
+            for s, src in zip(("w1", "w3", "w2"), fam.dense_sources(ck, L)):
+                yield from mat(p + s, src)
+        elif cfg.shared_expert_intermediate_size:
+            for s, src in zip(("shared_w1", "shared_w3", "shared_w2"), fam.shared_sources(ck, L)):
+                yield from mat(p + s, src)
+            if cfg.shared_expert_gate:
+                g = wr.vector(fam.shared_gate_source(ck, L))
+                yield p + "shared_gate", g.reshape(1, cfg.hidden_size)
+    yield "final_norm", wr.vector(fam.Src("model.norm.weight"))
+    if not cfg.tie_word_embeddings:
+        yield from mat("lm_head", fam.Src("lm_head.weight"), bits=lm_bits)
+
+
+def _routing_sections(wr: _Writer, cfg: ModelConfig) -> Iterator:
+    for L in cfg.moe_layers:
+        yield f"layer.{L}.router", wr.vector(fam.router_source(wr.ck, L))
+        b = fam.router_bias_source(wr.ck, L)
+        if b is not None and cfg.scoring_func == "sigmoid":
+            yield f"layer.{L}.router_bias", wr.vector(b)
+
+
+def _experts(wr: _Writer, cfg: ModelConfig, tick) -> Iterator:
+    I = cfg.expert_intermediate
+    for L in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            srcs = fam.expert_sources(wr.ck, L, e, I)
+            got = [wr.matrix(src, f"expert.{L}.{e}.{m}") for m, src in zip(("w1", "w3", "w2"), srcs)]
+            ffn = FFNWeights(*(t for t, _ in got))
+            ffn.act_scales = {m: s for m, (_, s) in zip(("w1", "w3", "w2"), got) if s is not None}
+            yield L, e, ffn
+            tick(3)
+
+
+def _float_layer(wr: _Writer, L: int):
+    """Layer L in float32 for calibration -> (LayerWeights, {matrix key: array})."""
+    from ..mla import MLAWeights
+    ck, cfg = wr.ck, wr.cfg
+    keys: dict[str, np.ndarray] = {}
+
+    def mat(key, src):
+        a = np.ascontiguousarray(wr.float32(src), np.float32)
+        keys[key] = a
+        return a
+
+    p, q = f"layer.{L}.", f"model.layers.{L}."
+    d = {}
+    for name, src, k in fam.attention_sections(ck, cfg, L):
+        d[name[len(p):]] = mat(name, src) if k == "matrix" else wr.vector(src)
+    attn = MLAWeights(**d) if cfg.attention == "mla" else AttentionWeights(**d)
+    kind = cfg.layer_types[L]
+    lw = LayerWeights(L, kind, wr.vector(fam.Src(q + "input_layernorm.weight")),
+                      wr.vector(fam.Src(q + "post_attention_layernorm.weight")), attn)
+    if kind == "dense":
+        lw.dense = FFNWeights(*(mat(p + s, src) for s, src in
+                                zip(("w1", "w3", "w2"), fam.dense_sources(ck, L))))
+    else:
+        lw.router = wr.vector(fam.router_source(ck, L))
+        b = fam.router_bias_source(ck, L)
+        lw.router_bias = wr.vector(b) if b is not None and cfg.scoring_func == "sigmoid" else None
+        I = cfg.expert_intermediate
+        for e in range(cfg.num_experts):
+            srcs = fam.expert_sources(ck, L, e, I)
+            lw.experts.append(Expert(L, e, FFNWeights(*(mat(f"expert.{L}.{e}.{m}", s)
+                                                       for m, s in zip(("w1", "w3", "w2"), srcs)))))
+        if cfg.shared_expert_intermediate_size:
+            lw.shared = FFNWeights(*(mat(p + s, src) for s, src in
+                                     zip(("shared_w1", "shared_w3", "shared_w2"), fam.shared_sources(ck, L))))
+            if cfg.shared_expert_gate:
+                lw.shared_gate = wr.vector(fam.shared_gate_source(ck, L)).reshape(1, -1)
+    return lw, keys

@@ -2,6 +2,8 @@
 
 Our own small reader over mmap: it needs neither torch nor the whole file in memory, and
 it understands bf16 (which numpy does not) by widening to float32 one tensor at a time.
+`raw()` hands out the stored bytes as a zero-copy view (bf16 as uint16), which is how
+`--bits 16` copies 16-bit checkpoints losslessly.
 """
 from __future__ import annotations
 
@@ -12,10 +14,24 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelFormatError
+from ..errors import ConfigError, ModelFormatError
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-           "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_}
+           "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_,
+           "I16": np.int16, "U16": np.uint16, "U32": np.uint32}
+_FLOAT = {"F32", "F16", "BF16", "F64"}
+
+
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(a: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even), returned as uint16 bits."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(a, np.float32))
+    return np.where(nan, 0x7FC0, r).astype(np.uint16)
 
 
 class SafetensorsFile:
@@ -32,9 +48,15 @@ class SafetensorsFile:
                 self.header = json.loads(f.read(n))
             except Exception as e:
                 raise ModelFormatError(f"{self.path}: unreadable safetensors header ({e})") from None
-            self._mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            size = f.seek(0, 2)
+            self._mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size > 8 + n else None
         self.data_start = 8 + n
         self.header.pop("__metadata__", None)
+        for name, e in self.header.items():
+            a, b = e["data_offsets"]
+            if self.data_start + b > size or a > b:
+                raise ModelFormatError(f"{self.path}: tensor {name} lies past the end of the "
+                                       f"file ({size} bytes): truncated download?")
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -49,8 +71,13 @@ class SafetensorsFile:
         e = self.header[name]
         dt = _DTYPES.get(e["dtype"])
         if dt is None:
-            raise ModelFormatError(f"{self.path}: tensor {name} has unsupported dtype {e['dtype']}")
+            hint = (" (FP8 checkpoints, e.g. the original DeepSeek-V3 release, are not "
+                    "supported: convert a bf16 copy)" if e["dtype"].startswith("F8") else "")
+            raise ConfigError(f"{self.path}: tensor {name} has unsupported dtype "
+                              f"{e['dtype']}{hint}")
         a, b = e["data_offsets"]
+        if b == a:
+            return np.zeros(e["shape"], dtype=dt)
         buf = np.frombuffer(self._mm, dtype=np.uint8, count=b - a, offset=self.data_start + a)
         return buf.view(dt).reshape(e["shape"])
 
@@ -60,23 +87,44 @@ class SafetensorsFile:
         if index is not None:
             a = a[index]
         if self.dtype(name) == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
+            return bf16_to_f32(a)
         return a.astype(np.float32)
 
 
 class Checkpoint:
-    """All safetensors shards of a Hugging Face model directory, by tensor name."""
+    """All safetensors shards of a Hugging Face model directory, by tensor name.
+
+    With `model.safetensors.index.json` only the shards it names are read (and all must be
+    present); otherwise every `*.safetensors` file in the directory."""
 
     def __init__(self, hf_dir: Path):
         self.dir = Path(hf_dir)
-        files = sorted(self.dir.glob("*.safetensors"))
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except Exception as e:
+                raise ModelFormatError(f"{index}: unreadable shard index ({e})") from None
+            files = [self.dir / f for f in sorted(set(wm.values()))]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ModelFormatError(f"{index}: shard(s) {', '.join(missing)} missing from "
+                                       f"{self.dir} (incomplete download?)")
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
         if not files:
-            raise ModelFormatError(f"{self.dir}: no *.safetensors files (only safetensors "
-                                   f"checkpoints are supported; re-save with safe_serialization=True)")
+            other = sorted(p.name for p in self.dir.glob("*.bin")) + sorted(p.name for p in self.dir.glob("*.pt*"))
+            raise ModelFormatError(f"{self.dir}: no *.safetensors files"
+                                   + (f" (found {', '.join(other[:3])}: only safetensors checkpoints "
+                                      f"are supported; re-save with safe_serialization=True)" if other
+                                      else ""))
         self.files = [SafetensorsFile(f) for f in files]
         self.where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for n in f.names():
+                if n in self.where:
+                    raise ModelFormatError(f"{self.dir}: tensor {n} appears in both "
+                                           f"{self.where[n].path.name} and {f.path.name}")
                 self.where[n] = f
 
     def __contains__(self, name: str) -> bool:
@@ -85,14 +133,24 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self.where)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.where[name].shape(name)
-
-    def dtype(self, name: str) -> str:
-        return self.where[name].dtype(name)
-
-    def get(self, name: str, index: int | None = None) -> np.ndarray:
+    def _file(self, name: str) -> SafetensorsFile:
         f = self.where.get(name)
         if f is None:
             raise ModelFormatError(f"{self.dir}: checkpoint has no tensor '{name}'")
-        return f.float32(name, index)
+        return f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file(name).shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self._file(name).dtype(name)
+
+    def get(self, name: str, index: int | None = None) -> np.ndarray:
+        return self._file(name).float32(name, index)
+
+    def raw(self, name: str, index: int | None = None) -> np.ndarray:
+        a = self._file(name).raw(name)
+        return a if index is None else a[index]
+
+    def float_dtypes(self) -> set[str]:
+        return {f.dtype(n) for f in self.files for n in f.names() if f.dtype(n) in _FLOAT}

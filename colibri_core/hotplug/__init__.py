@@ -13,6 +13,7 @@ Modules (each importing only those above it):
     watcher.py   the watchdog observer: queues paths, nothing else
     manager.py   HotplugManager: worker thread + drain()/release()/rollback()/list()
     builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so
+    testing.py   a C test expert with switchable faults (segv, hang, nan...), for tests
 
 Names are imported lazily, so that `python -m colibri_core.hotplug.probe` (and the isolated
 helper) start without importing numpy or watchdog. See docs/HOTPLUG.md.

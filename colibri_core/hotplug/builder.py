@@ -132,7 +132,7 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
         (work / "expert.c").write_text(_C_SOURCE)
         defines = {"H": hidden, "I": inter, "G": group_size,
                    "LAYERS": "{" + ",".join(map(str, layers)) + "}", "N_LAYERS": len(layers),
-                   "ROUTER_BIAS": f"{bias!r}f" if np.isfinite(bias) else "0.0f",
+                   "ROUTER_BIAS": f"{bias!r}f",
                    "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
         out_so.parent.mkdir(parents=True, exist_ok=True)
         compile_shared([work / "expert.c", work / "expert_data.S"], out_so, cc=cc,
@@ -164,10 +164,11 @@ def _load_npz(path: Path):
     for k, arr in (("w1", w1), ("w3", w3), ("w2", w2), ("router_row", row)):
         if not np.isfinite(arr).all():
             raise ExpertBuildError(f"{path}: {k} has non-finite values", path=str(path))
-    bias = float(np.asarray(arrays.get("router_bias", 0.0)).reshape(-1)[0]) \
-        if np.asarray(arrays.get("router_bias", 0.0)).size else 0.0
-    if not np.isfinite(bias):
-        raise ExpertBuildError(f"{path}: router_bias {bias} is not finite", path=str(path))
+    rb = np.asarray(arrays.get("router_bias", 0.0), dtype=np.float64).reshape(-1)
+    if rb.size != 1 or not np.isfinite(rb[0]):
+        raise ExpertBuildError(f"{path}: router_bias {rb.tolist()}, expected one finite"
+                               " number", path=str(path))
+    bias = float(rb[0])
     return w1, w3, w2, row, bias
 
 

@@ -98,6 +98,9 @@ class HotExpert:
                                  " release()")
         if self._runner is not None:
             with self._lock:
+                if self.status == "released":
+                    raise ExpertReleased(f"expert {self.name} {self.version}: forward()"
+                                         " after release()")
                 try:
                     rc = self._runner.forward(x, out)
                 except ExpertCrashed as e:
@@ -133,6 +136,14 @@ class HotExpert:
         return self._runner.pid if self._runner is not None else None
 
     def _release(self) -> None:
+        """Unload (dlclose) or stop the helper; waits for a call in flight when serialized."""
+        if self._lock is not None:
+            with self._lock:
+                self._release_locked()
+        else:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
         if self.status == "released":
             return
         self.status = "released"

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 from .elf import ElfFile
 from .errors import (ExpertProbeError, ExpertRejected, ExpertSecurityError, HotplugError,
-                     RollbackError)
+                     HotplugStateError, RollbackError)
 from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
 from .meta import read_expert_file
 from .probe import run_probe
@@ -38,6 +38,7 @@ from .state import NameRecord, VersionRecord, load_state, save_state
 from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
 log = logging.getLogger("colibri.hotplug")
+LOCK_FILE = "hotplug.lock"
 
 EventCallback = Callable[[str, dict], None]
 
@@ -89,7 +90,7 @@ class HotplugManager:
         self._settling: dict[str, tuple[FileSig, float]] = {}
         self._seen: dict[str, FileSig] = {}           # last checked signature per path
         self._busy = False
-        self._ops: deque = deque()                    # ("upsert", Prepared, rollback) / ("delete", path)
+        self._ops: deque = deque()     # ("upsert", PreparedExpert, rollback) | ("delete", path)
         self._active: dict[str, HotExpert] = {}       # name -> expert (mutated by drain)
         self._records: dict[str, NameRecord] = {}
         self._next_slot = self.first_slot
@@ -98,6 +99,7 @@ class HotplugManager:
         self._stopping = False
         self._worker: threading.Thread | None = None
         self._watcher: FolderWatcher | None = None
+        self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -106,17 +108,21 @@ class HotplugManager:
         Raises ExpertSecurityError when the folder itself is refused (symlink, writable by
         group/others, foreign owner), HotplugStateError for an unusable state folder.
         """
+        if self._lock_fd is not None:
+            raise RuntimeError(f"hot-plug manager for {self.experts_dir} is already started")
         ensure_private_dir(self.state_dir)
         ensure_private_dir(self.staging_dir)
-        next_slot, self._records = load_state(self.state_dir)
-        used = [r.slot for r in self._records.values()]
-        self._next_slot = max([next_slot or self.first_slot, self.first_slot,
-                               *(s + 1 for s in used)])
-        self._clean_staging()
         try:
             check_folder(self.experts_dir)
         except ExpertSecurityError as e:
             self._reject(self.experts_dir, e)
+            raise
+        self._lock_fd = _lock_state_dir(self.state_dir)
+        try:
+            self._load()
+        except BaseException:
+            os.close(self._lock_fd)
+            self._lock_fd = None
             raise
         self._stopping = False
         self._worker = threading.Thread(target=self._work, name="colibri-hotplug-worker",
@@ -127,8 +133,17 @@ class HotplugManager:
             self._watcher.start()
         self.rescan()
 
+    def _load(self) -> None:
+        next_slot, self._records = load_state(self.state_dir)
+        used = [r.slot for r in self._records.values()]
+        self._next_slot = max([next_slot or self.first_slot, self.first_slot,
+                               *(s + 1 for s in used)])
+        self._clean_staging()
+
     def stop(self) -> None:
         """Stop the watcher and the worker and save the state. Active experts stay usable."""
+        if self._lock_fd is None:
+            return
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -144,6 +159,8 @@ class HotplugManager:
         for prep in pending:
             prep.discard()
         self._save_state()
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def close(self) -> None:
         """stop(), then release every active expert (the engine must be done with them)."""
@@ -409,12 +426,12 @@ class HotplugManager:
                 continue
             if now - since < self.settle_s:
                 continue
-            self._drop_settling(path)
+            with self._lock:                  # one step, so wait_idle() never sees a gap
+                self._settling.pop(path, None)
+                self._busy = True
             if self._seen.get(path) == new:
                 continue                      # nothing changed since its last verdict
             self._seen[path] = new
-            with self._lock:
-                self._busy = True
             self._check(path, st, new)
 
     def _drop_settling(self, path: str) -> None:
@@ -473,11 +490,19 @@ class HotplugManager:
             self._seen.pop(path, None)
             self._request(path)
         except HotplugError as e:
+            if staged and str(e).startswith(staged):   # name the file the operator dropped
+                e = type(e)(f"{path} (staged copy sha256 {sha[:12]}…)"
+                            f"{str(e)[len(staged):]}", reason=e.reason, path=path)
             self._reject(path, e, sha)
             self._forget_staged(staged)
         except OSError as e:
             self._reject(path, ExpertRejected(f"{path}: I/O error: {e}", reason="io",
                                               path=path), sha)
+            self._forget_staged(staged)
+        except Exception as e:  # noqa: BLE001 - a bug must refuse one file, not stop the worker
+            log.exception("hot-plug check of %s failed", path)
+            self._reject(path, ExpertRejected(f"{path}: internal error while checking it:"
+                                              f" {e!r}", reason="internal", path=path), sha)
             self._forget_staged(staged)
 
     def _prepare(self, info, sha: str, staged: str, source: str,
@@ -499,7 +524,7 @@ class HotplugManager:
 
     # ------------------------------------------------------------------ helpers
     def _reject(self, path: str, err: HotplugError, sha: str | None = None) -> None:
-        log.warning("hot-plug refused %s: %s", path, err)
+        log.warning("hot-plug refused: %s", err)
         self._emit("rejected", {"path": path, "reason": err.reason, "message": str(err),
                                 "sha256": sha})
 
@@ -546,3 +571,19 @@ class HotplugManager:
             save_state(self.state_dir, next_slot, records)
         except OSError as e:
             log.error("cannot save hot-plug state in %s: %s", self.state_dir, e)
+
+
+def _lock_state_dir(state_dir: str) -> int:
+    """Hold an exclusive flock on the state folder: one manager per state folder."""
+    import fcntl
+
+    path = os.path.join(state_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HotplugStateError(f"{state_dir}: hot-plug state folder is in use by another"
+                                " manager (another engine?): expected one manager per state"
+                                " folder", path=state_dir) from None
+    return fd

@@ -1,9 +1,9 @@
 """The watchdog observer on the experts folder. It only queues paths; it never loads.
 
-Events handled: created, modified, closed-after-write, moved (both the source name, which
-is now gone, and the destination name, which is acted on), deleted. The worker thread looks
-at the file itself (lstat) to decide what happened, so the event kind does not matter and
-a burst of events for one file is one check.
+Events handled: created, modified, attrib (chmod, touch), closed-after-write, moved (both
+the source name, which is now gone, and the destination name, which is acted on), deleted.
+The worker thread looks at the file itself (lstat) to decide what happened, so the event
+kind does not matter and a burst of events for one file is one check.
 
 Names considered: `*.so` files that are not hidden and not temporary. Ignored: dotfiles
 (`.x.so`, `.x.so.tmp`: the conventional "write here, then rename" names), `*.tmp`, `*~`,
@@ -19,7 +19,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 IGNORED_SUFFIXES = (".tmp", "~", ".part", ".swp", ".swx", ".crdownload")
-WATCHED_EVENTS = {"created", "modified", "closed", "moved", "deleted"}
+WATCHED_EVENTS = {"created", "modified", "closed", "moved", "deleted", "attrib"}
 
 
 def is_expert_name(name: str) -> bool:

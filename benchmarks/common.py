@@ -1,0 +1,47 @@
+"""Shared helpers for the benchmarks: the benchmark model, RSS, percentiles."""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+OUT = ROOT / "out"
+
+# The Mixtral-shaped benchmark model of issue 4.
+BENCH_SHAPE = dict(vocab=32000, hidden=1024, layers=("moe",) * 8, experts=8, top_k=2,
+                   inter=2816, moe_inter=2816, shared=0, heads=16, kv_heads=4, context=512)
+
+
+def bench_model(path: Path | None = None, **shape) -> Path:
+    """Build (or reuse) a random Colibri benchmark model directory."""
+    from colibri_core.testing import write_random_model
+    spec = {**BENCH_SHAPE, **shape}
+    path = path or OUT / ("bench_model_" + "_".join(f"{k}{len(v) if isinstance(v, tuple) else v}"
+                                                    for k, v in sorted(spec.items())))
+    if not (path / "config.json").exists():
+        t0 = time.time()
+        print(f"building benchmark model in {path} ...", file=sys.stderr)
+        write_random_model(path, seed=0, **spec)
+        print(f"  built in {time.time() - t0:.0f} s", file=sys.stderr)
+    return path
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def latency_stats(lat_s: list[float]) -> dict:
+    a = np.asarray(lat_s) * 1000
+    return {"n": len(a), "mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
+            "p99_ms": float(np.percentile(a, 99)), "std_ms": float(a.std()),
+            "tok_s": float(1000 / a.mean())}

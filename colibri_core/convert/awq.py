@@ -1,0 +1,348 @@
+"""Activation-aware weight quantization (AWQ) for the converter.
+
+Two things live here:
+
+1. **Calibration** (`calibrate`): the model runs in float (Colibri's own forward, float
+   routing and activations) over the tokens of a calibration text, one layer at a time so
+   only one layer's float weights are in memory. Every linear's input activations are
+   recorded; for each set of linears that share an input, a per-input-channel scale
+   `s = mean|x|^alpha` (normalised so that sqrt(max*min) = 1) is searched over a grid of
+   alpha in [0, 1] to minimise the output error ||x W^T - x (Q(W s)/s)^T||^2 on those
+   activations. alpha = 0 is plain RTN, so the choice is never worse than RTN on the
+   calibration set. The matrix is stored as Q(W*s) together with s (section
+   `<name>.act_scale`), and the engine divides its input by s before the matmul. Nothing
+   is folded into the norm that the router shares with the experts. The one exception
+   is an FFN's down projection: its input scale is folded exactly into the rows of the
+   up projection of the same FFN (the up projection's output feeds nothing else, and
+   row-wise quantization is unchanged by a row factor), so the fused expert kernel keeps
+   running without a division inside it.
+
+2. **Import** of checkpoints already quantized by AutoAWQ (GEMM packing, 4 bits, zero
+   point): the packed integers, zero points and scales map one to one onto Colibri's q4
+   layout, so they are copied without re-quantizing (`awq_q4`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..quant import Q4Tensor, pack_nibbles, padded_cols
+from .families import Src
+from .safetensors_reader import Checkpoint
+
+log = logging.getLogger("colibri")
+
+ALPHAS = np.round(np.linspace(0.0, 1.0, 21), 2)
+MAX_SEARCH_ROWS = 256          # activation rows used to score one candidate scale
+MIN_EXPERT_ROWS = 8            # fewer routed rows: score an expert on all the layer's rows
+
+# ----------------------------------------------------------------------------- AutoAWQ import
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # nibble j of a packed int32 holds column 8c + ORDER[j]
+
+
+@dataclass(frozen=True)
+class AwqSpec:
+    bits: int
+    group: int
+
+
+def awq_spec(hf: dict) -> Optional[AwqSpec]:
+    """The checkpoint's AutoAWQ settings, or None when it is not AWQ-quantized; refuses
+    AWQ variants whose packing is not the GEMM one."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    if q.get("quant_method") != "awq":
+        return None
+    bits = int(q.get("bits", q.get("w_bit", 4)))
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    version = str(q.get("version", "gemm")).lower()
+    zp = q.get("zero_point", True)
+    if bits != 4 or version != "gemm" or not zp:
+        raise ConfigError(f"config.json: AWQ checkpoint with bits={bits}, version={version!r}, "
+                          f"zero_point={zp} is not supported (supported: 4-bit GEMM packing "
+                          f"with zero points)")
+    return AwqSpec(bits, group)
+
+
+def _unpack_awq(packed: np.ndarray) -> np.ndarray:
+    """int32 [n, m/8] (AutoAWQ order) -> uint8 [n, m] values 0..15."""
+    p = np.asarray(packed).view(np.uint32)
+    n, m8 = p.shape
+    out = np.empty((n, m8, 8), dtype=np.uint8)
+    for j, col in enumerate(AWQ_ORDER):
+        out[:, :, col] = (p >> (4 * j)) & 0xF
+    return out.reshape(n, m8 * 8)
+
+
+def awq_parts(ck: Checkpoint, src: Src, spec: AwqSpec):
+    """(q uint8 [out, in], zeros uint8 [out, in/G], scales float32 [out, in/G])."""
+    q = _unpack_awq(ck.raw(src.name + ".qweight")).T            # [out, in]
+    z = _unpack_awq(ck.raw(src.name + ".qzeros")).T             # [out, in/G]
+    s = ck.get(src.name + ".scales").T                          # [out, in/G]
+    rows, cols = q.shape
+    if cols % spec.group or z.shape != (rows, cols // spec.group) or s.shape != z.shape:
+        raise ConfigError(f"checkpoint: {src.name}: AWQ tensors have inconsistent shapes "
+                          f"(qweight -> {list(q.shape)}, qzeros -> {list(z.shape)}, scales -> "
+                          f"{list(s.shape)}, group {spec.group})")
+    return np.ascontiguousarray(q), np.ascontiguousarray(z), np.ascontiguousarray(s, np.float32)
+
+
+def awq_dequantize(ck: Checkpoint, src: Src, spec: AwqSpec) -> np.ndarray:
+    q, z, s = awq_parts(ck, src, spec)
+    g = spec.group
+    return ((q.astype(np.float32) - np.repeat(z, g, axis=1)) * np.repeat(s, g, axis=1)).astype(np.float32)
+
+
+def awq_q4(ck: Checkpoint, src: Src, spec: AwqSpec) -> Q4Tensor:
+    """The AWQ matrix as a Colibri q4 tensor, bit for bit (no re-quantization)."""
+    if spec.group % 64:
+        raise ConfigError(f"checkpoint: AWQ group size {spec.group} cannot be imported as q4 "
+                          f"(Colibri's groups are multiples of 64); convert with --bits 8, 16 "
+                          f"or 32 to dequantize it instead")
+    q, z, s = awq_parts(ck, src, spec)
+    rows, cols = q.shape
+    cp = padded_cols(cols, spec.group)          # == cols (AWQ needs cols % group == 0)
+    return Q4Tensor(pack_nibbles(q[:, :cp]), s, z, rows, cols, spec.group)
+
+
+# ----------------------------------------------------------------------------- fake quant
+
+def fake_quant(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """Dequantized float64 copy of `w` after Colibri's q4 / q8 rounding (docs/FORMAT.md),
+    vectorized over groups (same results as quant.quantize_q4 / quantize_q8)."""
+    w = np.asarray(w, np.float64)
+    rows, cols = w.shape
+    cp = padded_cols(cols, group)
+    wp = np.full((rows, cp), np.nan)
+    wp[:, :cols] = w
+    g = wp.reshape(rows, cp // group, group)
+    if bits == 8:
+        amax = np.nanmax(np.abs(g), axis=2)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32).astype(np.float64)
+        q = np.clip(np.round(g / scale[:, :, None]), -127, 127)
+        return (q * scale[:, :, None]).reshape(rows, cp)[:, :cols]
+    lo, hi = np.nanmin(g, axis=2), np.nanmax(g, axis=2)
+    scale = (hi - lo) / 15.0
+    scale = np.where(scale <= 0, np.where(lo != 0, np.abs(lo), 1.0), scale)
+    scale = scale.astype(np.float32).astype(np.float64)
+    zero = np.clip(np.round(-lo / scale), 0, 15)
+    q = np.clip(np.round(g / scale[:, :, None]) + zero[:, :, None], 0, 15)
+    return ((q - zero[:, :, None]) * scale[:, :, None]).reshape(rows, cp)[:, :cols]
+
+
+# ----------------------------------------------------------------------------- search
+
+@dataclass
+class SearchResult:
+    alpha: float
+    err: float        # output error with the chosen scale
+    err_rtn: float    # output error with plain RTN (alpha = 0)
+
+
+def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits: int,
+                 group: int) -> tuple[Optional[np.ndarray], SearchResult]:
+    """Best per-input-channel scale for the matrices `ws` ([R_i, C] each) sharing input
+    rows `x` [N, C]; None when alpha = 0 (plain RTN) is best."""
+    x = np.asarray(x, np.float64)
+    a = np.asarray(mean_abs, np.float64)
+    a = np.maximum(a, max(a.max(), 1e-12) * 1e-5)               # channels never active
+    refs = [x @ np.asarray(w, np.float64).T for w in ws]
+    best = None
+    err0 = None
+    for alpha in ALPHAS:
+        s = a ** alpha
+        s = s / np.sqrt(s.max() * s.min())
+        err = 0.0
+        for w, ref in zip(ws, refs):
+            wq = fake_quant(np.asarray(w, np.float64) * s[None, :], bits, group) / s[None, :]
+            err += float(np.sum((x @ wq.T - ref) ** 2))
+        if alpha == 0:
+            err0 = err
+        if best is None or err < best[1]:
+            best = (alpha, err, s)
+    alpha, err, s = best
+    res = SearchResult(float(alpha), err, err0)
+    if alpha == 0:
+        return None, res
+    return s.astype(np.float32), res
+
+
+# ----------------------------------------------------------------------------- calibration
+
+@dataclass
+class Scales:
+    """What the converter applies per matrix key (model.bin section name, or
+    `expert.{L}.{E}.w1|w3|w2`)."""
+    act: dict = field(default_factory=dict)        # key -> s: store Q(W*s) + section s
+    fold_cols: dict = field(default_factory=dict)  # key -> s: W*s, no section (down proj)
+    fold_rows: dict = field(default_factory=dict)  # key -> s: rows W/s (up proj)
+    results: dict = field(default_factory=dict)    # key -> SearchResult (for reports)
+    tokens: int = 0
+
+    def summary(self) -> dict:
+        r = list(self.results.values())
+        if not r:
+            return {}
+        return {"groups": len(r), "scaled": sum(x.alpha > 0 for x in r),
+                "mean_alpha": round(float(np.mean([x.alpha for x in r])), 3),
+                "calib_err_reduction": round(1.0 - sum(x.err for x in r) / max(sum(x.err_rtn for x in r), 1e-30), 4)}
+
+
+class _Recorder:
+    """Model.observer: input activations of every linear, by weight identity."""
+
+    def __init__(self):
+        self.x: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, w, x):
+        self.x.setdefault(id(w), []).append(np.array(x, np.float32))
+
+    def rows(self, w) -> Optional[np.ndarray]:
+        got = self.x.get(id(w))
+        return np.concatenate(got, axis=0) if got else None
+
+
+def _subsample(x: np.ndarray, n: int = MAX_SEARCH_ROWS) -> np.ndarray:
+    if x.shape[0] <= n:
+        return x
+    return x[np.linspace(0, x.shape[0] - 1, n).round().astype(np.int64)]
+
+
+def calibration_tokens(hf_dir: Path, text_file: Path, cfg, max_tokens: int) -> list[list[int]]:
+    """The calibration text as token sequences (chunks of at most 128 tokens)."""
+    tok = Path(hf_dir) / "tokenizer.json"
+    if not tok.is_file():
+        raise ConfigError(f"--calibration needs {tok} to tokenize {text_file}")
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--calibration {text_file}: cannot read ({e})") from None
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(tok)).encode(text, add_special_tokens=False).ids
+    ids = [i for i in ids if i < cfg.vocab_size][:max_tokens]
+    if len(ids) < 16:
+        raise ConfigError(f"--calibration {text_file}: only {len(ids)} tokens; give at least "
+                          f"16 (a few paragraphs are better)")
+    chunk = min(128, cfg.max_position_embeddings - 1)
+    seqs = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    if cfg.bos_token_id is not None:
+        seqs = [[cfg.bos_token_id] + s for s in seqs]
+    return seqs
+
+
+def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
+    """The MoE block in float (same math as Model._moe with float routing), running every
+    expert through model._ffn so the observer sees each expert's own rows."""
+    from ..routing import route
+    r = route(xn @ lw.router.T, kt, mode="float", scoring=cfg.scoring_func,
+              norm_topk_prob=cfg.norm_topk_prob, bias=lw.router_bias, n_group=cfg.n_group,
+              topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
+    y = np.zeros_like(xn)
+    for e in np.unique(r.ids[r.ids >= 0]):
+        rows, slot = np.nonzero(r.ids == e)
+        buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
+        model._ffn(lw.experts[e].ffn, np.ascontiguousarray(xn[rows]), buf,
+                   row_weights=np.ascontiguousarray(r.weights[rows, slot], np.float32), accumulate=True)
+        y[rows] += buf
+    if lw.shared is not None:
+        sh = np.empty_like(xn)
+        model._ffn(lw.shared, xn, sh)
+        if lw.shared_gate is not None:
+            sh *= 1.0 / (1.0 + np.exp(-(xn @ np.asarray(lw.shared_gate, np.float32).T)))
+        y += sh
+    return y
+
+
+def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Callable,
+              bits: int, group: int, tick: Callable = lambda n=1: None) -> Scales:
+    """Run the float model layer by layer over `seqs`, searching AWQ scales as it goes.
+
+    layer_loader(L) -> (LayerWeights of float32 arrays, {matrix key: weight array}) where
+    the keys name the matrices as the converter does."""
+    from ..config import EngineConfig
+    from ..model import Model
+    from ..weights import ModelWeights
+
+    mw = ModelWeights(cfg, Path("."), embed=None, final_norm=None, lm_head=None, layers=[], files=[])
+    model = Model(mw, EngineConfig(routing="float", activations="float", prefetch="none"))
+    caches = [model.new_cache(len(s)) for s in seqs]
+    pos = np.concatenate([np.arange(len(s)) for s in seqs])
+    spans, t = [], 0
+    for s, c in zip(seqs, caches):
+        spans.append((t, t + len(s), c))
+        t += len(s)
+    ids = np.concatenate([np.asarray(s, np.int64) for s in seqs])
+    x = np.asarray(embed[ids], np.float32)
+    kt = np.full(len(ids), cfg.top_k)
+    out = Scales(tokens=len(ids))
+
+    def search(keys_ws, xr, mean_abs=None):
+        if xr is None or not len(xr):
+            return None
+        ma = np.abs(xr).mean(axis=0) if mean_abs is None else mean_abs
+        s, res = search_scale([w for _, w in keys_ws], _subsample(xr), ma, bits, group)
+        out.results[keys_ws[0][0]] = res
+        return s
+
+    for L in range(cfg.num_layers):
+        lw, keys = layer_loader(L)
+        rec = _Recorder()
+        model.observer = rec
+        xa = model._rmsnorm(x, lw.attn_norm)
+        x = x + model._attention(lw, xa, pos, spans)
+        xn = model._rmsnorm(x, lw.ffn_norm)
+        if lw.kind == "dense":
+            y = np.empty_like(xn)
+            model._ffn(lw.dense, xn, y)
+        else:
+            y = _moe_float(model, cfg, lw, xn, kt)
+        x = x + y
+        model.observer = None
+        # --- searches for this layer
+        by_id = {id(w): k for k, w in keys.items()}
+
+        def key(w):
+            return by_id[id(w)]
+
+        a = lw.attn
+        if cfg.attention == "mla":
+            first = [m for m in (a.wq, a.wq_a) if m is not None][0]
+            groups = [[first, a.wkv_a]] + ([[a.wq_b]] if a.wq_b is not None else []) + [[a.wkv_b], [a.wo]]
+        else:
+            groups = [[a.wq, a.wk, a.wv], [a.wo]]
+        for g in groups:
+            s = search([(key(w), np.asarray(w, np.float32)) for w in g], rec.rows(g[0]))
+            if s is not None:
+                for w in g:
+                    out.act[key(w)] = s
+        ffns = [(lw.dense, None)] if lw.kind == "dense" else []
+        if lw.kind == "moe":
+            ffns += [(ex.ffn, xn) for ex in lw.experts]
+            if lw.shared is not None:
+                ffns.append((lw.shared, None))
+        for ffn, fallback in ffns:
+            xr = rec.rows(ffn.w1)
+            if fallback is not None and (xr is None or len(xr) < MIN_EXPERT_ROWS):
+                xr = fallback
+            s = search([(key(ffn.w1), ffn.w1), (key(ffn.w3), ffn.w3)], xr)
+            if s is not None:
+                out.act[key(ffn.w1)] = out.act[key(ffn.w3)] = s
+            hr = rec.rows(ffn.w2)
+            if fallback is not None and (hr is None or len(hr) < MIN_EXPERT_ROWS):
+                g, u = fallback @ ffn.w1.T, fallback @ ffn.w3.T
+                hr = (g / (1.0 + np.exp(-g))) * u
+            s2 = search([(key(ffn.w2), ffn.w2)], hr)
+            if s2 is not None:
+                out.fold_cols[key(ffn.w2)] = s2
+                out.fold_rows[key(ffn.w3)] = s2
+        model.__dict__.pop("_mla_wkv_b", None)
+        tick(1)
+        del lw, keys, rec
+    return out

@@ -1,0 +1,191 @@
+"""Hot-plugged experts through the real engine: generation runs in one thread while this
+thread builds, renames, replaces and deletes real files in the watched folder."""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from colibri_core.config import EngineConfig, HotplugConfig
+from colibri_core.engine import Engine
+from colibri_core.hookspecs import hookimpl
+from colibri_core.hotplug.builder import build_expert
+
+H, I = 128, 64   # tiny_model_dir: hidden 128, MoE layers 1 and 2, 4 experts
+
+
+def _npz(path, seed, bias):
+    rng = np.random.default_rng(seed)
+    np.savez(path, w1=rng.standard_normal((I, H)) / np.sqrt(H), w3=rng.standard_normal((I, H)) / np.sqrt(H),
+             w2=rng.standard_normal((H, I)) / np.sqrt(I), router_row=np.zeros(H, np.float32),
+             router_bias=np.float32(bias))
+    return path
+
+
+def _build(tmp, name, version, seed, bias=50.0):
+    so = tmp / f"{name}-{version}.so"
+    build_expert(_npz(tmp / f"{name}-{version}.npz", seed, bias), so, layer=1, name=name, version=version)
+    return so
+
+
+class Events:
+    def __init__(self):
+        self.loaded, self.unloaded, self.rejected = [], [], []
+
+    @hookimpl
+    def colibri_expert_loaded(self, info):
+        self.loaded.append(info)
+
+    @hookimpl
+    def colibri_expert_unloaded(self, info):
+        self.unloaded.append(info)
+
+    @hookimpl
+    def colibri_expert_rejected(self, path, reason):
+        self.rejected.append((path, reason))
+
+
+class Looper(threading.Thread):
+    """Generates back-to-back requests; records (request, step, version, slot-4 routed)."""
+
+    def __init__(self, eng):
+        super().__init__(daemon=True)
+        self.eng, self.stop, self.tokens, self.error = eng, threading.Event(), [], None
+
+    def run(self):
+        try:
+            r = 0
+            while not self.stop.is_set():
+                g = self.eng.generate([1, 2, 3], max_new_tokens=40, temperature=0)
+                for ev in g:
+                    routed = [t.routing.ids for t in self.eng.model.last_routing if t.layer == 1][0]
+                    self.tokens.append((r, ev.step, ev.expert_set_version, bool((routed == 4).any())))
+                    time.sleep(0.002)
+                    if self.stop.is_set():
+                        break
+                r += 1
+        except BaseException as e:   # surfaced by the test
+            self.error = e
+
+    def wait_version(self, pred, timeout=20.0):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.error:
+                raise self.error
+            if self.tokens and pred(self.tokens[-1]):
+                return self.tokens[-1]
+            time.sleep(0.01)
+        raise AssertionError(f"timed out; last token {self.tokens[-1] if self.tokens else None}")
+
+
+def test_add_replace_rollback_remove_while_generating(tiny_model_dir, tmp_path):
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    cfg = EngineConfig(experts_dir=str(watched), hotplug=HotplugConfig(settle_s=0.05))
+    eng = Engine(tiny_model_dir, cfg)
+    ev = Events()
+    eng.register_plugin(ev)
+    loop = Looper(eng)
+    loop.start()
+    try:
+        loop.wait_version(lambda t: True)
+        assert not loop.tokens[-1][3]                      # no hot expert yet
+        v1 = _build(build, "fraud", "1", seed=1)
+        os.rename(v1, watched / "fraud.so")                # write elsewhere, rename in
+        t = loop.wait_version(lambda t: t[3])
+        add_version = t[2]
+        v2 = _build(build, "fraud", "2", seed=2)
+        os.replace(v2, watched / "fraud.so")               # replace in place
+        loop.wait_version(lambda t: t[2] > add_version)
+        assert [i["version"] for i in ev.loaded] == ["1", "2"]
+        replace_version = eng.expert_set_version
+        eng.hotplug.rollback("fraud")
+        loop.wait_version(lambda t: t[2] > replace_version)
+        assert ev.loaded[-1]["version"] == "1"
+        (watched / "fraud.so").unlink()
+        loop.wait_version(lambda t: not t[3] and t[2] > replace_version + 1)
+        loop.wait_version(lambda t: True)
+    finally:
+        loop.stop.set()
+        loop.join(10)
+        eng.close()
+    assert loop.error is None
+    # every token accounted for: steps contiguous within each request, versions monotonic
+    by_req = {}
+    for r, step, version, _ in loop.tokens:
+        by_req.setdefault(r, []).append(step)
+    for steps in by_req.values():
+        assert steps == list(range(len(steps)))
+    versions = [v for _, _, v, _ in loop.tokens]
+    assert versions == sorted(versions)
+    # the hot expert was routed exactly while it was live
+    live = [routed for _, _, v, routed in loop.tokens if add_version <= v <= replace_version]
+    assert live and all(live)
+    assert not loop.tokens[-1][3]
+    assert ev.unloaded and ev.unloaded[-1]["name"] == "fraud"
+
+
+def test_refusals_reported_and_engine_goes_on(tiny_model_dir, tmp_path):
+    from colibri_core.hotplug.testing import compile_test_expert
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    bad = {
+        "wrong_hidden.so": dict(hidden=64, layer=1),
+        "wrong_layer.so": dict(hidden=H, layer=0),        # layer 0 is dense
+        "crash.so": dict(hidden=H, layer=1, fault="segv"),
+        "nan.so": dict(hidden=H, layer=1, fault="nan"),
+    }
+    for name, kw in bad.items():
+        compile_test_expert(build / name, name=name.split(".")[0], **kw)
+        os.rename(build / name, watched / name)
+    os.symlink(watched / "crash.so", watched / "link.so")
+    from colibri_core.plugins import build_plugin_manager
+    pm = build_plugin_manager(load_entrypoints=False)
+    ev = Events()
+    pm.register(ev)              # registered before start: the start-up scan reports too
+    eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                              hotplug=HotplugConfig(settle_s=0.05)), plugin_manager=pm)
+    try:
+        assert all(r["status"] != "active" for r in eng.hotplug.list())
+        assert eng.expert_set_version == 0
+        g = eng.generate([1, 2, 3], max_new_tokens=5, temperature=0).run()
+        assert len(g.token_ids) == 5
+        reasons = " | ".join(r for _, r in ev.rejected)
+        for word in ("hidden", "layer", "NaN", "symlink"):
+            assert word.lower() in reasons.lower(), (word, reasons)
+        assert "signal" in reasons.lower() or "crash" in reasons.lower() or "segv" in reasons.lower(), reasons
+    finally:
+        eng.close()
+
+
+def test_isolated_expert_crash_after_adoption_disables_it(tiny_model_dir, tmp_path):
+    from colibri_core.hotplug.testing import MAGIC_INPUT, compile_test_expert
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    compile_test_expert(build / "iso.isolated.so", name="iso", hidden=H, layer=1, fault="crash_on_magic")
+    os.rename(build / "iso.isolated.so", watched / "iso.isolated.so")
+    eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                              hotplug=HotplugConfig(settle_s=0.05)))
+    try:
+        rows = eng.hotplug.list()
+        assert [r["isolation"] for r in rows] == ["isolated"]
+        hot = eng.hotplug.active()["iso"]
+        assert any(isinstance(e, object) and getattr(e, "hot", None) is hot
+                   for e in eng.model.expert_set.experts[1])
+        # Kill the helper process from outside: the engine must go on without the expert.
+        pid = hot.helper_pid
+        os.kill(pid, 9)
+        time.sleep(0.2)
+        g = eng.generate([1, 2, 3], max_new_tokens=6, temperature=0).run()
+        assert len(g.token_ids) == 6
+        assert "iso" not in eng.hotplug.active()
+        assert all(getattr(e, "hot", None) is not hot for e in eng.model.expert_set.experts[1])
+    finally:
+        eng.close()
