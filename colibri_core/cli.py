@@ -220,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     logging.basicConfig(format="colibri: warning: %(message)s", level=logging.WARNING)
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["expert", "build"]:          # its own parser, options and all
+        args = argparse.Namespace(func=cmd_expert_build, rest=argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ColibriError as e:
