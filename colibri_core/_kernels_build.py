@@ -23,6 +23,7 @@ int ck_backend(void);
 int ck_backend_available(int b);
 int ck_set_backend(int b);
 void ck_set_threads(int n);
+void ck_set_par_min_work(int64_t w);
 int ck_get_threads(void);
 uint64_t ck_rdtsc(void);
 const char *ck_cycle_counter_name(void);
@@ -44,6 +45,8 @@ int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
                   int accumulate, int act_int8,
                   int8_t *xq, float *xs, int32_t *xsum,
                   float *h, int8_t *hq, float *hs, int32_t *hsum);
+int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
+                        int64_t nkv, int64_t len, float scale, float *out, float *scores);
 """
 
 
@@ -68,12 +71,22 @@ ffibuilder = _build_ffi()
 
 if __name__ == "__main__":
     # Build in build/cffi-dev (cffi runs setuptools there, away from the repo's
-    # pyproject.toml), then copy the extension next to colibri_core/__init__.py.
+    # pyproject.toml), then copy the extension next to colibri_core/__init__.py under the
+    # name `pip install -e .` gives it (cffi compiles against the limited API unless
+    # Python is a debug build), removing other builds that could shadow it.
     import shutil
+    import sys
+    import sysconfig
 
     tmp = os.path.join(_REPO, "build", "cffi-dev")
     so = _build_ffi(absolute=True).compile(tmpdir=tmp, verbose=False)
-    dest = os.path.join(_REPO, "colibri_core", os.path.basename(so))
+    pkg = os.path.join(_REPO, "colibri_core")
+    abi3 = not hasattr(sys, "gettotalrefcount") and not sysconfig.get_config_var("Py_GIL_DISABLED")
+    dest = os.path.join(pkg, "_colibri_kernels.abi3.so" if abi3 and so.endswith(".so")
+                        else os.path.basename(so))
     shutil.copyfile(so, dest + ".tmp")
     os.replace(dest + ".tmp", dest)  # atomic: a running process keeps its mapping
+    for old in glob.glob(os.path.join(pkg, "_colibri_kernels*.so")):
+        if old != dest:
+            os.remove(old)
     print(dest)

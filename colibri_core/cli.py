@@ -2,7 +2,9 @@
 
     colibri run [--config FILE | --model DIR] [--prompt TEXT] [-n N] [--top-k K] ...
     colibri inspect MODEL_DIR [--verify]
-    colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G]
+    colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
+                    [--lm-head-bits B] [--embed-bits B] [--progress] [--force]
+    colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
 
 User mistakes print one line `colibri: error: ...` and exit 2; Ctrl-C exits 130.
 """
@@ -38,12 +40,21 @@ def _engine_from_args(args):
     if getattr(args, "debug", None):
         kinds = [k.strip() for k in args.debug.split(",") if k.strip()]
         overrides["debug"] = ["routing", "memory", "timing"] if kinds == ["all"] else kinds
+    if getattr(args, "max_resident_mb", None) is not None:
+        overrides["max_resident_mb"] = args.max_resident_mb
     if args.model:
         base = EngineConfig()
         model_dir = Path(args.model)
     else:
         cfg, model_dir = load_run_config(find_config(args.config or "builtin"))
         base = cfg.engine
+    res = {}
+    if getattr(args, "expert_cache", None):
+        res["policy"] = args.expert_cache
+    if getattr(args, "speculative", False):
+        res["speculative"] = True
+    if res:
+        overrides["residency"] = {**base.residency.model_dump(), **res}
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
     return Engine(model_dir, engine_cfg)
 
@@ -65,6 +76,8 @@ def cmd_run(args) -> int:
         shown = prompt.split("|", 1)[1] if prompt.startswith("MODE:") and "|" in prompt else prompt
         out.write(shown)
         out.flush()
+        from .residency import proc_read_bytes
+        read0 = proc_read_bytes()
         t0 = time.perf_counter()
         first = None
         for ev in gen:
@@ -79,9 +92,36 @@ def cmd_run(args) -> int:
             decode = (n - 1) / (dt - first) if n > 1 and first is not None and dt > first else 0.0
             print(f"colibri: {n} tokens, stop={gen.stop_reason}, first token "
                   f"{(first or 0) * 1000:.0f} ms, decode {decode:.1f} tok/s", file=sys.stderr)
+            print(_memory_line(eng, read0, n), file=sys.stderr)
     finally:
         eng.close()
     return 0
+
+
+def _memory_line(eng, read0, n_tokens: int) -> str:
+    """`colibri: memory ...`: the budget, what is resident (RSS, the model files' page
+    cache), the expert cache's hit rate, bytes read from disk per generated token."""
+    from .residency import MiB, proc_read_bytes
+    r = eng.memory_report()
+    pc = r.get("page_cache", {})
+    parts = []
+    if r.get("budget"):
+        parts.append(f"budget {r['budget'] / MiB:.0f} MB")
+    parts.append(f"RSS {r.get('VmRSS', 0) / MiB:.0f} MB (peak {r.get('VmHWM', 0) / MiB:.0f})")
+    parts.append(f"model page cache {sum(pc.values()) / MiB:.0f} MB "
+                 f"(experts {pc.get('expert_files', 0) / MiB:.0f})")
+    if r.get("budget"):
+        parts.append(f"expert cache {r['expert_cache_bytes'] / MiB:.0f}/{r['capacity'] / MiB:.0f} MB")
+        if r.get("hit_rate") is not None:
+            parts.append(f"hit rate {100 * r['hit_rate']:.1f}%")
+        spec = r.get("speculation")
+        if spec and spec.get("hit_rate") is not None:
+            parts.append(f"speculation {100 * spec['hit_rate']:.1f}%")
+    rb = proc_read_bytes()
+    if rb is not None and read0 is not None:
+        per = (rb - read0) / max(n_tokens, 1)
+        parts.append(f"read {(rb - read0) / MiB:.1f} MB ({per / MiB:.2f} MB/token)")
+    return "colibri: memory: " + " | ".join(parts)
 
 
 def cmd_inspect(args) -> int:
@@ -109,12 +149,17 @@ def cmd_inspect(args) -> int:
             print(f"    {s.name:24s} {s.dtype}{g} {list(s.shape)}")
     w.close()
     if args.verify:
-        problems = verify_checksums(path)
-        for p in problems:
+        from .validate import scan_model_dir
+        problems = verify_checksums(path)            # sha256 of every file
+        values = scan_model_dir(path)                # NaN/Inf in any section
+        for p in problems + values:
             print(f"  FAIL {p}")
-        if problems:
-            raise ColibriError(f"{path}: {len(problems)} file(s) failed verification")
-        print(f"  verify: all {len(cfg.files)} files match their sha256")
+        if problems or values:
+            raise ColibriError(f"{path}: verification failed: {len(problems)} file(s) do not "
+                               f"match their sha256, {len(values)} section(s) hold NaN/Inf "
+                               f"or bad scales (details above)")
+        print(f"  verify: all {len(cfg.files)} files match their sha256; no NaN/Inf in any "
+              f"section")
     return 0
 
 
@@ -122,9 +167,23 @@ def cmd_convert(args) -> int:
     from .convert import convert
     t0 = time.perf_counter()
     cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
-                  progress=sys.stderr.isatty(), overwrite=args.force)
+                  lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
+                  calibration=args.calibration, progress=args.progress or sys.stderr.isatty(),
+                  overwrite=args.force)
+    q = cfg.quantization
     print(f"colibri: converted {args.hf_dir} -> {args.out_dir} ({cfg.architecture}, "
-          f"{len(cfg.files)} files) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+          f"{q.get('method', '?')} {q.get('bits', '?')}-bit, {len(cfg.files)} files) in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .convert.verify import verify
+    res = verify(args.hf_dir, args.model_dir, args.prompts, n_new=args.n,
+                 routing=args.routing, activations=args.activations)
+    if args.max_error is not None and any(r.max_rel_err is not None and r.max_rel_err > args.max_error
+                                          for r in res):
+        raise ColibriError(f"max relative logit error above --max-error {args.max_error}")
     return 0
 
 
@@ -182,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--experts-dir", dest="experts_dir", help="watch this folder for hot-plugged experts")
     r.add_argument("--debug", help="trace lines to stderr: routing,memory,timing (or all)")
     r.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
+    r.add_argument("--max-resident-mb", type=float, dest="max_resident_mb",
+                   help="hard budget (MiB) for the model's resident memory: weights in RSS "
+                        "and page cache, KV cache, activations (expert cache)")
+    r.add_argument("--expert-cache", choices=["lru", "lfu"], dest="expert_cache",
+                   help="expert cache policy under a budget (default lfu)")
+    r.add_argument("--speculative", action="store_true",
+                   help="under a budget: guess the next layer's experts and load them early")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the text")
     r.set_defaults(func=cmd_run)
 
@@ -211,10 +277,30 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
-    c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32])
-    c.add_argument("--group-size", type=int, default=128, dest="group_size")
+    c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
+                   help="4: q4 (lm_head q8), 8: q8, 16: the checkpoint's own bf16/f16, 32: f32")
+    c.add_argument("--group-size", type=int, default=128, dest="group_size",
+                   help="quantization group size, a multiple of 64 (default 128)")
+    c.add_argument("--lm-head-bits", type=int, choices=[4, 8, 16, 32], dest="lm_head_bits",
+                   help="override the lm_head's precision (default: 8 under --bits 4)")
+    c.add_argument("--embed-bits", type=int, choices=[4, 8, 16, 32], dest="embed_bits",
+                   help="override the embedding's precision")
+    c.add_argument("--calibration", metavar="FILE",
+                   help="text file: AWQ activation-aware scales from the model's activations")
+    c.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
     c.add_argument("--force", action="store_true", help="replace an existing output directory")
     c.set_defaults(func=cmd_convert)
+
+    v = sub.add_parser("verify", help="compare a converted model with its Hugging Face source")
+    v.add_argument("hf_dir")
+    v.add_argument("model_dir")
+    v.add_argument("--prompts", metavar="FILE", help="one prompt per line (text, or token ids)")
+    v.add_argument("-n", type=int, default=16, help="greedy tokens compared per prompt")
+    v.add_argument("--routing", choices=["fixed", "float"], default="fixed")
+    v.add_argument("--activations", choices=["int8", "float"], default="int8")
+    v.add_argument("--max-error", type=float, dest="max_error",
+                   help="exit non-zero when a prompt's max relative logit error exceeds this")
+    v.set_defaults(func=cmd_verify)
     return p
 
 

@@ -13,6 +13,7 @@ and what is allowed.
 from __future__ import annotations
 
 import json
+import reprlib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -21,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import ConfigError, ExpertIndexError
 
-_STRICT = ConfigDict(frozen=True, extra="forbid")
+# allow_inf_nan=False: a NaN or infinite float in a config file (YAML `.nan`, `.inf`, JSON
+# `NaN`, `Infinity`) is refused with the field's name instead of poisoning the arithmetic.
+_STRICT = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class FileInfo(BaseModel):
@@ -150,6 +153,10 @@ class ModelConfig(BaseModel):
                             f"n_group={self.n_group}")
         if self.topk_group > self.n_group:
             problems.append(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
+            problems.append(f"bos_token_id={self.bos_token_id} is outside the vocabulary "
+                            f"(0..{self.vocab_size - 1}): every text prompt would start with "
+                            f"an invalid token")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -166,7 +173,7 @@ class SamplingConfig(BaseModel):
     model_config = _STRICT
     temperature: float = Field(default=0.8, ge=0.0)   # 0 -> greedy
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0)
     max_new_tokens: int = Field(default=64, ge=0)
     stop: list[str] = []
 
@@ -177,6 +184,14 @@ class LengthRule(BaseModel):
     min_tokens: Optional[int] = Field(default=None, ge=0)
     max_tokens: Optional[int] = Field(default=None, ge=0)
     k: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "LengthRule":
+        if (self.min_tokens is not None and self.max_tokens is not None
+                and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens="
+                             f"{self.max_tokens}: the rule can never match")
+        return self
 
     def matches(self, n: int) -> bool:
         return ((self.min_tokens is None or n >= self.min_tokens)
@@ -192,6 +207,18 @@ class HotplugConfig(BaseModel):
     settle_s: float = Field(default=0.2, ge=0)
     state_dir: Optional[str] = None                # default: <experts_dir>/.colibri-state
     startup_timeout_s: float = Field(default=30.0, ge=0)  # wait for the folder's first scan
+
+
+class ResidencyConfig(BaseModel):
+    """The expert cache behind EngineConfig.max_resident_mb (colibri_core/residency.py);
+    ignored without a budget."""
+    model_config = _STRICT
+    policy: Literal["lru", "lfu"] = "lfu"          # lfu: frequency with exponential aging
+    half_life_tokens: float = Field(default=32.0, gt=0)   # lfu aging: a use counts half after this many forwards
+    speculative: bool = False                      # guess the next MoE layer's experts early
+    io_threads: int = Field(default=4, ge=1, le=64)   # expert loads in flight at once
+    kv_tokens: Optional[int] = Field(default=None, gt=0)  # KV positions reserved (None: the context)
+    debug_poison: bool = False                     # copy mode: fill evicted slots with NaN
 
 
 class EngineConfig(BaseModel):
@@ -210,7 +237,8 @@ class EngineConfig(BaseModel):
     hotplug: HotplugConfig = HotplugConfig()
     plugins_dir: Optional[str] = None
     debug: list[Literal["routing", "memory", "timing"]] = []
-    max_resident_mb: Optional[float] = Field(default=None, gt=0)
+    max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
+    residency: ResidencyConfig = ResidencyConfig()
 
 
 class RunConfig(BaseModel):
@@ -225,13 +253,28 @@ class RunConfig(BaseModel):
 
 # ----------------------------------------------------------------------------- loading
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 60
+
+
+def _short_repr(value: Any) -> str:
+    """repr() that looks at a bounded part of the value: a YAML file can alias one list
+    into itself level after level ("billion laughs"), and a full repr() of such a value
+    would never finish."""
+    try:
+        return _REPR.repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def format_validation_error(source: str, err: ValidationError) -> str:
     """One line per problem: `source: field 'a.b': value X: what is allowed`."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         value = e.get("input")
-        shown = repr(value)
+        shown = _short_repr(value)
         if len(shown) > 60:
             shown = shown[:57] + "..."
         msg = e["msg"]

@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import kernels
-from .config import EngineConfig, ModelConfig, find_config, load_run_config
-from .errors import RequestError
+from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
+from .errors import ConfigError, RequestError
 from .generate import Generation
 from .model import Model
 from .requests import check_k, split_mode_prefix
@@ -35,11 +35,33 @@ _request_ids = itertools.count(1)
 class Engine:
     def __init__(self, model_dir: Union[str, Path], config: EngineConfig = EngineConfig(),
                  plugin_manager=None):
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"config: expected an EngineConfig, got {type(config).__name__} "
+                              f"(build one with EngineConfig(...) or Engine.from_model_dir)")
         self.config = config
         self.model_dir = Path(model_dir)
+        self.hotplug = None
+        self.hooks = None
+        self._closed = False
+        if config.experts_dir is not None and not Path(config.experts_dir).is_dir():
+            raise ConfigError(f"experts_dir {config.experts_dir!r}: no such folder; create it "
+                              f"(the hot-plug folder is watched, never created)")
         kernels.set_threads(config.threads)
-        self.weights = load_model(self.model_dir, config.load_mode)
+        if config.max_resident_mb is not None and (self.model_dir / "config.json").is_file():
+            from .residency import check_budget
+            check_budget(self.model_dir, config)    # too small a budget: refused before loading
+        # Copy-in under a budget: expert files are read into the cache's slots, not at load.
+        lazy = config.max_resident_mb is not None and config.load_mode == "copy"
+        self.weights = load_model(self.model_dir, config.load_mode, lazy_experts=lazy)
+        try:            # a failure from here on leaves nothing open: no mapping, no thread
+            self._build(config, plugin_manager)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _build(self, config: EngineConfig, plugin_manager) -> None:
         self.model_cfg: ModelConfig = self.weights.cfg
+        self._check_policy(config)
         tok_path = self.model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path, self.model_cfg.vocab_size) if tok_path.exists() else None
         from .plugins import HookRelay, build_plugin_manager
@@ -54,11 +76,44 @@ class Engine:
         self.model = Model(self.weights, config, self.hooks)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
-        self.hotplug = None
         if config.experts_dir is not None:
             self._start_hotplug(config)
         if self.hooks.engine_start is not None:
             self.hooks.engine_start(engine=self)
+
+    def _abort(self) -> None:
+        """Undo a half-built engine (construction failed): stop hot-plug, unmap weights."""
+        if self.hotplug is not None:
+            try:
+                self.hotplug.close()
+            except Exception as exc:
+                log.warning("closing the hot-plug manager failed: %s", exc)
+            self.hotplug = None
+        self._closed = True
+        self._close_residency()
+        if getattr(self, "model", None) is not None:
+            self.model.expert_set = None
+        self.weights.close()
+
+    def _close_residency(self) -> None:
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.residency.close()              # loads in flight finish before the unmap
+
+    def memory_report(self, page_cache: bool = True) -> dict:
+        """Resident memory, the expert cache and disk reads (bytes; residency.py)."""
+        return self.model.residency.report(page_cache)
+
+    def _check_policy(self, config: EngineConfig) -> None:
+        """A length-policy k that the model cannot honour fails here, at load, not on
+        every request that matches the rule."""
+        n = self.model_cfg.num_experts
+        if not self.model_cfg.moe_layers:
+            return
+        for i, rule in enumerate(config.length_policy):
+            if rule.k > n:
+                raise ConfigError(f"engine config: field 'length_policy.{i}.k': value {rule.k}: "
+                                  f"this model has {n} experts per MoE layer (allowed 1..{n})")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -66,25 +121,33 @@ class Engine:
         """Load a run config (a path or a shipped config name) and build the engine.
         `overrides` replace engine settings, e.g. threads=1."""
         cfg, model_dir = load_run_config(find_config(str(name_or_path)))
-        engine_cfg = cfg.engine.model_copy(update=overrides) if overrides else cfg.engine
+        engine_cfg = cfg.engine
         if overrides:
-            engine_cfg = EngineConfig.model_validate(engine_cfg.model_dump())
+            engine_cfg = parse(EngineConfig, {**cfg.engine.model_dump(), **overrides},
+                               "engine settings")
         return cls(model_dir, engine_cfg)
 
     @classmethod
     def from_model_dir(cls, path: Union[str, Path], **settings) -> "Engine":
-        return cls(path, EngineConfig(**settings))
+        return cls(path, parse(EngineConfig, settings, "engine settings"))
 
     def register_plugin(self, plugin, name: Optional[str] = None) -> None:
         """Register a plugin object (its hooks take effect at the next call site)."""
         self.pm.register(plugin, name=name)
 
     def close(self) -> None:
+        """Stop hot-plug, unmap the model files and close their descriptors (now, not at
+        the next garbage collection). Idempotent; a closed engine refuses requests."""
+        if self._closed:
+            return
+        self._closed = True
         if self.hooks is not None and self.hooks.engine_stop is not None:
             self.hooks.engine_stop(engine=self)
         if self.hotplug is not None:
             self.hotplug.close()
             self.hotplug = None
+        self._close_residency()
+        self.model.expert_set = None        # its experts hold views into the mapped files
         self.weights.close()
 
     def __enter__(self):
@@ -134,6 +197,8 @@ class Engine:
 
     def prepare_ids(self, prompt: Union[str, Sequence[int]], reserve: int = 1) -> tuple[list[int], Optional[int], Optional[int]]:
         """-> (token ids, k from a MODE: prefix, original length if truncated)."""
+        if self._closed:
+            raise RequestError(f"{self.model_dir}: this engine is closed; create a new one")
         prefix_k = None
         if isinstance(prompt, str):
             prefix_k, text = split_mode_prefix(prompt)
@@ -142,7 +207,7 @@ class Engine:
                                    "(after any MODE: prefix)")
             ids = self.encode(text)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         if not ids:
             raise RequestError("empty prompt: no tokens to run")
         V = self.model_cfg.vocab_size
@@ -165,8 +230,12 @@ class Engine:
                  stop: Optional[list[str]] = None, pin_experts: bool = False) -> Generation:
         s = self.config.sampling
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if n_new < 0:
-            raise RequestError(f"max_new_tokens={n_new}: must be >= 0")
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
+            raise RequestError(f"max_new_tokens={n_new!r}: must be an integer >= 0")
+        n_new = int(n_new)
+        stop = list(s.stop if stop is None else ([stop] if isinstance(stop, str) else stop))
+        if not all(isinstance(x, str) and x for x in stop):
+            raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
         ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
         rid = f"req-{next(_request_ids)}"
         k, source = self.choose_k(len(ids), top_k, prefix_k, {"id": rid})
@@ -174,10 +243,9 @@ class Engine:
             sampler = Sampler(s.temperature if temperature is None else temperature,
                               s.top_p if top_p is None else top_p,
                               s.seed if seed is None else seed)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        return Generation(self, ids, k, source, n_new, sampler,
-                          list(s.stop if stop is None else stop), pin_experts=pin_experts,
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"sampling settings: {e}") from None
+        return Generation(self, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,
                           request_id=rid, truncated_from=truncated)
 
     def next_token_logits(self, token_ids: Sequence[int], top_k: Optional[int] = None,
@@ -263,6 +331,27 @@ class Engine:
                      reason=str(info.get("message") or info.get("reason", "")))
             else:
                 hook(info={**info, "expert_set_version": self.expert_set_version})
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids: a sequence (or 1-D array) of integers."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise RequestError("prompt is bytes: pass text (str) or a list of token ids")
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise RequestError(f"token ids: expected a 1-D integer array, got shape "
+                               f"{list(prompt.shape)} of {prompt.dtype}")
+        return [int(t) for t in prompt]
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise RequestError(f"prompt of type {type(prompt).__name__}: pass text (str) or a "
+                           f"list of token ids") from None
+    for i, t in enumerate(items):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise RequestError(f"token id at position {i} is {t!r:.40} "
+                               f"({type(t).__name__}): token ids are integers")
+    return [int(t) for t in items]
 
 
 def _release_all(manager, experts) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 
+from .errors import ModelFormatError
 from .sampler import Sampler
 from .tokenizer import StreamDecoder
 
@@ -49,6 +50,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: list[TokenEvent] = field(default_factory=list)
+    _warned_nonfinite: bool = field(default=False, repr=False)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self._run()
@@ -131,7 +133,27 @@ class Generation:
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
                 return int(got)
+        if not np.isfinite(logits).all():
+            logits = self._finite_logits(logits)
         return self.sampler(logits)
+
+    def _finite_logits(self, logits: np.ndarray) -> np.ndarray:
+        """NaN logits never win; +Inf ones always do. All NaN (weights with NaN/Inf, which a
+        load does not scan for) is a typed error naming the check to run, not a crash."""
+        logits = np.asarray(logits, dtype=np.float64)
+        big = np.finfo(np.float64).max / 4
+        fixed = np.nan_to_num(logits, nan=-np.inf, posinf=big, neginf=-np.inf)
+        if not np.isfinite(fixed).any():
+            eng = self.engine
+            raise ModelFormatError(
+                f"{eng.model_dir}: the model produced no finite logit at step "
+                f"{len(self.token_ids)} (NaN/Inf in its weights?); check it with "
+                f"`colibri inspect {eng.model_dir} --verify`")
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            log.warning("non-finite logits at step %d of %s: NaN ones are never sampled",
+                        len(self.token_ids), self.request_id)
+        return fixed
 
     def _cut_at_stop(self, piece: str) -> tuple[str, bool]:
         """Cut the new text before the first stop string (which may straddle tokens)."""

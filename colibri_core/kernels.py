@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 __all__ = [
     "backend", "available_backends", "set_backend", "set_threads", "get_threads",
     "rdtsc", "cycle_counter_name", "Workspace", "act_quantize_q8", "q4_matmul",
-    "q8_matmul", "expert_ffn",
+    "q8_matmul", "expert_ffn", "attention_decode",
 ]
 
 lib.ck_init()
@@ -79,6 +79,12 @@ def get_threads() -> int:
     return lib.ck_get_threads()
 
 
+def _set_parallel_threshold(macs: int) -> None:
+    """Testing aid: calls with fewer multiply-adds than this run on one thread
+    (0: every call uses all threads; negative: back to the built-in default)."""
+    lib.ck_set_par_min_work(int(macs))
+
+
 def rdtsc() -> int:
     """Raw cycle counter (rdtsc on x86, cntvct_el0 on aarch64, else nanoseconds)."""
     return lib.ck_rdtsc()
@@ -114,6 +120,11 @@ def _check_group(name: str, group: int) -> None:
 
 
 def _q4_parts(name: str, w) -> tuple:
+    """Validated cffi pointers of a Q4Tensor's parts, cached on the tensor (its fields
+    are frozen, so the check holds for its lifetime; ~3 us saved per call)."""
+    parts = w.__dict__.get("_ck_parts") if type(w) is Q4Tensor else None
+    if parts is not None:
+        return parts
     if not isinstance(w, Q4Tensor):
         raise ValueError(f"{name}: expected a Q4Tensor, got {type(w).__name__}")
     _check_group(name, w.group)
@@ -122,19 +133,35 @@ def _q4_parts(name: str, w) -> tuple:
     _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
     _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
     _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
-    return _ptr(w.data), _ptr(w.scales), _ptr(w.zeros)
+    parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
+    try:
+        object.__setattr__(w, "_ck_parts", parts)
+    except AttributeError:  # a slotted Q4Tensor: no cache, still correct
+        pass
+    return parts
 
 
-def _x_out(w, x, out) -> int:
-    """Checks x [N, cols] / out [N, rows] (or x [cols] / out [rows]); returns N."""
-    if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
-        raise ValueError(f"x: expected a 1-D or 2-D numpy array, got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    n = x.shape[0] if x.ndim == 2 else 1
-    lead = (n,) if x.ndim == 2 else ()
-    _arr("x", x, _f32, lead + (w.cols,))
-    _arr("out", out, _f32, lead + (w.rows,), writable=True)
-    return n
+def _f32_ptr(name: str, a, shape: tuple, writable: bool = False):
+    """Fast path of _arr + _ptr for float32 arrays (the per-call x / out)."""
+    if type(a) is np.ndarray and a.dtype == _f32 and a.shape == shape:
+        f = a.flags
+        if f.c_contiguous and (f.writeable or not writable):
+            return ffi.from_buffer("float[]", a)
+    return _ptr(_arr(name, a, _f32, shape, writable))
+
+
+def _x_out(w, x, out, x_cols: Optional[int] = None) -> tuple:
+    """Checks x [N, C] / out [N, rows] (or x [C] / out [rows]), C = x_cols or w.cols;
+    returns (N, x pointer, out pointer)."""
+    nd = getattr(x, "ndim", 0)
+    c = w.cols if x_cols is None else x_cols
+    if nd == 2:
+        n = x.shape[0]
+        return n, _f32_ptr("x", x, (n, c)), _f32_ptr("out", out, (n, w.rows), True)
+    if nd == 1:
+        return 1, _f32_ptr("x", x, (c,)), _f32_ptr("out", out, (w.rows,), True)
+    raise ValueError(f"x: expected a 1-D or 2-D numpy array, got "
+                     f"{getattr(x, 'shape', type(x).__name__)}")
 
 
 def _act(act: str) -> int:
@@ -229,12 +256,11 @@ def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
     products; act="float" dequantizes W on the fly (parity path). Returns out."""
     mode = _act(act)
     d, s, z = _q4_parts("w", w)
-    n = _x_out(w, x, out)
+    n, xp, op = _x_out(w, x, out)
     if n == 0 or w.rows == 0:
         return out
     xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
-    _rc(lib.ck_q4_matmul(d, s, z, w.rows, w.cols, w.group, _ptr(x), n, _ptr(out), mode,
-                         xq, xs, xsum))
+    _rc(lib.ck_q4_matmul(d, s, z, w.rows, w.cols, w.group, xp, n, op, mode, xq, xs, xsum))
     return out
 
 
@@ -248,12 +274,12 @@ def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
     cp = padded_cols(w.cols, w.group)
     _arr("w.data", w.data, _i8, (w.rows, cp))
     _arr("w.scales", w.scales, _f32, (w.rows, cp // w.group))
-    n = _x_out(w, x, out)
+    n, xp, op = _x_out(w, x, out)
     if n == 0 or w.rows == 0:
         return out
     xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
-    _rc(lib.ck_q8_matmul(_ptr(w.data), _ptr(w.scales), w.rows, w.cols, w.group, _ptr(x), n,
-                         _ptr(out), mode, xq, xs, xsum))
+    _rc(lib.ck_q8_matmul(_ptr(w.data), _ptr(w.scales), w.rows, w.cols, w.group, xp, n, op,
+                         mode, xq, xs, xsum))
     return out
 
 
@@ -275,13 +301,7 @@ def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.
     if (w2.rows, w2.cols) != (hidden, inter):
         raise ValueError(f"w2: shape must be {(hidden, inter)} (hidden, intermediate), "
                          f"got {(w2.rows, w2.cols)}")
-    if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
-        raise ValueError(f"x: expected a 1-D or 2-D numpy array, got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    n = x.shape[0] if x.ndim == 2 else 1
-    lead = (n,) if x.ndim == 2 else ()
-    _arr("x", x, _f32, lead + (hidden,))
-    _arr("out", out, _f32, lead + (hidden,), writable=True)
+    n, xp, op = _x_out(w2, x, out, hidden)
     if row_weights is not None:
         row_weights = np.ascontiguousarray(row_weights, dtype=np.float32)
         if row_weights.shape != (n,) and not (x.ndim == 1 and row_weights.shape == ()):
@@ -302,7 +322,37 @@ def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.
     else:
         xq = xs = xsum = h = hq = hs = hsum = _NULL
     rw = _NULL if row_weights is None else _ptr(row_weights)
-    _rc(lib.ck_expert_ffn(*p1, *p3, w1.group, *p2, w2.group, hidden, inter, _ptr(x), n,
-                          _ptr(out), rw, int(bool(accumulate)), mode,
+    _rc(lib.ck_expert_ffn(*p1, *p3, w1.group, *p2, w2.group, hidden, inter, xp, n,
+                          op, rw, int(bool(accumulate)), mode,
                           xq, xs, xsum, h, hq, hs, hsum))
+    return out
+
+
+def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, length: int,
+                     out: np.ndarray, scale: Optional[float] = None) -> np.ndarray:
+    """Attention of one new token over the first `length` cached positions:
+        out[h] = softmax(scale * K[:length, h // (NH // NKV)] @ q[h]) @ V[:length, same]
+    q, out: f32 [NH, D]; k_cache, v_cache: f32 [S, NKV, D] (e.g. a KVCache layer slab
+    cache.k[L]), NH a multiple of NKV (grouped-query attention), 1 <= length <= S;
+    scale defaults to 1/sqrt(D). Threads split the KV heads. No causal mask is needed:
+    every cached position precedes the token. Returns out."""
+    if not isinstance(k_cache, np.ndarray) or k_cache.ndim != 3:
+        raise ValueError(f"k_cache: expected a 3-D numpy array [S, NKV, D], got "
+                         f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
+    cap, nkv, d = k_cache.shape
+    if not isinstance(q, np.ndarray) or q.ndim != 2 or q.shape[1] != d:
+        raise ValueError(f"q: expected a numpy array [NH, {d}], got "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    nh = q.shape[0]
+    if nkv == 0 or nh % nkv:
+        raise ValueError(f"q: {nh} heads is not a multiple of the cache's {nkv} kv heads")
+    length = int(length)
+    if not 1 <= length <= cap:
+        raise ValueError(f"length must be in 1..{cap} (the cache capacity), got {length}")
+    qp = _f32_ptr("q", q, (nh, d))
+    kp = _f32_ptr("k_cache", k_cache, (cap, nkv, d))
+    vp = _f32_ptr("v_cache", v_cache, (cap, nkv, d))
+    op = _f32_ptr("out", out, (nh, d), True)
+    sc = 1.0 / float(np.sqrt(d)) if scale is None else float(scale)
+    _rc(lib.ck_attention_decode(qp, nh, d, kp, vp, nkv, length, sc, op, _NULL))
     return out

@@ -69,6 +69,10 @@ class Model:
         self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
                           "populate": MADV_POPULATE_READ}[engine.prefetch]
         self.last_routing: list[LayerTrace] = []
+        # What stays resident: the madvise prefetch alone, or the memory budget's expert
+        # cache (residency.py); Model._moe acquires a layer's routed experts through it.
+        from .residency import make_residency
+        self.residency = make_residency(weights, engine, self._prefetch)
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
         self._warned: set = set()
@@ -197,30 +201,31 @@ class Model:
         experts = es.experts[L]
         out = np.zeros_like(xn)
         used = np.unique(r.ids[r.ids >= 0])
-        if self._prefetch is not None:
-            for e in used:                         # one madvise per routed expert, up front
-                f = experts[e].file
-                if f is not None:
-                    f.madvise(self._prefetch)
-        if hooks is not None and hooks.expert_prefetch is not None:
-            hooks.expert_prefetch(layer=L, experts=[(int(e), experts[e].address, experts[e].nbytes)
-                                                    for e in used])
         timing = hooks is not None and hooks.expert_timing is not None
         T = xn.shape[0]
-        for e in used:
-            rows, slot = np.nonzero(r.ids == e)
-            ex = experts[e]
-            if timing:
-                c0, t0 = kernels.rdtsc(), _perf()
-            if T == 1:
-                self._run_expert(ex, xn, out, r.weights[0, slot])
-            else:
-                buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
-                self._run_expert(ex, np.ascontiguousarray(xn[rows]), buf, r.weights[rows, slot])
-                out[rows] += buf
-            if timing:
-                hooks.expert_timing(layer=L, expert=int(e), cycles=kernels.rdtsc() - c0,
-                                    seconds=_perf() - t0)
+        res = self.residency
+        for wave in res.waves(used):               # one wave unless a budget forces more
+            run = res.acquire(L, wave, experts)    # prefetch; budget: load + pin
+            try:
+                if hooks is not None and hooks.expert_prefetch is not None:
+                    hooks.expert_prefetch(layer=L, experts=[(int(e), run[e].address, run[e].nbytes)
+                                                            for e in wave])
+                for e in wave:
+                    rows, slot = np.nonzero(r.ids == e)
+                    ex = run[e]
+                    if timing:
+                        c0, t0 = kernels.rdtsc(), _perf()
+                    if T == 1:
+                        self._run_expert(ex, xn, out, r.weights[0, slot])
+                    else:
+                        buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
+                        self._run_expert(ex, np.ascontiguousarray(xn[rows]), buf, r.weights[rows, slot])
+                        out[rows] += buf
+                    if timing:
+                        hooks.expert_timing(layer=L, expert=int(e), cycles=kernels.rdtsc() - c0,
+                                            seconds=_perf() - t0)
+            finally:
+                res.release(L, wave)               # views of `run` end here
         if lw.shared is not None:
             sh = np.empty_like(xn)
             self._ffn(lw.shared, xn, sh)
@@ -261,6 +266,9 @@ class Model:
         es = expert_set or self.expert_set
         if len(tokens) != len(caches):
             raise RequestError(f"{len(tokens)} token lists but {len(caches)} caches")
+        res = self.residency
+        if res.chunk_tokens is not None and sum(np.size(t) for t in tokens) > res.chunk_tokens:
+            return self._forward_chunked(tokens, caches, ks, all_logits, es, res.chunk_tokens)
         ks = list(ks) if ks is not None else [cfg.top_k] * len(tokens)
         ids, pos, kt, spans = [], [], [], []
         t = 0
@@ -283,6 +291,8 @@ class Model:
             spans.append((t, t + n, cache))
             t += n
         ids, pos, kt = np.concatenate(ids), np.concatenate(pos), np.concatenate(kt)
+        if res.active:
+            res.begin_forward(len(ids), caches)
         self.last_routing = []
         x = self._embed(ids)                                              # [T, H]
         hooks = self.hooks
@@ -305,6 +315,8 @@ class Model:
                         kk = np.clip(np.asarray(got, np.int64), 1, cfg.num_experts)
                 y = self._moe(lw, xn, kk, es)
             x = x + y
+            if res.speculative:                    # guess the next MoE layer's experts
+                res.speculate(lw.index, x, es, kt)
             if hooks is not None and hooks.after_layer is not None:
                 hooks.after_layer(layer=lw.index, hidden=x)
         results = []
@@ -314,6 +326,34 @@ class Model:
             logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
             results.append(logits if all_logits else logits[0])
         return results
+
+    def _forward_chunked(self, tokens, caches, ks, all_logits: bool, es, chunk: int) -> list:
+        """forward() in pieces of at most `chunk` tokens (the memory budget's activation
+        share): a sequence's tokens go in order, each piece continuing its KV cache."""
+        toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens]
+        for t, cache in zip(toks, caches):
+            if cache.length + len(t) > cache.capacity:
+                raise RequestError(f"sequence needs {cache.length + len(t)} positions, its "
+                                   f"cache holds {cache.capacity}")
+        ks = list(ks) if ks is not None else [self.cfg.top_k] * len(toks)
+        batches, cur, seen, n = [], [], set(), 0
+        for i, t in enumerate(toks):
+            for s in range(0, max(len(t), 1), chunk):
+                piece = t[s:s + chunk]
+                if cur and (n + len(piece) > chunk or i in seen):
+                    batches.append(cur)
+                    cur, seen, n = [], set(), 0
+                cur.append((i, piece))
+                seen.add(i)
+                n += len(piece)
+        batches.append(cur)
+        outs: list[list] = [[] for _ in toks]
+        for b in batches:
+            got = self.forward([p for _, p in b], [caches[i] for i, _ in b], [ks[i] for i, _ in b],
+                               all_logits=all_logits, expert_set=es)
+            for (i, _), o in zip(b, got):
+                outs[i].append(o)
+        return [np.concatenate(o, axis=0) if all_logits else o[-1] for o in outs]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         e = self.w.embed

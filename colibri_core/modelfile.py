@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 import numpy as np
 
@@ -197,14 +199,24 @@ class Section:
 
 
 def _expected_part_sizes(dtype: str, shape: tuple[int, ...], group: int) -> dict[str, int]:
+    # Python integers: a corrupt shape such as [2**32, 2**32] must not wrap around int64
+    # to a small size that matches a small part.
     if dtype in PLAIN_DTYPES:
-        return {"data": int(np.prod(shape, dtype=np.int64)) * np.dtype(PLAIN_DTYPES[dtype]).itemsize}
+        return {"data": math.prod(shape) * np.dtype(PLAIN_DTYPES[dtype]).itemsize}
     rows, cols = shape
     cp = padded_cols(cols, group)
     ng = cp // group
     if dtype == "q4":
         return {"data": rows * cp // 2, "scales": rows * ng * 4, "zeros": rows * ng}
     return {"data": rows * cp, "scales": rows * ng * 4}
+
+
+def _table_int(v) -> int:
+    """An integer field of the section table (the writer only ever writes JSON integers;
+    a float, string or bool there is corruption)."""
+    if type(v) is not int:
+        raise TypeError(f"expected an integer, got {v!r:.40}")
+    return v
 
 
 def parse_table(buf, file_size: int, source: str) -> list[Section]:
@@ -231,13 +243,19 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
     for i, e in enumerate(raw):
         where = f"{source}: section {i}"
         try:
-            name, dtype = str(e["name"]), e["dtype"]
-            shape = tuple(int(s) for s in e["shape"])
-            group = int(e.get("group_size", 0))
-            parts = {str(k): (int(v[0]), int(v[1])) for k, v in e["parts"].items()}
+            name, dtype = e["name"], e["dtype"]
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise TypeError("'name' and 'dtype' must be strings")
+            shape = tuple(_table_int(s) for s in e["shape"])
+            group = _table_int(e.get("group_size", 0))
+            parts = {}
+            for k, v in e["parts"].items():
+                if not isinstance(v, list) or len(v) != 2:
+                    raise TypeError(f"part {k!r} must be [offset, nbytes]")
+                parts[str(k)] = (_table_int(v[0]), _table_int(v[1]))
         except Exception as ex:
             raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: {ex})") from None
-        where = f"{source}: section '{name}'"
+        where = f"{source}: section '{name}'" if name.isprintable() else f"{source}: section {name!r}"
         if name in names:
             raise ModelFormatError(f"{where}: duplicate name")
         names.add(name)
@@ -274,7 +292,11 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
 
 
 class ContainerFile:
-    """One mapped (or copied-in) container file; hands out zero-copy views."""
+    """One mapped (or copied-in) container file; hands out zero-copy views.
+
+    load_mode "header" reads only the section table: the data is read later by the caller
+    into buffers of its own (the memory budget's copy-in expert slots, residency.py), and
+    `tensor(name, buf, base)` hands out views into such a buffer."""
 
     def __init__(self, path: Path, load_mode: str = "mmap"):
         self.path = Path(path)
@@ -285,51 +307,85 @@ class ContainerFile:
         except OSError as e:
             raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ModelFormatError(f"{self.path}: not a regular file")
+            self.size = st.st_size
             if self.size == 0:
                 raise ModelFormatError(f"{self.path}: file is empty")
             if load_mode == "mmap":
-                self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+                try:
+                    self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+                except OSError as e:
+                    raise ModelFormatError(f"{self.path}: cannot map: {e.strerror}; try "
+                                           f"load_mode 'copy'") from None
                 self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+            elif load_mode == "header":   # the table only, read with pread (no mapping)
+                self._mm = None
+                self.buf = None
+                head = os.pread(fd, _PREFIX.size, 0)
+                if len(head) == _PREFIX.size:
+                    tlen = _PREFIX.unpack_from(head, 0)[3]
+                    if tlen <= MAX_TABLE_BYTES:
+                        head += os.pread(fd, min(tlen, self.size - _PREFIX.size), _PREFIX.size)
             else:  # copy-in: one read into private memory, for file systems without mmap
                 self._mm = None
                 self.buf = np.empty(self.size, dtype=np.uint8)
                 view = memoryview(self.buf)
                 got = 0
                 while got < self.size:
-                    n = os.readv(fd, [view[got:]])
+                    try:
+                        n = os.readv(fd, [view[got:]])
+                    except OSError as e:
+                        raise ModelFormatError(f"{self.path}: read error: {e.strerror}") from None
                     if n == 0:
                         raise ModelFormatError(f"{self.path}: file shrank while reading")
                     got += n
         finally:
             os.close(fd)
-        self.sections = {s.name: s for s in parse_table(self.buf, self.size, str(self.path))}
-        self.base_address = int(self.buf.ctypes.data)
+        try:
+            self.sections = {s.name: s for s in parse_table(
+                self.buf if self.buf is not None else head, self.size, str(self.path))}
+        except BaseException:
+            self.close()                   # a refused file leaves no mapping behind
+            raise
+        self.base_address = int(self.buf.ctypes.data) if self.buf is not None else 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.sections
 
-    def _part(self, s: Section, part: str, dtype, shape) -> np.ndarray:
+    def _part(self, s: Section, part: str, dtype, shape, buf=None, base: int = 0) -> np.ndarray:
         off, n = s.parts[part]
-        return self.buf[off:off + n].view(dtype).reshape(shape)
+        off -= base
+        return (self.buf if buf is None else buf)[off:off + n].view(dtype).reshape(shape)
 
-    def tensor(self, name: str) -> Tensor:
+    def tensor(self, name: str, buf: Optional[np.ndarray] = None, base: int = 0) -> Tensor:
+        """Views of section `name` into the file's bytes, or into `buf` (uint8) holding the
+        file's bytes from offset `base` on."""
         s = self.sections.get(name)
         if s is None:
             raise ModelFormatError(f"{self.path}: missing section '{name}'")
+        if buf is None and self.buf is None:
+            raise ModelFormatError(f"{self.path}: opened for its table only; pass a buffer")
+        part = lambda p, dt, shape: self._part(s, p, dt, shape, buf, base)   # noqa: E731
         if s.dtype in PLAIN_DTYPES:
-            return self._part(s, "data", PLAIN_DTYPES[s.dtype], s.shape)
+            return part("data", PLAIN_DTYPES[s.dtype], s.shape)
         rows, cols = s.shape
         cp = padded_cols(cols, s.group_size)
         ng = cp // s.group_size
         if s.dtype == "q4":
-            return Q4Tensor(self._part(s, "data", np.uint8, (rows, cp // 2)),
-                            self._part(s, "scales", np.float32, (rows, ng)),
-                            self._part(s, "zeros", np.uint8, (rows, ng)),
+            return Q4Tensor(part("data", np.uint8, (rows, cp // 2)),
+                            part("scales", np.float32, (rows, ng)),
+                            part("zeros", np.uint8, (rows, ng)),
                             rows, cols, s.group_size)
-        return Q8Tensor(self._part(s, "data", np.int8, (rows, cp)),
-                        self._part(s, "scales", np.float32, (rows, ng)),
+        return Q8Tensor(part("data", np.int8, (rows, cp)),
+                        part("scales", np.float32, (rows, ng)),
                         rows, cols, s.group_size)
+
+    def data_span(self) -> tuple[int, int]:
+        """(first byte after the header, file size): the bytes the sections live in."""
+        return min((off for s in self.sections.values() for off, _ in s.parts.values()),
+                   default=self.size), self.size
 
     def madvise(self, advice: int) -> None:
         """One call for the whole file (prefetch a whole expert in one batch)."""

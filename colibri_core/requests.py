@@ -9,12 +9,13 @@ Precedence (first that applies wins):
 """
 from __future__ import annotations
 
+import numbers
 import re
 
 from .errors import RequestError
 
 MODE_PREFIX = "MODE:"
-_MODE_RE = re.compile(r"MODE:k(\d{1,4})\|")
+_MODE_RE = re.compile(r"MODE:k([0-9]{1,4})\|")      # ASCII digits only (not \d: '٣')
 
 
 def split_mode_prefix(prompt: str) -> tuple[int | None, str]:
@@ -33,7 +34,10 @@ def split_mode_prefix(prompt: str) -> tuple[int | None, str]:
 
 
 def check_k(k: int, num_experts: int, source: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise RequestError(f"top_k={k!r:.40} from {source} is not an integer: give a whole "
+                           f"number of experts (allowed 1..{num_experts})")
+    if not 1 <= k <= num_experts:
         raise RequestError(f"top_k={k!r} from {source} is out of range: this model has "
                            f"{num_experts} experts per MoE layer (allowed 1..{num_experts})")
-    return k
+    return int(k)

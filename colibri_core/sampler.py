@@ -1,6 +1,8 @@
 """Turning next-token logits into a token: greedy, temperature, top-p; seeded."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -8,8 +10,8 @@ class Sampler:
     """One per request. The same seed and logits give the same tokens."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature}: must be >= 0")
+        if not (math.isfinite(temperature) and temperature >= 0):   # NaN fails too
+            raise ValueError(f"temperature={temperature}: must be a finite number >= 0")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p}: must be in (0, 1]")
         self.temperature = temperature

@@ -16,13 +16,22 @@ class Tokenizer:
         self.path = Path(path)
         self.vocab_size = vocab_size
         n = self._tok.get_vocab_size(with_added_tokens=True)
+        # The largest id it can emit, not its count: a vocabulary may have holes (ids are
+        # whatever the file says), and get_vocab_size() counts entries.
+        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         # A model vocabulary padded above the tokenizer's size is normal; the reverse is not.
-        if n > vocab_size:
-            raise ModelFormatError(f"{path}: tokenizer has {n} tokens but the model's "
-                                   f"vocab_size is {vocab_size}; ids >= {vocab_size} would "
-                                   f"be out of range (wrong tokenizer for this model?)")
+        if max(n, top + 1) > vocab_size:
+            raise ModelFormatError(f"{path}: tokenizer has {n} tokens (largest id {top}) but "
+                                   f"the model's vocab_size is {vocab_size}; ids >= "
+                                   f"{vocab_size} would be out of range (wrong tokenizer for "
+                                   f"this model?)")
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"prompt is not valid Unicode text: {e.reason} at character "
+                               f"{e.start} ({text[e.start]!r})") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

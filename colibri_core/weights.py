@@ -93,13 +93,22 @@ class ModelWeights:
     files: list[ContainerFile]
 
     def close(self) -> None:
+        # Views first: a mapping is unmapped (and its file descriptor closed) only once no
+        # array views into it are left, so drop ours before closing the files.
+        self.layers = []
+        self.embed = self.lm_head = self.final_norm = None
         for f in self.files:
             f.close()
         self.files = []
-        self.layers = []
 
 
 # ----------------------------------------------------------------------------- loading
+
+def _plain_name(name: str) -> bool:
+    """A file name inside the model directory: no folders, no '..', no NUL."""
+    return bool(name) and name not in (".", "..") and not name.startswith("..") \
+        and os.sep not in name and "/" not in name and "\0" not in name
+
 
 def _check_files(cfg: ModelConfig, path: Path) -> None:
     if cfg.format is None:
@@ -111,18 +120,52 @@ def _check_files(cfg: ModelConfig, path: Path) -> None:
                                f"re-convert the model")
     for name, info in cfg.files.items():
         f = path / name
-        if os.sep in name or name.startswith(".."):
+        if not _plain_name(name):
             raise ModelFormatError(f"{path / 'config.json'}: file name {name!r} is not a plain name")
         try:
             size = f.stat().st_size
         except FileNotFoundError:
             raise ModelFormatError(f"{f}: missing (listed in config.json)") from None
+        except OSError as e:
+            raise ModelFormatError(f"{f}: cannot read ({e.strerror}; listed in config.json)") from None
         if size != info.size:
             raise ModelFormatError(f"{f}: size {size} bytes, config.json records {info.size}; "
                                    f"the file was truncated or replaced — re-convert or restore it")
 
 
-def load_model(path: Union[str, Path], load_mode: str = "mmap") -> ModelWeights:
+def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarray] = None,
+               base: int = 0) -> Optional[FFNWeights]:
+    """An expert file's FFN: its sections' shapes checked against the config, then views
+    into the file (mapped or copied in), or into `buf` holding the file's bytes from offset
+    `base` on (the memory budget's copy-in slots, residency.py). A file opened for its table
+    only (load mode "header") and no `buf`: checked only, returns None."""
+    want = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter),
+            "w1.act_scale": (hidden,), "w3.act_scale": (hidden,), "w2.act_scale": (inter,)}
+    for name, shape in want.items():
+        s = f.sections.get(name)
+        if s is None:
+            if name.endswith(".act_scale"):
+                continue
+            raise ModelFormatError(f"{f.path}: missing section '{name}'")
+        if tuple(s.shape) != shape:
+            raise ModelFormatError(f"{f.path}: section '{name}' has shape {list(s.shape)}, "
+                                   f"expected {list(shape)} from config.json")
+    if buf is None and f.buf is None:
+        return None
+    w = FFNWeights(*(f.tensor(n, buf, base) for n in ("w1", "w3", "w2")))
+    for m in ("w1", "w3", "w2"):              # equal AWQ scales share one array (as at load)
+        if m + ".act_scale" in f:
+            a = f.tensor(m + ".act_scale", buf, base)
+            same = next((v for v in w.act_scales.values() if np.array_equal(v, a)), None)
+            w.act_scales[m] = same if same is not None else a
+    return w
+
+
+def load_model(path: Union[str, Path], load_mode: str = "mmap",
+               lazy_experts: bool = False) -> ModelWeights:
+    """Open a model directory. lazy_experts: routed expert files are opened for their
+    section table only (Expert.ffn is None); the memory budget's copy-in residency reads
+    them into slots on demand (residency.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelFormatError(f"{path}: model directory not found")
@@ -130,8 +173,8 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap") -> ModelWeights:
     _check_files(cfg, path)
     files: list[ContainerFile] = []
 
-    def open_file(name: str) -> ContainerFile:
-        f = ContainerFile(path / name, load_mode)
+    def open_file(name: str, mode: str = load_mode) -> ContainerFile:
+        f = ContainerFile(path / name, mode)
         files.append(f)
         return f
 
@@ -198,6 +241,10 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap") -> ModelWeights:
                 lw.router = np.ascontiguousarray(get(routing, p + "router", (E, H)), np.float32)
                 lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
                 for e in range(E):
+                    if lazy_experts:
+                        f = open_file(expert_file_name(L, e), "header")
+                        lw.experts.append(Expert(L, e, expert_ffn(f, H, I), f))
+                        continue
                     f = open_file(expert_file_name(L, e))
                     lw.experts.append(Expert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
                 if cfg.shared_expert_intermediate_size:
@@ -221,7 +268,8 @@ def write_model_dir(out: Path, cfg: ModelConfig,
                     main_sections: Iterable[tuple[str, Tensor]],
                     routing_sections: Iterable[tuple[str, Tensor]],
                     experts: Iterable[tuple[int, int, FFNWeights]],
-                    extra_files: Iterable[Path] = (), main_reserve: Optional[int] = None) -> ModelConfig:
+                    extra_files: Iterable[Path] = (), main_reserve: Optional[int] = None,
+                    check_finite: bool = True) -> ModelConfig:
     """Write a complete model directory into `out` (which must exist and be empty or a
     staging folder). config.json is written last, with sizes and hashes, so a directory
     without it is never mistaken for a model. Returns the final config.
@@ -229,20 +277,35 @@ def write_model_dir(out: Path, cfg: ModelConfig,
     Sections are written as the iterables produce them (streaming: a generator's tensors
     are not all held at once); `main_reserve` sizes model.bin's header room (see
     modelfile.write_container). An expert's AWQ scales (`ffn.act_scales`) are written after
-    its three matrices as `<name>.act_scale`."""
+    its three matrices as `<name>.act_scale`.
+
+    check_finite (default on): every tensor is checked as it is written
+    (validate.check_tensor: no NaN/Inf values, finite q4/q8 scales); the first bad one
+    raises ModelFormatError naming the file and section; that file is not renamed into
+    place and config.json is not written."""
+    from .validate import checked
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_container(out / "model.bin", main_sections, reserve=main_reserve)
-    routing_sections = list(routing_sections)
+
+    def check(sections, name):
+        if not check_finite:
+            return sections
+        if isinstance(sections, (list, tuple)):      # keep write_container's exact layout
+            return list(checked(sections, str(out / name)))
+        return checked(sections, str(out / name))    # streamed: checked one at a time
+
+    write_container(out / "model.bin", check(main_sections, "model.bin"), reserve=main_reserve)
+    routing_sections = list(check(routing_sections, "routing.bin"))
     names = ["model.bin"]
     if routing_sections:
         write_container(out / "routing.bin", routing_sections)
         names.append("routing.bin")
     for L, e, ffn in experts:
         name = expert_file_name(L, e)
-        write_container(out / name, [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)]
-                        + [(f"{m}.act_scale", np.asarray(ffn.act_scales[m], np.float32))
-                           for m in ("w1", "w3", "w2") if m in ffn.act_scales])
+        write_container(out / name, check(
+            [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)]
+            + [(f"{m}.act_scale", np.asarray(ffn.act_scales[m], np.float32))
+               for m in ("w1", "w3", "w2") if m in ffn.act_scales], name))
         names.append(name)
     for extra in extra_files:
         target = out / Path(extra).name
@@ -266,10 +329,17 @@ def verify_checksums(path: Path) -> list[str]:
     problems = []
     for name, info in sorted(cfg.files.items()):
         f = Path(path) / name
-        if not f.exists():
+        if not _plain_name(name):
+            problems.append(f"{Path(path) / 'config.json'}: file name {name!r} is not a plain name")
+            continue
+        try:
+            size = f.stat().st_size
+            if size != info.size:
+                problems.append(f"{f}: size {size}, expected {info.size}")
+            elif sha256_file(f) != info.sha256:
+                problems.append(f"{f}: sha256 mismatch (file corrupted or modified)")
+        except FileNotFoundError:
             problems.append(f"{f}: missing")
-        elif f.stat().st_size != info.size:
-            problems.append(f"{f}: size {f.stat().st_size}, expected {info.size}")
-        elif sha256_file(f) != info.sha256:
-            problems.append(f"{f}: sha256 mismatch (file corrupted or modified)")
+        except OSError as e:
+            problems.append(f"{f}: cannot read ({e.strerror})")
     return problems

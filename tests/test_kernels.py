@@ -50,10 +50,14 @@ def backend(request):
 
 @pytest.fixture(params=THREADS)
 def threads(request):
+    """1 or 2 threads; with 2, even tiny calls really run on both (threshold 0), so that
+    row splits with fewer tiles than threads are covered too."""
     old = K.get_threads()
     K.set_threads(request.param)
+    K._set_parallel_threshold(0 if request.param > 1 else -1)
     yield request.param
     K.set_threads(old)
+    K._set_parallel_threshold(-1)
 
 
 def unaligned_q4(t: Q.Q4Tensor) -> Q.Q4Tensor:
@@ -153,7 +157,8 @@ def test_q4_matmul_vector_and_workspace(backend):
 @pytest.mark.parametrize("act", ["int8", "float"])
 def test_threads_and_backends_agree(act):
     t, x, _, ref_i = case(259, 1000, 128, 33)
-    res = {}
+    res, old = {}, K.get_threads()
+    K._set_parallel_threshold(0)
     for be in BACKENDS:
         K.set_backend(be)
         for th in THREADS:
@@ -161,7 +166,8 @@ def test_threads_and_backends_agree(act):
             out = np.empty((33, t.rows), np.float32)
             res[be, th] = K.q4_matmul(t, x, out, act=act)
     K.set_backend("auto")
-    K.set_threads(2)
+    K.set_threads(old)
+    K._set_parallel_threshold(-1)
     for be in BACKENDS:                          # the thread count never changes a bit
         np.testing.assert_array_equal(res[be, 1], res[be, 2])
     for (be, th), y in res.items():
@@ -175,6 +181,18 @@ def test_batch_equals_single_tokens(backend):
     for i in range(7):
         one = K.q4_matmul(t, x[i:i + 1], np.empty((1, 37), np.float32))
         assert rel(one[0], batch[i]) < 1e-6
+
+
+def test_nan_propagates(backend):
+    """A NaN activation must poison its token's outputs, not vanish in the int8 rounding."""
+    t, x, _, _ = case(37, 300, 64, 2)
+    x = x.copy()
+    x[1, 5] = np.nan
+    for act in ("int8", "float"):
+        y = K.q4_matmul(t, x, np.empty((2, 37), np.float32), act=act)
+        assert np.isfinite(y[0]).all() and np.isnan(y[1]).all(), act
+    xs = K.act_quantize_q8(x, 64)[1]
+    assert np.isnan(xs[1, 0]) and np.isfinite(xs[0]).all() and np.isfinite(xs[1, 1:]).all()
 
 
 # ----------------------------------------------------------------------------- q8 matmul
@@ -227,6 +245,53 @@ def test_expert_ffn(backend, threads, dims, n):
     assert rel(acc - base, ref_f * rw[:, None]) < FLOAT_TOL
     K.expert_ffn(w1, w3, w2, x, acc, act="int8", row_weights=rw, workspace=ws)
     assert rel(acc, ref_i * rw[:, None]) < FFN_INT8_TOL
+
+
+# ----------------------------------------------------------------------------- attention
+
+def attention_ref(q, k, v, length, scale):
+    """float64 version of the model's decode attention (grouped-query)."""
+    nh, d = q.shape
+    nkv = k.shape[1]
+    qs = q.astype(np.float64).reshape(nkv, nh // nkv, d)
+    keys, vals = k[:length].astype(np.float64), v[:length].astype(np.float64)
+    sc = np.einsum("kgd,skd->kgs", qs, keys) * scale
+    sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+    sc /= sc.sum(axis=-1, keepdims=True)
+    return np.einsum("kgs,skd->kgd", sc, vals).reshape(nh, d)
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 8, 32), (6, 1, 100), (1, 1, 7)])
+@pytest.mark.parametrize("length", [1, 3, 77, 300])
+def test_attention_decode(backend, threads, nh, nkv, d, length):
+    rng = np.random.default_rng(nh * 1000 + d + length)
+    cap = 301
+    k = unaligned_f32(rng.standard_normal((cap, nkv, d)).astype(np.float32))
+    v = unaligned_f32(rng.standard_normal((cap, nkv, d)).astype(np.float32))
+    k[length:] = np.nan                         # never read past `length`
+    q = unaligned_f32(rng.standard_normal((nh, d)).astype(np.float32))
+    out = unaligned_f32(np.zeros((nh, d), np.float32))
+    K.attention_decode(q, k, v, length, out)
+    assert rel(out, attention_ref(q, k, v, length, 1 / np.sqrt(d))) < FLOAT_TOL
+    K.attention_decode(q, k, v, length, out, scale=0.3)
+    assert rel(out, attention_ref(q, k, v, length, 0.3)) < FLOAT_TOL
+
+
+def test_attention_decode_rejects():
+    k = np.zeros((10, 2, 8), np.float32)
+    q, out = np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="length"):
+        K.attention_decode(q, k, k, 11, out)
+    with pytest.raises(ValueError, match="length"):
+        K.attention_decode(q, k, k, 0, out)
+    with pytest.raises(ValueError, match="multiple"):
+        K.attention_decode(np.zeros((3, 8), np.float32), k, k, 5, np.zeros((3, 8), np.float32))
+    with pytest.raises(ValueError, match="v_cache: shape"):
+        K.attention_decode(q, k, k[:, :1], 5, out)
+    with pytest.raises(ValueError, match="q: "):
+        K.attention_decode(np.zeros((4, 7), np.float32), k, k, 5, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.attention_decode(q, k, np.zeros((10, 8, 2), np.float32).transpose(0, 2, 1), 5, out)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -290,10 +355,12 @@ def test_rejects_bad_arguments():
 
 def test_runtime_info():
     assert K.backend() in BACKENDS and "scalar" in BACKENDS
+    old = K.get_threads()
     K.set_threads(1)
     assert K.get_threads() == 1
-    K.set_threads(2)
-    assert K.get_threads() == 2
+    K.set_threads(3)
+    assert K.get_threads() == 3
+    K.set_threads(old)
     a, b = K.rdtsc(), K.rdtsc()
     assert isinstance(a, int) and b >= a
     assert K.cycle_counter_name() in ("rdtsc", "cntvct_el0", "clock_gettime_ns")
@@ -304,9 +371,11 @@ def test_env_forces_scalar():
             "t = Q.quantize_q4(np.ones((3, 70), np.float32), 64); "
             "y = K.q4_matmul(t, np.ones((1, 70), np.float32), np.empty((1, 3), np.float32)); "
             "print(K.backend(), round(float(y.sum())))")
-    env = dict(os.environ, COLIBRI_KERNELS="scalar")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the child imports the very colibri_core this process tests (checkout or install)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
+    env = dict(os.environ, COLIBRI_KERNELS="scalar",
+               PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=root, timeout=60)
+                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["scalar", "210"]

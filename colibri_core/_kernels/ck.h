@@ -24,6 +24,7 @@ int ck_backend(void);               /* active backend, CK_* */
 int ck_backend_available(int b);
 int ck_set_backend(int b);          /* 0 on success, -1 if not available here */
 void ck_set_threads(int n);
+void ck_set_par_min_work(int64_t w); /* calls below w MACs run on one thread; <0: default */
 int ck_get_threads(void);
 uint64_t ck_rdtsc(void);
 const char *ck_cycle_counter_name(void);
@@ -57,6 +58,12 @@ int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
                    int accumulate, int act_int8,
                    int8_t *xq, float *xs, int32_t *xsum,
                    float *h, int8_t *hq, float *hs, int32_t *hsum);
+
+/* Decode attention of one token over a KV cache laid out [capacity, nkv, d] (row p of kv
+ * head j at k + (p*nkv + j)*d): out[h] = softmax(scale * q[h] . k[:len, h/(nh/nkv)]) @ v.
+ * q, out: [nh, d]. scores: [nh*len] scratch or NULL (malloc). Returns 0, or -1 (memory). */
+int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
+                        int64_t nkv, int64_t len, float scale, float *out, float *scores);
 
 /* ------------------------------------------------------------------ internals */
 
@@ -105,6 +112,10 @@ typedef struct {
                   float *res);
     void (*q8_f32)(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                    float *res);
+    /* attention of g query heads sharing one kv head: q, out [g, d]; key/value row p at
+     * k + p*ld, v + p*ld; s: [g, len] scratch */
+    void (*attn)(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                 int64_t len, float scale, float *s, float *out);
     int rt;       /* preferred rows per tile */
     int nt_many;  /* preferred tokens per tile when n > 1 */
 } ck_backend_t;
@@ -124,6 +135,9 @@ void ck_scalar_q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_
                       float *res);
 void ck_scalar_q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
                      float *res);
+void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                    int64_t len, float scale, float *s, float *out);
+void ck_softmax_rows(float *s, int g, int64_t len);
 void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
 

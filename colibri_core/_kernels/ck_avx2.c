@@ -5,11 +5,14 @@
  * int8 path, per 64-value block: one 32-byte load of nibbles; `& 0x0F` gives values
  * 0..31, `>> 4` values 32..63 (FORMAT.md order). maddubs(u8 nibble, s8 activation)
  * gives i16 pair sums (|.| <= 2*15*127 = 3810), up to 4 blocks are summed in i16
- * (<= 30480, no saturation), then madd(., 1) widens to i32. Per group the i32 dot goes
- * to float and is scaled by scale_w * xs; the zero-point term scale_w*xs*zero*xsum is
- * summed as a scalar and subtracted once at the end. */
+ * (<= 30480, no saturation), then madd(., 1) widens to i32. Each group's i32 dot is
+ * stored, and a vectorized pass over groups applies scale_w * xs * (dot - zero * xsum)
+ * (integer zero-point correction, as quant.matvec_q4_q8_ref).
+ * Measured on a 2-core Zen 4 VM: ~25 GB/s of q4 weights per core when the matrix is in
+ * cache, ~20 GB/s from DRAM thanks to the software prefetch below. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <math.h>
 #include "ck.h"
 
 #define AVX2_FN static __attribute__((target("avx2,fma")))
@@ -43,13 +46,16 @@ AVX2_FN void act_quant(const float *x, int64_t cols, int64_t group, int8_t *xq, 
             ck_scalar_act_quant(x + c0, cols - c0, group, xq + c0, xs + g, xsum + g);
             break;
         }
-        __m256 m = _mm256_setzero_ps();
-        for (int64_t c = c0; c < c0 + group; c += 8)
-            m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + c), absmask));
+        __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c0 + group; c += 8) {
+            __m256 v = _mm256_loadu_ps(x + c);
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absmask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float s = _mm_cvtss_f32(m4) / 127.0f;
+        float s = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
         __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
         __m256i vsum = _mm256_setzero_si256();
         for (int64_t c = c0; c < c0 + group; c += 32) {
@@ -185,13 +191,14 @@ AVX2_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
         else q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 0);                 \
     } while (0)
 
-/* Decode (nt == 1) runs 4 rows at a time; batches run 2 rows x up to 4 tokens, enough
- * to reuse each unpacked weight vector 4 times while the accumulators fit in registers. */
+/* Decode (nt == 1) runs 4 rows at a time, sharing the activation loads; batches run
+ * 1 row x up to 4 tokens, sharing each unpacked weight vector (measured faster than
+ * 2x4, 2x2 and 4x2 tiles, which spill registers). */
 AVX2_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
                    float *res) {
     const int64_t bpg = w->group / 64;
-    const int r = 0;
     if (nt == 1) {
+        const int r = 0;
         switch (rt) {
         case 4: Q4_I8_TILE(4, 1); break;
         case 3: Q4_I8_TILE(3, 1); break;
@@ -200,19 +207,11 @@ AVX2_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t 
         }
         return;
     }
-    for (int r = 0; r < rt; r += 2) {
-        if (rt - r >= 2) {
-            switch (nt) {
-            case 4: Q4_I8_TILE(2, 4); break;
-            case 3: Q4_I8_TILE(2, 3); break;
-            default: Q4_I8_TILE(2, 2); break;
-            }
-        } else {
-            switch (nt) {
-            case 4: Q4_I8_TILE(1, 4); break;
-            case 3: Q4_I8_TILE(1, 3); break;
-            default: Q4_I8_TILE(1, 2); break;
-            }
+    for (int r = 0; r < rt; r++) {
+        switch (nt) {
+        case 4: Q4_I8_TILE(1, 4); break;
+        case 3: Q4_I8_TILE(1, 3); break;
+        default: Q4_I8_TILE(1, 2); break;
         }
     }
 }
@@ -335,7 +334,42 @@ AVX2_FN void q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t 
     }
 }
 
-const ck_backend_t ck_backend_avx2 = {"avx2", act_quant, q4_i8, q4_f32, q8_i8, q8_f32, 4, 4};
+/* ------------------------------------------------------------------ attention */
+
+AVX2_FN void attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                  int64_t len, float scale, float *s, float *out) {
+    const int64_t d8 = d / 8 * 8;
+    for (int64_t p = 0; p < len; p++) {
+        const float *kr = k + p * ld;
+        for (int h = 0; h < g; h++) {
+            const float *qh = q + h * d;
+            __m256 acc = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i < d8; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kr + i), acc);
+            float dot = hsum_ps(acc);
+            for (; i < d; i++) dot += ck_ldf(qh + i) * ck_ldf(kr + i);
+            s[h * len + p] = dot * scale;
+        }
+    }
+    ck_softmax_rows(s, g, len);
+    for (int64_t i = 0; i < g * d; i++) ck_stf(out + i, 0.0f);
+    for (int64_t p = 0; p < len; p++) {
+        const float *vr = v + p * ld;
+        for (int h = 0; h < g; h++) {
+            float *oh = out + h * d;
+            const float wgt = s[h * len + p];
+            const __m256 w8 = _mm256_set1_ps(wgt);
+            int64_t i = 0;
+            for (; i < d8; i += 8)
+                _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(vr + i),
+                                                         _mm256_loadu_ps(oh + i)));
+            for (; i < d; i++) ck_stf(oh + i, ck_ldf(oh + i) + wgt * ck_ldf(vr + i));
+        }
+    }
+}
+
+const ck_backend_t ck_backend_avx2 = {"avx2", act_quant, q4_i8, q4_f32, q8_i8, q8_f32, attn, 4, 4};
 
 #else
 typedef int ck_avx2_unused; /* not x86: nothing to compile here */

@@ -1,6 +1,6 @@
 /* ck_core.c -- backend dispatch, threads, cycle counter, and the portable drivers
- * (matmul, fused expert FFN) that split work into row x token tiles, run them on
- * OpenMP threads and apply the epilogues.
+ * (matmul, fused expert FFN, decode attention) that split work into row x token tiles
+ * (kv heads for attention), run them on OpenMP threads and apply the epilogues.
  *
  * Parallelism is over output rows only: a thread owns a contiguous row range and runs
  * every token through it, so each weight row is read from memory once per call (the
@@ -16,9 +16,11 @@
 #endif
 #include "ck.h"
 
-/* Below this many multiply-adds (rows * cp * n) a call stays on one thread: waking the
- * OpenMP team costs a few microseconds, which ~256K int8 MACs take anyway on AVX2. */
-#define CK_PAR_MIN_WORK (1 << 18)
+/* Below this many multiply-adds (rows * cp * n) a call stays on one thread. Measured on
+ * 2 cores (AVX2, int8, hot cache): waking the OpenMP team costs 2-4 us; a 256x1024
+ * matvec (5.5 us) is still faster on 1 thread, 512x1024 breaks even, 1024x1024 gains. */
+#define CK_PAR_MIN_WORK (1 << 19)
+static int64_t g_par_min_work = CK_PAR_MIN_WORK;
 
 static const ck_backend_t *g_be = &ck_backend_scalar;
 static int g_threads = 1;
@@ -100,8 +102,11 @@ const char *ck_cycle_counter_name(void) {
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 static int nthreads_for(int64_t work) {
-    return work >= CK_PAR_MIN_WORK ? g_threads : 1;
+    return work >= g_par_min_work ? g_threads : 1;
 }
+
+/* tests force tiny problems onto every thread with 0; < 0 restores the default */
+void ck_set_par_min_work(int64_t w) { g_par_min_work = w < 0 ? CK_PAR_MIN_WORK : w; }
 
 static ck_q4 mk_q4(const uint8_t *d, const float *s, const uint8_t *z,
                    int64_t rows, int64_t cols, int64_t group) {
@@ -138,22 +143,43 @@ static void act_buf_free(act_buf *b) {
     if (b->owned) { free(b->q); free(b->s); free(b->sum); }
 }
 
+/* Runs fn(ctx) on nth threads; fn splits its loops with orphaned `omp for`s, which run
+ * serially outside a parallel region. A single thread never enters one: even an
+ * `if(0)` region costs about a microsecond in libgomp. */
+static void run_parallel(void (*fn)(void *), void *ctx, int nth) {
+    if (nth > 1) {
+#pragma omp parallel num_threads(nth)
+        fn(ctx);
+    } else {
+        fn(ctx);
+    }
+}
+
+typedef struct {
+    const ck_backend_t *be;
+    const float *x;
+    int64_t n, cols, group, cp, ng;
+    int8_t *xq; float *xs; int32_t *xsum;
+} quant_ctx;
+
+static void quant_rows(void *p) {
+    const quant_ctx *c = p;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < c->n; t++)
+        c->be->act_quant(c->x + t * c->cols, c->cols, c->group, c->xq + t * c->cp,
+                         c->xs + t * c->ng, c->xsum + t * c->ng);
+}
+
 void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
                      int8_t *xq, float *xs, int32_t *xsum) {
     ck_init();
-    const ck_backend_t *be = g_be;
-    int64_t cp = round_up(cols, group), ng = cp / group;
-    int nth = nthreads_for(n * cp * 16);
-#pragma omp parallel for num_threads(nth) if (nth > 1) schedule(static)
-    for (int64_t t = 0; t < n; t++)
-        be->act_quant(x + t * cols, cols, group, xq + t * cp, xs + t * ng, xsum + t * ng);
+    int64_t cp = round_up(cols, group);
+    quant_ctx c = {g_be, x, n, cols, group, cp, cp / group, xq, xs, xsum};
+    run_parallel(quant_rows, &c, nthreads_for(n * cp * 16));
 }
 
 /* ------------------------------------------------------------------ matmul */
 
-/* Tile driver shared by q4/q8 and int8/float: computes out[t*ldo + r] for rows
- * [r_lo, r_hi) and all n tokens, calling `tile` on (rt x nt) tiles. Runs inside
- * an omp parallel region (the `omp for` splits the rows). */
 enum { K_Q4_I8, K_Q4_F32, K_Q8_I8, K_Q8_F32 };
 
 static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int64_t r0,
@@ -166,17 +192,19 @@ static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int
     }
 }
 
+/* The row loop shared by every matmul: out[t*ldo + r] for all rows and tokens, in
+ * (rt x nt) tiles; the `omp for` gives each thread a contiguous range of row tiles. */
 static void rows_all_tokens(const ck_backend_t *be, int kind, const void *w, int64_t rows,
-                            const void *act, int64_t n, int nt_pref, float *out, int64_t ldo) {
-    int rt_pref = be->rt;
-    int64_t ntiles = (rows + rt_pref - 1) / rt_pref;
+                            const void *act, int64_t n, float *out, int64_t ldo) {
+    const int rtp = be->rt, ntp = n > 1 ? be->nt_many : 1;
+    const int64_t ntiles = (rows + rtp - 1) / rtp;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < ntiles; i++) {
-        int64_t r0 = i * rt_pref;
-        int rt = rows - r0 < rt_pref ? (int)(rows - r0) : rt_pref;
+        int64_t r0 = i * rtp;
+        int rt = rows - r0 < rtp ? (int)(rows - r0) : rtp;
         float res[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0; t0 < n; t0 += nt_pref) {
-            int nt = n - t0 < nt_pref ? (int)(n - t0) : nt_pref;
+        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
+            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
             run_tile(be, kind, w, r0, rt, act, t0, nt, res);
             for (int t = 0; t < nt; t++)
                 for (int r = 0; r < rt; r++) ck_stf(out + (t0 + t) * ldo + r0 + r, res[r * nt + t]);
@@ -184,28 +212,35 @@ static void rows_all_tokens(const ck_backend_t *be, int kind, const void *w, int
     }
 }
 
+typedef struct {
+    quant_ctx q;            /* int8 mode: quantize x first (q.n == 0: float mode) */
+    int kind;
+    const void *w, *act;
+    int64_t rows;
+    float *out;
+} matmul_ctx;
+
+static void matmul_body(void *p) {
+    const matmul_ctx *c = p;
+    if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8) quant_rows((void *)&c->q);  /* + barrier */
+    rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
+}
+
 static int matmul(const void *w, int is_q4, int64_t rows, int64_t cols, int64_t group,
-                   const float *x, int64_t n, float *out, int act_int8,
-                   int8_t *xq, float *xs, int32_t *xsum) {
+                  const float *x, int64_t n, float *out, int act_int8,
+                  int8_t *xq, float *xs, int32_t *xsum) {
     ck_init();
-    const ck_backend_t *be = g_be;
     int64_t cp = round_up(cols, group), ng = cp / group;
-    int nth = nthreads_for(rows * cp * n);
-    int nt_pref = n > 1 ? be->nt_many : 1;
-    int rc = 0;
+    int nth = nthreads_for(rows * cp * n), rc = 0;
+    matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out};
     if (act_int8) {
         act_buf b;
         if (act_buf_get(&b, xq, xs, xsum, n, cp, ng) == 0) {
             ck_act a = {b.q, b.s, b.sum, cp, ng};
-#pragma omp parallel num_threads(nth) if (nth > 1)
-            {
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < n; t++)
-                    be->act_quant(x + t * cols, cols, group, b.q + t * cp, b.s + t * ng,
-                                  b.sum + t * ng);
-                rows_all_tokens(be, is_q4 ? K_Q4_I8 : K_Q8_I8, w, rows, &a, n, nt_pref, out,
-                                rows);
-            }
+            c.q.xq = b.q; c.q.xs = b.s; c.q.xsum = b.sum;
+            c.kind = is_q4 ? K_Q4_I8 : K_Q8_I8;
+            c.act = &a;
+            run_parallel(matmul_body, &c, nth);
         } else {
             rc = -1;
         }
@@ -214,9 +249,9 @@ static int matmul(const void *w, int is_q4, int64_t rows, int64_t cols, int64_t 
         float *tail = make_tail(x, n, cols);
         ck_xf xf = {x, cols, cols, tail};
         if (tail || cols % 64 == 0) {
-#pragma omp parallel num_threads(nth) if (nth > 1)
-            rows_all_tokens(be, is_q4 ? K_Q4_F32 : K_Q8_F32, w, rows, &xf, n, nt_pref, out,
-                            rows);
+            c.kind = is_q4 ? K_Q4_F32 : K_Q8_F32;
+            c.act = &xf;
+            run_parallel(matmul_body, &c, nth);
         } else {
             rc = -1;
         }
@@ -226,17 +261,17 @@ static int matmul(const void *w, int is_q4, int64_t rows, int64_t cols, int64_t 
 }
 
 int ck_q4_matmul(const uint8_t *wd, const float *ws, const uint8_t *wz,
-                  int64_t rows, int64_t cols, int64_t group,
-                  const float *x, int64_t n, float *out, int act_int8,
-                  int8_t *xq, float *xs, int32_t *xsum) {
+                 int64_t rows, int64_t cols, int64_t group,
+                 const float *x, int64_t n, float *out, int act_int8,
+                 int8_t *xq, float *xs, int32_t *xsum) {
     ck_q4 w = mk_q4(wd, ws, wz, rows, cols, group);
     return matmul(&w, 1, rows, cols, group, x, n, out, act_int8, xq, xs, xsum);
 }
 
 int ck_q8_matmul(const int8_t *wd, const float *ws,
-                  int64_t rows, int64_t cols, int64_t group,
-                  const float *x, int64_t n, float *out, int act_int8,
-                  int8_t *xq, float *xs, int32_t *xsum) {
+                 int64_t rows, int64_t cols, int64_t group,
+                 const float *x, int64_t n, float *out, int act_int8,
+                 int8_t *xq, float *xs, int32_t *xsum) {
     ck_q8 w = {wd, ws, rows, cols, group, round_up(cols, group), round_up(cols, group) / group};
     return matmul(&w, 0, rows, cols, group, x, n, out, act_int8, xq, xs, xsum);
 }
@@ -245,103 +280,156 @@ int ck_q8_matmul(const int8_t *wd, const float *ws,
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+typedef struct {
+    const ck_backend_t *be;
+    ck_q4 w1, w3, w2;
+    const float *x, *rw;
+    float *out, *h;
+    int64_t n, hidden, inter, hld;
+    int accumulate, act_int8;
+    ck_act xa, ha;          /* int8 mode */
+    ck_xf xf, hf;           /* float mode */
+} ffn_ctx;
+
+static void ffn_body(void *p) {
+    const ffn_ctx *c = p;
+    const ck_backend_t *be = c->be;
+    const int64_t n = c->n, hld = c->hld;
+    const int rtp = be->rt, ntp = n > 1 ? be->nt_many : 1;
+    if (c->act_int8) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; t++)
+            be->act_quant(c->x + t * c->hidden, c->hidden, c->w1.group,
+                          (int8_t *)c->xa.q + t * c->xa.cp, (float *)c->xa.s + t * c->xa.ng,
+                          (int32_t *)c->xa.sum + t * c->xa.ng);
+    }
+    /* stage 1: gate and up rows of the same tile in one pass over the tokens */
+    int64_t ntiles = (c->inter + rtp - 1) / rtp;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < ntiles; i++) {
+        int64_t r0 = i * rtp;
+        int rt = c->inter - r0 < rtp ? (int)(c->inter - r0) : rtp;
+        float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
+        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
+            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
+            if (c->act_int8) {
+                be->q4_i8(&c->w1, r0, rt, &c->xa, t0, nt, g);
+                be->q4_i8(&c->w3, r0, rt, &c->xa, t0, nt, u);
+            } else {
+                be->q4_f32(&c->w1, r0, rt, &c->xf, t0, nt, g);
+                be->q4_f32(&c->w3, r0, rt, &c->xf, t0, nt, u);
+            }
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < rt; r++)
+                    c->h[(t0 + t) * hld + r0 + r] = silu(g[r * nt + t]) * u[r * nt + t];
+        }
+    }
+    /* h's padding columns are zeroed (the float tiles read whole 64-blocks), then h is
+     * quantized for the int8 down projection */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t col = c->inter; col < hld; col++) c->h[t * hld + col] = 0.0f;
+        if (c->act_int8)
+            be->act_quant(c->h + t * hld, c->inter, c->w2.group,
+                          (int8_t *)c->ha.q + t * c->ha.cp, (float *)c->ha.s + t * c->ha.ng,
+                          (int32_t *)c->ha.sum + t * c->ha.ng);
+    }
+    /* stage 2: down projection; the epilogue applies the routing weight */
+    ntiles = (c->hidden + rtp - 1) / rtp;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < ntiles; i++) {
+        int64_t r0 = i * rtp;
+        int rt = c->hidden - r0 < rtp ? (int)(c->hidden - r0) : rtp;
+        float y[CK_MAX_RT * CK_MAX_NT];
+        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
+            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
+            if (c->act_int8) be->q4_i8(&c->w2, r0, rt, &c->ha, t0, nt, y);
+            else be->q4_f32(&c->w2, r0, rt, &c->hf, t0, nt, y);
+            for (int t = 0; t < nt; t++) {
+                float s = c->rw ? ck_ldf(c->rw + t0 + t) : 1.0f;
+                float *o = c->out + (t0 + t) * c->hidden + r0;
+                for (int r = 0; r < rt; r++) {
+                    float v = y[r * nt + t] * s;
+                    ck_stf(o + r, c->accumulate ? ck_ldf(o + r) + v : v);
+                }
+            }
+        }
+    }
+}
+
 int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
-                   const uint8_t *w3d, const float *w3s, const uint8_t *w3z, int64_t g13,
-                   const uint8_t *w2d, const float *w2s, const uint8_t *w2z, int64_t g2,
-                   int64_t hidden, int64_t inter,
-                   const float *x, int64_t n, float *out, const float *rw,
-                   int accumulate, int act_int8,
-                   int8_t *xq, float *xs, int32_t *xsum,
-                   float *h, int8_t *hq, float *hs, int32_t *hsum) {
+                  const uint8_t *w3d, const float *w3s, const uint8_t *w3z, int64_t g13,
+                  const uint8_t *w2d, const float *w2s, const uint8_t *w2z, int64_t g2,
+                  int64_t hidden, int64_t inter,
+                  const float *x, int64_t n, float *out, const float *rw,
+                  int accumulate, int act_int8,
+                  int8_t *xq, float *xs, int32_t *xsum,
+                  float *h, int8_t *hq, float *hs, int32_t *hsum) {
     ck_init();
-    const ck_backend_t *be = g_be;
-    ck_q4 w1 = mk_q4(w1d, w1s, w1z, inter, hidden, g13);
-    ck_q4 w3 = mk_q4(w3d, w3s, w3z, inter, hidden, g13);
-    ck_q4 w2 = mk_q4(w2d, w2s, w2z, hidden, inter, g2);
-    int64_t hld = round_up(inter, 64);   /* h rows padded with zeros to whole 64-blocks */
-    int nth = nthreads_for((2 * w1.cp + w2.cp) * inter * n);
-    int nt_pref = n > 1 ? be->nt_many : 1;
-    int rtp = be->rt;
+    ffn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.be = g_be;
+    c.w1 = mk_q4(w1d, w1s, w1z, inter, hidden, g13);
+    c.w3 = mk_q4(w3d, w3s, w3z, inter, hidden, g13);
+    c.w2 = mk_q4(w2d, w2s, w2z, hidden, inter, g2);
+    c.x = x; c.rw = rw; c.out = out;
+    c.n = n; c.hidden = hidden; c.inter = inter;
+    c.hld = round_up(inter, 64);   /* h rows padded with zeros to whole 64-blocks */
+    c.accumulate = accumulate; c.act_int8 = act_int8;
 
     act_buf xb = {0}, hb = {0};
     int h_owned = h == NULL, ok = 1;
     float *tail = NULL;
-    if (h_owned) h = malloc((size_t)(n * hld) * sizeof(float));
+    if (h_owned) h = malloc((size_t)(n * c.hld) * sizeof(float));
     if (!h) return -1;
+    c.h = h;
     if (act_int8) {
-        ok = act_buf_get(&xb, xq, xs, xsum, n, w1.cp, w1.ng) == 0 &&
-             act_buf_get(&hb, hq, hs, hsum, n, w2.cp, w2.ng) == 0;
+        ok = act_buf_get(&xb, xq, xs, xsum, n, c.w1.cp, c.w1.ng) == 0 &&
+             act_buf_get(&hb, hq, hs, hsum, n, c.w2.cp, c.w2.ng) == 0;
+        c.xa = (ck_act){xb.q, xb.s, xb.sum, c.w1.cp, c.w1.ng};
+        c.ha = (ck_act){hb.q, hb.s, hb.sum, c.w2.cp, c.w2.ng};
     } else {
         tail = make_tail(x, n, hidden);
         ok = tail || hidden % 64 == 0;
+        c.xf = (ck_xf){x, hidden, hidden, tail};
+        c.hf = (ck_xf){h, c.hld, inter, NULL};
     }
-    ck_act xa = {xb.q, xb.s, xb.sum, w1.cp, w1.ng};
-    ck_act ha = {hb.q, hb.s, hb.sum, w2.cp, w2.ng};
-    ck_xf xf = {x, hidden, hidden, tail};
-    ck_xf hf = {h, hld, inter, NULL};
-
-#pragma omp parallel num_threads(nth) if (nth > 1 && ok)
-    if (ok) {
-        if (act_int8) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < n; t++)
-                be->act_quant(x + t * hidden, hidden, g13, xb.q + t * w1.cp,
-                              xb.s + t * w1.ng, xb.sum + t * w1.ng);
-        }
-        /* stage 1: gate and up rows of the same tile in one pass over the tokens */
-        int64_t ntiles = (inter + rtp - 1) / rtp;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < ntiles; i++) {
-            int64_t r0 = i * rtp;
-            int rt = inter - r0 < rtp ? (int)(inter - r0) : rtp;
-            float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
-            for (int64_t t0 = 0; t0 < n; t0 += nt_pref) {
-                int nt = n - t0 < nt_pref ? (int)(n - t0) : nt_pref;
-                if (act_int8) {
-                    be->q4_i8(&w1, r0, rt, &xa, t0, nt, g);
-                    be->q4_i8(&w3, r0, rt, &xa, t0, nt, u);
-                } else {
-                    be->q4_f32(&w1, r0, rt, &xf, t0, nt, g);
-                    be->q4_f32(&w3, r0, rt, &xf, t0, nt, u);
-                }
-                for (int t = 0; t < nt; t++)
-                    for (int r = 0; r < rt; r++)
-                        h[(t0 + t) * hld + r0 + r] = silu(g[r * nt + t]) * u[r * nt + t];
-            }
-        }
-        /* zero h's padding columns (finite values are all the float tiles need) */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t c = inter; c < hld; c++) h[t * hld + c] = 0.0f;
-            if (act_int8)
-                be->act_quant(h + t * hld, inter, g2, hb.q + t * w2.cp, hb.s + t * w2.ng,
-                              hb.sum + t * w2.ng);
-        }
-        /* stage 2: down projection, epilogue scales by the routing weight */
-        ntiles = (hidden + rtp - 1) / rtp;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < ntiles; i++) {
-            int64_t r0 = i * rtp;
-            int rt = hidden - r0 < rtp ? (int)(hidden - r0) : rtp;
-            float y[CK_MAX_RT * CK_MAX_NT];
-            for (int64_t t0 = 0; t0 < n; t0 += nt_pref) {
-                int nt = n - t0 < nt_pref ? (int)(n - t0) : nt_pref;
-                if (act_int8) be->q4_i8(&w2, r0, rt, &ha, t0, nt, y);
-                else be->q4_f32(&w2, r0, rt, &hf, t0, nt, y);
-                for (int t = 0; t < nt; t++) {
-                    float s = rw ? ck_ldf(rw + t0 + t) : 1.0f;
-                    float *o = out + (t0 + t) * hidden + r0;
-                    for (int r = 0; r < rt; r++) {
-                        float v = y[r * nt + t] * s;
-                        ck_stf(o + r, accumulate ? ck_ldf(o + r) + v : v);
-                    }
-                }
-            }
-        }
-    }
+    if (ok) run_parallel(ffn_body, &c, nthreads_for((2 * c.w1.cp + c.w2.cp) * inter * n));
     if (h_owned) free(h);
     act_buf_free(&xb);
     act_buf_free(&hb);
     free(tail);
     return ok ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ attention */
+
+typedef struct {
+    const ck_backend_t *be;
+    const float *q, *k, *v;
+    float *out, *scores;
+    int64_t nh, d, nkv, len;
+    float scale;
+} attn_ctx;
+
+static void attn_body(void *p) {
+    const attn_ctx *c = p;
+    const int g = (int)(c->nh / c->nkv);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < c->nkv; j++)   /* one kv head and its g query heads */
+        c->be->attn(c->q + j * g * c->d, g, c->d, c->k + j * c->d, c->v + j * c->d,
+                    c->nkv * c->d, c->len, c->scale, c->scores + j * g * c->len,
+                    c->out + j * g * c->d);
+}
+
+int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
+                        int64_t nkv, int64_t len, float scale, float *out, float *scores) {
+    ck_init();
+    float *s = scores ? scores : malloc((size_t)(nh * len) * sizeof(float));
+    if (!s) return -1;
+    attn_ctx c = {g_be, q, k, v, out, s, nh, d, nkv, len, scale};
+    int nth = nthreads_for(2 * nh * len * d);
+    run_parallel(attn_body, &c, nth < nkv ? nth : (int)nkv);
+    if (!scores) free(s);
+    return 0;
 }

@@ -52,7 +52,7 @@ static void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t
 
 const ck_backend_t ck_backend_neon = {
     "neon", ck_scalar_act_quant, q4_i8, ck_scalar_q4_f32, ck_scalar_q8_i8, ck_scalar_q8_f32,
-    1, 1,
+    ck_scalar_attn, 1, 1,
 };
 
 #else

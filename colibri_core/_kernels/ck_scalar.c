@@ -14,13 +14,20 @@ void ck_scalar_act_quant(const float *x, int64_t cols, int64_t group,
     for (int64_t c0 = 0, g = 0; c0 < cp; c0 += group, g++) {
         int64_t c1 = c0 + group < cols ? c0 + group : cols;
         float amax = 0.0f;
-        for (int64_t c = c0; c < c1; c++) amax = fmaxf(amax, fabsf(ck_ldf(x + c)));
-        float s = amax / 127.0f;
+        int nan = 0;
+        for (int64_t c = c0; c < c1; c++) {
+            float a = fabsf(ck_ldf(x + c));
+            amax = fmaxf(amax, a);
+            nan |= a != a;
+        }
+        /* a NaN makes the group scale NaN (as numpy's max does), so it reaches the output */
+        float s = nan ? NAN : amax / 127.0f;
         float inv = s > 0.0f ? 1.0f / s : 0.0f;
         int32_t sum = 0;
         for (int64_t c = c0; c < c0 + group; c++) {
             float v = c < c1 ? rintf(ck_ldf(x + c) * inv) : 0.0f;
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            v = v > -127.0f ? v : -127.0f;   /* NaN -> -127, like the SIMD max/min */
+            v = v < 127.0f ? v : 127.0f;
             xq[c] = (int8_t)v;
             sum += (int8_t)v;
         }
@@ -118,7 +125,37 @@ void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_
     }
 }
 
+/* In place: each of the g rows of s [g, len] becomes its softmax (max-subtracted). */
+void ck_softmax_rows(float *s, int g, int64_t len) {
+    for (int h = 0; h < g; h++) {
+        float *row = s + h * len, m = row[0], sum = 0.0f;
+        for (int64_t p = 1; p < len; p++) m = row[p] > m ? row[p] : m;
+        for (int64_t p = 0; p < len; p++) sum += row[p] = expf(row[p] - m);
+        float inv = 1.0f / sum;
+        for (int64_t p = 0; p < len; p++) row[p] *= inv;
+    }
+}
+
+/* Keys and values are each read once for the g query heads that share them. */
+void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                    int64_t len, float scale, float *s, float *out) {
+    for (int64_t p = 0; p < len; p++)
+        for (int h = 0; h < g; h++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) dot += ck_ldf(q + h * d + i) * ck_ldf(k + p * ld + i);
+            s[h * len + p] = dot * scale;
+        }
+    ck_softmax_rows(s, g, len);
+    for (int64_t i = 0; i < g * d; i++) ck_stf(out + i, 0.0f);
+    for (int64_t p = 0; p < len; p++)
+        for (int h = 0; h < g; h++) {
+            float wgt = s[h * len + p];
+            for (int64_t i = 0; i < d; i++)
+                ck_stf(out + h * d + i, ck_ldf(out + h * d + i) + wgt * ck_ldf(v + p * ld + i));
+        }
+}
+
 const ck_backend_t ck_backend_scalar = {
     "scalar", ck_scalar_act_quant, q4_i8, ck_scalar_q4_f32, ck_scalar_q8_i8,
-    ck_scalar_q8_f32, 1, 1,
+    ck_scalar_q8_f32, ck_scalar_attn, 1, 1,
 };

@@ -37,8 +37,8 @@ from .safetensors_reader import Checkpoint
 
 log = logging.getLogger("colibri")
 
-ALPHAS = np.round(np.linspace(0.0, 1.0, 21), 2)
-MAX_SEARCH_ROWS = 256          # activation rows used to score one candidate scale
+ALPHAS = np.round(np.linspace(0.0, 1.0, 11), 2)
+MAX_SEARCH_ROWS = 128          # activation rows used to score one candidate scale
 MIN_EXPERT_ROWS = 8            # fewer routed rows: score an expert on all the layer's rows
 
 # ----------------------------------------------------------------------------- AutoAWQ import
@@ -149,27 +149,37 @@ class SearchResult:
 def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits: int,
                  group: int) -> tuple[Optional[np.ndarray], SearchResult]:
     """Best per-input-channel scale for the matrices `ws` ([R_i, C] each) sharing input
-    rows `x` [N, C]; None when alpha = 0 (plain RTN) is best."""
-    x = np.asarray(x, np.float64)
+    rows `x` [N, C]; None when alpha = 0 (plain RTN) is best.
+
+    Grid: alpha in 0, 0.1, .., 1, then the two midpoints beside the best one. The error of
+    a candidate is ||x (Q(W s)/s - W)^T||^2 summed over the matrices (float32)."""
+    x = np.ascontiguousarray(x, np.float32)
     a = np.asarray(mean_abs, np.float64)
     a = np.maximum(a, max(a.max(), 1e-12) * 1e-5)               # channels never active
-    refs = [x @ np.asarray(w, np.float64).T for w in ws]
-    best = None
-    err0 = None
+    ws64 = [np.asarray(w, np.float64) for w in ws]
+    tried: dict[float, tuple[float, np.ndarray]] = {}
+
+    def score(alpha: float) -> float:
+        if alpha not in tried:
+            s = a ** alpha
+            s = s / np.sqrt(s.max() * s.min())
+            err = 0.0
+            for w in ws64:
+                d = (fake_quant(w * s[None, :], bits, group) / s[None, :] - w).astype(np.float32)
+                err += float(np.square(x @ d.T, dtype=np.float32).sum(dtype=np.float64))
+            tried[alpha] = (err, s)
+        return tried[alpha][0]
+
     for alpha in ALPHAS:
-        s = a ** alpha
-        s = s / np.sqrt(s.max() * s.min())
-        err = 0.0
-        for w, ref in zip(ws, refs):
-            wq = fake_quant(np.asarray(w, np.float64) * s[None, :], bits, group) / s[None, :]
-            err += float(np.sum((x @ wq.T - ref) ** 2))
-        if alpha == 0:
-            err0 = err
-        if best is None or err < best[1]:
-            best = (alpha, err, s)
-    alpha, err, s = best
-    res = SearchResult(float(alpha), err, err0)
-    if alpha == 0:
+        score(float(alpha))
+    best = min(tried, key=lambda k: (tried[k][0], k))
+    for alpha in (best - 0.05, best + 0.05):
+        if 0.0 < alpha < 1.0:
+            score(round(alpha, 2))
+    best = min(tried, key=lambda k: (tried[k][0], k))
+    err, s = tried[best]
+    res = SearchResult(float(best), err, tried[0.0][0])
+    if best == 0.0:
         return None, res
     return s.astype(np.float32), res
 

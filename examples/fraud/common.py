@@ -29,7 +29,7 @@ VOCAB_SIZE = 128                                  # vocabulary (106 tokens) padd
 # gated shared expert). Hidden 128 = one INT4 group per row.
 HF_CONFIG = dict(
     vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=128,
+    num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=64,
     shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
     mlp_only_layers=[0], norm_topk_prob=False, max_position_embeddings=32,
     rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
@@ -144,7 +144,7 @@ def dequantized_hf_model(model_dir: Path = MODEL_DIR):
     sd = model.state_dict()
 
     def put(name, arr):
-        sd[name].copy_(torch.from_numpy(np.asarray(arr, np.float32).reshape(sd[name].shape)))
+        sd[name].copy_(torch.from_numpy(np.array(arr, np.float32).reshape(sd[name].shape)))
 
     w = load_model(model_dir)
     try:

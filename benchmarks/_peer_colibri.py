@@ -1,0 +1,32 @@
+"""Colibri runner for bench_vs_llamacpp.py (own process; JSON job on argv[1])."""
+from __future__ import annotations
+
+import numpy as np
+
+from _peer_common import Profiler, emit, job, time_stream
+
+
+def main():
+    j = job()
+    from colibri_core.engine import Engine
+    eng = Engine.from_model_dir(j["model"], threads=j["threads"])
+    if j["mode"] == "logits":
+        out = np.stack([eng.next_token_logits(p, all_positions=True).astype(np.float32)
+                        for p in j["prompts"]])
+        np.save(j["out"], out)
+        emit({"engine": "colibri", "shape": list(out.shape)})
+        return
+    eng.generate(j["warmup"], max_new_tokens=4, temperature=0).run()
+    n = j["tokens"]
+
+    def stream():
+        for ev in eng.generate(j["prompt"], max_new_tokens=n, temperature=0):
+            yield ev.token_id
+
+    with Profiler(j.get("profile")):
+        res = time_stream(stream())
+    emit({"engine": "colibri", **res})
+
+
+if __name__ == "__main__":
+    main()

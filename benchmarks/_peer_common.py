@@ -1,0 +1,67 @@
+"""Shared by the per-engine runner scripts of bench_vs_llamacpp.py (each runs in its own
+process and prints one JSON object on its last stdout line).
+
+A runner gets a JSON job on argv[1]:
+    {"mode": "time", "model": PATH, "threads": 2, "prompt": [ids], "warmup": [ids],
+     "tokens": 128, "profile": null | PATH}
+    {"mode": "logits", "model": PATH, "threads": 2, "prompts": [[ids], ...], "out": PATH.npy}
+
+"time" is measured the same way for every engine: token ids in, token id out (greedy
+argmax over the engine's next-token logits), wall-clock perf_counter around the engine's
+Python API. first_token_ms is the time from the call with the 64 prompt ids to the first
+generated id; per_token_ms[i] the time from generated id i to generated id i+1.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+
+def job() -> dict:
+    return json.loads(sys.argv[1])
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def emit(obj: dict) -> None:
+    obj.setdefault("peak_rss_mib_self", peak_rss_mib())
+    sys.stdout.write("\n" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def time_stream(step_iter) -> dict:
+    """`step_iter` yields one generated token id at a time; the clock starts right before
+    the first next() (which includes the prompt's prefill)."""
+    ids, stamps = [], []
+    t0 = time.perf_counter()
+    for tok in step_iter:
+        stamps.append(time.perf_counter())
+        ids.append(int(tok))
+    first = (stamps[0] - t0) * 1000
+    per = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+    return {"first_token_ms": first, "per_token_ms": per, "token_ids": ids}
+
+
+class Profiler:
+    """cProfile around the timed decode when the job asks for it (stats written to a
+    .pstats file for the orchestrator to print)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.pr = None
+
+    def __enter__(self):
+        if self.path:
+            import cProfile
+            self.pr = cProfile.Profile()
+            self.pr.enable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.pr is not None:
+            self.pr.disable()
+            self.pr.dump_stats(self.path)

@@ -1,0 +1,684 @@
+"""Colibri vs llama.cpp (and transformers on PyTorch CPU) on the Mixtral-shaped benchmark
+model, timed the same way, in the same run.
+
+    python benchmarks/bench_vs_llamacpp.py [--rounds 3] [--tokens 128] [--prompt 64] [--threads 2]
+
+What it does (everything cached under benchmarks/out/vs_llamacpp/, git-ignored):
+
+1. builds a random-weight MixtralForCausalLM (hidden 1024, 8 layers, 8 experts top-2,
+   intermediate 2816, 16 heads / 4 KV heads, vocab 32000; linear weights N(0, 1/fan_in),
+   router included, embeddings N(0, 1), norms N(1, 0.1)) and saves it as fp16 safetensors;
+2. converts it to Colibri (`colibri_core.convert.convert(..., bits=4)`) and to a GGUF at
+   F16 (written here with the `gguf` package, tensor names and Q/K row permutation as
+   llama.cpp's convert_hf_to_gguf.py writes them), then to Q4_0 with
+   `llama_cpp.llama_model_quantize`;
+3. measures the machine's memory read bandwidth (numpy, as many threads as --threads);
+4. fidelity: logits of the same prompts from transformers (the fp16 weights run in
+   float32: the reference), Colibri q4, llama.cpp F16 and llama.cpp Q4_0;
+5. timing: each engine in its own process (benchmarks/_peer_*.py), alternating engines,
+   --rounds rounds: first-token latency of a --prompt-token prompt, then --tokens greedy
+   tokens (token ids in, token id out); per-token p50/p99/std; the child's peak RSS
+   (ru_maxrss from wait4);
+6. prints and writes medians, ratios, targets, a markdown table
+   (benchmarks/out/vs_llamacpp.md), JSON (benchmarks/out/vs_llamacpp.json) and a PNG of
+   per-token latency (benchmarks/out/vs_llamacpp_latency.png).
+
+llama-cpp-python and gguf are installed on demand (pip) when missing; they are never
+project dependencies. If that install fails the Colibri + transformers part still runs.
+`--profile` adds a cProfile of one Colibri decode (top functions printed and written to
+benchmarks/out/vs_llamacpp_profile.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "out"
+WORK = OUT / "vs_llamacpp"
+
+SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+             num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+             rope_theta=1e6)
+SPEC_VERSION = 1          # bump to rebuild the cached models
+
+ENGINES = ("colibri", "llama.cpp", "transformers")
+RUNNER = {"colibri": "_peer_colibri.py", "llama.cpp": "_peer_llamacpp.py",
+          "transformers": "_peer_transformers.py"}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def ensure_llama_cpp() -> str | None:
+    """Import (or pip install) llama-cpp-python and gguf. -> None, or the error text."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+        return None
+    except ImportError:
+        pass
+    log("llama-cpp-python / gguf missing: pip install llama-cpp-python gguf (builds llama.cpp "
+        "from source; ~15 min on 2 cores) ...")
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python", "gguf"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = (p.stdout + p.stderr).strip().splitlines()[-30:]
+        return "pip install llama-cpp-python gguf failed:\n" + "\n".join(tail)
+    try:
+        import importlib
+        importlib.invalidate_caches()
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"installed but not importable: {e}"
+    return None
+
+
+def build_hf(path: Path) -> Path:
+    spec = {**SHAPE, "version": SPEC_VERSION}
+    marker = path / "bench_spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    import torch
+    import transformers as tr
+    t0 = time.time()
+    log(f"building the random Mixtral model in {path} ...")
+    torch.manual_seed(0)
+    cfg = tr.MixtralConfig(**SHAPE, tie_word_embeddings=False, sliding_window=None,
+                           bos_token_id=1, eos_token_id=None)   # no EOS: always --tokens tokens
+    with torch.no_grad():
+        model = tr.MixtralForCausalLM(cfg).eval()
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            else:                      # q/k/v/o, router, experts, lm_head
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+        model.half().save_pretrained(path, safe_serialization=True)
+    del model
+    marker.write_text(json.dumps(spec))
+    log(f"  built in {time.time() - t0:.0f} s")
+    return path
+
+
+def build_colibri(hf: Path, path: Path) -> Path:
+    if (path / "config.json").exists() and path.stat().st_mtime >= (hf / "bench_spec.json").stat().st_mtime:
+        return path
+    from colibri_core.convert import convert
+    t0 = time.time()
+    log(f"converting to Colibri q4 in {path} ...")
+    convert(hf, path, bits=4, overwrite=True)
+    log(f"  converted in {time.time() - t0:.0f} s")
+    return path
+
+
+def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    # HF rotates halves (NeoX order); llama.cpp's LLAMA arch rotates adjacent pairs:
+    # the same row permutation as convert_hf_to_gguf.py's LlamaModel.permute.
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def build_gguf_f16(hf: Path, path: Path) -> Path:
+    if path.exists() and path.stat().st_mtime >= (hf / "bench_spec.json").stat().st_mtime:
+        return path
+    import gguf
+    from safetensors import safe_open
+    t0 = time.time()
+    log(f"writing the F16 GGUF {path} ...")
+    c = json.loads((hf / "config.json").read_text())
+    H, L, E = c["hidden_size"], c["num_hidden_layers"], c["num_local_experts"]
+    nh, nkv, V = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+    theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 1e6))
+    tmp = path.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("colibri-bench-mixtral")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_block_count(L)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_rope_dimension_count(H // nh)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(float(theta))
+    w.add_expert_count(E)
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_vocab_size(V)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    # A SentencePiece-style vocabulary of placeholder pieces (the benchmark feeds ids).
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    toks += [f"\u2581t{i}" for i in range(V - len(toks))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + \
+        [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (V - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * V)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    f = safe_open(str(hf / "model.safetensors"), "np")
+
+    def t(name):
+        return f.get_tensor(name)
+
+    def f32(a):
+        return np.ascontiguousarray(a, np.float32)
+
+    w.add_tensor("token_embd.weight", t("model.embed_tokens.weight"))
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", f32(t(p + "input_layernorm.weight")))
+        w.add_tensor(f"blk.{i}.attn_q.weight", _permute_qk(t(p + "self_attn.q_proj.weight"), nh))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _permute_qk(t(p + "self_attn.k_proj.weight"), nkv))
+        w.add_tensor(f"blk.{i}.attn_v.weight", t(p + "self_attn.v_proj.weight"))
+        w.add_tensor(f"blk.{i}.attn_output.weight", t(p + "self_attn.o_proj.weight"))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", f32(t(p + "post_attention_layernorm.weight")))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", f32(t(p + "block_sparse_moe.gate.weight")))
+        for ours, theirs in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
+            w.add_tensor(f"blk.{i}.ffn_{ours}_exps.weight",
+                         np.stack([t(p + f"block_sparse_moe.experts.{e}.{theirs}.weight")
+                                   for e in range(E)]))
+    w.add_tensor("output_norm.weight", f32(t("model.norm.weight")))
+    w.add_tensor("output.weight", t("lm_head.weight"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    log(f"  written in {time.time() - t0:.0f} s")
+    return path
+
+
+def build_gguf_q4(f16: Path, path: Path, threads: int) -> Path:
+    if path.exists() and path.stat().st_mtime >= f16.stat().st_mtime:
+        return path
+    import ctypes
+    import llama_cpp
+    t0 = time.time()
+    log(f"quantizing to Q4_0: {path} ...")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    tmp = path.with_suffix(".partial")
+    rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    os.replace(tmp, path)
+    log(f"  quantized in {time.time() - t0:.0f} s")
+    return path
+
+
+# ----------------------------------------------------------------------------- inventories
+
+ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "norms", "router",
+         "expert_gate", "expert_up", "expert_down", "lm_head")
+
+
+def _role_colibri(file: str, name: str) -> str:
+    if file.startswith("expert_"):
+        return {"w1": "expert_gate", "w3": "expert_up", "w2": "expert_down"}[name]
+    if file == "routing.bin":
+        return "router"
+    if name == "embed" or name == "lm_head":
+        return name
+    if name.endswith("norm"):
+        return "norms"
+    tail = name.rsplit(".", 1)[-1]
+    return {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_o"}.get(tail, "other:" + tail)
+
+
+def _role_gguf(name: str) -> str:
+    base = name[:-len(".weight")] if name.endswith(".weight") else name
+    tail = base.rsplit(".", 1)[-1]
+    return {"token_embd": "embed", "output": "lm_head", "attn_q": "attn_q", "attn_k": "attn_k",
+            "attn_v": "attn_v", "attn_output": "attn_o", "ffn_gate_inp": "router",
+            "ffn_gate_exps": "expert_gate", "ffn_up_exps": "expert_up",
+            "ffn_down_exps": "expert_down", "attn_norm": "norms", "ffn_norm": "norms",
+            "output_norm": "norms"}.get(tail, "other:" + tail)
+
+
+def _summarize(rows, vocab: int, k: int, n_exp: int) -> dict:
+    """rows: (role, dtype, numel, nbytes) -> per role {dtype, bits/weight, bytes, per token}."""
+    roles: dict = {}
+    for role, dt, n, b in rows:
+        r = roles.setdefault(role, {"dtypes": {}, "numel": 0, "bytes": 0})
+        r["dtypes"][dt] = r["dtypes"].get(dt, 0) + n
+        r["numel"] += n
+        r["bytes"] += b
+    per_tok = 0
+    for role, r in roles.items():
+        r["bits_per_weight"] = 8 * r["bytes"] / r["numel"]
+        r["dtype"] = "+".join(sorted(r["dtypes"], key=lambda d: -r["dtypes"][d]))
+        del r["dtypes"]
+        if role == "embed":
+            r["bytes_per_token"] = r["bytes"] / vocab         # one row looked up
+        elif role.startswith("expert_"):
+            r["bytes_per_token"] = r["bytes"] * k / n_exp     # k of E experts per layer
+        else:
+            r["bytes_per_token"] = r["bytes"]
+        per_tok += r["bytes_per_token"]
+    return {"roles": roles, "bytes_per_token": per_tok,
+            "total_bytes": sum(r["bytes"] for r in roles.values())}
+
+
+def colibri_inventory(path: Path) -> dict:
+    from colibri_core.modelfile import ContainerFile
+    cfg = json.loads((path / "config.json").read_text())
+    rows = []
+    for fn in sorted(cfg["files"]):
+        if not fn.endswith(".bin"):
+            continue
+        cf = ContainerFile(path / fn)
+        for s in cf.sections.values():
+            if s.name.endswith("act_scale"):
+                rows.append(("act_scales", "f32", int(np.prod(s.shape)), sum(n for _, n in s.parts.values())))
+                continue
+            rows.append((_role_colibri(fn, s.name), s.dtype, int(np.prod(s.shape)),
+                         sum(n for _, n in s.parts.values())))
+        cf.close()
+    inv = _summarize(rows, cfg["vocab_size"], cfg["top_k"], cfg["num_experts"])
+    inv["quantization"] = cfg.get("quantization")
+    return inv
+
+
+def gguf_inventory(path: Path) -> dict:
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    rows = [(_role_gguf(t.name), t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
+            for t in r.tensors]
+    f = r.fields
+
+    def val(key):
+        fl = f[key]
+        return int(fl.parts[fl.data[0]][0])
+    return _summarize(rows, val("llama.vocab_size") if "llama.vocab_size" in f else 32000,
+                      val("llama.expert_used_count"), val("llama.expert_count"))
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
+    """Best-of-`reps` bytes/s of a `threads`-thread streaming read of a `mib` MiB array
+    (numpy reductions release the GIL): float64 sum and uint64 OR, the faster counts."""
+    from concurrent.futures import ThreadPoolExecutor
+    a = np.ones(mib * 2**20 // 8)
+    chunks = np.array_split(a, threads)
+    res = {}
+    with ThreadPoolExecutor(threads) as ex:
+        for name, fn in (("sum_f64", lambda c: c.sum()),
+                         ("or_u64", lambda c: np.bitwise_or.reduce(c.view(np.uint64)))):
+            got = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                list(ex.map(fn, chunks))
+                got.append(a.nbytes / (time.perf_counter() - t))
+            res[name] = {"best_GBps": max(got) / 1e9, "median_GBps": float(np.median(got)) / 1e9}
+    del a
+    res["GBps"] = max(v["best_GBps"] for v in res.values())
+    res.update(threads=threads, array_mib=mib, reps=reps)
+    return res
+
+
+def run_child(engine: str, job: dict, threads: int, timeout: float = 3600) -> dict:
+    """Run one engine runner; its JSON, plus the child's own peak RSS from wait4
+    (ru_maxrss, KiB on Linux)."""
+    import tempfile
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(HERE / RUNNER[engine]), json.dumps(job)]
+    t0 = time.time()
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=HERE)
+        deadline = time.time() + timeout
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.time() > deadline:
+                p.kill()
+                os.wait4(p.pid, 0)
+                raise RuntimeError(f"{engine} runner timed out after {timeout} s")
+            time.sleep(0.05)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read(), fe.read()
+    if p.returncode != 0:
+        raise RuntimeError(f"{engine} runner failed (rc {p.returncode}):\n" +
+                           "\n".join(err.decode(errors="replace").strip().splitlines()[-25:]))
+    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1])
+    res["peak_rss_mib"] = ru.ru_maxrss / 1024
+    res["wall_s"] = time.time() - t0
+    return res
+
+
+def stats(r: dict) -> dict:
+    a = np.asarray(r["per_token_ms"])
+    return {"first_token_ms": r["first_token_ms"], "decode_tok_s": 1000 / a.mean(),
+            "mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
+            "p99_ms": float(np.percentile(a, 99)), "std_ms": float(a.std()),
+            "std_pct_of_mean": float(100 * a.std() / a.mean()),
+            "p99_over_p50": float(np.percentile(a, 99) / np.percentile(a, 50)),
+            "peak_rss_mib": r["peak_rss_mib"], "n_tokens": len(a) + 1}
+
+
+def logit_errors(x: np.ndarray, ref: np.ndarray) -> dict:
+    x, ref = x.astype(np.float64), ref.astype(np.float64)
+    d = x - ref
+
+    def logp(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    lr, lx = logp(ref), logp(x)
+    kl = (np.exp(lr) * (lr - lx)).sum(-1)
+    return {"rel_rms": float(np.sqrt((d ** 2).sum() / (ref ** 2).sum())),
+            "rel_max": float(np.abs(d).max() / np.abs(ref).max()),
+            "top1_agree": float((x.argmax(-1) == ref.argmax(-1)).mean()),
+            "kl_mean": float(kl.mean())}
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def machine_info() -> dict:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+        except Exception as e:   # pragma: no cover
+            return str(e)
+    return {"date": sh("date"), "lscpu_head": sh("lscpu | head"), "nproc": sh("nproc"),
+            "free_g": sh("free -g"), "uname": platform.platform(), "python": sys.version.split()[0]}
+
+
+def fmt(v, nd=1):
+    if v is None:
+        return "—"
+    return f"{v:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    med, eng = res["medians"], [e for e in ENGINES if e in res["medians"]]
+    C, Lc = med.get("colibri"), med.get("llama.cpp")
+    rows = [("first-token latency, 64-token prompt (ms)", "first_token_ms", 1),
+            ("decode (tokens/s)", "decode_tok_s", 2),
+            ("per-token p50 (ms)", "p50_ms", 2), ("per-token p99 (ms)", "p99_ms", 2),
+            ("per-token std (ms)", "std_ms", 2), ("std / mean (%)", "std_pct_of_mean", 1),
+            ("p99 / p50", "p99_over_p50", 2), ("peak RSS (MiB)", "peak_rss_mib", 0)]
+    head = "| metric (median of rounds) | " + " | ".join(eng) + " | Colibri / llama.cpp |"
+    out = [head, "|" + "---|" * (len(eng) + 2)]
+    for label, key, nd in rows:
+        vals = [fmt(med[e][key], nd) for e in eng]
+        ratio = fmt(C[key] / Lc[key], 2) if C and Lc and Lc[key] else "—"
+        out.append(f"| {label} | " + " | ".join(vals) + f" | {ratio} |")
+    inv = res["inventory"]
+    bw = res["bandwidth"]["GBps"]
+    bpt = [inv[e]["bytes_per_token"] / 2**20 if e in inv else None for e in eng]
+    out.append("| weight bytes read per token (MiB) | " + " | ".join(fmt(b, 1) for b in bpt) + " | " +
+               (fmt(bpt[0] / bpt[1], 2) if "llama.cpp" in inv and "colibri" in inv else "—") + " |")
+    floors = [inv[e]["bytes_per_token"] / (bw * 1e9) * 1000 if e in inv else None for e in eng]
+    out.append(f"| bandwidth floor at {bw:.1f} GB/s (ms/token) | " + " | ".join(fmt(f, 2) for f in floors) + " | |")
+    fid = res.get("fidelity", {})
+    if fid:
+        out.append("")
+        out.append("| logit error (4 prompts × 64 positions) | rel. RMS | rel. max | top-1 agree | mean KL |")
+        out.append("|---|---|---|---|---|")
+        for k, v in fid.items():
+            if isinstance(v, dict) and "rel_rms" in v:
+                out.append(f"| {k} | {v['rel_rms']:.4f} | {v['rel_max']:.4f} | "
+                           f"{100 * v['top1_agree']:.1f}% | {v['kl_mean']:.4f} |")
+    out.append("")
+    out.append("| target | measured | met |")
+    out.append("|---|---|---|")
+    for t in res.get("targets", []):
+        out.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |")
+    out.append("")
+    out.append("| tensor role | " + " | ".join(f"{e} dtype (bits/weight)" for e in eng if e in inv) + " |")
+    out.append("|---|" + "---|" * sum(1 for e in eng if e in inv))
+    for role in ROLES:
+        cells = []
+        for e in eng:
+            if e not in inv:
+                continue
+            r = inv[e]["roles"].get(role)
+            cells.append(f"{r['dtype']} ({r['bits_per_weight']:.2f})" if r else "—")
+        out.append(f"| {role} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def targets(med: dict, fid: dict) -> list[dict]:
+    C, L = med.get("colibri"), med.get("llama.cpp")
+    if not C or not L:
+        return []
+    t = []
+
+    def add(name, measured, ok):
+        t.append({"target": name, "measured": measured, "met": bool(ok)})
+    r = C["decode_tok_s"] / L["decode_tok_s"]
+    add("decode ≥ 1.3× llama.cpp", f"{r:.2f}×", r >= 1.3)
+    add("first-token latency ≤ llama.cpp", f"{C['first_token_ms']:.0f} vs {L['first_token_ms']:.0f} ms",
+        C["first_token_ms"] <= L["first_token_ms"])
+    add("per-token std ≤ 5% of mean", f"{C['std_pct_of_mean']:.1f}%", C["std_pct_of_mean"] <= 5)
+    add("per-token std ≤ llama.cpp's", f"{C['std_ms']:.2f} vs {L['std_ms']:.2f} ms", C["std_ms"] <= L["std_ms"])
+    add("p99 ≤ 1.2× p50", f"{C['p99_over_p50']:.2f}×", C["p99_over_p50"] <= 1.2)
+    r = C["peak_rss_mib"] / L["peak_rss_mib"]
+    add("peak RSS ≤ 0.7× llama.cpp's", f"{r:.2f}×", r <= 0.7)
+    ce, le = fid.get("colibri_q4 vs hf_fp16"), fid.get("llama.cpp Q4_0 vs llama.cpp F16")
+    if ce and le:
+        add("logit error ≤ llama.cpp's (rel. RMS, each vs its own 16-bit model)",
+            f"{ce['rel_rms']:.4f} vs {le['rel_rms']:.4f}", ce["rel_rms"] <= le["rel_rms"])
+    return t
+
+
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+    except ImportError:
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "matplotlib"], capture_output=True)
+        if p.returncode != 0:
+            return "matplotlib missing and pip install failed"
+        import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"colibri": "tab:blue", "llama.cpp": "tab:orange"}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    data = {}
+    for e in ("colibri", "llama.cpp"):
+        runs = [r for r in res["runs"] if r["engine"] == e]
+        for i, r in enumerate(runs):
+            ax.plot(range(1, len(r["per_token_ms"]) + 1), r["per_token_ms"], color=colors[e],
+                    alpha=0.35 + 0.65 * (i == 0), lw=1, label=f"{e}" if i == 0 else None)
+        if runs:
+            data[e] = np.concatenate([r["per_token_ms"] for r in runs])
+    ax.set_xlabel("generated token")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(f"per-token decode latency, all rounds ({res['args']['threads']} threads)")
+    ax.legend()
+    ax.set_ylim(bottom=0)
+    if data:
+        ax2.boxplot(list(data.values()), tick_labels=list(data), whis=(1, 99), showfliers=True)
+        ax2.set_title("p1–p99 whiskers")
+        ax2.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def profile_colibri(model: Path, job: dict, threads: int, top: int = 30) -> str:
+    import pstats
+    import io
+    prof = OUT / "vs_llamacpp_colibri.pstats"
+    run_child("colibri", {**job, "profile": str(prof)}, threads)
+    buf = io.StringIO()
+    st = pstats.Stats(str(prof), stream=buf)
+    buf.write("=== by own time (tottime) ===\n")
+    st.sort_stats("tottime").print_stats(top)
+    buf.write("=== by cumulative time ===\n")
+    st.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fidelity-prompts", type=int, default=4)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peer's timing")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one Colibri decode afterwards")
+    a = ap.parse_args(argv)
+    WORK.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    res: dict = {"args": vars(a), "machine": machine_info(), "loadavg_start": os.getloadavg()}
+    log(f"{res['machine']['date']}  load average {res['loadavg_start']}")
+
+    llama_err = "skipped (--no-llamacpp)" if a.no_llamacpp else ensure_llama_cpp()
+    if llama_err:
+        log("llama.cpp part skipped: " + llama_err)
+        res["llama_cpp_error"] = llama_err
+    hf = build_hf(WORK / "hf_f16")
+    col = build_colibri(hf, WORK / "colibri_q4")
+    paths = {"colibri": str(col), "transformers": str(hf)}
+    if not llama_err:
+        try:
+            import llama_cpp
+            res["llama_cpp_version"] = llama_cpp.__version__
+            f16 = build_gguf_f16(hf, WORK / "model-f16.gguf")
+            q4 = build_gguf_q4(f16, WORK / "model-q4_0.gguf", a.threads)
+            paths["llama.cpp"] = str(q4)
+            paths["llama.cpp F16"] = str(f16)
+        except Exception as e:
+            llama_err = f"{type(e).__name__}: {e}"
+            log("llama.cpp part skipped: " + llama_err)
+            res["llama_cpp_error"] = llama_err
+    res["paths"] = paths
+
+    res["inventory"] = {"colibri": colibri_inventory(col)}
+    if "llama.cpp" in paths:
+        res["inventory"]["llama.cpp"] = gguf_inventory(Path(paths["llama.cpp"]))
+        res["inventory"]["llama.cpp F16"] = gguf_inventory(Path(paths["llama.cpp F16"]))
+    log("measuring read bandwidth ...")
+    res["bandwidth"] = read_bandwidth(a.threads)
+    log(f"  {res['bandwidth']['GBps']:.2f} GB/s ({a.threads} threads)")
+
+    # ---- fidelity: the same prompts through every model
+    V = SHAPE["vocab_size"]
+    rng = np.random.default_rng(1)
+    fprompts = [rng.integers(3, V, a.prompt).tolist() for _ in range(a.fidelity_prompts)]
+    logits = {}
+    for name, eng, model in (("hf_fp16", "transformers", paths["transformers"]),
+                             ("colibri_q4", "colibri", paths["colibri"]),
+                             ("llama.cpp F16", "llama.cpp", paths.get("llama.cpp F16")),
+                             ("llama.cpp Q4_0", "llama.cpp", paths.get("llama.cpp"))):
+        if model is None:
+            continue
+        log(f"logits: {name} ...")
+        fn = WORK / f"logits_{name.replace(' ', '_').replace('.', '')}.npy"
+        run_child(eng, {"mode": "logits", "model": model, "threads": a.threads,
+                               "prompts": fprompts, "out": str(fn)}, a.threads)
+        logits[name] = np.load(fn)
+    fid = {"prompts": len(fprompts), "positions_per_prompt": a.prompt}
+    pairs = [("colibri_q4", "hf_fp16"), ("llama.cpp Q4_0", "llama.cpp F16"),
+             ("llama.cpp Q4_0", "hf_fp16"), ("llama.cpp F16", "hf_fp16")]
+    for x, ref in pairs:
+        if x in logits and ref in logits:
+            fid[f"{x} vs {ref}"] = logit_errors(logits[x], logits[ref])
+    res["fidelity"] = fid
+    for k, v in fid.items():
+        if isinstance(v, dict):
+            log(f"  {k}: rel RMS {v['rel_rms']:.4f}  rel max {v['rel_max']:.4f}  "
+                f"top-1 {100 * v['top1_agree']:.1f}%  KL {v['kl_mean']:.4f}")
+
+    # ---- timing rounds
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, V, a.prompt).tolist()
+    warm = rng.integers(3, V, a.prompt).tolist()
+    engines = ["colibri"] + (["llama.cpp"] if "llama.cpp" in paths else [])
+    runs = []
+    for rnd in range(a.rounds):
+        order = engines if rnd % 2 == 0 else engines[::-1]
+        if not a.no_transformers:
+            order = order + ["transformers"]
+        for e in order:
+            job = {"mode": "time", "model": paths[e], "threads": a.threads, "prompt": prompt,
+                   "warmup": warm, "tokens": a.tokens}
+            r = run_child(e, job, a.threads)
+            r["round"] = rnd
+            r["engine"] = e
+            r["stats"] = stats(r)
+            runs.append(r)
+            s = r["stats"]
+            log(f"round {rnd} {e:12s} first {s['first_token_ms']:7.1f} ms  decode "
+                f"{s['decode_tok_s']:6.2f} tok/s  p50 {s['p50_ms']:6.2f}  p99 {s['p99_ms']:6.2f}  "
+                f"std {s['std_ms']:5.2f} ms  RSS {s['peak_rss_mib']:6.0f} MiB  "
+                f"load {os.getloadavg()[0]:.2f}")
+    res["runs"] = runs
+    med = {}
+    for e in ENGINES:
+        rs = [r["stats"] for r in runs if r["engine"] == e]
+        if rs:
+            med[e] = {k: float(np.median([s[k] for s in rs])) for k in rs[0]}
+    res["medians"] = med
+    if "colibri" in med and "llama.cpp" in med:
+        res["ratios_colibri_over_llamacpp"] = {k: med["colibri"][k] / med["llama.cpp"][k]
+                                               for k in med["colibri"] if med["llama.cpp"][k]}
+    bw = res["bandwidth"]["GBps"] * 1e9
+    res["bandwidth_floor_ms"] = {e: res["inventory"][e]["bytes_per_token"] / bw * 1000
+                                 for e in res["inventory"]}
+    res["targets"] = targets(med, fid)
+    if a.profile:
+        log("profiling one Colibri decode (cProfile) ...")
+        txt = profile_colibri(col, {"mode": "time", "model": paths["colibri"], "threads": a.threads,
+                                    "prompt": prompt, "warmup": warm, "tokens": a.tokens}, a.threads)
+        (OUT / "vs_llamacpp_profile.txt").write_text(txt)
+        res["profile_file"] = str(OUT / "vs_llamacpp_profile.txt")
+    res["loadavg_end"] = os.getloadavg()
+    res["elapsed_s"] = time.time() - t_start
+    err = plot(res, OUT / "vs_llamacpp_latency.png")
+    if err:
+        res["plot_error"] = err
+    md = markdown(res)
+    (OUT / "vs_llamacpp.md").write_text(md + "\n")
+    (OUT / "vs_llamacpp.json").write_text(json.dumps(res, indent=1, default=float))
+
+    # ---- console
+    print()
+    print(md)
+    print()
+    for e, inv in res["inventory"].items():
+        print(f"{e}: {inv['bytes_per_token'] / 2**20:.1f} MiB of weights read per token "
+              f"(of {inv['total_bytes'] / 2**20:.0f} MiB); floor at "
+              f"{res['bandwidth']['GBps']:.2f} GB/s: {res['bandwidth_floor_ms'][e]:.2f} ms/token")
+    if "ratios_colibri_over_llamacpp" in res:
+        print("ratios Colibri / llama.cpp:", json.dumps({k: round(v, 3) for k, v in
+                                                          res["ratios_colibri_over_llamacpp"].items()}))
+    if llama_err:
+        print("llama.cpp not measured:", llama_err)
+    print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']}")
+    print(f"wrote {OUT / 'vs_llamacpp.json'}, {OUT / 'vs_llamacpp.md'}, {OUT / 'vs_llamacpp_latency.png'}")
+
+
+if __name__ == "__main__":
+    main()

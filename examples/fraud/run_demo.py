@@ -1,0 +1,399 @@
+"""Fraud detection with a hot-plugged expert: a new pattern goes live while scoring runs.
+
+    python examples/fraud/run_demo.py                  # ~2-4 min on 2 cores
+    python examples/fraud/run_demo.py --quick          # ~30 s, wide intervals
+
+What it does, with the committed model (examples/fraud/model, configs/fraud.yaml) and the
+committed new expert's weights (examples/fraud/new_expert/card_testing.npz):
+
+1. builds the expert into a hot-pluggable .so with the hot-plug builder
+   (`colibri_core.hotplug.builder.build_expert`, INT4);
+2. starts an Engine whose `experts_dir` is a fresh watched folder;
+3. measures batched scoring (`Engine.score_batch`, one forward, prefill only) against
+   scoring the same transactions one by one (`Engine.next_token_logits`);
+4. scores a synthetic transaction stream (old fraud patterns 0.8 %, the new pattern,
+   card testing, 1.0 %) batch after batch; after `--before` transactions a helper thread
+   drops the .so into the watched folder (written under a hidden name, then renamed), and
+   the scoring loop goes on without waiting: the engine adopts the expert between two
+   batches;
+5. reports, each with a 95 % Wilson interval: recall and precision on the new pattern and
+   on the old ones, before and after the expert went live; the moment it went live (wall
+   clock and batch index); scoring continuity across the drop (batches per second, the
+   longest pause); and plots recall over time (PNG, when matplotlib is installed).
+
+Precision per group is one-vs-legit: among the flagged transactions that are legit or of
+that group (the other group's fraud left out). A transaction is flagged when
+P(FRAUD) >= the threshold in examples/fraud/scoring.json (chosen by train_base.py on a
+validation stream, never on this one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER,  # noqa: E402
+                    fmt_ci, fraud_prob, group_metrics, load_scoring, newcombe_diff, wilson)
+from stream import OLD_PATTERNS, SEQ_LEN, StreamConfig, generate  # noqa: E402
+
+TXNS_PER_CARD = 38.0        # about, over 14 days (used to size the simulated population)
+
+
+def clock(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
+
+
+class LoadedRecorder:
+    """A Colibri plugin recording when the engine adopted a hot-plugged expert."""
+
+    def __init__(self):
+        self.events = []
+
+    def colibri_expert_loaded(self, info):
+        self.events.append({"wall": time.time(), "perf": time.perf_counter(), **info})
+
+
+def _make_plugin():
+    from colibri_core.hookspecs import hookimpl
+    rec = LoadedRecorder()
+    LoadedRecorder.colibri_expert_loaded = hookimpl(LoadedRecorder.colibri_expert_loaded)
+    return rec
+
+
+def make_stream(n: int, seed: int, old_rate: float, new_rate: float) -> list:
+    cards = max(50, int(math.ceil(n / TXNS_PER_CARD * 1.15)))
+    txns = generate(StreamConfig(n_cards=cards, days=14, old_fraud_rate=old_rate,
+                                 new_fraud_rate=new_rate, seed=seed))
+    while len(txns) < n:                      # rare: the population came out small
+        cards = int(cards * 1.3)
+        txns = generate(StreamConfig(n_cards=cards, days=14, old_fraud_rate=old_rate,
+                                     new_fraud_rate=new_rate, seed=seed))
+    return txns[:n]
+
+
+def score(engine, ids: np.ndarray, batch: int) -> np.ndarray:
+    out = []
+    for i in range(0, len(ids), batch):
+        out.append(fraud_prob(np.stack(engine.score_batch([list(r) for r in ids[i:i + batch]]))))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def batch_vs_one_by_one(engine, ids: np.ndarray) -> dict:
+    """Throughput and per-transaction latency: one batched forward vs one call each."""
+    seqs = [list(r) for r in ids]
+    engine.score_batch(seqs[:8])                                      # warm-up
+    t = time.perf_counter()
+    pb = fraud_prob(np.stack(engine.score_batch(seqs)))
+    t_batch = time.perf_counter() - t
+    lat, p1 = [], []
+    for s in seqs:
+        t = time.perf_counter()
+        p1.append(fraud_prob(engine.next_token_logits(s)))
+        lat.append(time.perf_counter() - t)
+    lat = np.array(lat)
+    n = len(seqs)
+    return {
+        "n": n, "tokens_per_txn": SEQ_LEN,
+        "batch": {"seconds": t_batch, "txn_per_s": n / t_batch,
+                  "latency_ms_per_txn_amortized": 1e3 * t_batch / n,
+                  "latency_ms_wall": 1e3 * t_batch},
+        "one_by_one": {"seconds": float(lat.sum()), "txn_per_s": n / float(lat.sum()),
+                       "latency_ms_median": 1e3 * float(np.median(lat)),
+                       "latency_ms_p95": 1e3 * float(np.percentile(lat, 95))},
+        "speedup": float(lat.sum()) / t_batch,
+        "max_abs_prob_diff": float(np.abs(pb - np.array(p1)).max()),
+    }
+
+
+def dropper(ev: threading.Event, so: Path, folder: Path, rec: dict) -> None:
+    """Waits for the signal, then puts the .so in the watched folder atomically."""
+    ev.wait()
+    tmp = folder / f".{so.name}.part"
+    shutil.copyfile(so, tmp)
+    os.chmod(tmp, 0o644)
+    rec["wall"], rec["perf"] = time.time(), time.perf_counter()
+    os.replace(tmp, folder / so.name)
+
+
+def rolling_recall(t: np.ndarray, hit: np.ndarray, window: int):
+    """Recall over the last `window` positives, at each positive's time; with Wilson CI."""
+    xs, ps, lo, hi = [], [], [], []
+    c = np.cumsum(hit)
+    for i in range(window - 1, len(hit)):
+        k = int(c[i] - (c[i - window] if i >= window else 0))
+        p, a, b = wilson(k, window)
+        xs.append(t[i]), ps.append(p), lo.append(a), hi.append(b)
+    return np.array(xs), np.array(ps), np.array(lo), np.array(hi)
+
+
+def plot(path: Path, res: dict, t_txn: np.ndarray, pattern: np.ndarray, flag: np.ndarray,
+         batch_end: np.ndarray, t_drop: float, t_live: float, window: int) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1.3]})
+    for name, group, color in (("card testing (new pattern)", ["card_testing"], "tab:red"),
+                               ("old patterns", OLD_PATTERNS, "tab:blue")):
+        m = np.isin(pattern, group)
+        x, p, lo, hi = rolling_recall(t_txn[m], flag[m], window)
+        if len(x):
+            ax.plot(x, p, color=color, label=f"{name}: recall over the last {window}")
+            ax.fill_between(x, lo, hi, color=color, alpha=0.15)
+    for a in (ax, ax2):
+        a.axvline(t_drop, color="gray", ls="--", lw=1)
+        a.axvline(t_live, color="green", ls="-", lw=1.2)
+    ax.text(t_drop, 1.02, " .so dropped", color="gray", fontsize=8, va="bottom", ha="right")
+    ax.text(t_live, 1.02, " live", color="green", fontsize=8, va="bottom")
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("recall (95% Wilson band)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("Colibri fraud demo: new expert hot-plugged while scoring")
+    b = np.floor(batch_end).astype(int)
+    bins = np.arange(b.min(), b.max() + 2)
+    counts, edges = np.histogram(batch_end, bins=bins)
+    ax2.step(edges[:-1], counts, where="post", color="k")
+    ax2.set_ylim(0, max(counts.max() * 1.3, 1))
+    ax2.set_ylabel("batches / s")
+    ax2.set_xlabel("seconds since scoring started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", type=int, default=10000, help="transactions before the drop")
+    ap.add_argument("--after", type=int, default=10000, help="transactions after it is live")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--latency-sample", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default=str(BUILD / "demo"))
+    ap.add_argument("--quick", action="store_true", help="small run (about 30 s)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--live-timeout", type=float, default=60.0,
+                    help="give up if the expert is not live this long after the drop")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.before, a.after, a.latency_sample = 2000, 2000, 64
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from colibri_core.engine import Engine
+    from colibri_core.hotplug.builder import build_expert
+
+    thr = load_scoring()["threshold"]
+    say = lambda *s: print(*s, flush=True)  # noqa: E731
+
+    # 1. build the expert
+    t = time.perf_counter()
+    so = out / "card_testing.so"
+    info = build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1")
+    say(f"built {so.name}: layer {list(info.meta.layers)}, hidden {info.meta.hidden_size}, "
+        f"intermediate {info.meta.intermediate_size}, {info.size} bytes "
+        f"({time.perf_counter() - t:.1f}s)")
+
+    # 2. engine watching an empty folder
+    folder = out / "experts_so"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(mode=0o700, parents=True)
+    engine = Engine.from_config(CONFIG, experts_dir=str(folder))
+    if getattr(engine, "hotplug", None) is None:
+        raise SystemExit("this Engine does not watch experts_dir (no hot-plug integration)")
+    recorder = _make_plugin()
+    engine.register_plugin(recorder, name="fraud-demo-recorder")
+    n_base = engine.model_cfg.num_experts
+    say(f"engine: {CONFIG.name}, {n_base} experts per MoE layer, watching {folder}")
+
+    # data: the live stream, and a fixed check set scored before and after
+    B = a.batch
+    slack = 40 * B
+    txns = make_stream(a.before + a.after + slack, a.seed, 0.008, 0.010)
+    ids = np.array([tx.token_ids() for tx in txns], np.int64)
+    pattern = np.array([tx.pattern for tx in txns])
+    check = make_stream(6000 if not a.quick else 2500, a.seed + 1, 0.008, 0.010)
+    keep = [i for i, tx in enumerate(check) if tx.is_fraud][:400] + \
+        [i for i, tx in enumerate(check) if not tx.is_fraud][:800]
+    check_ids = np.array([check[i].token_ids() for i in keep], np.int64)
+    check_pat = np.array([check[i].pattern for i in keep])
+
+    # 3. batch vs one by one
+    lat = batch_vs_one_by_one(engine, ids[-a.latency_sample:])
+    say(f"batch of {lat['n']}: {lat['batch']['txn_per_s']:.0f} txn/s "
+        f"({lat['batch']['latency_ms_per_txn_amortized']:.2f} ms/txn amortised, "
+        f"{lat['batch']['latency_ms_wall']:.0f} ms for the batch); one by one: "
+        f"{lat['one_by_one']['txn_per_s']:.0f} txn/s (median {lat['one_by_one']['latency_ms_median']:.1f} ms, "
+        f"p95 {lat['one_by_one']['latency_ms_p95']:.1f} ms); x{lat['speedup']:.1f}; "
+        f"max |dp| {lat['max_abs_prob_diff']:.2e}")
+    p_check_before = score(engine, check_ids, B)
+
+    # 4. the scoring loop, with the drop
+    ev, drop = threading.Event(), {}
+    th = threading.Thread(target=dropper, args=(ev, so, folder, drop), daemon=True)
+    th.start()
+    drop_batch = int(math.ceil(a.before / B))
+    probs = np.full(len(ids), np.nan)
+    rows = []                                # per batch: i, t0, t1, version
+    live_batch = None
+    t_start = time.perf_counter()
+    wall_start = time.time()
+    i = 0
+    nb = int(math.ceil(len(ids) / B))
+    while i < nb:
+        if i == drop_batch:
+            ev.set()
+        v0 = engine.expert_set_version
+        t0 = time.perf_counter()
+        lo, hi = i * B, min(len(ids), (i + 1) * B)
+        logits = engine.score_batch([list(r) for r in ids[lo:hi]])
+        t1 = time.perf_counter()
+        probs[lo:hi] = fraud_prob(np.stack(logits))
+        v1 = engine.expert_set_version
+        rows.append((i, t0, t1, v1))
+        if live_batch is None and v1 != v0:
+            live_batch = i
+            say(f"batch {i}: expert set v{v0} -> v{v1}: card_testing is live "
+                f"({t0 - drop['perf']:.2f}s after the drop)")
+        i += 1
+        if live_batch is None and i > drop_batch and "perf" in drop \
+                and time.perf_counter() - drop["perf"] > a.live_timeout:
+            raise SystemExit(f"the expert was not live {a.live_timeout:.0f}s after the drop; "
+                             f"hot-plug state: {engine.hotplug.list()}")
+        if live_batch is not None and (i - live_batch) * B >= a.after:
+            break
+        if i % 10 == 0:
+            say(f"  scored {i * B} txns, {i / (time.perf_counter() - t_start):.1f} batches/s")
+    if live_batch is None:
+        raise SystemExit("the stream ended before the expert went live: raise --after")
+    n_scored = min(len(ids), len(rows) * B)
+    probs, pat = probs[:n_scored], pattern[:n_scored]
+    p_check_after = score(engine, check_ids, B)
+    rows_a = np.array(rows)
+    t_live_perf = rows_a[live_batch, 1]
+    loaded = recorder.events[0] if recorder.events else None
+
+    # 5. numbers
+    flag = probs >= thr
+    split = live_batch * B
+    res = {"threshold": thr, "batch_size": B, "transactions_scored": int(n_scored),
+           "latency": lat}
+    table = {}
+    for name, group in (("new pattern (card testing)", ["card_testing"]),
+                        ("old patterns", OLD_PATTERNS)):
+        g0 = group_metrics(flag[:split], pat[:split], group)
+        g1 = group_metrics(flag[split:], pat[split:], group)
+        table[name] = {"before": g0, "after": g1,
+                       "recall_change": newcombe_diff(g0["tp"], g0["positives"], g1["tp"],
+                                                      g1["positives"]),
+                       "precision_change": newcombe_diff(g0["tp"], g0["tp"] + g0["fp"],
+                                                         g1["tp"], g1["tp"] + g1["fp"])}
+    fp0 = group_metrics(flag[:split], pat[:split], ["card_testing"])["fp_rate"]
+    fp1 = group_metrics(flag[split:], pat[split:], ["card_testing"])["fp_rate"]
+    res["table"] = table
+    res["legit_fp_rate"] = {"before": fp0, "after": fp1}
+    old_m = np.isin(check_pat, OLD_PATTERNS)
+    dec0, dec1 = p_check_before >= thr, p_check_after >= thr
+    res["same_transactions"] = {
+        "n_old": int(old_m.sum()), "n_new": int((check_pat == "card_testing").sum()),
+        "n_legit": int((check_pat == "legit").sum()),
+        "old_recall": [float(dec0[old_m].mean()), float(dec1[old_m].mean())],
+        "new_recall": [float(dec0[check_pat == "card_testing"].mean()),
+                       float(dec1[check_pat == "card_testing"].mean())],
+        "flips_old": int((dec0 != dec1)[old_m].sum()),
+        "flips_legit": int((dec0 != dec1)[check_pat == "legit"].sum()),
+        "max_abs_prob_change_old": float(np.abs(p_check_after - p_check_before)[old_m].max()),
+    }
+    # continuity
+    t0s, t1s = rows_a[:, 1] - t_start, rows_a[:, 2] - t_start
+    gaps = t0s[1:] - t1s[:-1]                              # loop overhead between batches
+    period = np.diff(t1s)                                  # completion to completion
+    near = slice(max(0, drop_batch - 10), min(len(rows), live_batch + 11))
+    t_drop_rel = drop["perf"] - t_start
+    t_live_rel = t_live_perf - t_start
+    win = np.arange(math.floor(t_drop_rel) - 5, math.ceil(t_live_rel) + 6)
+    per_s = [int(((t1s >= w) & (t1s < w + 1)).sum()) for w in win]
+    res["live"] = {
+        "drop_wall": clock(drop["wall"]), "live_wall": clock(wall_start + t_live_rel),
+        "drop_batch": drop_batch, "live_batch": live_batch,
+        "seconds_drop_to_live": float(t_live_perf - drop["perf"]),
+        "batches_scored_between": int(live_batch - drop_batch),
+        "hook_event": None if loaded is None else {
+            "wall": clock(loaded["wall"]), "expert_set_version": loaded.get("expert_set_version"),
+            "slot": loaded.get("slot"), "name": loaded.get("name")},
+        "hotplug_list": engine.hotplug.list(),
+    }
+    res["continuity"] = {
+        "batches": len(rows), "median_batch_s": float(np.median(t1s - t0s)),
+        "max_pause_between_batches_s": float(gaps.max()) if len(gaps) else 0.0,
+        "median_completion_period_s": float(np.median(period)) if len(period) else 0.0,
+        "max_completion_period_near_drop_s": float(period[near][:-1].max())
+        if len(period[near]) > 1 else 0.0,
+        "live_batch_s": float(t1s[live_batch] - t0s[live_batch]),
+        "batches_per_second_around_drop": dict(zip((int(w) for w in win), per_s)),
+    }
+    engine.close()
+
+    # report
+    say("")
+    say(f"threshold P(FRAUD) >= {thr:.4f}; {n_scored} transactions in {len(rows)} batches of {B}")
+    say(f"{'':28s} {'before':>26s} {'after':>26s}   change (95% CI)")
+    for name, r in table.items():
+        for metric in ("recall", "precision"):
+            b, c = r["before"][metric], r["after"][metric]
+            d = r[f"{metric}_change"]
+            say(f"{name + ' ' + metric:40s} {fmt_ci(*b):>22s} {fmt_ci(*c):>22s}   "
+                f"{100 * d[0]:+5.1f} [{100 * d[1]:+5.1f}, {100 * d[2]:+5.1f}]")
+        say(f"{'':40s} n={r['before']['positives']:<5d} tp={r['before']['tp']:<4d} "
+            f"fp={r['before']['fp']:<4d}      n={r['after']['positives']:<5d} "
+            f"tp={r['after']['tp']:<4d} fp={r['after']['fp']:<4d}")
+    say(f"{'legit false-positive rate':40s} {fmt_ci(*fp0):>22s} {fmt_ci(*fp1):>22s}")
+    st = res["same_transactions"]
+    say(f"same {st['n_old']} old-pattern / {st['n_new']} card-testing / {st['n_legit']} legit "
+        f"txns scored before and after: old recall {st['old_recall'][0]:.3f} -> "
+        f"{st['old_recall'][1]:.3f} ({st['flips_old']} decisions flipped), card testing "
+        f"{st['new_recall'][0]:.3f} -> {st['new_recall'][1]:.3f}, legit flips {st['flips_legit']}")
+    lv, co = res["live"], res["continuity"]
+    say(f"dropped at {lv['drop_wall']} (before batch {lv['drop_batch']}); live at "
+        f"{lv['live_wall']} in batch {lv['live_batch']} ({lv['seconds_drop_to_live']:.2f}s, "
+        f"{lv['batches_scored_between']} batches scored in between)"
+        + (f"; expert_loaded hook at {lv['hook_event']['wall']}, expert set "
+           f"v{lv['hook_event']['expert_set_version']}, slot {lv['hook_event']['slot']}"
+           if lv["hook_event"] else ""))
+    say(f"continuity: median batch {1e3 * co['median_batch_s']:.0f} ms, live batch "
+        f"{1e3 * co['live_batch_s']:.0f} ms, longest pause between batches "
+        f"{1e3 * co['max_pause_between_batches_s']:.1f} ms, longest completion-to-completion "
+        f"near the drop {1e3 * co['max_completion_period_near_drop_s']:.0f} ms "
+        f"(median {1e3 * co['median_completion_period_s']:.0f} ms)")
+    say("batches completed per second around the drop (s: n): " + ", ".join(
+        f"{k - int(math.floor(t_drop_rel))}:{v}" for k, v in co["batches_per_second_around_drop"].items()))
+
+    if not a.no_plot:
+        t_txn = np.repeat(t1s, B)[:n_scored]
+        window = 40 if not a.quick else 15
+        png = out / "fraud_demo.png"
+        if plot(png, res, t_txn, pat, flag, t1s, t_drop_rel, t_live_rel, window):
+            res["plot"] = str(png)
+            say(f"plot: {png}")
+        else:
+            say("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    (out / "fraud_demo.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    say(f"results: {out / 'fraud_demo.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Helpers shared by the robustness tests and the fuzzers: damaging model directories on
+purpose, counting open files and mappings, running the CLI, bounding time and memory."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+from colibri_core.modelfile import ContainerFile
+
+
+# ----------------------------------------------------------------------------- model dirs
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def read_config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def write_config(d: Path, cfg: dict) -> None:
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def refresh_files(d: Path) -> None:
+    """Re-record every listed file's size and sha256 in config.json (so only the damage
+    under test is seen, not a checksum or size mismatch)."""
+    cfg = read_config(d)
+    for name in cfg["files"]:
+        p = d / name
+        cfg["files"][name] = {"size": p.stat().st_size,
+                              "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+    write_config(d, cfg)
+
+
+def part_offset(path: Path, section: str, part: str = "data") -> tuple[int, int]:
+    f = ContainerFile(path)
+    try:
+        return f.sections[section].parts[part]
+    finally:
+        f.close()
+
+
+def poke(path: Path, offset: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def poke_f32(model_dir: Path, file: str, section: str, part: str, index: int, value: float,
+             refresh: bool = True) -> None:
+    """Overwrite float32 number `index` of a section's part (e.g. a q4 scale with NaN)."""
+    off, _ = part_offset(model_dir / file, section, part)
+    poke(model_dir / file, off + 4 * index, np.float32(value).tobytes())
+    if refresh:
+        refresh_files(model_dir)
+
+
+# ----------------------------------------------------------------------------- resources
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def maps_of(path: Path | str) -> int:
+    """Mappings of this process whose file lies under `path`."""
+    prefix = str(Path(path).resolve())
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if prefix in line)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str = "call"):
+    """Fail (AssertionError) when the body runs longer than `seconds` (a hang)."""
+    def on_alarm(signum, frame):
+        raise AssertionError(f"{what} did not finish within {seconds} s (hang?)")
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@contextlib.contextmanager
+def memory_limit(max_bytes: int, what: str = "call"):
+    """Fail when the body's peak traced allocation (Python objects and numpy buffers)
+    exceeds `max_bytes`: a table claiming a 1 TB section must be refused, not allocated."""
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1] - base
+        if not was:
+            tracemalloc.stop()
+    assert peak <= max_bytes, f"{what} allocated {peak / 2**20:.1f} MiB (limit {max_bytes / 2**20:.1f})"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def colibri_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "colibri_core", *map(str, args)]
+
+
+def run_many(cases: dict[str, list[str]], timeout: float = 120) -> dict[str, subprocess.CompletedProcess]:
+    """Run several CLI commands at once (each a separate process); results by name."""
+    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd="/")
+             for k, cmd in cases.items()}
+    out = {}
+    for k, p in procs.items():
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            raise AssertionError(f"{k}: {cases[k]} timed out")
+        out[k] = subprocess.CompletedProcess(cases[k], p.returncode, so, se)
+    return out

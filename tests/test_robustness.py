@@ -1,0 +1,634 @@
+"""Every way a user can get it wrong: one clear line and a typed error (API) or
+`colibri: error: ...` and exit 2 (CLI), with nothing left half-applied (no mapping, no
+open file, no thread, no output directory). docs/ROBUSTNESS.md lists the cases."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_core.config import (EngineConfig, LengthRule, ModelConfig, load_model_config,
+                                 load_run_config, parse, read_mapping)
+from colibri_core.engine import Engine
+from colibri_core.errors import (ColibriError, ConfigError, ExpertIndexError, ModelFormatError,
+                                 RequestError)
+from colibri_core.quant import Q4Tensor, Q8Tensor, quantize_q4, quantize_q8
+from colibri_core.testing import write_random_model
+from colibri_core.validate import check_tensor, scan_model_dir, tensor_problems
+from colibri_core.weights import load_model, verify_checksums, write_model_dir
+
+from robust_helpers import (colibri_cmd, copy_model, fd_count, maps_of, part_offset, poke,
+                            poke_f32, read_config, refresh_files, run_many, time_limit,
+                            write_config)
+
+VOCAB = 256   # tiny_model_dir: vocab 256, hidden 128, layers dense/moe/moe, 4 experts top-2
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e)
+    assert text and "\n" not in text, f"not one line: {text!r}"
+    return text
+
+
+@pytest.fixture
+def model(tiny_model_dir, tmp_path):
+    """A private copy of the tiny model, free to damage."""
+    return copy_model(tiny_model_dir, tmp_path / "m")
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    """The tiny model with a byte-level tokenizer (256 ids, the model's whole vocab)."""
+    from hf_helpers import write_tokenizer
+    d = tmp_path_factory.mktemp("tokm")
+    tok = write_tokenizer(d)
+    write_random_model(d / "m", seed=1, tokenizer=tok)
+    return d / "m"
+
+
+@pytest.fixture(scope="module")
+def eng(tok_model):
+    e = Engine.from_model_dir(tok_model, threads=1)
+    yield e
+    e.close()
+
+
+# ============================================================================ configs
+
+@pytest.mark.parametrize("name,text,match", [
+    ("bad.yaml", "model: [unclosed\n", "not valid yaml"),
+    ("bad.json", '{"model": "x",}', "not valid json"),
+    ("list.yaml", "- a\n- b\n", "expected a mapping at the top level, got list"),
+    ("scalar.yaml", "42\n", "expected a mapping at the top level, got int"),
+    ("empty.yaml", "", "expected a mapping at the top level, got NoneType"),
+    ("unhashable.yaml", "? [a, b]\n: 1\n", "not valid yaml"),
+    ("huge_int.json", '{"model": "x", "engine": {"threads": ' + "9" * 5000 + "}}", "not valid json"),
+    ("deep.json", "[" * 100000 + "]" * 100000, "not valid json"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else "")
+def test_malformed_config_files(tmp_path, name, text, match):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_run_config(p)
+    one_line(e.value)
+
+
+def test_unreadable_config_files(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_mapping(tmp_path / "bin.yaml")
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_mapping(tmp_path / "dir.yaml")
+    with pytest.raises(ConfigError, match="file not found"):
+        read_mapping(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text,field", [
+    ("model: x\nengine: {sampling: {temperature: .nan}}\n", "engine.sampling.temperature"),
+    ("model: x\nengine: {sampling: {top_p: .inf}}\n", "engine.sampling.top_p"),
+    ("model: x\nengine: {max_resident_mb: .inf}\n", "engine.max_resident_mb"),
+    ("model: x\nengine: {hotplug: {settle_s: .inf}}\n", "engine.hotplug.settle_s"),
+    ("model: x\nengine: {sampling: {seed: -1}}\n", "engine.sampling.seed"),
+    ("model: x\nengine: {length_policy: [{min_tokens: 50, max_tokens: 10, k: 1}]}\n",
+     "engine.length_policy.0"),
+])
+def test_non_finite_and_contradictory_engine_settings(tmp_path, text, field):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_run_config(p)
+    assert f"field '{field}'" in one_line(e.value)
+
+
+def _model_dict(**over):
+    d = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
+             num_heads=4, num_kv_heads=2, layer_types=["dense", "moe"], num_experts=4, top_k=2)
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(layer_types=["dense"]), "layer_types has 1 entries, num_layers is 2"),
+    (dict(num_kv_heads=3), "not a multiple of num_kv_heads"),
+    (dict(num_experts=0, top_k=0), "'moe' layers but num_experts is 0"),
+    (dict(intermediate_size=0), "'dense' layers but intermediate_size is 0"),
+    (dict(n_group=3), "not a multiple of n_group"),
+    (dict(topk_group=2), "topk_group=2 exceeds n_group=1"),
+    (dict(head_dim=33), "must be even"),
+    (dict(bos_token_id=256), "bos_token_id=256 is outside the vocabulary"),
+    (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+    (dict(attention="mla"), "attention 'mla' needs"),
+    (dict(hidden_size=-1), "hidden_size"),
+    (dict(layer_types=["dense", "sparse"]), "layer_types.1"),
+    (dict(vocab_size="many"), "vocab_size"),
+    (dict(extra_field=1), "unknown field"),
+])
+def test_contradictory_model_configs(over, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(ModelConfig, _model_dict(**over), "config.json")
+
+
+def test_top_k_beyond_experts_fails_at_load_naming_the_field(model):
+    cfg = read_config(model)
+    cfg["top_k"] = 5
+    write_config(model, cfg)
+    with pytest.raises(ExpertIndexError) as e:
+        load_model(model)
+    assert "FATAL: expert index out of bounds" in one_line(e.value) and "'top_k'" in str(e.value)
+    cfg["top_k"] = 0
+    write_config(model, cfg)
+    with pytest.raises(ExpertIndexError):
+        load_model_config(model / "config.json")
+
+
+def test_yaml_alias_bomb_is_refused_quickly(tmp_path):
+    """'Billion laughs': the error message must not repr() the whole expanded value."""
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x","x"]']
+    prev = "a"
+    for name in "bcdefgh":
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 10) + "]")
+        prev = name
+    lines += ["model: x", "engine:", f"  threads: *{prev}"]
+    p = tmp_path / "bomb.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    with time_limit(20, "alias bomb"), pytest.raises(ConfigError) as e:
+        load_run_config(p)
+    assert time.perf_counter() - t0 < 10
+    assert all(len(line) < 400 for line in str(e.value).splitlines())
+
+
+def test_engine_settings_are_typed_errors(tiny_model_dir):
+    with pytest.raises(ConfigError, match="field 'threads'"):
+        Engine.from_config("builtin", threads=0)
+    with pytest.raises(ConfigError, match="field 'load_mode'"):
+        Engine.from_model_dir(tiny_model_dir, load_mode="disk")
+    with pytest.raises(ConfigError, match="unknown field"):
+        Engine.from_model_dir(tiny_model_dir, thraeds=2)
+    with pytest.raises(ConfigError, match="expected an EngineConfig"):
+        Engine(tiny_model_dir, {"threads": 1})
+
+
+def test_failed_engine_construction_leaves_nothing_open(tiny_model_dir, tmp_path):
+    fds, maps = fd_count(), maps_of(tiny_model_dir)
+    # the length policy asks for more experts than the model has: refused at load
+    cfg = EngineConfig(length_policy=[LengthRule(max_tokens=8, k=5)])
+    with pytest.raises(ConfigError, match=r"length_policy\.0\.k': value 5.*allowed 1\.\.4"):
+        Engine(tiny_model_dir, cfg)
+    # a plugins folder that does not exist: refused after the weights were mapped
+    with pytest.raises(ColibriError, match="does not exist"):
+        Engine(tiny_model_dir, EngineConfig(plugins_dir=str(tmp_path / "no-plugins")))
+    assert (fd_count(), maps_of(tiny_model_dir)) == (fds, maps)
+
+
+def test_missing_experts_dir_is_refused_and_not_created(tiny_model_dir, tmp_path):
+    missing = tmp_path / "typo" / "experts"
+    with pytest.raises(ConfigError, match="no such folder"):
+        Engine(tiny_model_dir, EngineConfig(experts_dir=str(missing)))
+    assert not (tmp_path / "typo").exists()
+
+
+# ============================================================================ model dirs
+
+def _damage(model: Path, how: str) -> None:
+    cfg = read_config(model)
+    if how == "no config.json":
+        (model / "config.json").unlink()
+    elif how == "config.json truncated":
+        (model / "config.json").write_text((model / "config.json").read_text()[:100])
+    elif how == "config.json not an object":
+        (model / "config.json").write_text("[1, 2]")
+    elif how == "model.bin missing":
+        (model / "model.bin").unlink()
+    elif how == "expert file missing":
+        (model / "expert_2_3.bin").unlink()
+    elif how == "expert file missing, unlisted":
+        (model / "expert_2_3.bin").unlink()
+        del cfg["files"]["expert_2_3.bin"]
+        write_config(model, cfg)
+    elif how == "truncated":
+        p = model / "expert_1_0.bin"
+        p.write_bytes(p.read_bytes()[:5000])
+    elif how == "truncated, size re-recorded":
+        p = model / "expert_1_0.bin"
+        p.write_bytes(p.read_bytes()[:5000])
+        refresh_files(model)
+    elif how == "resized":
+        with open(model / "routing.bin", "ab") as f:
+            f.write(b"\0" * 10)
+    elif how == "bad magic":
+        poke(model / "model.bin", 0, b"NOTCOLIB")
+        refresh_files(model)
+    elif how == "future major version":
+        poke(model / "model.bin", 8, (7).to_bytes(2, "little"))
+        refresh_files(model)
+    elif how == "garbage table":
+        poke(model / "expert_1_1.bin", 16, b"{not json")
+        refresh_files(model)
+    elif how == "table offset past end":
+        raw = (model / "expert_1_1.bin").read_bytes()
+        tlen = int.from_bytes(raw[12:16], "little")
+        table = json.loads(raw[16:16 + tlen])
+        table["sections"][0]["parts"]["data"][0] += 1 << 30
+        new = json.dumps(table, separators=(",", ":")).encode()
+        poke(model / "expert_1_1.bin", 12, len(new).to_bytes(4, "little") + new)
+        refresh_files(model)
+    elif how == "file name escapes":
+        cfg["files"]["../model.bin"] = cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "file name with NUL":
+        cfg["files"]["model\0.bin"] = cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "model.bin is a folder":
+        (model / "model.bin").unlink()
+        (model / "model.bin").mkdir()
+        del cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "no format field":
+        del cfg["format"]
+        write_config(model, cfg)
+    elif how == "format 2.0":
+        cfg["format"]["major"] = 2
+        write_config(model, cfg)
+    elif how == "hidden_size changed":
+        cfg["hidden_size"] = 64
+        cfg["num_heads"] = 2
+        write_config(model, cfg)
+    elif how == "more experts than files":
+        cfg["num_experts"] = 5
+        write_config(model, cfg)
+    elif how == "vocab_size changed":
+        cfg["vocab_size"] = 300
+        write_config(model, cfg)
+    else:
+        raise AssertionError(how)
+
+
+DAMAGE = {
+    "no config.json": (ConfigError, "config.json: file not found"),
+    "config.json truncated": (ConfigError, "not valid json"),
+    "config.json not an object": (ConfigError, "expected a mapping"),
+    "model.bin missing": (ModelFormatError, "model.bin: missing (listed in config.json)"),
+    "expert file missing": (ModelFormatError, "expert_2_3.bin: missing"),
+    "expert file missing, unlisted": (ModelFormatError, "expert_2_3.bin: file not found"),
+    "truncated": (ModelFormatError, "expert_1_0.bin: size 5000 bytes, config.json records"),
+    "truncated, size re-recorded": (ModelFormatError, "truncated"),
+    "resized": (ModelFormatError, "routing.bin: size"),
+    "bad magic": (ModelFormatError, "not a Colibri file"),
+    "future major version": (ModelFormatError, "format version 7.0 is not readable"),
+    "garbage table": (ModelFormatError, "unreadable section table"),
+    "table offset past end": (ModelFormatError, "expert_1_1.bin: section 'w1'"),
+    "file name escapes": (ModelFormatError, "is not a plain name"),
+    "file name with NUL": (ModelFormatError, "is not a plain name"),
+    "model.bin is a folder": (ModelFormatError, "model.bin: not a regular file"),
+    "no format field": (ModelFormatError, "no 'format' field"),
+    "format 2.0": (ModelFormatError, "format 2.0, this Colibri reads 1.x"),
+    "hidden_size changed": (ModelFormatError, "expected [64, 64] from config.json"),
+    "more experts than files": (ModelFormatError, "'layer.1.router' has shape [4, 128], expected [5, 128]"),
+    "vocab_size changed": (ModelFormatError, "section 'embed' has shape [256, 128], expected [300, 128]"),
+}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_damaged_model_dir_is_refused_with_one_line(model, how):
+    _damage(model, how)
+    err, match = DAMAGE[how]
+    fds, maps = fd_count(), maps_of(model)
+    for mode in ("mmap", "copy"):
+        with pytest.raises(err) as e:
+            load_model(model, mode)
+        assert match in one_line(e.value), str(e.value)
+    assert (fd_count(), maps_of(model)) == (fds, maps), "a refused model left files open"
+
+
+def test_corrupted_bytes_are_caught_by_verify(model):
+    off, n = part_offset(model / "expert_2_1.bin", "w2", "data")
+    poke(model / "expert_2_1.bin", off + n // 2, b"\xAA")       # same size, other bytes
+    load_model(model).close()                                   # sizes fine: loads
+    problems = verify_checksums(model)
+    assert len(problems) == 1 and "expert_2_1.bin: sha256 mismatch" in problems[0]
+
+
+# ============================================================================ NaN / Inf
+
+def test_check_tensor_every_number_type():
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    q4, q8 = quantize_q4(rng.standard_normal((4, 128)), 64), quantize_q8(rng.standard_normal((4, 128)), 64)
+    for t in (f32, f32.astype(np.float16), (f32.view(np.uint32) >> 16).astype(np.uint16), q4, q8,
+              np.arange(5, dtype=np.int8)):
+        assert tensor_problems("ok", t) == []
+        check_tensor("ok", t)
+    bad_f32 = f32.copy()
+    bad_f32[2, 1] = np.nan
+    bad_f16 = f32.astype(np.float16)
+    bad_f16[0, 4] = np.inf
+    bad_bf16 = (f32.view(np.uint32) >> 16).astype(np.uint16)
+    bad_bf16[1, 0] = 0x7FC0                                            # bf16 NaN
+    s = q4.scales.copy()
+    s[3, 1] = np.inf
+    bad_q4 = Q4Tensor(q4.data, s, q4.zeros, q4.rows, q4.cols, q4.group)
+    z = q4.zeros.copy()
+    z[0, 0] = 16
+    bad_zero = Q4Tensor(q4.data, q4.scales, z, q4.rows, q4.cols, q4.group)
+    s8 = q8.scales.copy()
+    s8[1, 0] = np.nan
+    bad_q8 = Q8Tensor(q8.data, s8, q8.rows, q8.cols, q8.group)
+    for t, where in ((bad_f32, "first at [2, 1]"), (bad_f16, "first at [0, 4]"),
+                     (bad_bf16, "first at [1, 0]"), (bad_q4, "row 3, group 1 (columns 64..127)"),
+                     (bad_zero, "zero point(s) outside 0..15"), (bad_q8, "row 1, group 0")):
+        with pytest.raises(ModelFormatError) as e:
+            check_tensor("layer.1.wq", t, "ckpt")
+        assert "ckpt: section 'layer.1.wq'" in one_line(e.value) and where in str(e.value)
+
+
+def test_conversion_refuses_non_finite_weights(tmp_path):
+    cfg = ModelConfig(**_model_dict(layer_types=["dense"], num_layers=1, num_experts=0, top_k=0))
+    bad = np.ones((cfg.vocab_size, cfg.hidden_size), np.float32)
+    bad[7, 3] = np.inf
+    with pytest.raises(ModelFormatError, match=r"model\.bin: section 'embed' \(f32\): 1 non-finite"):
+        write_model_dir(tmp_path / "out", cfg, iter([("embed", bad)]), [], [])
+    assert not (tmp_path / "out" / "config.json").exists()
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def _nan_model(tmp_path, section="lm_head", part="scales", index=0):
+    d = tmp_path / "nan"
+    write_random_model(d, seed=2)
+    poke_f32(d, "model.bin", section, part, index, float("nan"))
+    return d
+
+
+def test_verify_scan_finds_nan_but_load_does_not_scan(tmp_path):
+    d = _nan_model(tmp_path)
+    assert verify_checksums(d) == []                        # the checksum was re-recorded
+    problems = scan_model_dir(d)
+    assert len(problems) == 1
+    assert "model.bin: section 'lm_head' (q8): 1 non-finite scale(s)" in problems[0]
+    load_model(d).close()                                   # loads: no scan at every load
+
+
+def test_generation_on_nan_weights_is_typed_not_a_crash(tmp_path):
+    # one NaN lm_head row: that token is never sampled, generation goes on
+    d = _nan_model(tmp_path)
+    with Engine.from_model_dir(d, threads=1) as e:
+        for temp in (0.0, 1.0):
+            g = e.generate([1, 2, 3], max_new_tokens=6, temperature=temp, seed=0).run()
+            assert 0 not in g.token_ids and len(g.token_ids) > 0
+    # NaN in the final norm: every logit is NaN -> ModelFormatError naming --verify
+    d2 = tmp_path / "n2"
+    write_random_model(d2, seed=2)
+    poke_f32(d2, "model.bin", "final_norm", "data", 5, float("nan"))
+    with Engine.from_model_dir(d2, threads=1) as e:
+        with pytest.raises(ModelFormatError, match="no finite logit.*--verify") as ex:
+            e.generate([1, 2, 3], max_new_tokens=3, temperature=0.7).run()
+        one_line(ex.value)
+
+
+# ============================================================================ requests
+
+@pytest.mark.parametrize("prompt,kw,match", [
+    ([1, 2], dict(top_k=0), "top_k=0 from the top_k argument is out of range"),
+    ([1, 2], dict(top_k=5), r"allowed 1\.\.4"),
+    ([1, 2], dict(top_k=2.5), "is not an integer"),
+    ([1, 2], dict(top_k=True), "is not an integer"),
+    ("MODE:k0|hello", {}, "k must be at least 1"),
+    ("MODE:k9|hello", {}, "top_k=9 from the MODE: prefix is out of range"),
+    ("MODE:kx|hello", {}, "malformed MODE: prefix"),
+    ("MODE:k2 hello", {}, "malformed MODE: prefix"),
+    ("MODE:k\u0663|hello", {}, "malformed MODE: prefix"),        # Arabic-Indic digit 3
+    ("MODE:k12345|hello", {}, "malformed MODE: prefix"),
+    ([-1], {}, r"token id -1 out of range 0\.\.255"),
+    ([VOCAB], {}, r"token id 256 out of range 0\.\.255"),
+    ([2 ** 80], {}, "out of range"),
+    (["a", "b"], {}, "token id at position 0 is 'a' .str."),
+    ([1, 2.5], {}, "token id at position 1 is 2.5"),
+    ([1, None], {}, "token id at position 1 is None"),
+    ([[1, 2]], {}, "token ids are integers"),
+    (np.zeros((2, 2), np.int64), {}, "1-D integer array"),
+    (np.array([1.0, 2.0]), {}, "1-D integer array"),
+    (b"hello", {}, "prompt is bytes"),
+    (None, {}, "prompt of type NoneType"),
+    (3, {}, "prompt of type int"),
+    ("", {}, "empty prompt"),
+    ("MODE:k2|", {}, "empty prompt"),
+    ([], {}, "empty prompt"),
+    ("\ud800abc", {}, "not valid Unicode"),
+    ([1, 2], dict(max_new_tokens=-1), "max_new_tokens=-1"),
+    ([1, 2], dict(max_new_tokens=2.5), "max_new_tokens=2.5"),
+    ([1, 2], dict(temperature=float("nan")), "temperature=nan"),
+    ([1, 2], dict(temperature=-1.0), "temperature=-1.0"),
+    ([1, 2], dict(top_p=0.0), "top_p=0.0"),
+    ([1, 2], dict(seed=-3), "sampling settings"),
+    ([1, 2], dict(stop=[""]), "stop strings must be non-empty"),
+])
+def test_bad_requests_are_request_errors(eng, prompt, kw, match):
+    with pytest.raises(RequestError, match=match) as e:
+        eng.generate(prompt, **kw).run()
+    one_line(e.value)
+
+
+def test_bad_requests_on_the_other_entry_points(eng):
+    with pytest.raises(RequestError, match="token id 256"):
+        eng.next_token_logits([1, VOCAB])
+    with pytest.raises(RequestError, match="top_k=7"):
+        eng.next_token_logits([1, 2], top_k=7)
+    with pytest.raises(RequestError, match="empty prompt"):
+        eng.score_batch([[1, 2], []])
+    with pytest.raises(RequestError, match="token ids are integers"):
+        eng.score_batch([[1, "x"]])
+    # still serving after all that
+    assert len(eng.generate([1, 2, 3], max_new_tokens=3, temperature=0).run().token_ids) == 3
+
+
+def test_prompt_beyond_context_is_truncated_with_a_warning(eng, caplog):
+    ctx = eng.model_cfg.max_position_embeddings
+    with caplog.at_level(logging.WARNING, logger="colibri"):
+        g = eng.generate(list(range(1, 200)) * 2, max_new_tokens=2, temperature=0)
+        g.run()
+    assert g.truncated_from == 398 and len(g.prompt_ids) == ctx - 1
+    assert "exceeds the context" in caplog.text
+
+
+def _tokenizer_with_id(d: Path, extra_id: int) -> Path:
+    from hf_helpers import write_tokenizer
+    d.mkdir(parents=True, exist_ok=True)
+    tok = write_tokenizer(d)
+    data = json.loads(tok.read_text())
+    data["model"]["vocab"]["<extra>"] = extra_id
+    tok.write_text(json.dumps(data))
+    return tok
+
+
+def test_tokenizer_beyond_vocab_is_refused_padded_vocab_accepted(tmp_path):
+    # vocabulary with a hole: 257 entries, the largest id 300 >= vocab_size 260
+    bad = write_random_model(tmp_path / "bad", vocab=260,
+                             tokenizer=_tokenizer_with_id(tmp_path / "t1", 300))
+    assert bad.vocab_size == 260
+    fds = fd_count()
+    with pytest.raises(ModelFormatError, match="largest id 300.*vocab_size is 260") as e:
+        Engine.from_model_dir(tmp_path / "bad", threads=1)
+    one_line(e.value)
+    assert fd_count() == fds and maps_of(tmp_path / "bad") == 0
+    # a model vocabulary padded above the tokenizer's (257 ids in a 320 vocab): normal
+    write_random_model(tmp_path / "pad", vocab=320, tokenizer=_tokenizer_with_id(tmp_path / "t2", 256))
+    with Engine.from_model_dir(tmp_path / "pad", threads=1) as e:
+        g = e.generate("hello", max_new_tokens=4, temperature=1.0, seed=3).run()
+        assert len(g.token_ids) >= 1                     # ids >= 257 decode to nothing
+
+
+# ============================================================================ CLI
+
+def test_cli_every_mistake_is_one_line_exit_2(tmp_path, tiny_model_dir, tok_model):
+    def model_with(how):
+        d = copy_model(tiny_model_dir, tmp_path / how.replace(" ", "_"))
+        _damage(d, how)
+        return d
+
+    top_k = copy_model(tiny_model_dir, tmp_path / "topk")
+    cfg = read_config(top_k)
+    cfg["top_k"] = 9
+    write_config(top_k, cfg)
+    bad_cfg = tmp_path / "bad.yaml"
+    bad_cfg.write_text("model: builtin\nengine: {sampling: {temperature: .nan}}\n")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("model: builtin\nengine: {length_policy: [{k: 12}]}\n")
+    bomb = tmp_path / "list.yaml"
+    bomb.write_text("- model\n")
+    (tmp_path / "bt").mkdir()
+    tok_bad = write_random_model(tmp_path / "tokbad", vocab=260,
+                                 tokenizer=_tokenizer_with_id(tmp_path / "bt", 300))
+    assert tok_bad
+    tm = str(tok_model)
+    cases = {
+        # configs
+        "nan config": (colibri_cmd("run", "--config", bad_cfg), "field 'engine.sampling.temperature'"),
+        "policy k": (colibri_cmd("run", "--config", policy, "-p", "hi"), "length_policy.0.k': value 12"),
+        "list config": (colibri_cmd("run", "--config", bomb), "expected a mapping at the top level"),
+        "threads": (colibri_cmd("run", "--model", tm, "--threads", "0"), "field 'threads'"),
+        "experts dir": (colibri_cmd("run", "--model", tm, "--experts-dir", tmp_path / "nope"), "no such folder"),
+        # model directories
+        "truncated": (colibri_cmd("run", "--model", model_with("truncated")), "size 5000 bytes"),
+        "resized": (colibri_cmd("inspect", model_with("resized")), "routing.bin: size"),
+        "missing": (colibri_cmd("run", "--model", model_with("expert file missing")), "missing (listed"),
+        "bad magic": (colibri_cmd("inspect", model_with("bad magic")), "not a Colibri file"),
+        "garbage table": (colibri_cmd("run", "--model", model_with("garbage table")), "unreadable section table"),
+        "no config": (colibri_cmd("run", "--model", model_with("no config.json")), "file not found"),
+        "top_k model": (colibri_cmd("run", "--model", top_k), "FATAL: expert index out of bounds"),
+        "tokenizer": (colibri_cmd("run", "--model", tmp_path / "tokbad", "-p", "hi"), "largest id 300"),
+        # requests
+        "top-k 0": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "0"), "top_k=0"),
+        "top-k 5": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "5"), "allowed 1..4"),
+        "empty": (colibri_cmd("run", "--model", tm, "-p", ""), "empty prompt"),
+        "mode only": (colibri_cmd("run", "--model", tm, "-p", "MODE:k1|"), "empty prompt"),
+        "mode bad": (colibri_cmd("run", "--model", tm, "-p", "MODE:k|x"), "malformed MODE: prefix"),
+        "mode k0": (colibri_cmd("run", "--model", tm, "-p", "MODE:k0|x"), "k must be at least 1"),
+        "n negative": (colibri_cmd("run", "--model", tm, "-p", "x", "-n", "-1"), "max_new_tokens=-1"),
+        "temperature": (colibri_cmd("run", "--model", tm, "-p", "x", "--temperature", "nan"), "temperature=nan"),
+        "no tokenizer": (colibri_cmd("run", "--model", tiny_model_dir, "-p", "x"), "no tokenizer.json"),
+    }
+    results = run_many({k: c for k, (c, _) in cases.items()})
+    for name, (_, message) in cases.items():
+        r = results[name]
+        assert r.returncode == 2, (name, r.returncode, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("colibri: error: "), (name, r.stderr)
+        assert message in lines[0], (name, lines[0])
+        assert "Traceback" not in r.stderr
+
+
+def test_cli_verify_reports_corruption_and_nan(tmp_path, tiny_model_dir):
+    corrupt = copy_model(tiny_model_dir, tmp_path / "corrupt")
+    off, n = part_offset(corrupt / "expert_2_1.bin", "w2", "data")
+    poke(corrupt / "expert_2_1.bin", off + n // 2, b"\xAA")
+    nan = _nan_model(tmp_path)
+    r = run_many({"corrupt": colibri_cmd("inspect", corrupt, "--verify"),
+                  "nan": colibri_cmd("inspect", nan, "--verify"),
+                  "clean": colibri_cmd("inspect", tiny_model_dir, "--verify")})
+    assert r["clean"].returncode == 0 and "no NaN/Inf in any section" in r["clean"].stdout
+    for name, what in (("corrupt", "expert_2_1.bin: sha256 mismatch"),
+                       ("nan", "section 'lm_head' (q8): 1 non-finite scale(s)")):
+        res = r[name]
+        assert res.returncode == 2, res.stderr
+        assert f"FAIL {corrupt if name == 'corrupt' else nan}" in res.stdout and what in res.stdout
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("colibri: error: ") and "verification failed" in lines[0]
+
+
+# ============================================================================ interrupts
+
+SLOW_PLUGIN = """
+import time
+from colibri_core.hookspecs import hookimpl
+
+@hookimpl
+def colibri_sample(logits, request):
+    time.sleep(0.01)            # slow enough to interrupt mid-generation
+    return 65                   # never the EOS token
+"""
+
+
+def test_ctrl_c_during_generation_exits_130(tmp_path, tok_model):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "slow.py").write_text(SLOW_PLUGIN)
+    p = subprocess.Popen(colibri_cmd("run", "--model", tok_model, "-p", "hello", "-n", "120",
+                                     "--plugins-dir", plugins),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+    os.set_blocking(p.stdout.fileno(), False)
+    got, t0 = b"", time.time()
+    while len(got) < len("hello") + 5 and time.time() - t0 < 60:    # a few tokens streamed
+        got += p.stdout.read() or b""
+        time.sleep(0.01)
+    assert p.poll() is None, "generation ended before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    err = err.decode()
+    assert "colibri: interrupted" in err and "Traceback" not in err
+
+
+def test_ctrl_c_during_conversion_leaves_nothing(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_helpers import make_hf_model, save
+    hf = save(make_hf_model("qwen2_moe", num_hidden_layers=3, num_experts=6), tmp_path / "hf")
+    out = tmp_path / "converted"
+    # The conversion is slowed down (a pause after each file it writes) so that the
+    # interrupt lands mid-way, whatever the machine's speed.
+    code = ("import sys, time\n"
+            "import colibri_core.weights as w\n"
+            "orig = w.write_container\n"
+            "def slow(*a, **k):\n"
+            "    orig(*a, **k); time.sleep(0.05)\n"
+            "w.write_container = slow\n"
+            "from colibri_core.cli import main\n"
+            f"sys.exit(main(['convert', {str(hf)!r}, {str(out)!r}]))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd="/")
+    t0 = time.time()
+    staged = []
+    while time.time() - t0 < 60 and p.poll() is None:
+        staged = [f for s in tmp_path.glob(".converted.partial-*") for f in s.glob("expert_*.bin")]
+        if len(staged) >= 3:
+            break
+        time.sleep(0.005)
+    assert p.poll() is None and len(staged) >= 3, "conversion ended before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "colibri: interrupted" in err and "Traceback" not in err
+    assert not out.exists()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf"], list(tmp_path.iterdir())
