@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _peer_common import Profiler, emit, job, time_stream
+from _peer_common import Profiler, decode_profiled, emit, job, time_stream
 
 
 def main():
@@ -23,8 +23,9 @@ def main():
         for ev in eng.generate(j["prompt"], max_new_tokens=n, temperature=0):
             yield ev.token_id
 
-    with Profiler(j.get("profile")):
-        res = time_stream(stream())
+    prof = Profiler(j.get("profile"))
+    with prof:
+        res = time_stream(decode_profiled(stream(), prof))
     emit({"engine": "colibri", **res})
 
 

@@ -46,19 +46,28 @@ def time_stream(step_iter) -> dict:
     return {"first_token_ms": first, "per_token_ms": per, "token_ids": ids}
 
 
+def decode_profiled(it, prof):
+    """Pass tokens through; start `prof` after the first (decode steps only)."""
+    for tok in it:
+        yield tok
+        prof.start()
+
+
 class Profiler:
-    """cProfile around the timed decode when the job asks for it (stats written to a
-    .pstats file for the orchestrator to print)."""
+    """cProfile of the decode steps only (started after the first generated token) when
+    the job asks for it; stats written to a .pstats file for the orchestrator to print."""
 
     def __init__(self, path):
         self.path = path
         self.pr = None
 
-    def __enter__(self):
-        if self.path:
+    def start(self):
+        if self.path and self.pr is None:
             import cProfile
             self.pr = cProfile.Profile()
             self.pr.enable()
+
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc):

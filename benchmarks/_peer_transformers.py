@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _peer_common import Profiler, emit, job, time_stream
+from _peer_common import Profiler, decode_profiled, emit, job, time_stream
 
 
 def main():
@@ -35,8 +35,9 @@ def main():
 
     for _ in stream(j["warmup"], 4):
         pass
-    with Profiler(j.get("profile")):
-        res = time_stream(stream(j["prompt"], j["tokens"]))
+    prof = Profiler(j.get("profile"))
+    with prof:
+        res = time_stream(decode_profiled(stream(j["prompt"], j["tokens"]), prof))
     emit({"engine": "transformers", "dtype": "float32", **res})
 
 

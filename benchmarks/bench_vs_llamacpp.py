@@ -405,7 +405,9 @@ def machine_info() -> dict:
         except Exception as e:   # pragma: no cover
             return str(e)
     return {"date": sh("date"), "lscpu_head": sh("lscpu | head"), "nproc": sh("nproc"),
-            "free_g": sh("free -g"), "uname": platform.platform(), "python": sys.version.split()[0]}
+            "free_g": sh("free -g"), "uname": platform.platform(), "python": sys.version.split()[0],
+            "git_head": sh(f"git -C {HERE} rev-parse --short HEAD"),
+            "git_dirty_colibri_core": sh(f"git -C {HERE.parent} status --short colibri_core").splitlines()}
 
 
 def fmt(v, nd=1):

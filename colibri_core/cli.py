@@ -73,6 +73,16 @@ def cmd_run(args) -> int:
             print(f"colibri: model {eng.model_dir} | {eng.model_cfg.architecture}, "
                   f"{eng.model_cfg.num_layers} layers ({len(eng.model_cfg.moe_layers)} MoE), "
                   f"k={gen.k} ({gen.k_source}), threads={eng.config.threads}", file=sys.stderr)
+            plan = eng.model.residency.plan
+            if plan is not None:
+                from .residency import MiB
+                cap = eng.model.residency.capacity
+                print(f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
+                      f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} + activations "
+                      f"{plan.act / MiB:.1f} (prefill chunks of {plan.chunk_tokens} tokens) + "
+                      f"expert cache {cap / MiB:.1f} MB ({cap // max(plan.expert_bytes, 1)} "
+                      f"experts of {plan.expert_bytes / MiB:.2f} MB, {eng.config.load_mode})",
+                      file=sys.stderr)
         shown = prompt.split("|", 1)[1] if prompt.startswith("MODE:") and "|" in prompt else prompt
         out.write(shown)
         out.flush()

@@ -10,16 +10,27 @@ Backends: "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64), "scalar" (portable C,
 reference). The best one is picked at import; `COLIBRI_KERNELS=scalar` forces the scalar
 one, and `set_backend()` switches at run time (tests, benchmarks).
 Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or all cores).
+Importing this module sets GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
+is already set (see below).
 
 Quantized matrices are `quant.Q4Tensor` / `quant.Q8Tensor` in the docs/FORMAT.md layout.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
 
 from .quant import NIBBLE_BLOCK, Q4Tensor, Q8Tensor, padded_cols
+
+# libgomp reads its settings when it is loaded (with the extension, just below). Its
+# default lets idle workers spin ~300K iterations; on a machine busy with other jobs the
+# scheduler then treats them as CPU hogs and a 2-thread call can wait a whole time slice
+# (measured: 60 us -> 20 ms per call). A short spin keeps back-to-back kernel calls fast
+# and lets waiting threads sleep soon. Explicit user settings win.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 try:
     from ._colibri_kernels import ffi, lib

@@ -167,6 +167,10 @@ class Model:
             n = t1 - t0
             cache.k[L, s0:s0 + n] = k[t0:t1]
             cache.v[L, s0:s0 + n] = v[t0:t1]
+            if n == 1:                    # decode step: the C kernel over the KV cache
+                kernels.attention_decode(np.ascontiguousarray(q[t0]), cache.k[L], cache.v[L],
+                                         s0 + 1, out[t0], scale=scale)
+                continue
             keys = cache.k[L, :s0 + n]                                   # [S, NKV, D]
             vals = cache.v[L, :s0 + n]
             qs = q[t0:t1].reshape(n, NKV, group, D)

@@ -92,6 +92,14 @@ def quantize_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
     q = np.zeros((rows, cp), dtype=np.uint8)
     scales = np.zeros((rows, ng), dtype=np.float32)
     zeros = np.zeros((rows, ng), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # A NaN/Inf weight gives a non-finite scale, which validate.check_tensor reports
+        # (a conversion refuses it with one line); no numpy warning on the way.
+        _quantize_q4_groups(w, group, cols, ng, q, scales, zeros)
+    return Q4Tensor(pack_nibbles(q), scales, zeros, rows, cols, group)
+
+
+def _quantize_q4_groups(w, group, cols, ng, q, scales, zeros) -> None:
     for g in range(ng):
         lo_c, hi_c = g * group, min((g + 1) * group, cols)
         blk = w[:, lo_c:hi_c]
@@ -108,7 +116,6 @@ def quantize_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
         q[:, hi_c:(g + 1) * group] = zero.astype(np.uint8)[:, None]  # padding -> exactly 0
         scales[:, g] = scale32
         zeros[:, g] = zero.astype(np.uint8)
-    return Q4Tensor(pack_nibbles(q), scales, zeros, rows, cols, group)
 
 
 def dequantize_q4(t: Q4Tensor) -> np.ndarray:
@@ -129,9 +136,10 @@ def quantize_q8(w: np.ndarray, group: int = DEFAULT_GROUP) -> Q8Tensor:
     wp = np.zeros((rows, cp))
     wp[:, :cols] = w
     g = wp.reshape(rows, cp // group, group)
-    amax = np.abs(g).max(axis=2)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.round(g / scale.astype(np.float64)[:, :, None]), -127, 127).astype(np.int8)
+    with np.errstate(invalid="ignore", over="ignore"):   # NaN/Inf -> non-finite scale (see q4)
+        amax = np.abs(g).max(axis=2)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        q = np.clip(np.round(g / scale.astype(np.float64)[:, :, None]), -127, 127).astype(np.int8)
     return Q8Tensor(q.reshape(rows, cp), scale, rows, cols, group)
 
 

@@ -129,13 +129,17 @@ def file_cache_bytes(path) -> int:
         mm.close()
 
 
-def drop_file_cache(path, offset: int = 0, length: int = 0) -> None:
-    """posix_fadvise(DONTNEED): drop the file's clean, unmapped pages from the page cache."""
+def drop_file_cache(path, offset: int = 0, length: int = 0, sync: bool = False) -> None:
+    """posix_fadvise(DONTNEED): drop the file's clean, unmapped pages from the page cache.
+    sync: write dirty pages first (a model written moments ago is still dirty, and dirty
+    pages are not dropped)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
+        if sync:
+            os.fsync(fd)
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (OSError, AttributeError):
         pass
@@ -492,7 +496,7 @@ class BudgetResidency(Residency):
             self._setup_slots(experts, rc.io_threads)
         else:
             for ex in experts:       # the header reads at load touched the files: start empty
-                self._drop_mapped(ex)
+                self._drop_mapped(ex, sync=True)
         self._pool = _IOPool(rc.io_threads)
         self._read0 = proc_read_bytes()
         _fix_malloc()
@@ -520,7 +524,7 @@ class BudgetResidency(Residency):
         self._slots = raw[a:a + n * self.slot_bytes].reshape(n, self.slot_bytes)
         self._free = list(range(n - 1, -1, -1))
         for f in self.weights.files:       # private copies made; no page-cache duplicates
-            drop_file_cache(f.path)
+            drop_file_cache(f.path, sync=True)
 
     def _probe_direct(self, experts: list) -> bool:
         if not experts or not hasattr(os, "O_DIRECT"):
@@ -542,11 +546,11 @@ class BudgetResidency(Residency):
             os.close(fd)
 
     # --- mapped experts
-    def _drop_mapped(self, ex) -> None:
+    def _drop_mapped(self, ex, sync: bool = False) -> None:
         f = ex.file
         if f.buf is not None and f._mm is not None:
             madvise(f.base_address, f.size, MADV_DONTNEED)
-        drop_file_cache(f.path)
+        drop_file_cache(f.path, sync=sync)
 
     # --- policy
     def _touch(self, ent: _Entry) -> None:

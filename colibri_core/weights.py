@@ -288,11 +288,13 @@ def write_model_dir(out: Path, cfg: ModelConfig,
     out.mkdir(parents=True, exist_ok=True)
 
     def check(sections, name):
+        # Messages name the file (expert_1_2.bin: layer 1, expert 2), not the folder: a
+        # converter writes into a staging folder that is gone by the time one reads them.
         if not check_finite:
             return sections
         if isinstance(sections, (list, tuple)):      # keep write_container's exact layout
-            return list(checked(sections, str(out / name)))
-        return checked(sections, str(out / name))    # streamed: checked one at a time
+            return list(checked(sections, name))
+        return checked(sections, name)               # streamed: checked one at a time
 
     write_container(out / "model.bin", check(main_sections, "model.bin"), reserve=main_reserve)
     routing_sections = list(check(routing_sections, "routing.bin"))

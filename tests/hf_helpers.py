@@ -325,3 +325,69 @@ def check_fast_path(fast, ref, ids, case, bound=0.05):
         assert all(gap < tie for L, _, gap in flips if L == first), \
             f"{case}: routing flip away from a near-tie {flips}"
     return err, flips
+
+
+def greedy_match(eng, model, ids, n=16) -> list[int]:
+    """Colibri's greedy tokens (prefill + decode through its KV cache) equal transformers'
+    (fails with the reference's top-1/top-2 gap at the first divergence). Colibri stops
+    at an EOS token, which must then be transformers' next token. Returns Colibri's tokens."""
+    gen = eng.generate(list(ids), max_new_tokens=n, temperature=0).run()
+    ours = gen.token_ids
+    ref = hf_greedy(model, ids, n)
+    if len(ours) < n:                    # stopped at EOS: transformers' next token is EOS
+        assert gen.stop_reason == "eos", gen.stop_reason
+        assert ours == ref[:len(ours)] and ref[len(ours)] in eng.model_cfg.eos_token_ids, (ours, ref)
+    ref = ref[:len(ours)]
+    if ours != ref:
+        i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        logits = hf_logits(model, list(ids) + ref[:i])[-1]
+        top2 = np.sort(logits)[-2:]
+        raise AssertionError(f"greedy tokens differ at step {i}: ours {ours[i]} vs ref {ref[i]}; "
+                             f"reference top-1/top-2 gap {top2[1] - top2[0]:.2e}")
+    return ours
+
+
+def pack_awq(q: np.ndarray) -> np.ndarray:
+    """uint values 0..15 [n, m] -> AutoAWQ GEMM-packed int32 [n, m/8]."""
+    from colibri_core.convert.awq import AWQ_ORDER
+    n, m = q.shape
+    v = q.reshape(n, m // 8, 8).astype(np.uint32)
+    out = np.zeros((n, m // 8), np.uint32)
+    for j, col in enumerate(AWQ_ORDER):
+        out |= v[:, :, col] << np.uint32(4 * j)
+    return out.view(np.int32)
+
+
+def save_awq(model, path: Path, group: int = 64) -> dict:
+    """A synthetic AutoAWQ (GEMM, 4-bit, zero point) checkpoint of `model`: every linear
+    of the decoder layers except routers/gates is RTN-quantized and packed as AutoAWQ
+    does (scales in f16). Returns {linear prefix: (q [out,in], zeros, scales f32)}."""
+    torch, _ = _imports()
+    from safetensors.torch import save_file
+    from colibri_core.quant import quantize_q4, unpack_nibbles
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = _unfused({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    out, packed = {}, {}
+    for k, v in sd.items():
+        linear = (k.endswith(".weight") and ".layers." in k and v.ndim == 2
+                  and not k.endswith("mlp.gate.weight") and "shared_expert_gate" not in k)
+        if not linear:
+            out[k] = v
+            continue
+        prefix = k[: -len(".weight")]
+        t = quantize_q4(v.double().numpy(), group)
+        s16 = t.scales.astype(np.float16)
+        q = unpack_nibbles(t.data)[:, : t.cols]
+        out[prefix + ".qweight"] = torch.from_numpy(pack_awq(np.ascontiguousarray(q.T)))
+        out[prefix + ".qzeros"] = torch.from_numpy(pack_awq(np.ascontiguousarray(t.zeros.T)))
+        out[prefix + ".scales"] = torch.from_numpy(np.ascontiguousarray(s16.T))
+        packed[prefix] = (q, t.zeros, s16.astype(np.float32))
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                  "zero_point": True, "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return packed

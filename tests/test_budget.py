@@ -17,10 +17,11 @@ import pytest
 from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
+from colibri_core.hookspecs import hookimpl
 from colibri_core.residency import MiB, check_budget, file_cache_bytes, proc_memory
 
-PROMPT = [int(t) for t in np.random.default_rng(7).integers(1, 500, 40)]
-N_NEW = 10
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(1, 500, 32)]
+N_NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,14 @@ class Sampler:
         if self.res is not None:
             self.peak_used = max(self.peak_used, self.res.used)
 
+    @hookimpl
     def colibri_expert_timing(self, layer, expert, cycles, seconds):
         if self.samples % 3 == 0:
             self._sample()
         else:
             self.samples += 1
 
+    @hookimpl
     def colibri_after_layer(self, layer, hidden):
         self._sample()
 
@@ -186,7 +189,7 @@ def test_bit_identical_to_unbudgeted(model_dir, reference, settings):
             assert rep["speculation"]["guessed"] > 0
 
 
-def test_smallest_budget_copy_poison_never_frees_a_pinned_expert(model_dir, reference):
+def test_smallest_budget_copy_poison_never_frees_a_pinned_expert(model_dir):
     """The smallest budget that runs (the cache holds a single token's experts, so every
     prefill layer runs in waves and every token evicts); evicted slots are overwritten with
     NaN: a view still in use would make the logits NaN or different."""
@@ -194,19 +197,21 @@ def test_smallest_budget_copy_poison_never_frees_a_pinned_expert(model_dir, refe
     smallest = np.ceil(plan.minimum / MiB * 10) / 10
     cfg = EngineConfig(max_resident_mb=smallest, load_mode="copy",
                        residency=ResidencyConfig(debug_poison=True, speculative=True))
-    toks, short, logits, _ = reference
+    prompt = PROMPT[:12]
+    with Engine(model_dir, EngineConfig()) as ref:
+        want_toks = run(ref, prompt, 6)
+        want = ref.next_token_logits(prompt, all_positions=True)
     with Engine(model_dir, cfg) as eng:
         res = eng.model.residency
         assert res.n_slots < 2 * plan.top_k + 2
-        assert run(eng) == toks
-        got = eng.next_token_logits(short[:res.chunk_tokens], all_positions=True)
-        want_ref = None
-        assert np.isfinite(got).all()
+        assert run(eng, prompt, 6) == want_toks
+        got = eng.next_token_logits(prompt, all_positions=True)
         rep = eng.memory_report(page_cache=False)
-        assert rep["evictions"] > 50
-    with Engine(model_dir, EngineConfig()) as ref_eng:
-        want_ref = ref_eng.next_token_logits(short[:res.chunk_tokens], all_positions=True)
-    assert np.array_equal(got, want_ref)
+    assert rep["evictions"] > 50
+    assert np.isfinite(got).all()
+    # prefilled one token per forward here (chunk 1): equal up to float reassociation
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_pinned_experts_are_never_evicted(model_dir):
@@ -226,8 +231,8 @@ def test_pinned_experts_are_never_evicted(model_dir):
         run2 = res.acquire(L2, np.array([0]), es.experts[L2])    # now one of L1's goes
         assert np.isfinite(run2[0].ffn.w2.scales).all()
         res.release(L2, np.array([0]))
-        poisoned = [f for f in ffns if np.isnan(f.w2.scales).all()]
-        assert len(poisoned) == 1                                 # the evicted one, NaN now
+        changed = [f for f, s in zip(ffns, snap) if not np.array_equal(f.w2.scales, s)]
+        assert len(changed) == 1                  # the evicted one: its slot holds L2's now
 
 
 def test_too_small_budget_refused_with_minimum(model_dir):
@@ -238,7 +243,7 @@ def test_too_small_budget_refused_with_minimum(model_dir):
     msg = str(ei.value)
     assert "\n" not in msg and f"at least {need:.1f} MB" in msg and "max_resident_mb" in msg
     with Engine(model_dir, EngineConfig(max_resident_mb=need, load_mode="copy")) as eng:
-        assert len(run(eng, n=2)) == 2
+        assert len(run(eng, PROMPT[:6], n=2)) == 2
 
 
 def test_hot_plugged_expert_runs_outside_the_budget(model_dir, reference):

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -600,10 +601,36 @@ def test_ctrl_c_during_generation_exits_130(tmp_path, tok_model):
     assert "colibri: interrupted" in err and "Traceback" not in err
 
 
-def test_ctrl_c_during_conversion_leaves_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny random Qwen2-MoE checkpoint saved like a published one (safetensors)."""
     pytest.importorskip("transformers")
     from hf_helpers import make_hf_model, save
-    hf = save(make_hf_model("qwen2_moe", num_hidden_layers=3, num_experts=6), tmp_path / "hf")
+    return save(make_hf_model("qwen2_moe", num_hidden_layers=3, num_experts=6),
+                tmp_path_factory.mktemp("hfck") / "hf")
+
+
+def test_conversion_refuses_a_nan_checkpoint(hf_checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_checkpoint, hf)
+    st = next(hf.glob("*.safetensors"))
+    tensors = load_file(st)
+    name = next(k for k in sorted(tensors) if k.endswith("mlp.experts.2.up_proj.weight"))
+    tensors[name][3, 5] = np.nan
+    save_file(tensors, st, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    r = subprocess.run(colibri_cmd("convert", hf, out), capture_output=True, text=True, cwd="/",
+                       timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colibri: error: "), r.stderr
+    assert "non-finite" in lines[0] and "section 'w3'" in lines[0], lines[0]
+    assert not out.exists() and sorted(x.name for x in tmp_path.iterdir()) == ["hf"]
+
+
+def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
+    hf = hf_checkpoint
     out = tmp_path / "converted"
     # The conversion is slowed down (a pause after each file it writes) so that the
     # interrupt lands mid-way, whatever the machine's speed.
@@ -631,4 +658,4 @@ def test_ctrl_c_during_conversion_leaves_nothing(tmp_path):
     assert p.returncode == 130, err
     assert "colibri: interrupted" in err and "Traceback" not in err
     assert not out.exists()
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf"], list(tmp_path.iterdir())
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

@@ -243,9 +243,10 @@ AVX2_INL void q4_f32_tile(const ck_q4 *w, int64_t r, const ck_xf *x, int64_t t0,
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) facc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w->ng; g++) {
-        __m256 zf = _mm256_set1_ps((float)w->zeros[r * w->ng + g]), gacc[CK_MAX_NT], wf[8];
+        /* two accumulators per token: halves the dependent FMA chain (latency-bound) */
+        __m256 zf = _mm256_set1_ps((float)w->zeros[r * w->ng + g]), gacc[CK_MAX_NT][2], wf[8];
 #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++) gacc[t] = _mm256_setzero_ps();
+        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();
         int64_t b1 = (g + 1) * bpg < nblk ? (g + 1) * bpg : nblk;
         for (int64_t b = g * bpg; b < b1; b++) {
             q4_dequant_block(row + b * 32, zf, wf);
@@ -253,13 +254,16 @@ AVX2_INL void q4_f32_tile(const ck_q4 *w, int64_t r, const ck_xf *x, int64_t t0,
             for (int t = 0; t < NT; t++) {
                 const float *xp = b < nfull ? x->x + (t0 + t) * x->ld + b * 64
                                             : x->tail + (t0 + t) * 64;
+#pragma GCC unroll 8
                 for (int k = 0; k < 8; k++)
-                    gacc[t] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + 8 * k), gacc[t]);
+                    gacc[t][k & 1] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + 8 * k),
+                                                     gacc[t][k & 1]);
             }
         }
         __m256 sc = _mm256_set1_ps(ck_ldf(w->scales + r * w->ng + g));
 #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++) facc[t] = _mm256_fmadd_ps(gacc[t], sc, facc[t]);
+        for (int t = 0; t < NT; t++)
+            facc[t] = _mm256_fmadd_ps(_mm256_add_ps(gacc[t][0], gacc[t][1]), sc, facc[t]);
     }
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) res[t] = hsum_ps(facc[t]);

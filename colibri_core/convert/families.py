@@ -122,8 +122,8 @@ def family_of(hf: dict) -> str:
                       f"supported (supported: {', '.join(sorted(ARCHITECTURES))})")
 
 
-def _refuse(what: str) -> None:
-    raise ConfigError(f"config.json: {what} is not supported by Colibri")
+def _refuse(what: str, hint: str = "") -> None:
+    raise ConfigError(f"config.json: {what} is not supported by Colibri" + (f"; {hint}" if hint else ""))
 
 
 def _rope(c: HFConfig) -> tuple[float, Optional[dict]]:
@@ -143,7 +143,7 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict]]:
     if kind == "default":
         return theta, None
     if kind != "yarn":
-        _refuse(f"rope type {kind!r} (supported: default, yarn)")
+        _refuse(f"rope type {kind!r}", "supported: default, yarn")
     orig = params.get("original_max_position_embeddings") or c("original_max_position_embeddings", None) \
         or c("max_position_embeddings")
     factor = params.get("factor")
@@ -183,13 +183,13 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
     fam = family_of(hf)
     c = HFConfig(hf, fam)
     if c("hidden_act") != "silu":
-        _refuse(f"hidden_act={c('hidden_act')!r} (only silu)")
+        _refuse(f"hidden_act={c('hidden_act')!r}", "only silu")
     if c("quantization_config", None):
         q = c("quantization_config")
         method = q.get("quant_method") if isinstance(q, dict) else q
         if method != "awq":
-            _refuse(f"quantization_config with quant_method={method!r} (supported: unquantized "
-                    f"checkpoints and AutoAWQ 4-bit GEMM checkpoints)")
+            _refuse(f"quantization_config with quant_method={method!r}",
+                    "supported: unquantized checkpoints and AutoAWQ 4-bit GEMM checkpoints")
     nh = c.int("num_attention_heads")
     H = c.int("hidden_size")
     theta, yarn = _rope(c)
@@ -209,8 +209,8 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
         d["head_dim"] = int(c("head_dim", None) or H // nh)
         sw = c("sliding_window", None)
         if fam == "mixtral" and sw is not None and sw < d["max_position_embeddings"]:
-            _refuse(f"sliding_window={sw} (Colibri attends over the whole context; set it "
-                    f"to null or >= max_position_embeddings={d['max_position_embeddings']})")
+            _refuse(f"sliding_window={sw}", f"Colibri attends over the whole context (set it to "
+                    f"null or >= max_position_embeddings={d['max_position_embeddings']})")
         if fam in ("qwen2_moe", "qwen3_moe") and c("use_sliding_window"):
             _refuse("use_sliding_window=true")
         if fam == "mixtral" and c("router_jitter_noise"):
@@ -248,8 +248,8 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
         if c("mlp_bias", False):
             _refuse("mlp_bias=true")
         if (c("moe_layer_freq") or 1) != 1:
-            _refuse(f"moe_layer_freq={c('moe_layer_freq')} (transformers ignores it; only 1 is "
-                    f"unambiguous)")
+            _refuse(f"moe_layer_freq={c('moe_layer_freq')}", "transformers ignores it; only 1 is "
+                    "unambiguous")
         N, R, V = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim")
         E = c.int("n_routed_experts")
         ql = c("q_lora_rank")
@@ -262,15 +262,15 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
                  shared_expert_intermediate_size=c.int("moe_intermediate_size") * int(c("n_shared_experts") or 0))
         if fam == "deepseek_v3":
             if c("scoring_func") != "sigmoid":
-                _refuse(f"scoring_func={c('scoring_func')!r} for DeepSeek-V3 (transformers uses sigmoid)")
+                _refuse(f"scoring_func={c('scoring_func')!r} for DeepSeek-V3", "transformers uses sigmoid")
             d.update(scoring_func="sigmoid", norm_topk_prob=bool(c("norm_topk_prob")),
                      n_group=c.int("n_group"), topk_group=c.int("topk_group"),
                      rope_interleave=bool(c("rope_interleave")))
         else:
             method = c("topk_method")
             if method not in ("greedy", "group_limited_greedy"):
-                _refuse(f"topk_method={method!r} for DeepSeek-V2 (supported: greedy, "
-                        f"group_limited_greedy)")
+                _refuse(f"topk_method={method!r} for DeepSeek-V2",
+                        "supported: greedy, group_limited_greedy")
             # transformers' DeepseekV2 router never renormalises (norm_topk_prob is unused)
             d.update(scoring_func="softmax", norm_topk_prob=False, rope_interleave=True)
             if method == "group_limited_greedy":

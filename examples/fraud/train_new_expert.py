@@ -30,6 +30,7 @@ Build it into a hot-pluggable .so with
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (EXPERT_JSON, EXPERT_NPZ, HF_CONFIG, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
+from common import (BUILD, EXPERT_JSON, EXPERT_NPZ, HF_CONFIG, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
                     dequantized_hf_model, encode, group_metrics, load_scoring)
 from stream import FRAUD, OK, OLD_PATTERNS, StreamConfig, generate, summary  # noqa: E402
 
@@ -129,6 +130,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1500, help="end-to-end steps (stage 3)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layer", type=int, default=NEW_EXPERT_LAYER)
+    ap.add_argument("--ct-weight", type=float, default=0.25,
+                    help="loss weight of card-testing examples (prior correction)")
     a = ap.parse_args()
 
     import torch
@@ -155,7 +158,16 @@ def main() -> int:
             return dict(h=h, xn=xn, lg=head.old_logits(xn), eo=head.experts_out(xn),
                         so=head.shared_out(xn))
 
-    fm, fv = features(mix), features(va)
+    cache = BUILD / f"new_expert_features_L{L}.pt"
+    key = hashlib.sha256((MODEL_DIR / "config.json").read_bytes()
+                         + repr((MIX, VALID)).encode()).hexdigest()
+    got = torch.load(cache) if cache.exists() else None
+    if got is not None and got.get("key") == key:
+        fm, fv = got["mix"], got["valid"]
+    else:
+        fm, fv = features(mix), features(va)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "mix": fm, "valid": fv}, cache)
     print(f"captured layer-{L} inputs ({time.time() - t0:.0f}s)", flush=True)
     y_mix = torch.tensor([tx.is_fraud for tx in mix]).long()
     ct_mix = torch.tensor([tx.pattern == "card_testing" for tx in mix]).float()
@@ -187,7 +199,11 @@ def main() -> int:
         print(f"router row: selects {sel[ct_mix.bool()].float().mean():.1%} of card testing, "
               f"{sel[~ct_mix.bool()].float().mean():.2%} of the rest", flush=True)
 
-    # -- stage 3: expert + row end to end through the real routing
+    # -- stage 3: expert + row end to end through the real routing. Card testing is ~10 %
+    # of the mix (to have enough of it) but ~1 % of live traffic: its examples are
+    # down-weighted so that P(FRAUD) stays calibrated for the live base rate and the
+    # base model's threshold keeps its meaning.
+    w_ex = torch.where(ct_mix.bool(), torch.tensor(a.ct_weight), torch.tensor(1.0))
     wgu = (torch.randn(2 * I, H) / H ** 0.5).requires_grad_(True)
     wd = torch.zeros(H, I, requires_grad=True)
     params = [wgu, wd, row, bias]
@@ -198,7 +214,8 @@ def main() -> int:
         idx = torch.from_numpy(rng.integers(0, N, 2048))
         f = {kk: v[idx] for kk, v in fm.items()}
         logits = head.logits(f["h"], f["xn"], f["lg"], f["eo"], f["so"], (wgu, wd, row, bias))
-        ce = F.cross_entropy(logits, target[idx])
+        ce = (F.cross_entropy(logits, target[idx], reduction="none") * w_ex[idx]).sum() \
+            / w_ex[idx].sum()
         rl = F.binary_cross_entropy_with_logits(route_margin(row, bias, f), ct_mix[idx],
                                                 pos_weight=torch.tensor(pos_w / 4))
         loss = ce + 0.1 * rl + 1e-4 * (wgu.pow(2).mean() + wd.pow(2).mean())
@@ -251,7 +268,7 @@ def main() -> int:
         "valid_before": before, "valid_after_int4": after,
         "decision_flips": {"old_patterns": flips_old, "legit": flips_legit},
         "mix_stream": MIX.__dict__, "valid_stream": VALID.__dict__,
-        "steps": a.steps, "seed": a.seed,
+        "steps": a.steps, "seed": a.seed, "ct_weight": a.ct_weight,
     }, indent=1) + "\n")
     print(f"wrote {EXPERT_NPZ} and {EXPERT_JSON.name} ({time.time() - t0:.0f}s total)")
     return 0

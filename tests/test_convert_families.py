@@ -1,0 +1,404 @@
+"""`colibri convert` for every supported family, proven against transformers' logits.
+
+Tiny random-weight models (hidden 320: two full groups of 128 and a partial one; several
+dimensions not multiples of 128; init scales near 1/sqrt(fan_in)):
+
+- bits 32, float routing/activations: max relative logit error <= 1e-4 and identical
+  greedy tokens through Colibri's KV cache (prefill + 16 decode steps);
+- bits 16 / 8 / 4 against transformers running the same dequantized weights written back:
+  <= 1e-3 (float path), and the default fast path (int8 activations, fixed-point routing)
+  against the float path under a bound, routing flips at near-ties reported;
+- the quantization loss itself (vs the original weights) printed as figures.
+Run with `-s` to see the figures.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from colibri_core.convert import convert
+from colibri_core.engine import Engine
+from colibri_core.errors import ConfigError
+
+from hf_helpers import (check_fast_path, greedy_match, hf_greedy, hf_logits,
+                        load_dequantized_into, make_hf_model, perplexity, rel_err, save,
+                        save_awq, write_tokenizer)
+
+H = 320
+PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7]]
+
+YARN_V3 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+           "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+           "rope_theta": 10000.0}
+
+# name: (family, overrides, how the checkpoint is saved)
+CASES = {
+    "mixtral": ("mixtral", {}, {}),                                   # w1/w2/w3 names
+    "qwen2_moe": ("qwen2_moe", {}, {}),                               # dense+MoE, gated shared
+    "qwen2_moe_step2_norm": ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [],
+                                           "norm_topk_prob": True}, {"fused": True}),
+    "qwen3_moe": ("qwen3_moe", {}, {"fused": True}),                  # fused gate_up_proj
+    "olmoe": ("olmoe", {}, {"shards": 2}),                            # sharded + index
+    "deepseek_v3": ("deepseek_v3", {}, {}),
+    "deepseek_v3_yarn": ("deepseek_v3", {"rope_parameters": YARN_V3}, {}),
+    "deepseek_v3_noqlora": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}, {}),
+    "deepseek_v2": ("deepseek_v2", {}, {}),
+    "deepseek_v2_group": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
+                                          "topk_group": 2}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    models, dirs = {}, {}
+
+    def get(case: str, bits: int = 32, dtype: str = "f32", **kw):
+        fam, over, how = CASES[case]
+        if case not in models:
+            models[case] = make_hf_model(fam, seed=1, hidden_size=H, **over)
+        m = models[case]
+        key = (case, dtype)
+        if key not in dirs:
+            import torch
+            d = tmp_path_factory.mktemp(f"{case}_{dtype}")
+            save(m, d / "hf", dtype={"f32": None, "bf16": torch.bfloat16,
+                                     "f16": torch.float16}[dtype], **how)
+            dirs[key] = d
+        d = dirs[key]
+        out = d / f"out{bits}"
+        if not out.exists():
+            convert(d / "hf", out, bits=bits, **kw)
+        return m, d / "hf", out
+    return get
+
+
+def _float_engine(out):
+    return Engine.from_model_dir(out, routing="float", activations="float")
+
+
+# ----------------------------------------------------------------------------- bits 32
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float_weights_match_transformers(built, case):
+    model, _, out = built(case, 32)
+    with _float_engine(out) as eng:
+        errs = [rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(model, ids))
+                for ids in PROMPTS]
+        print(f"{case}: 32-bit max relative logit error {max(errs):.2e}")
+        assert max(errs) <= 1e-4, f"{case}: relative logit error {max(errs):.2e}"
+        greedy_match(eng, model, PROMPTS[0], 16)
+
+
+# ----------------------------------------------------------------------------- bits 16/8/4
+
+QUANT_CASES = [("mixtral", 4, "f32"), ("qwen2_moe", 4, "f32"), ("qwen3_moe", 4, "f32"),
+               ("olmoe", 4, "f32"), ("deepseek_v3", 4, "f32"), ("deepseek_v2", 4, "f32"),
+               ("qwen2_moe", 8, "f32"), ("deepseek_v3", 8, "f32"),
+               ("deepseek_v3", 16, "bf16"), ("mixtral", 16, "f16")]
+_ORIG_GREEDY: dict = {}
+
+
+def _orig_greedy(case, model):
+    if case not in _ORIG_GREEDY:
+        _ORIG_GREEDY[case] = hf_greedy(model, PROMPTS[0], 16)
+    return _ORIG_GREEDY[case]
+
+
+@pytest.mark.parametrize("case,bits,dtype", QUANT_CASES, ids=[f"{c}-{b}-{d}" for c, b, d in QUANT_CASES])
+def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
+    model, _, out = built(case, bits, dtype)
+    orig = {tuple(ids): hf_logits(model, ids) for ids in PROMPTS}
+    fam, over, _ = CASES[case]
+    deq = load_dequantized_into(make_hf_model(fam, seed=1, hidden_size=H, **over), out)
+    with _float_engine(out) as eng:
+        ours = {tuple(ids): eng.next_token_logits(ids, all_positions=True) for ids in PROMPTS}
+        errs = [rel_err(ours[tuple(ids)], hf_logits(deq, ids)) for ids in PROMPTS]
+        assert max(errs) <= 1e-3, f"{case} bits {bits}: float path vs dequantized reference {max(errs):.2e}"
+        g_ours = greedy_match(eng, deq, PROMPTS[0], 16)
+    # the quantization loss itself, against the original float weights (figures)
+    loss = max(rel_err(ours[k], orig[k]) for k in orig)
+    g_ref = _orig_greedy(case, model)[:len(g_ours)]
+    agree = next((i for i, (a, b) in enumerate(zip(g_ours, g_ref)) if a != b), len(g_ours))
+    ids = PROMPTS[0]
+    dppl = perplexity(ours[tuple(ids)], ids) / perplexity(orig[tuple(ids)], ids) - 1
+    print(f"{case} {bits}-bit ({dtype} checkpoint): vs dequantized {max(errs):.2e}; loss vs "
+          f"original: max rel logit error {loss:.3f}, greedy {agree}/{len(g_ours)}, "
+          f"perplexity {dppl * 100:+.2f}%")
+    # the default fast path against the float path
+    with _float_engine(out) as ref, Engine.from_model_dir(out) as fast:
+        for ids in PROMPTS[:2]:
+            check_fast_path(fast, ref, ids, f"{case}-{bits}")
+
+
+def test_bits16_copies_checkpoint_bits(built):
+    """--bits 16 of a bf16 checkpoint stores the very same bytes (lossless)."""
+    from colibri_core.convert.safetensors_reader import Checkpoint
+    from colibri_core.weights import load_model
+    _, hf, out = built("deepseek_v3", 16, "bf16")
+    ck = Checkpoint(hf)
+    w = load_model(out)
+    try:
+        lw = w.layers[1]
+        assert lw.attn.wkv_b.dtype == np.uint16                     # a bf16 section
+        np.testing.assert_array_equal(lw.attn.wkv_b, ck.raw("model.layers.1.self_attn.kv_b_proj.weight"))
+        np.testing.assert_array_equal(lw.experts[3].ffn.w2,
+                                      ck.raw("model.layers.1.mlp.experts.3.down_proj.weight"))
+        assert w.cfg.quantization["source_dtypes"] == ["BF16"]
+    finally:
+        w.close()
+
+
+# ----------------------------------------------------------------------------- formats
+
+def test_fused_sharded_and_per_expert_checkpoints_give_identical_files(built, tmp_path):
+    model, hf, out = built("deepseek_v3", 4)
+    save(model, tmp_path / "fused", fused=True, shards=3)
+    convert(tmp_path / "fused", tmp_path / "out", bits=4)
+    a = json.loads((out / "config.json").read_text())
+    b = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert a["files"] == b["files"]
+
+
+def test_conversion_is_deterministic(built, tmp_path):
+    _, hf, out = built("qwen2_moe", 4)
+    convert(hf, tmp_path / "again", bits=4)
+    assert (out / "config.json").read_bytes() == (tmp_path / "again" / "config.json").read_bytes()
+    for name in json.loads((out / "config.json").read_text())["files"]:
+        assert (out / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+def test_interrupted_conversion_leaves_nothing_valid_looking(built, tmp_path, monkeypatch):
+    import colibri_core.convert as conv
+    _, hf, _ = built("qwen2_moe", 4)
+    calls = {"n": 0}
+    real = conv.quantize_q4
+
+    def boom(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(conv, "quantize_q4", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(hf, tmp_path / "out", bits=4)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []                  # no staging folder left behind
+    # with --force over an existing model, the old one survives a failed conversion
+    monkeypatch.setattr(conv, "quantize_q4", real)
+    convert(hf, tmp_path / "out", bits=8)
+    before = (tmp_path / "out" / "config.json").read_bytes()
+    calls["n"] = 0
+    monkeypatch.setattr(conv, "quantize_q4", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(hf, tmp_path / "out", bits=4, overwrite=True)
+    assert (tmp_path / "out" / "config.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_streaming_writer_holds_one_tensor(tmp_path):
+    """write_container streams a generator: each tensor is released once written, and a
+    section table larger than the reserved header room is handled by shifting once."""
+    from colibri_core.modelfile import ContainerFile, write_container
+    from colibri_core.quant import quantize_q4
+    alive = []
+
+    def sections():
+        rng = np.random.default_rng(0)
+        for i in range(40):
+            a = rng.standard_normal((64, 200)).astype(np.float32)
+            alive.append(weakref.ref(a))
+            assert sum(r() is not None for r in alive) <= 2, "writer keeps tensors alive"
+            yield f"layer.{i}.a_rather_long_section_name_to_grow_the_table", a
+            if i % 3 == 0:
+                yield f"q.{i}", quantize_q4(a, 64)
+    write_container(tmp_path / "s.bin", sections(), reserve=4096)   # table > 4 KiB: shift
+    f = ContainerFile(tmp_path / "s.bin")
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        np.testing.assert_array_equal(
+            f.tensor(f"layer.{i}.a_rather_long_section_name_to_grow_the_table"),
+            rng.standard_normal((64, 200)).astype(np.float32))
+    assert len(f.sections) == 40 + 14
+    f.close()
+
+
+def test_missing_and_null_config_fields_fall_back_like_transformers(built, tmp_path):
+    """Mixtral: head_dim null, rope_theta absent (transformers' default 1e6), eps absent."""
+    import shutil
+    import transformers
+    model, hf, _ = built("mixtral", 32)
+    d = tmp_path / "hf"
+    shutil.copytree(hf, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["head_dim"] = None
+    for k in ("rope_parameters", "rope_theta", "rms_norm_eps", "max_position_embeddings"):
+        cfg.pop(k, None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = transformers.MixtralForCausalLM.from_pretrained(d, dtype="float32").eval()
+    out = convert(d, tmp_path / "out", bits=32)
+    assert out.rope_theta == 1e6 and out.rms_norm_eps == 1e-5 and out.head_dim == 80
+    with _float_engine(tmp_path / "out") as eng:
+        assert rel_err(eng.next_token_logits(PROMPTS[0], all_positions=True),
+                       hf_logits(ref, PROMPTS[0])) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- refusals
+
+REFUSALS = [
+    ("mixtral", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
+    ("mixtral", {"sliding_window": 64}, "sliding_window=64"),
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ("mixtral", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "'fp8'"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}, "gemv"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "noaux_tc"),
+]
+
+
+@pytest.mark.parametrize("case,patch,needle", REFUSALS, ids=[n for _, _, n in REFUSALS])
+def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patch, needle, capsys):
+    import shutil
+    from colibri_core.cli import main
+    _, hf, _ = built(case, 32)
+    d = tmp_path / "hf"
+    shutil.copytree(hf, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(patch)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="not supported") as e:
+        convert(d, tmp_path / "out")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert main(["convert", str(d), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("colibri: error:") and needle in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- AWQ
+
+AWQ_OUTLIERS = [3, 77, 150, 290]
+
+
+def _inject_outliers(model, F=20.0):
+    """Activation outliers at every linear input: a few channels of each RMSNorm weight
+    (inputs of q/k/v, router and experts' gate/up) and a few rows of the up / value
+    projections (inputs of the down / output projections) scaled up by F."""
+    import torch
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
+                v[AWQ_OUTLIERS] *= F
+            elif k.endswith("experts.gate_up_proj"):
+                i = v.shape[1] // 2
+                v[:, i + 1:i + 4] *= F
+            elif k.endswith(("up_proj.weight", "v_proj.weight")):
+                v[1:4] *= F
+    return model
+
+
+CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route every "
+    "token to a few experts; the router picks them with a learned linear layer. "
+    "Quantization stores weights in four bits, and activation-aware scaling protects the "
+    "channels that carry large activations. In 1969 the first message crossed the network; "
+    "numbers such as 3.14159 or 2.71828 appear in many formulas. ") * 3
+HELD_OUT = ("Once upon a time a small engine read its weights from disk, mapped them into "
+            "memory and answered questions about fraud patterns, one token after another.")
+
+
+def _kl(lg, ref):
+    def lsm(a):
+        a = a - a.max(1, keepdims=True)
+        return a - np.log(np.exp(a).sum(1, keepdims=True))
+    lp, lq = lsm(np.asarray(ref, np.float64)), lsm(np.asarray(lg, np.float64))
+    return float((np.exp(lp) * (lp - lq)).sum(1).mean())
+
+
+def test_awq_beats_rtn_on_activation_outliers(tmp_path):
+    from tokenizers import Tokenizer
+    from colibri_core.weights import load_model
+    model = _inject_outliers(make_hf_model("qwen3_moe", seed=2, hidden_size=H))
+    save(model, tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    (tmp_path / "cal.txt").write_text(CALIBRATION_TEXT)
+    ids = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(HELD_OUT).ids
+    ref = hf_logits(model, ids)
+    res = {}
+    for name, kw in (("rtn", {}), ("awq", {"calibration": tmp_path / "cal.txt"})):
+        cfg = convert(tmp_path / "hf", tmp_path / name, bits=4, **kw)
+        with _float_engine(tmp_path / name) as eng:
+            lg = eng.next_token_logits(ids, all_positions=True)
+        rms = float(np.sqrt(((lg - ref) ** 2).mean() / (ref ** 2).mean()))
+        res[name] = (rms, _kl(lg, ref), cfg)
+    (r_rms, r_kl, _), (a_rms, a_kl, acfg) = res["rtn"], res["awq"]
+    print(f"AWQ vs RTN (4-bit, outliers x20, held-out text): relative logit RMS error "
+          f"{r_rms:.3f} -> {a_rms:.3f}, KL {r_kl:.4f} -> {a_kl:.4f} "
+          f"({(1 - a_kl / r_kl) * 100:.0f}% lower); calibration {acfg.quantization['calibration']}")
+    assert acfg.quantization["method"] == "awq"
+    assert a_kl < 0.8 * r_kl and a_rms < 0.9 * r_rms
+    # the scales are explicit sections, not folded into the norms shared with the router
+    w = load_model(tmp_path / "awq")
+    try:
+        assert w.layers[0].attn.act_scales and w.layers[1].experts[0].ffn.act_scales
+        np.testing.assert_array_equal(w.layers[0].ffn_norm,
+                                      model.state_dict()["model.layers.0.post_attention_layernorm.weight"].numpy())
+    finally:
+        w.close()
+    # and the engine applies them exactly: parity with transformers on the effective weights
+    deq = load_dequantized_into(make_hf_model("qwen3_moe", seed=2, hidden_size=H), tmp_path / "awq")
+    with _float_engine(tmp_path / "awq") as eng:
+        assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
+
+
+def test_autoawq_checkpoint_imported_without_requantizing(tmp_path):
+    from colibri_core.quant import unpack_nibbles
+    from colibri_core.weights import load_model
+    model = make_hf_model("qwen2_moe", seed=3, hidden_size=H, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=192)
+    packed = save_awq(model, tmp_path / "hf", group=64)
+    cfg = convert(tmp_path / "hf", tmp_path / "out")
+    assert cfg.quantization["method"] == "awq-import" and cfg.quantization["group_size"] == 64
+    w = load_model(tmp_path / "out")
+    try:
+        for t, prefix in ((w.layers[1].attn.wq, "model.layers.1.self_attn.q_proj"),
+                          (w.layers[2].experts[4].ffn.w2, "model.layers.2.mlp.experts.4.down_proj")):
+            q, z, s = packed[prefix]
+            np.testing.assert_array_equal(unpack_nibbles(t.data)[:, :t.cols], q)
+            np.testing.assert_array_equal(t.zeros, z)
+            np.testing.assert_array_equal(t.scales, s)
+    finally:
+        w.close()
+    deq = load_dequantized_into(model, tmp_path / "out")
+    with _float_engine(tmp_path / "out") as eng:
+        for ids in PROMPTS:
+            assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
+    with pytest.raises(ConfigError, match="already AWQ-quantized"):
+        (tmp_path / "c.txt").write_text("x" * 100)
+        convert(tmp_path / "hf", tmp_path / "o2", calibration=tmp_path / "c.txt")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_convert_and_verify(built, tmp_path, capsys):
+    from colibri_core.cli import main
+    _, hf, _ = built("deepseek_v3", 32)
+    assert main(["convert", str(hf), str(tmp_path / "m"), "--bits", "8", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "rtn 8-bit" in err and "convert" in err                  # summary + tqdm bar
+    assert main(["convert", str(hf), str(tmp_path / "m")]) == 2     # exists, no --force
+    capsys.readouterr()
+    (tmp_path / "p.txt").write_text("5 17 42 9 88 5 61\n250 1 2 3\n")
+    assert main(["verify", str(hf), str(tmp_path / "m"), "--prompts", str(tmp_path / "p.txt"),
+                 "-n", "4", "--routing", "float", "--activations", "float"]) == 0
+    out = capsys.readouterr().out
+    assert "max rel logit error" in out and "greedy agreement" in out and "perplexity" in out
