@@ -27,8 +27,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def vm_hwm_mib() -> float:
+    """This process's own peak RSS since exec (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def emit(obj: dict) -> None:
     obj.setdefault("peak_rss_mib_self", peak_rss_mib())
+    obj.setdefault("vm_hwm_mib", vm_hwm_mib())
     sys.stdout.write("\n" + json.dumps(obj) + "\n")
     sys.stdout.flush()
 

@@ -286,6 +286,22 @@ def run_row(a, model: Path, label: str, frac, settings: dict, size: int, overhea
     return row
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """The median run by decode tokens/s, with the worst (largest) memory figures of all."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r.get("decode_tok_s") or 0.0)
+    row = dict(ok[len(ok) // 2])
+    for k in ("peak_rss", "peak_footprint", "cgroup_peak", "cgroup_failcnt", "cache_left_before"):
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        if vals:
+            row[k] = max(vals)
+    row["runs"] = len(runs)
+    row["decode_tok_s_all"] = [r.get("decode_tok_s") for r in ok]
+    return row
+
+
 def fmt(v, scale=1.0, nd=0):
     return "–" if v is None else f"{v / scale:.{nd}f}"
 
@@ -350,6 +366,8 @@ def main(argv=None):
                     help="also echo 1 > /proc/sys/vm/drop_caches before each run (whole machine)")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--only", help="comma-separated row numbers (0-based)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per row: tokens/s is the median run's, memory the maximum")
     ap.add_argument("--write-md", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -366,7 +384,8 @@ def main(argv=None):
     pick = [int(i) for i in a.only.split(",")] if a.only else range(len(ROWS))
     for i in pick:
         label, frac, settings = ROWS[i]
-        rows.append(run_row(a, model, label, frac, settings, size, overhead))
+        runs = [run_row(a, model, label, frac, settings, size, overhead) for _ in range(a.repeat)]
+        rows.append(merge_runs(runs))
     load1 = os.getloadavg()
     (OUT / "bench_budget.json").write_text(json.dumps(rows, indent=1))
     cg = next((r for r in rows if r.get("cgroup")), None)
@@ -384,7 +403,8 @@ Model: random Mixtral-shaped INT4 (hidden 1024, 8 MoE layers x 32 experts, top-2
 moe_inter 2816, vocab 32000, context 512): {size / MiB:.0f} MB on disk, of which
 {experts / MiB:.0f} MB routed experts ({experts / 256 / MiB:.2f} MB each). Budgets are
 fractions of the whole model's size. Prompt {a.prompt} tokens, then {a.tokens} greedy
-tokens, {a.threads} threads. Before each run the model's pages were dropped from the page
+tokens, {a.threads} threads, {a.repeat} run(s) per row (tokens/s: the median run; memory:
+the largest of the runs). Before each run the model's pages were dropped from the page
 cache ({rows[0].get('cache_drop', '?')}; mincore found
 {max(r.get('cache_left_before', 0) for r in rows) / MiB:.1f} MB left); {cg_note}.
 

@@ -337,36 +337,45 @@ def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
     return res
 
 
+class Launcher:
+    """The runners' parent (benchmarks/_peer_launcher.py), started while this process is
+    small so that each runner's ru_maxrss is its own (see that file)."""
+
+    def __init__(self):
+        self.p = subprocess.Popen([sys.executable, str(HERE / "_peer_launcher.py")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, cmd, env, cwd, timeout) -> dict:
+        self.p.stdin.write(json.dumps({"cmd": cmd, "env": env, "cwd": str(cwd), "timeout": timeout}) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.write("\n")
+            self.p.stdin.flush()
+            self.p.wait(timeout=30)
+
+
+LAUNCHER: Launcher | None = None
+
+
 def run_child(engine: str, job: dict, threads: int, timeout: float = 3600) -> dict:
-    """Run one engine runner; its JSON, plus the child's own peak RSS from wait4
-    (ru_maxrss, KiB on Linux)."""
-    import tempfile
+    """Run one engine runner (through the launcher): its JSON, plus its peak RSS (the
+    child's ru_maxrss from wait4, KiB on Linux)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, str(HERE / RUNNER[engine]), json.dumps(job)]
     t0 = time.time()
-    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
-        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=HERE)
-        deadline = time.time() + timeout
-        while True:
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.time() > deadline:
-                p.kill()
-                os.wait4(p.pid, 0)
-                raise RuntimeError(f"{engine} runner timed out after {timeout} s")
-            time.sleep(0.05)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        fo.seek(0)
-        fe.seek(0)
-        out, err = fo.read(), fe.read()
-    if p.returncode != 0:
-        raise RuntimeError(f"{engine} runner failed (rc {p.returncode}):\n" +
-                           "\n".join(err.decode(errors="replace").strip().splitlines()[-25:]))
-    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
+    r = LAUNCHER.run(cmd, env, HERE, timeout)
+    if r["timed_out"]:
+        raise RuntimeError(f"{engine} runner timed out after {timeout} s")
+    if r["rc"] != 0:
+        raise RuntimeError(f"{engine} runner failed (rc {r['rc']}):\n" +
+                           "\n".join(r["stderr"].strip().splitlines()[-25:]))
+    lines = [ln for ln in r["stdout"].splitlines() if ln.startswith("{")]
     res = json.loads(lines[-1])
-    res["peak_rss_mib"] = ru.ru_maxrss / 1024
+    res["peak_rss_mib"] = r["maxrss_kib"] / 1024
     res["wall_s"] = time.time() - t0
     return res
 
@@ -378,7 +387,8 @@ def stats(r: dict) -> dict:
             "p99_ms": float(np.percentile(a, 99)), "std_ms": float(a.std()),
             "std_pct_of_mean": float(100 * a.std() / a.mean()),
             "p99_over_p50": float(np.percentile(a, 99) / np.percentile(a, 50)),
-            "peak_rss_mib": r["peak_rss_mib"], "n_tokens": len(a) + 1}
+            "peak_rss_mib": r["peak_rss_mib"], "vm_hwm_mib": r.get("vm_hwm_mib"),
+            "n_tokens": len(a) + 1}
 
 
 def logit_errors(x: np.ndarray, ref: np.ndarray) -> dict:
@@ -524,18 +534,92 @@ def plot(res: dict, path: Path) -> str | None:
     return None
 
 
-def profile_colibri(model: Path, job: dict, threads: int, top: int = 30) -> str:
-    import pstats
+def profile_colibri(job: dict, threads: int, top: int = 30) -> str:
+    """cProfile of the decode steps of one Colibri generation (the timed job re-run)."""
     import io
+    import pstats
     prof = OUT / "vs_llamacpp_colibri.pstats"
     run_child("colibri", {**job, "profile": str(prof)}, threads)
     buf = io.StringIO()
     st = pstats.Stats(str(prof), stream=buf)
-    buf.write("=== by own time (tottime) ===\n")
+    buf.write("=== cProfile, decode steps only, by own time (tottime) ===\n")
     st.sort_stats("tottime").print_stats(top)
     buf.write("=== by cumulative time ===\n")
     st.sort_stats("cumulative").print_stats(top)
     return buf.getvalue()
+
+
+def _leaf_kind(frame: str) -> str:
+    lib = frame[frame.rfind("(") + 1:-1] if frame.endswith(")") else ""
+    if "libgomp" in lib:
+        return "libgomp (OpenMP team start / barrier wait, no compute)"
+    if lib.startswith(("ck_", "xmmintrin", "emmintrin", "avx", "fma", "immintrin", "smmintrin",
+                       "tmmintrin", "pmmintrin", "f16c")):
+        return "kernel compute (ck_*.c, intrinsics)"
+    if "libggml" in lib or "libllama" in lib:
+        return "llama.cpp compute/graph (libggml*, libllama)"
+    if "madvise" in frame:
+        return "madvise (expert prefetch)"
+    if "libc" in lib or "libm" in lib:
+        return "libc/libm: " + frame.split(" (")[0]
+    if "numpy" in lib or "_multiarray" in lib:
+        return "numpy internals"
+    if lib.endswith(".py") or ".py:" in lib:
+        return "Python interpreter"
+    return "other native: " + frame[:60]
+
+
+def pyspy(engine: str, job: dict, threads: int, rate: int = 250) -> str | None:
+    """py-spy --native samples of one generation, aggregated over the decode steps: what
+    the engine's calling thread is doing (leaf kind), and from which frame."""
+    import collections
+    import shutil
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    raw = OUT / f"vs_llamacpp_pyspy_{engine.replace('.', '')}.txt"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [spy, "record", "--native", "-r", str(rate), "-f", "raw", "-o", str(raw), "--",
+           sys.executable, str(HERE / RUNNER[engine]), json.dumps(job)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    if p.returncode != 0 or not raw.exists():
+        return "py-spy failed: " + (p.stderr.strip().splitlines() or ["?"])[-1]
+    if engine == "colibri":
+        import colibri_core.generate as g
+        src = Path(g.__file__).read_text().splitlines()
+        fwd = [i + 1 for i, ln in enumerate(src) if "eng.model.forward(" in ln]
+        decode_tag = f"generate.py:{fwd[-1]})" if len(fwd) >= 2 else "Model.forward"
+        mine = "colibri_core/"
+    else:
+        src = (HERE / RUNNER[engine]).read_text().splitlines()
+        decode_tag = f"{RUNNER[engine]}:{[i + 1 for i, ln in enumerate(src) if 'llm.eval([tok])' in ln][0]})"
+        mine = "llama_cpp/"
+    kinds, frames, callers = collections.Counter(), collections.Counter(), collections.Counter()
+    tot = 0
+    for line in raw.read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        if decode_tag not in stack:
+            continue
+        n = int(n)
+        fr = stack.split(";")
+        tot += n
+        k = _leaf_kind(fr[-1])
+        kinds[k] += n
+        cc = [f for f in fr if mine in f or "ck_core.c" in f or "libggml" in f]
+        frames[cc[-1] if cc else "(none)"] += n
+        if k.startswith("libgomp"):
+            c = [f for f in fr if "ck_core.c" in f or "libggml" in f]
+            callers[c[-1] if c else "?"] += n
+    if not tot:
+        return "py-spy: no decode samples"
+    out = [f"=== {engine}: py-spy --native, {tot} samples of the calling thread during decode steps "
+           f"(stacks through {decode_tag}) ===", "-- leaf kind --"]
+    out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in kinds.most_common()]
+    out.append(f"-- deepest {mine} / kernel frame --")
+    out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in frames.most_common(12)]
+    out.append("-- libgomp samples by the kernel line that entered OpenMP --")
+    out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in callers.most_common(10)]
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- main
@@ -549,8 +633,19 @@ def main(argv=None):
     ap.add_argument("--fidelity-prompts", type=int, default=4)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peer's timing")
     ap.add_argument("--no-llamacpp", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="cProfile one Colibri decode afterwards")
+    ap.add_argument("--profile", action="store_true",
+                    help="afterwards: cProfile one Colibri decode; py-spy --native both engines")
+    ap.add_argument("--tag", default="", help="suffix for the output file names")
     a = ap.parse_args(argv)
+    global LAUNCHER
+    LAUNCHER = Launcher()          # first, while this process is small
+    try:
+        _main(a)
+    finally:
+        LAUNCHER.close()
+
+
+def _main(a):
     WORK.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     res: dict = {"args": vars(a), "machine": machine_info(), "loadavg_start": os.getloadavg()}
@@ -652,18 +747,26 @@ def main(argv=None):
     res["targets"] = targets(med, fid)
     if a.profile:
         log("profiling one Colibri decode (cProfile) ...")
-        txt = profile_colibri(col, {"mode": "time", "model": paths["colibri"], "threads": a.threads,
-                                    "prompt": prompt, "warmup": warm, "tokens": a.tokens}, a.threads)
-        (OUT / "vs_llamacpp_profile.txt").write_text(txt)
-        res["profile_file"] = str(OUT / "vs_llamacpp_profile.txt")
+        pjob = {"mode": "time", "model": paths["colibri"], "threads": a.threads,
+                "prompt": prompt, "warmup": warm, "tokens": a.tokens}
+        txt = profile_colibri(pjob, a.threads)
+        for e in engines:
+            log(f"py-spy --native of one {e} generation ...")
+            spy = pyspy(e, {**pjob, "model": paths[e]}, a.threads)
+            if spy:
+                txt = spy + "\n\n" + txt
+                print(spy)
+        (OUT / f"vs_llamacpp{a.tag}_profile.txt").write_text(txt)
+        res["profile_file"] = str(OUT / f"vs_llamacpp{a.tag}_profile.txt")
     res["loadavg_end"] = os.getloadavg()
     res["elapsed_s"] = time.time() - t_start
-    err = plot(res, OUT / "vs_llamacpp_latency.png")
+    stem = OUT / f"vs_llamacpp{a.tag}"
+    err = plot(res, stem.with_name(stem.name + "_latency.png"))
     if err:
         res["plot_error"] = err
     md = markdown(res)
-    (OUT / "vs_llamacpp.md").write_text(md + "\n")
-    (OUT / "vs_llamacpp.json").write_text(json.dumps(res, indent=1, default=float))
+    stem.with_suffix(".md").write_text(md + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=float))
 
     # ---- console
     print()
@@ -679,7 +782,7 @@ def main(argv=None):
     if llama_err:
         print("llama.cpp not measured:", llama_err)
     print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']}")
-    print(f"wrote {OUT / 'vs_llamacpp.json'}, {OUT / 'vs_llamacpp.md'}, {OUT / 'vs_llamacpp_latency.png'}")
+    print(f"wrote {stem}.json, {stem}.md, {stem}_latency.png")
 
 
 if __name__ == "__main__":

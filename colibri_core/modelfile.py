@@ -291,6 +291,32 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
     return sections
 
 
+def _read_header(fd: int, size: int, path: Path) -> bytes:
+    """The prefix and section table, read with pread and no readahead (only the pages
+    holding them enter the page cache)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            advise = None
+    try:
+        head = os.pread(fd, _PREFIX.size, 0)
+        if len(head) == _PREFIX.size:
+            tlen = _PREFIX.unpack_from(head, 0)[3]
+            if tlen <= MAX_TABLE_BYTES:
+                head += os.pread(fd, min(tlen, size - _PREFIX.size), _PREFIX.size)
+        return head
+    except OSError as e:
+        raise ModelFormatError(f"{path}: read error: {e.strerror}") from None
+    finally:
+        if advise is not None:
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_NORMAL)   # the mapping reads ahead as usual
+            except OSError:
+                pass
+
+
 class ContainerFile:
     """One mapped (or copied-in) container file; hands out zero-copy views.
 
@@ -306,6 +332,7 @@ class ContainerFile:
             raise ModelFormatError(f"{self.path}: file not found") from None
         except OSError as e:
             raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
+        head = None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -314,6 +341,9 @@ class ContainerFile:
             if self.size == 0:
                 raise ModelFormatError(f"{self.path}: file is empty")
             if load_mode == "mmap":
+                # The table is read with pread, not through the mapping: a fault there
+                # would read around it (read_ahead_kb, often MBs: a whole expert file).
+                head = _read_header(fd, self.size, self.path)
                 try:
                     self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
                 except OSError as e:
@@ -323,11 +353,7 @@ class ContainerFile:
             elif load_mode == "header":   # the table only, read with pread (no mapping)
                 self._mm = None
                 self.buf = None
-                head = os.pread(fd, _PREFIX.size, 0)
-                if len(head) == _PREFIX.size:
-                    tlen = _PREFIX.unpack_from(head, 0)[3]
-                    if tlen <= MAX_TABLE_BYTES:
-                        head += os.pread(fd, min(tlen, self.size - _PREFIX.size), _PREFIX.size)
+                head = _read_header(fd, self.size, self.path)
             else:  # copy-in: one read into private memory, for file systems without mmap
                 self._mm = None
                 self.buf = np.empty(self.size, dtype=np.uint8)
@@ -345,7 +371,7 @@ class ContainerFile:
             os.close(fd)
         try:
             self.sections = {s.name: s for s in parse_table(
-                self.buf if self.buf is not None else head, self.size, str(self.path))}
+                head if head is not None else self.buf, self.size, str(self.path))}
         except BaseException:
             self.close()                   # a refused file leaves no mapping behind
             raise

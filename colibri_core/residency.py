@@ -406,7 +406,7 @@ class _Pending:
 
 
 class _Entry:
-    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "slot", "ex")
+    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "slot", "ex", "drops")
 
     def __init__(self, key, nbytes: int, ex):
         self.key, self.nbytes, self.ex = key, nbytes, ex
@@ -416,6 +416,7 @@ class _Entry:
         self.obj = None
         self.spec = False
         self.slot = -1
+        self.drops: list = []     # evicted experts whose pages its load job drops first
 
 
 def _populate(addr: int, size: int, path: Path):
@@ -486,6 +487,8 @@ class BudgetResidency(Residency):
         self.spec_guessed = self.spec_correct = self.spec_loaded = self.spec_used = 0
         self.spec_wasted = 0
         self._spec_pending: dict = {}
+        self._to_drop: list = []    # mmap: evicted, pages not dropped yet (next load job does)
+        self._dropping: dict = {}   # key -> the job that drops that expert's pages
         self._layers = {lw.index: lw for lw in weights.layers}
         moe = cfg.moe_layers
         self._next_moe = {L: next((m for m in moe if m > L), None) for L in range(cfg.num_layers)}
@@ -593,11 +596,14 @@ class BudgetResidency(Residency):
 
     def _evict(self, ent: _Entry) -> None:
         fut = ent.future
-        if fut is not None and not fut.cancel():
-            try:
-                fut.result()                    # a read in progress finishes first
-            except Exception:
-                pass
+        if fut is not None:
+            if fut.cancel():                    # never started: its drops still have to run
+                self._to_drop.extend(ent.drops)
+            else:
+                try:
+                    fut.result()                # a read in progress finishes first
+                except Exception:
+                    pass
         del self.entries[ent.key]
         self.used -= ent.nbytes
         self.evictions += 1
@@ -608,7 +614,17 @@ class BudgetResidency(Residency):
                 self._slots[ent.slot].fill(0xFF)
             self._free.append(ent.slot)
         else:
-            self._drop_mapped(ent.ex)
+            # The pages are dropped by the next load job, on its I/O thread, before it reads
+            # anything: the engine's thread does not wait for it, and what is resident never
+            # exceeds what the cache has accounted for.
+            self._to_drop.append(ent.ex)
+
+    def _flush_drops(self) -> None:
+        if self._to_drop:
+            drops, self._to_drop = self._to_drop, []
+            fut = self._pool.submit(0, self._load_mapped, None, drops)
+            for d in drops:
+                self._dropping[(d.layer, d.index)] = fut
 
     def _admit(self, key, ex, prio: int) -> _Entry:
         f = ex.file
@@ -620,7 +636,18 @@ class BudgetResidency(Residency):
         else:
             ent = _Entry(key, f.size, ex)
             self._make_room(ent.nbytes)
-            ent.future = self._pool.submit(prio, self._load_mapped, ex)
+            prev = self._dropping.pop(key, None)
+            if prev is not None and not prev.done():
+                try:
+                    prev.result()                # its old pages are being dropped: let it
+                except Exception:
+                    pass
+            ent.drops, self._to_drop = self._to_drop, []
+            ent.future = self._pool.submit(prio, self._load_mapped, ex, ent.drops)
+            for d in ent.drops:
+                self._dropping[(d.layer, d.index)] = ent.future
+            if len(self._dropping) > 4 * len(self.entries) + 64:
+                self._dropping = {k: v for k, v in self._dropping.items() if not v.done()}
         self.entries[key] = ent
         self.used += ent.nbytes
         self.peak_used = max(self.peak_used, self.used)
@@ -629,7 +656,11 @@ class BudgetResidency(Residency):
         self._touch(ent)
         return ent
 
-    def _load_mapped(self, ex):                     # on an I/O thread
+    def _load_mapped(self, ex, drops=()):          # on an I/O thread
+        for d in drops:
+            self._drop_mapped(d)
+        if ex is None:
+            return None
         f = ex.file
         _populate(f.base_address, f.size, f.path)
         return ex
@@ -691,6 +722,7 @@ class BudgetResidency(Residency):
                     pinned.append(ent)
                     self.misses += 1
                     run[e] = _Pending(ent.future, self)
+                self._flush_drops()
             except BaseException:
                 for ent in pinned:
                     ent.pins -= 1
@@ -739,6 +771,7 @@ class BudgetResidency(Residency):
                 ent = self._admit(key, ex, 1)
                 ent.spec = True
                 self.spec_loaded += 1
+            self._flush_drops()
 
     def _score_guess(self, layer: int, guess: list, used) -> None:
         actual = {int(e) for e in used}

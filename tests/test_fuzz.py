@@ -135,13 +135,16 @@ def mutated(draw, base, n_max: int = 3, values=json_values):
     """`base` (a JSON-like dict) with 1..n_max structural mutations: a field set to another
     value, deleted, duplicated into a new key, or a new key added."""
     obj = copy.deepcopy(base)
+
+    def value():                    # a fresh copy: sampled constants are shared objects
+        return copy.deepcopy(draw(values))
     for _ in range(draw(st.integers(1, n_max))):
         paths = _paths(obj)
         op = draw(st.sampled_from(["set", "set", "set", "delete", "add", "list"]))
         if not paths or op == "add":
             parent = obj if not paths else _get(obj, draw(st.sampled_from(paths))[:-1])
             if isinstance(parent, dict):
-                parent[draw(st.text(max_size=10))] = draw(values)
+                parent[draw(st.text(max_size=10))] = value()
             continue
         path = draw(st.sampled_from(paths))
         parent = _get(obj, path[:-1])
@@ -149,9 +152,12 @@ def mutated(draw, base, n_max: int = 3, values=json_values):
             del parent[path[-1]]
         elif op == "list" and isinstance(parent[path[-1]], list):
             lst = parent[path[-1]]
-            lst[:] = draw(st.sampled_from([[], lst * 2, lst[:1], lst[::-1], lst + [draw(values)]]))
+            how = draw(st.sampled_from(["empty", "double", "first", "reverse", "append"]))
+            new = {"empty": [], "double": lst * 2, "first": lst[:1], "reverse": lst[::-1],
+                   "append": lst + [value()]}[how]
+            lst[:] = copy.deepcopy(new)
         else:
-            parent[path[-1]] = draw(values)
+            parent[path[-1]] = value()
     return obj
 
 

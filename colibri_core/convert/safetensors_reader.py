@@ -1,14 +1,17 @@
 """Reading Hugging Face safetensors checkpoints (single or sharded) tensor by tensor.
 
-Our own small reader over mmap: it needs neither torch nor the whole file in memory, and
-it understands bf16 (which numpy does not) by widening to float32 one tensor at a time.
-`raw()` hands out the stored bytes as a zero-copy view (bf16 as uint16), which is how
+Our own small reader: it needs neither torch nor the whole file in memory, and it
+understands bf16 (which numpy does not) by widening to float32 one tensor at a time.
+Tensors are read with pread into private buffers (not mapped), so the converter's resident
+memory holds the tensor being converted, not the pages of every tensor already read: peak
+RSS stays near one tensor whatever the checkpoint size. A fused expert tensor is read one
+expert's slab at a time. `raw()` returns the stored bits (bf16 as uint16), which is how
 `--bits 16` copies 16-bit checkpoints losslessly.
 """
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -49,7 +52,7 @@ class SafetensorsFile:
             except Exception as e:
                 raise ModelFormatError(f"{self.path}: unreadable safetensors header ({e})") from None
             size = f.seek(0, 2)
-            self._mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size > 8 + n else None
+        self._fd = os.open(self.path, os.O_RDONLY)
         self.data_start = 8 + n
         self.header.pop("__metadata__", None)
         for name, e in self.header.items():
@@ -67,7 +70,8 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def raw(self, name: str) -> np.ndarray:
+    def raw(self, name: str, index: int | None = None) -> np.ndarray:
+        """The stored tensor (or its `index`-th slice along axis 0) in a new array."""
         e = self.header[name]
         dt = _DTYPES.get(e["dtype"])
         if dt is None:
@@ -76,19 +80,41 @@ class SafetensorsFile:
             raise ConfigError(f"{self.path}: tensor {name} has unsupported dtype "
                               f"{e['dtype']}{hint}")
         a, b = e["data_offsets"]
-        if b == a:
-            return np.zeros(e["shape"], dtype=dt)
-        buf = np.frombuffer(self._mm, dtype=np.uint8, count=b - a, offset=self.data_start + a)
-        return buf.view(dt).reshape(e["shape"])
+        shape = list(e["shape"])
+        if index is not None:
+            if not shape or not 0 <= index < shape[0]:
+                raise ModelFormatError(f"{self.path}: tensor {name} {shape} has no slice {index}")
+            slab = (b - a) // shape[0]
+            a, b, shape = a + index * slab, a + (index + 1) * slab, shape[1:]
+        n = b - a
+        if n == 0:
+            return np.zeros(shape, dtype=dt)
+        buf = np.empty(n, dtype=np.uint8)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = os.preadv(self._fd, [view[got:]], self.data_start + a + got)
+            if k <= 0:
+                raise ModelFormatError(f"{self.path}: short read in tensor {name} (file changed?)")
+            got += k
+        return buf.view(dt).reshape(shape)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def float32(self, name: str, index: int | None = None) -> np.ndarray:
         """The tensor (or its `index`-th slice along axis 0) widened to a new float32 array."""
-        a = self.raw(name)
-        if index is not None:
-            a = a[index]
+        a = self.raw(name, index)
         if self.dtype(name) == "BF16":
             return bf16_to_f32(a)
-        return a.astype(np.float32)
+        return a.astype(np.float32, copy=False)
 
 
 class Checkpoint:
@@ -149,8 +175,11 @@ class Checkpoint:
         return self._file(name).float32(name, index)
 
     def raw(self, name: str, index: int | None = None) -> np.ndarray:
-        a = self._file(name).raw(name)
-        return a if index is None else a[index]
+        return self._file(name).raw(name, index)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
     def float_dtypes(self) -> set[str]:
         return {f.dtype(n) for f in self.files for n in f.names() if f.dtype(n) in _FLOAT}

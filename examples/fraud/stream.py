@@ -101,7 +101,9 @@ SEQ_LEN = 1 + len(FIELDS) + 1                  # <bos>, fields, LABEL
 
 
 def write_tokenizer(path: Path) -> Path:
-    """A word-level tokenizer (tokenizers' WordLevel, whitespace split) as tokenizer.json."""
+    """A word-level tokenizer (tokenizers' WordLevel, whitespace split) as tokenizer.json,
+    and beside it a tokenizer_config.json saying that <bos> is prepended (the converter
+    reads it: the model's bos_token_id is then set, and Engine.encode adds it)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel(vocab=dict(TOKEN_ID), unk_token="<unk>"))
@@ -109,6 +111,9 @@ def write_tokenizer(path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
+    (path.parent / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": True, "bos_token": "<bos>", "unk_token": "<unk>",
+         "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1) + "\n")
     return path
 
 

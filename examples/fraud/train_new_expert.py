@@ -155,8 +155,7 @@ def main() -> int:
         ids = encode(txns)
         h, xn = capture(model, ids, L)
         with torch.no_grad():
-            return dict(h=h, xn=xn, lg=head.old_logits(xn), eo=head.experts_out(xn),
-                        so=head.shared_out(xn))
+            return dict(h=h, xn=xn, lg=head.old_logits(xn), so=head.shared_out(xn))
 
     cache = BUILD / f"new_expert_features_L{L}.pt"
     key = hashlib.sha256((MODEL_DIR / "config.json").read_bytes()
@@ -213,6 +212,8 @@ def main() -> int:
     for step in range(a.steps):
         idx = torch.from_numpy(rng.integers(0, N, 2048))
         f = {kk: v[idx] for kk, v in fm.items()}
+        with torch.no_grad():
+            f["eo"] = head.experts_out(f["xn"])
         logits = head.logits(f["h"], f["xn"], f["lg"], f["eo"], f["so"], (wgu, wd, row, bias))
         ce = (F.cross_entropy(logits, target[idx], reduction="none") * w_ex[idx]).sum() \
             / w_ex[idx].sum()
@@ -235,7 +236,8 @@ def main() -> int:
 
     def evaluate(new):
         with torch.no_grad():
-            lg = head.logits(fv["h"], fv["xn"], fv["lg"], fv["eo"], fv["so"], new)
+            lg = head.logits(fv["h"], fv["xn"], fv["lg"], head.experts_out(fv["xn"]), fv["so"],
+                             new)
             p = torch.softmax(lg.double(), -1)[:, FRAUD].numpy()
         flag = p >= thr
         out = {}
