@@ -41,6 +41,7 @@ SHAPE = dict(experts=32)                    # ~1.26 GB: >= 4x the 25% budget's e
 MiB = 1 << 20
 ROWS = [   # (label, budget fraction or None, engine settings)
     ("no budget, mmap (cold start)", None, {}),
+    ("no budget, copy-in (whole model read at load)", None, {"load_mode": "copy"}),
     ("100%, mmap, lfu", 1.00, {}),
     ("50%, mmap, lfu", 0.50, {}),
     ("25%, mmap, lfu", 0.25, {}),
@@ -332,6 +333,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def checks(rows: list[dict]) -> str:
+    """What the table shows about the budget, computed from it."""
+    b = [r for r in rows if r.get("budget") and "error" not in r]
+    if not b:
+        return ""
+    over_rss = [r["label"] for r in b if r["peak_rss"] - r["overhead_rss"] > r["budget"] * MiB]
+    over_fp = [r["label"] for r in b if r["peak_footprint"] > r["budget"] * MiB]
+    cgs = [r for r in b if r.get("cgroup") and r.get("cgroup_peak") is not None]
+    under = sum(1 for r in cgs if r["cgroup_peak"] < r["cgroup_limit"] - MiB
+                and not r.get("cgroup_failcnt"))
+    worst = max((r["peak_rss"] - r["overhead_rss"]) / (r["budget"] * MiB) for r in b)
+    lines = [f"Budget check over the {len(b)} budgeted runs: peak RSS − overhead within the "
+             f"budget in {len(b) - len(over_rss)}/{len(b)} (largest: {100 * worst:.0f}% of it)"
+             + (f", over in: {', '.join(over_rss)}" if over_rss else ""),
+             f"peak footprint within the budget in {len(b) - len(over_fp)}/{len(b)}"
+             + (f", over in: {', '.join(over_fp)}" if over_fp else "")]
+    if cgs:
+        lines.append(f"cgroup peak below its limit (no reclaim forced by the limit) in "
+                     f"{under}/{len(cgs)}")
+    return "; ".join(lines) + "."
+
+
 def machine() -> str:
     cpu = "?"
     try:
@@ -369,15 +392,25 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per row: tokens/s is the median run's, memory the maximum")
     ap.add_argument("--write-md", action="store_true")
+    ap.add_argument("--from-json", action="store_true",
+                    help="re-render the last run (benchmarks/out/bench_budget.json)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return child(a)
+    if a.from_json:
+        data = json.loads((OUT / "bench_budget.json").read_text())
+        text = render(data["meta"], data["rows"])
+        print(text)
+        if a.write_md:
+            write_md(text)
+        return
     model = bench_model(**SHAPE)
     size = sum(f.stat().st_size for f in model_files(model))
     experts = sum(f.stat().st_size for f in model_files(model) if f.name.startswith("expert_"))
+    n_experts = sum(1 for f in model_files(model) if f.name.startswith("expert_"))
     overhead = probe_overhead(a)
     load0 = os.getloadavg()
     rows = []
@@ -387,25 +420,40 @@ def main(argv=None):
         runs = [run_row(a, model, label, frac, settings, size, overhead) for _ in range(a.repeat)]
         rows.append(merge_runs(runs))
     load1 = os.getloadavg()
-    (OUT / "bench_budget.json").write_text(json.dumps(rows, indent=1))
+    cmd = "python benchmarks/bench_budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"cmd": cmd.strip(), "date": datetime.date.today().isoformat(), "machine": machine(),
+            "load": [load0[0], load1[0]], "size": size, "experts": experts,
+            "n_experts": n_experts, "prompt": a.prompt, "tokens": a.tokens,
+            "threads": a.threads, "repeat": a.repeat}
+    (OUT / "bench_budget.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    text = render(meta, rows)
+    print(text)
+    if a.write_md:
+        write_md(text)
+
+
+def render(m: dict, rows: list[dict]) -> str:
     cg = next((r for r in rows if r.get("cgroup")), None)
     cg_note = (f"cgroup {cg['cgroup']} memory limit = budget + fixed overhead + 48 MB, per run"
                if cg else "no cgroup: " + next((r.get("cgroup_why", "") for r in rows
                                                  if r.get("cgroup_why")), "--no-cgroup"))
-    cmd = "python benchmarks/bench_budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = f"""## Memory budget (`bench_budget.py`)
+    plan = next((r["report"]["plan"] for r in rows if r.get("report", {}).get("plan")), {})
+    reserved = (f"the non-expert weights ({plan['dense'] / MiB:.0f} MB), the KV cache of one "
+                f"sequence at full context ({plan['kv'] / MiB:.0f} MB) and the activations of one "
+                f"prefill chunk" if plan else "the non-expert weights, the KV cache and activations")
+    return f"""## Memory budget (`bench_budget.py`)
 
-Command: `{cmd.strip()}` — {datetime.date.today().isoformat()}, {machine()};
-load average {load0[0]:.2f} before, {load1[0]:.2f} after (other jobs were running on this
-machine: the tokens/s figures are noisy, the memory and I/O figures are not).
+Command: `{m['cmd']}` — {m['date']}, {m['machine']};
+load average {m['load'][0]:.2f} before, {m['load'][1]:.2f} after (other jobs were running on
+this machine: the tokens/s figures are noisy, the memory and I/O figures are not).
 
 Model: random Mixtral-shaped INT4 (hidden 1024, 8 MoE layers x 32 experts, top-2,
-moe_inter 2816, vocab 32000, context 512): {size / MiB:.0f} MB on disk, of which
-{experts / MiB:.0f} MB routed experts ({experts / 256 / MiB:.2f} MB each). Budgets are
-fractions of the whole model's size. Prompt {a.prompt} tokens, then {a.tokens} greedy
-tokens, {a.threads} threads, {a.repeat} run(s) per row (tokens/s: the median run; memory:
-the largest of the runs). Before each run the model's pages were dropped from the page
-cache ({rows[0].get('cache_drop', '?')}; mincore found
+moe_inter 2816, vocab 32000, context 512): {m['size'] / MiB:.0f} MB on disk, of which
+{m['experts'] / MiB:.0f} MB routed experts ({m['experts'] / m['n_experts'] / MiB:.2f} MB
+each). Budgets are fractions of the whole model's size. Prompt {m['prompt']} tokens, then
+{m['tokens']} greedy tokens, {m['threads']} threads, {m['repeat']} run(s) per row
+(tokens/s: the median run; memory: the largest of the runs). Before each run the model's
+pages were dropped from the page cache ({rows[0].get('cache_drop', '?')}; mincore found
 {max(r.get('cache_left_before', 0) for r in rows) / MiB:.1f} MB left); {cg_note}.
 
 - *peak RSS*: VmHWM of the run's process; *overhead*: its RSS after imports, before the
@@ -413,15 +461,26 @@ cache ({rows[0].get('cache_drop', '?')}; mincore found
 - *peak footprint*: the largest value seen after any token of (page cache of every model
   file, by mincore) + (anonymous memory gained since the imports): what the model really
   occupies, counted once whether a page is mapped or only cached.
-- *cgroup peak*: the cgroup's max usage (RSS + page cache charged to it).
+- *cgroup peak*: the cgroup's max usage (RSS + page cache charged to it; it also holds
+  the interpreter's own anonymous memory).
+- *expert cache*: the budget left for experts once {reserved} are reserved.
 - *hit rate*, *read MB/token*, *stall*: decode phase only (after the first token);
   read = /proc/self/io read_bytes; stall = time the forward loop waited for expert loads.
+  With speculation the hit rate counts experts loaded on a guess as hits; *spec. hit* is
+  the share of guesses that the next layer did route to.
 
 {table(rows)}
+
+{checks(rows)}
+
+Mechanisms behind the rows: a copy-in load is one O_DIRECT `preadv` into a preallocated
+slot; a mapped load goes through the page cache (allocate, read, map with
+`MADV_POPULATE_READ`, later `MADV_DONTNEED` + `POSIX_FADV_DONTNEED` to free), and that
+kernel time competes with the compute kernels on a 2-CPU machine. The unbudgeted copy-in
+row reads the files through the page cache into private memory, so the model is held
+twice until the kernel reclaims the cache (the budgeted copy-in mode drops it and reads
+experts with O_DIRECT).
 """
-    print(text)
-    if a.write_md:
-        write_md(text)
 
 
 if __name__ == "__main__":

@@ -385,6 +385,7 @@ def stats(r: dict) -> dict:
     return {"first_token_ms": r["first_token_ms"], "decode_tok_s": 1000 / a.mean(),
             "mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
             "p99_ms": float(np.percentile(a, 99)), "std_ms": float(a.std()),
+            "p1_ms": float(np.percentile(a, 1)), "min_ms": float(a.min()),
             "std_pct_of_mean": float(100 * a.std() / a.mean()),
             "p99_over_p50": float(np.percentile(a, 99) / np.percentile(a, 50)),
             "peak_rss_mib": r["peak_rss_mib"], "vm_hwm_mib": r.get("vm_hwm_mib"),
@@ -432,6 +433,7 @@ def markdown(res: dict) -> str:
     rows = [("first-token latency, 64-token prompt (ms)", "first_token_ms", 1),
             ("decode (tokens/s)", "decode_tok_s", 2),
             ("per-token p50 (ms)", "p50_ms", 2), ("per-token p99 (ms)", "p99_ms", 2),
+            ("per-token p1 (ms): the least-disturbed tokens", "p1_ms", 2),
             ("per-token std (ms)", "std_ms", 2), ("std / mean (%)", "std_pct_of_mean", 1),
             ("p99 / p50", "p99_over_p50", 2), ("peak RSS (MiB)", "peak_rss_mib", 0)]
     head = "| metric (median of rounds) | " + " | ".join(eng) + " | Colibri / llama.cpp |"
@@ -473,6 +475,25 @@ def markdown(res: dict) -> str:
             cells.append(f"{r['dtype']} ({r['bits_per_weight']:.2f})" if r else "—")
         out.append(f"| {role} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def summarize(res: dict) -> None:
+    """Per-run stats, medians over rounds, ratios, bandwidth floors, targets (in place)."""
+    for r in res["runs"]:
+        r["stats"] = stats(r)
+    med = {}
+    for e in ENGINES:
+        rs = [r["stats"] for r in res["runs"] if r["engine"] == e]
+        if rs:
+            med[e] = {k: float(np.median([s[k] for s in rs])) for k in rs[0] if rs[0][k] is not None}
+    res["medians"] = med
+    if "colibri" in med and "llama.cpp" in med:
+        res["ratios_colibri_over_llamacpp"] = {k: med["colibri"][k] / med["llama.cpp"][k]
+                                               for k in med["colibri"] if med["llama.cpp"].get(k)}
+    bw = res["bandwidth"]["GBps"] * 1e9
+    res["bandwidth_floor_ms"] = {e: res["inventory"][e]["bytes_per_token"] / bw * 1000
+                                 for e in res["inventory"]}
+    res["targets"] = targets(med, res.get("fidelity", {}))
 
 
 def targets(med: dict, fid: dict) -> list[dict]:
@@ -520,14 +541,14 @@ def plot(res: dict, path: Path) -> str | None:
         if runs:
             data[e] = np.concatenate([r["per_token_ms"] for r in runs])
     ax.set_xlabel("generated token")
-    ax.set_ylabel("latency (ms)")
+    ax.set_ylabel("latency (ms, log scale)")
     ax.set_title(f"per-token decode latency, all rounds ({res['args']['threads']} threads)")
     ax.legend()
-    ax.set_ylim(bottom=0)
+    ax.set_yscale("log")
     if data:
         ax2.boxplot(list(data.values()), tick_labels=list(data), whis=(1, 99), showfliers=True)
         ax2.set_title("p1–p99 whiskers")
-        ax2.set_ylim(bottom=0)
+        ax2.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -561,7 +582,7 @@ def _leaf_kind(frame: str) -> str:
     if "madvise" in frame:
         return "madvise (expert prefetch)"
     if "libc" in lib or "libm" in lib:
-        return "libc/libm: " + frame.split(" (")[0]
+        return "libc/libm"
     if "numpy" in lib or "_multiarray" in lib:
         return "numpy internals"
     if lib.endswith(".py") or ".py:" in lib:
@@ -614,7 +635,10 @@ def pyspy(engine: str, job: dict, threads: int, rate: int = 250) -> str | None:
         return "py-spy: no decode samples"
     out = [f"=== {engine}: py-spy --native, {tot} samples of the calling thread during decode steps "
            f"(stacks through {decode_tag}) ===", "-- leaf kind --"]
-    out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in kinds.most_common()]
+    small = sum(v for v in kinds.values() if v < 0.005 * tot)
+    out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in kinds.most_common() if v >= 0.005 * tot]
+    if small:
+        out.append(f"{100 * small / tot:5.1f}%  (other leaves, < 0.5% each)")
     out.append(f"-- deepest {mine} / kernel frame --")
     out += [f"{100 * v / tot:5.1f}%  {k}" for k, v in frames.most_common(12)]
     out.append("-- libgomp samples by the kernel line that entered OpenMP --")
@@ -636,7 +660,19 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="afterwards: cProfile one Colibri decode; py-spy --native both engines")
     ap.add_argument("--tag", default="", help="suffix for the output file names")
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-render the table and PNG from the last run's JSON (no measuring)")
     a = ap.parse_args(argv)
+    if a.report_only:
+        stem = OUT / f"vs_llamacpp{a.tag}"
+        res = json.loads(stem.with_suffix(".json").read_text())
+        summarize(res)
+        stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=float))
+        plot(res, stem.with_name(stem.name + "_latency.png"))
+        md = markdown(res)
+        stem.with_suffix(".md").write_text(md + "\n")
+        print(md)
+        return
     global LAUNCHER
     LAUNCHER = Launcher()          # first, while this process is small
     try:
@@ -732,19 +768,7 @@ def _main(a):
                 f"std {s['std_ms']:5.2f} ms  RSS {s['peak_rss_mib']:6.0f} MiB  "
                 f"load {os.getloadavg()[0]:.2f}")
     res["runs"] = runs
-    med = {}
-    for e in ENGINES:
-        rs = [r["stats"] for r in runs if r["engine"] == e]
-        if rs:
-            med[e] = {k: float(np.median([s[k] for s in rs])) for k in rs[0]}
-    res["medians"] = med
-    if "colibri" in med and "llama.cpp" in med:
-        res["ratios_colibri_over_llamacpp"] = {k: med["colibri"][k] / med["llama.cpp"][k]
-                                               for k in med["colibri"] if med["llama.cpp"][k]}
-    bw = res["bandwidth"]["GBps"] * 1e9
-    res["bandwidth_floor_ms"] = {e: res["inventory"][e]["bytes_per_token"] / bw * 1000
-                                 for e in res["inventory"]}
-    res["targets"] = targets(med, fid)
+    summarize(res)
     if a.profile:
         log("profiling one Colibri decode (cProfile) ...")
         pjob = {"mode": "time", "model": paths["colibri"], "threads": a.threads,

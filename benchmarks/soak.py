@@ -61,6 +61,7 @@ EXPERTS = {   # name -> layers (the built-in model: layer 0 dense, layers 1-3 Mo
     "soak_a": [1], "soak_b": [2], "soak_c": [1, 3],
 }
 HIDDEN, INTER = 128, 64
+PHASES = ("warmup", "base", "hot", "change", "first")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -177,9 +178,14 @@ def main(argv=None) -> int:
         eng = Engine.from_config("builtin", **over)
         events = Events()
         eng.register_plugin(events, name="soak-events")
+        # Latencies go into arrays allocated and touched up front, so that the soak's own
+        # bookkeeping does not show up as RSS growth (a Python list of floats would).
+        cap = args.tokens + 20000 if args.tokens else int(args.minutes * 60 * 3000) + 20000
+        lat_s = np.full(cap, np.nan)
+        lat_phase = np.full(cap, 255, np.uint8)
+        samples = np.full((cap // 8 + 1024, 3), np.nan)   # (tokens, rss, anon) per request
         snaps = [snapshot("engine loaded", 0)]
-        samples = []                       # (tokens so far, rss_mib, anon_mib) after each request
-        lat = {"warmup": [], "base": [], "hot": [], "change": [], "first": []}
+        n_lat = 0
         live: dict[str, str] = {}          # name -> version in the watched folder
         actions = []
         tokens = requests = 0
@@ -188,27 +194,31 @@ def main(argv=None) -> int:
         last_version = eng.expert_set_version
 
         def one_request(phase: str) -> None:
-            nonlocal tokens, requests, last_version
+            nonlocal tokens, requests, last_version, n_lat
             prompt = rnd.choice(PROMPTS)
             n = rnd.randint(16, 160)
             g = eng.generate(prompt, max_new_tokens=n, temperature=0.8, top_p=0.95,
                              seed=rnd.randrange(1 << 30))
             for ev in g:
                 if ev.step == 0:
-                    lat["first"].append(ev.latency_s)
+                    code = PHASES.index("first")
                 elif phase == "warmup":
-                    lat["warmup"].append(ev.latency_s)
+                    code = PHASES.index("warmup")
                 elif ev.expert_set_version != last_version:
-                    lat["change"].append(ev.latency_s)
+                    code = PHASES.index("change")
                 elif eng.model.expert_set.hot_experts():
-                    lat["hot"].append(ev.latency_s)
+                    code = PHASES.index("hot")
                 else:
-                    lat["base"].append(ev.latency_s)
+                    code = PHASES.index("base")
+                if n_lat < cap:
+                    lat_s[n_lat], lat_phase[n_lat] = ev.latency_s, code
+                    n_lat += 1
                 last_version = ev.expert_set_version
                 tokens += 1
+            if requests < len(samples):
+                r = rss()
+                samples[requests] = (tokens, r["rss_mib"], r["anon_mib"])
             requests += 1
-            r = rss()
-            samples.append((tokens, r["rss_mib"], r["anon_mib"]))
 
         def act() -> None:
             absent = [n for n in EXPERTS if n not in live]
@@ -275,16 +285,17 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    x = np.array([s[0] for s in samples[args.warmup_requests:]], float)
-    y = np.array([s[1] for s in samples[args.warmup_requests:]], float)
-    ya = np.array([s[2] for s in samples[args.warmup_requests:]], float)
+    run = samples[args.warmup_requests:min(requests, len(samples))]
+    x, y, ya = run[:, 0], run[:, 1], run[:, 2]
+    lat = {ph: lat_s[:n_lat][lat_phase[:n_lat] == i] for i, ph in enumerate(PHASES)}
     slope = float(np.polyfit(x, y, 1)[0] * 10000) if len(x) > 2 and np.ptp(x) else 0.0
     slope_anon = float(np.polyfit(x, ya, 1)[0] * 10000) if len(x) > 2 and np.ptp(x) else 0.0
     warm, end = snaps[1], snaps[2]
-    decode = lat["warmup"] + lat["base"] + lat["hot"] + lat["change"]
+    decode = np.concatenate([lat["warmup"], lat["base"], lat["hot"], lat["change"]])
     result = {
         "tokens": tokens, "requests": requests, "duration_s": round(duration, 1),
-        "run_s": round(run_s, 1), "decode_tok_s": round(len(decode) / sum(decode), 1) if decode else 0,
+        "run_s": round(run_s, 1),
+        "decode_tok_s": round(len(decode) / float(decode.sum()), 1) if len(decode) else 0,
         "expert_builds_s": round(t_build, 1),
         "snapshots": [base] + snaps,
         "rss_growth_after_warmup_mib": round(end["rss_mib"] - warm["rss_mib"], 2),
@@ -293,7 +304,7 @@ def main(argv=None) -> int:
         "anon_slope_mib_per_10k_tokens": round(slope_anon, 3),
         "rss_max_after_warmup_mib": round(float(y.max()) if len(y) else 0.0, 1),
         "latency_ms": {k: {"n": len(v), "p50": round(pct(v, 50), 3), "p99": round(pct(v, 99), 3),
-                           "max": round(max(v) * 1000, 3) if v else None}
+                           "max": round(float(v.max()) * 1000, 3) if len(v) else None}
                        for k, v in lat.items()},
         "hotplug": {"actions": len(actions), "by_kind": {k: sum(a["action"] == k for a in actions)
                                                          for k in ("add", "replace", "remove")},

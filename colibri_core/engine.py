@@ -101,8 +101,17 @@ class Engine:
             model.residency.close()              # loads in flight finish before the unmap
 
     def memory_report(self, page_cache: bool = True) -> dict:
-        """Resident memory, the expert cache and disk reads (bytes; residency.py)."""
-        return self.model.residency.report(page_cache)
+        """Resident memory, the expert cache and disk reads (bytes; residency.py).
+        Hot-plugged experts' INT4 weights are outside the budget: `hot_plugged_bytes`."""
+        r = self.model.residency.report(page_cache)
+        from .expertset import HotSlot
+        seen = {}
+        for exps in self.model.expert_set.experts.values():
+            for e in exps:
+                if isinstance(e, HotSlot):
+                    seen[id(e.hot)] = e.nbytes
+        r["hot_plugged_bytes"] = sum(seen.values())
+        return r
 
     def _check_policy(self, config: EngineConfig) -> None:
         """A length-policy k that the model cannot honour fails here, at load, not on

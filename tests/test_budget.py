@@ -268,6 +268,7 @@ def test_hot_plugged_expert_runs_outside_the_budget(model_dir, reference):
         toks = run(eng, n=3)
         assert hot.calls > 0 and len(toks) == 3
         assert all(key[1] < eng.model_cfg.num_experts for key in eng.model.residency.entries)
+        assert eng.memory_report(page_cache=False)["hot_plugged_bytes"] == 0   # no INT4 weights
 
 
 def test_cli_reports_memory(model_dir):

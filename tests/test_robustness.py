@@ -194,6 +194,27 @@ def test_failed_engine_construction_leaves_nothing_open(tiny_model_dir, tmp_path
     assert (fd_count(), maps_of(tiny_model_dir)) == (fds, maps)
 
 
+def test_close_unmaps_and_closes_files_at_once(tok_model):
+    """Engine.close() releases every mapping and descriptor of the model right away, not
+    at the next garbage collection (the expert set and the layer views held them)."""
+    import gc
+    fds, maps = fd_count(), maps_of(tok_model)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        e = Engine.from_model_dir(tok_model, threads=1)
+        e.generate("hello", max_new_tokens=3, temperature=0).run()
+        assert maps_of(tok_model) > maps
+        e.close()
+        assert (fd_count(), maps_of(tok_model)) == (fds, maps)
+        e.close()                                        # idempotent
+        with pytest.raises(RequestError, match="engine is closed"):
+            e.generate([1, 2])
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_missing_experts_dir_is_refused_and_not_created(tiny_model_dir, tmp_path):
     missing = tmp_path / "typo" / "experts"
     with pytest.raises(ConfigError, match="no such folder"):
@@ -659,3 +680,50 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
     assert "colibri: interrupted" in err and "Traceback" not in err
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+# ============================================================================ hot-plug leaks
+
+def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
+    """Two changes of one expert adopted between the same two tokens (added, then replaced
+    before any token used it): the intermediate version's library must be unloaded too.
+    Found by benchmarks/soak.py: one staged .so stayed mapped after everything was removed."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    from colibri_core.config import HotplugConfig
+    from colibri_core.hotplug.builder import build_expert
+    H, I = 128, 64
+    build = tmp_path / "build"
+    build.mkdir()
+    sos = []
+    for v in (1, 2):
+        rng = np.random.default_rng(v)
+        np.savez(build / f"w{v}.npz", w1=rng.standard_normal((I, H)), w3=rng.standard_normal((I, H)),
+                 w2=rng.standard_normal((H, I)), router_row=np.zeros(H, np.float32))
+        build_expert(build / f"w{v}.npz", build / f"x{v}.so", layer=1, name="x", version=str(v))
+        sos.append(build / f"x{v}.so")
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    staging = watched / ".colibri-state" / "staging"
+    eng = Engine(tiny_model_dir, EngineConfig(threads=1, experts_dir=str(watched),
+                                              hotplug=HotplugConfig(settle_s=0.02)))
+    try:
+        shutil.copyfile(sos[0], build / "tmp.so")
+        os.replace(build / "tmp.so", watched / "x.so")             # add v1 ...
+        assert eng.hotplug.wait_idle(30)
+        shutil.copyfile(sos[1], build / "tmp.so")
+        os.replace(build / "tmp.so", watched / "x.so")             # ... replace by v2
+        assert eng.hotplug.wait_idle(30)
+        eng.apply_expert_changes()                                  # both in one batch
+        assert [h.version for h in eng.model.expert_set.hot_experts()] == ["2"]
+        assert len({line.split()[-1] for line in open("/proc/self/maps")
+                    if str(staging) in line}) == 1, "the intermediate v1 is still loaded"
+        (watched / "x.so").unlink()
+        assert eng.hotplug.wait_idle(30)
+        eng.apply_expert_changes()
+        eng.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
+        import gc
+        gc.collect()
+        assert maps_of(staging) == 0
+    finally:
+        eng.close()

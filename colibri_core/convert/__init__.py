@@ -35,7 +35,8 @@ from ..errors import ColibriError, ConfigError
 from ..quant import check_group, quantize_q4, quantize_q8
 from ..weights import (AttentionWeights, Expert, FFNWeights, LayerWeights, write_model_dir)
 from . import families as fam
-from .awq import AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens
+from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
+                  clip_groups)
 from .safetensors_reader import Checkpoint, f32_to_bf16
 
 VALID_BITS = (4, 8, 16, 32)
@@ -100,7 +101,7 @@ class _Writer:
         """-> (stored tensor, act_scale or None)."""
         bits = bits or self.bits
         sc = self.scales
-        scaled = key in sc.act or key in sc.fold_rows or key in sc.fold_cols
+        scaled = key in sc.act or key in sc.fold_rows or key in sc.fold_cols or key in sc.clip
         if src.awq and bits == 4 and not scaled:
             return awq_q4(self.ck, src, self.awq), None
         if bits == 16 and not src.awq and not scaled:
@@ -122,6 +123,8 @@ class _Writer:
             w = w * sc.fold_cols[key].astype(np.float64)[None, :]
         if s is not None:
             w = w * s.astype(np.float64)[None, :]
+        if key in sc.clip:
+            w = clip_groups(w, self.group, sc.clip[key])
         t = quantize_q4(w, self.group) if bits == 4 else quantize_q8(w, self.group)
         return t, s
 
@@ -199,8 +202,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             embed = wr.float32(fam.Src("model.embed_tokens.weight"))
             sc = calibrate(cfg, seqs, embed, lambda L: _float_layer(wr, L), bits, group_size, tick)
             del embed
-            scales.act, scales.fold_cols, scales.fold_rows, scales.results, scales.tokens = \
-                sc.act, sc.fold_cols, sc.fold_rows, sc.results, sc.tokens
+            scales = sc
+            wr.scales = sc
             if bar is not None:
                 bar.set_description("convert")
 

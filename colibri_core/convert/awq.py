@@ -5,11 +5,14 @@ Two things live here:
 1. **Calibration** (`calibrate`): the model runs in float (Colibri's own forward, float
    routing and activations) over the tokens of a calibration text, one layer at a time so
    only one layer's float weights are in memory. Every linear's input activations are
-   recorded; for each set of linears that share an input, a per-input-channel scale
-   `s = mean|x|^alpha` (normalised so that sqrt(max*min) = 1) is searched over a grid of
-   alpha in [0, 1] to minimise the output error ||x W^T - x (Q(W s)/s)^T||^2 on those
-   activations. alpha = 0 is plain RTN, so the choice is never worse than RTN on the
-   calibration set. The matrix is stored as Q(W*s) together with s (section
+   recorded; for each set of linears that share an input, a per-input-channel scale is
+   searched as AutoAWQ does: `s = a^alpha` or ("duo") `s = a^alpha / w_mean^(1-alpha)`,
+   a = mean|x| per channel, normalised so that sqrt(max*min) = 1, alpha on a grid in
+   [0, 1], minimising the output error ||x W^T - x (Q(W s)/s)^T||^2 on those activations.
+   Plain alpha = 0 is RTN, so the choice is never worse than RTN on the calibration set.
+   Then, per matrix, a weight-clipping ratio (each group clipped to +-ratio * max|w|
+   before rounding, AutoAWQ's auto-clip with one ratio per matrix) is searched the same
+   way. The matrix is stored as Q(clip(W*s)) together with s (section
    `<name>.act_scale`), and the engine divides its input by s before the matmul. Nothing
    is folded into the norm that the router shares with the experts. The one exception
    is an FFN's down projection: its input scale is folded exactly into the rows of the
@@ -137,6 +140,19 @@ def fake_quant(w: np.ndarray, bits: int, group: int) -> np.ndarray:
     return ((q - zero[:, :, None]) * scale[:, :, None]).reshape(rows, cp)[:, :cols]
 
 
+def clip_groups(w: np.ndarray, group: int, ratio: float) -> np.ndarray:
+    """`w` with every (row, group) clipped to +-ratio * its largest magnitude (AutoAWQ's
+    weight clipping; ratio 1 changes nothing). Partial last groups use their real values."""
+    w = np.asarray(w, np.float64)
+    rows, cols = w.shape
+    cp = padded_cols(cols, group)
+    wp = np.zeros((rows, cp))
+    wp[:, :cols] = w
+    g = wp.reshape(rows, cp // group, group)
+    m = np.abs(g).max(axis=2, keepdims=True) * ratio
+    return np.clip(g, -m, m).reshape(rows, cp)[:, :cols]
+
+
 # ----------------------------------------------------------------------------- search
 
 @dataclass
@@ -144,44 +160,85 @@ class SearchResult:
     alpha: float
     err: float        # output error with the chosen scale
     err_rtn: float    # output error with plain RTN (alpha = 0)
+    duo: bool = False # s = a^alpha / w_mean^(1-alpha) (else a^alpha)
+
+
+def _w_mean(ws: list[np.ndarray], group: int) -> np.ndarray:
+    """AutoAWQ's per-input-channel weight magnitude: |w| / (max |w| of its row group),
+    averaged over all rows of the matrices."""
+    acc, n = None, 0
+    for w in ws:
+        rows, cols = w.shape
+        cp = padded_cols(cols, group)
+        wp = np.zeros((rows, cp))
+        wp[:, :cols] = np.abs(w)
+        g = wp.reshape(rows, cp // group, group)
+        g = g / (g.max(axis=2, keepdims=True) + 1e-6)
+        m = g.reshape(rows, cp)[:, :cols].sum(axis=0)
+        acc = m if acc is None else acc + m
+        n += rows
+    return acc / n
+
+
+def _out_err(x: np.ndarray, d: np.ndarray) -> float:
+    return float(np.square(x @ d.astype(np.float32).T, dtype=np.float32).sum(dtype=np.float64))
 
 
 def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits: int,
                  group: int) -> tuple[Optional[np.ndarray], SearchResult]:
     """Best per-input-channel scale for the matrices `ws` ([R_i, C] each) sharing input
-    rows `x` [N, C]; None when alpha = 0 (plain RTN) is best.
+    rows `x` [N, C]; None when plain RTN (alpha = 0) is best.
 
-    Grid: alpha in 0, 0.1, .., 1, then the two midpoints beside the best one. The error of
-    a candidate is ||x (Q(W s)/s - W)^T||^2 summed over the matrices (float32)."""
+    Candidates (as AutoAWQ): s = a^alpha and, "duo", s = a^alpha / w_mean^(1 - alpha), with
+    a = mean|x| per channel, alpha = 0, 0.1, .., 1 and then the two midpoints beside the
+    best; s normalised so that sqrt(max*min) = 1. A candidate's error is
+    ||x (Q(W s)/s - W)^T||^2 summed over the matrices (float32)."""
     x = np.ascontiguousarray(x, np.float32)
     a = np.asarray(mean_abs, np.float64)
     a = np.maximum(a, max(a.max(), 1e-12) * 1e-5)               # channels never active
     ws64 = [np.asarray(w, np.float64) for w in ws]
-    tried: dict[float, tuple[float, np.ndarray]] = {}
+    wm = np.maximum(_w_mean(ws64, group), 1e-4)
+    tried: dict[tuple[bool, float], tuple[float, np.ndarray]] = {}
 
-    def score(alpha: float) -> float:
-        if alpha not in tried:
-            s = a ** alpha
+    def score(duo: bool, alpha: float) -> float:
+        key = (duo, round(alpha, 3))
+        if key not in tried:
+            s = a ** alpha / (wm ** (1 - alpha) if duo else 1.0)
             s = s / np.sqrt(s.max() * s.min())
-            err = 0.0
-            for w in ws64:
-                d = (fake_quant(w * s[None, :], bits, group) / s[None, :] - w).astype(np.float32)
-                err += float(np.square(x @ d.T, dtype=np.float32).sum(dtype=np.float64))
-            tried[alpha] = (err, s)
-        return tried[alpha][0]
+            err = sum(_out_err(x, fake_quant(w * s[None, :], bits, group) / s[None, :] - w)
+                      for w in ws64)
+            tried[key] = (err, s)
+        return tried[key][0]
 
     for alpha in ALPHAS:
-        score(float(alpha))
-    best = min(tried, key=lambda k: (tried[k][0], k))
+        score(False, float(alpha))
+        if alpha < 1:
+            score(True, float(alpha))
+    duo, best = min(tried, key=lambda k: (tried[k][0], k))
     for alpha in (best - 0.05, best + 0.05):
         if 0.0 < alpha < 1.0:
-            score(round(alpha, 2))
-    best = min(tried, key=lambda k: (tried[k][0], k))
-    err, s = tried[best]
-    res = SearchResult(float(best), err, tried[0.0][0])
-    if best == 0.0:
+            score(duo, alpha)
+    key = min(tried, key=lambda k: (tried[k][0], k))
+    err, s = tried[key]
+    res = SearchResult(float(key[1]), err, tried[(False, 0.0)][0], duo=key[0])
+    if key == (False, 0.0):
         return None, res
     return s.astype(np.float32), res
+
+
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+
+
+def search_clip(w: np.ndarray, x: np.ndarray, bits: int, group: int) -> Optional[float]:
+    """Best weight-clipping ratio for one (already scaled) matrix on its (already divided)
+    inputs x; None when no clipping is best. One ratio per matrix, so what has to be kept
+    until the matrix is written is a single number."""
+    x = np.ascontiguousarray(x, np.float32)
+    w = np.asarray(w, np.float64)
+    errs = [(_out_err(x, fake_quant(clip_groups(w, group, r), bits, group) - w), -r)
+            for r in CLIP_RATIOS]
+    err, neg_r = min(errs)
+    return None if neg_r == -1.0 else -neg_r
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -193,6 +250,7 @@ class Scales:
     act: dict = field(default_factory=dict)        # key -> s: store Q(W*s) + section s
     fold_cols: dict = field(default_factory=dict)  # key -> s: W*s, no section (down proj)
     fold_rows: dict = field(default_factory=dict)  # key -> s: rows W/s (up proj)
+    clip: dict = field(default_factory=dict)       # key -> ratio: clip groups before rounding
     results: dict = field(default_factory=dict)    # key -> SearchResult (for reports)
     tokens: int = 0
 
@@ -200,7 +258,8 @@ class Scales:
         r = list(self.results.values())
         if not r:
             return {}
-        return {"groups": len(r), "scaled": sum(x.alpha > 0 for x in r),
+        return {"groups": len(r), "scaled": sum(x.alpha > 0 or x.duo for x in r),
+                "clipped": len(self.clip),
                 "mean_alpha": round(float(np.mean([x.alpha for x in r])), 3),
                 "calib_err_reduction": round(1.0 - sum(x.err for x in r) / max(sum(x.err_rtn for x in r), 1e-30), 4)}
 
@@ -293,12 +352,18 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
     kt = np.full(len(ids), cfg.top_k)
     out = Scales(tokens=len(ids))
 
-    def search(keys_ws, xr, mean_abs=None):
+    def search(keys_ws, xr):
+        """Scale search for matrices sharing inputs xr, then a clip search per matrix."""
         if xr is None or not len(xr):
             return None
-        ma = np.abs(xr).mean(axis=0) if mean_abs is None else mean_abs
-        s, res = search_scale([w for _, w in keys_ws], _subsample(xr), ma, bits, group)
+        xs = _subsample(xr)
+        s, res = search_scale([w for _, w in keys_ws], xs, np.abs(xr).mean(axis=0), bits, group)
         out.results[keys_ws[0][0]] = res
+        for k, w in keys_ws:
+            r = search_clip(w if s is None else w * s[None, :],
+                            xs if s is None else xs / s[None, :], bits, group)
+            if r is not None:
+                out.clip[k] = r
         return s
 
     for L in range(cfg.num_layers):
