@@ -45,15 +45,28 @@ def emit(obj: dict) -> None:
 
 def time_stream(step_iter) -> dict:
     """`step_iter` yields one generated token id at a time; the clock starts right before
-    the first next() (which includes the prompt's prefill)."""
+    the first next() (which includes the prompt's prefill). Also this process's CPU time
+    and context switches over the decode steps (all its threads): how much of the wall
+    time it actually got the CPUs, and how often it was preempted."""
     ids, stamps = [], []
+    ru0 = None
     t0 = time.perf_counter()
     for tok in step_iter:
         stamps.append(time.perf_counter())
         ids.append(int(tok))
+        if ru0 is None:
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     first = (stamps[0] - t0) * 1000
     per = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
-    return {"first_token_ms": first, "per_token_ms": per, "token_ids": ids}
+    wall = stamps[-1] - stamps[0]
+    n = max(1, len(per))
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return {"first_token_ms": first, "per_token_ms": per, "token_ids": ids,
+            "decode_cpu_s": cpu, "decode_wall_s": wall,
+            "decode_cpu_per_wall": cpu / wall if wall > 0 else None,
+            "decode_invol_csw_per_token": (ru1.ru_nivcsw - ru0.ru_nivcsw) / n,
+            "decode_vol_csw_per_token": (ru1.ru_nvcsw - ru0.ru_nvcsw) / n}
 
 
 def decode_profiled(it, prof):

@@ -389,6 +389,9 @@ def stats(r: dict) -> dict:
             "std_pct_of_mean": float(100 * a.std() / a.mean()),
             "p99_over_p50": float(np.percentile(a, 99) / np.percentile(a, 50)),
             "peak_rss_mib": r["peak_rss_mib"], "vm_hwm_mib": r.get("vm_hwm_mib"),
+            "decode_cpu_per_wall": r.get("decode_cpu_per_wall"),
+            "decode_invol_csw_per_token": r.get("decode_invol_csw_per_token"),
+            "decode_vol_csw_per_token": r.get("decode_vol_csw_per_token"),
             "n_tokens": len(a) + 1}
 
 
@@ -435,12 +438,15 @@ def markdown(res: dict) -> str:
             ("per-token p50 (ms)", "p50_ms", 2), ("per-token p99 (ms)", "p99_ms", 2),
             ("per-token p1 (ms): the least-disturbed tokens", "p1_ms", 2),
             ("per-token std (ms)", "std_ms", 2), ("std / mean (%)", "std_pct_of_mean", 1),
-            ("p99 / p50", "p99_over_p50", 2), ("peak RSS (MiB)", "peak_rss_mib", 0)]
+            ("p99 / p50", "p99_over_p50", 2), ("peak RSS (MiB)", "peak_rss_mib", 0),
+            ("decode CPU time / wall time (all threads)", "decode_cpu_per_wall", 2),
+            ("involuntary context switches per token", "decode_invol_csw_per_token", 1),
+            ("voluntary context switches per token", "decode_vol_csw_per_token", 1)]
     head = "| metric (median of rounds) | " + " | ".join(eng) + " | Colibri / llama.cpp |"
     out = [head, "|" + "---|" * (len(eng) + 2)]
     for label, key, nd in rows:
-        vals = [fmt(med[e][key], nd) for e in eng]
-        ratio = fmt(C[key] / Lc[key], 2) if C and Lc and Lc[key] else "—"
+        vals = [fmt(med[e].get(key), nd) for e in eng]
+        ratio = fmt(C[key] / Lc[key], 2) if C and Lc and C.get(key) is not None and Lc.get(key) else "—"
         out.append(f"| {label} | " + " | ".join(vals) + f" | {ratio} |")
     inv = res["inventory"]
     bw = res["bandwidth"]["GBps"]
@@ -452,7 +458,8 @@ def markdown(res: dict) -> str:
     fid = res.get("fidelity", {})
     if fid:
         out.append("")
-        out.append("| logit error (4 prompts × 64 positions) | rel. RMS | rel. max | top-1 agree | mean KL |")
+        out.append(f"| logit error ({fid.get('prompts')} prompts × {fid.get('positions_per_prompt')} "
+                   f"positions) | rel. RMS | rel. max | top-1 agree | mean KL |")
         out.append("|---|---|---|---|---|")
         for k, v in fid.items():
             if isinstance(v, dict) and "rel_rms" in v:

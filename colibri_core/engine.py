@@ -311,10 +311,12 @@ class Engine:
         uses them is alive: requests that pinned an older snapshot keep theirs working.
         """
         es = self.model.expert_set
+        seen: dict = {}              # every hot expert of this batch's intermediate snapshots
         if self._pending_changes:
             pending, self._pending_changes = self._pending_changes, []
             for change in pending:
                 es = change(es)
+                seen.update((id(h), h) for h in es.hot_experts())
         if self.hotplug is not None:
             for ch in self.hotplug.drain():
                 if ch.previous is not None and set(ch.previous.layers) - set(ch.expert.layers):
@@ -323,12 +325,19 @@ class Engine:
                     es = es.with_expert(ch.expert)
                 else:
                     es = es.with_expert(ch.expert, remove=True)
+                seen.update((id(h), h) for h in (ch.expert, ch.previous) if h is not None)
         if es is not self.model.expert_set:
             old, self.model.expert_set = self.model.expert_set, es
             live = {id(h) for h in es.hot_experts()}
+            was = {id(h) for h in old.hot_experts()}
             gone = [h for h in old.hot_experts() if id(h) not in live]
             if gone and self.hotplug is not None:
                 weakref.finalize(old, _release_all, self.hotplug, gone)
+            # Adopted and replaced (or removed) within this one batch: no token, no snapshot
+            # anyone can hold ever saw it, so its library is unloaded now.
+            never_used = [h for i, h in seen.items() if i not in live and i not in was]
+            if never_used and self.hotplug is not None:
+                _release_all(self.hotplug, never_used)
         while self._events:
             kind, info = self._events.popleft()
             hook = {"loaded": self.hooks.expert_loaded, "unloaded": self.hooks.expert_unloaded,

@@ -688,6 +688,9 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
     """Two changes of one expert adopted between the same two tokens (added, then replaced
     before any token used it): the intermediate version's library must be unloaded too.
     Found by benchmarks/soak.py: one staged .so stayed mapped after everything was removed."""
+    def settle(eng):                # the watcher sees the rename, the worker checks the file
+        time.sleep(0.3)
+        assert eng.hotplug.wait_idle(30)
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
     from colibri_core.config import HotplugConfig
@@ -702,6 +705,8 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
                  w2=rng.standard_normal((H, I)), router_row=np.zeros(H, np.float32))
         build_expert(build / f"w{v}.npz", build / f"x{v}.so", layer=1, name="x", version=str(v))
         sos.append(build / f"x{v}.so")
+    from colibri_core.hotplug.expert import _ffi
+    kept = len(getattr(_ffi, "_libraries", []))
     watched = tmp_path / "experts"
     watched.mkdir(mode=0o755)
     staging = watched / ".colibri-state" / "staging"
@@ -710,20 +715,22 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
     try:
         shutil.copyfile(sos[0], build / "tmp.so")
         os.replace(build / "tmp.so", watched / "x.so")             # add v1 ...
-        assert eng.hotplug.wait_idle(30)
+        settle(eng)
         shutil.copyfile(sos[1], build / "tmp.so")
         os.replace(build / "tmp.so", watched / "x.so")             # ... replace by v2
-        assert eng.hotplug.wait_idle(30)
+        settle(eng)
         eng.apply_expert_changes()                                  # both in one batch
         assert [h.version for h in eng.model.expert_set.hot_experts()] == ["2"]
         assert len({line.split()[-1] for line in open("/proc/self/maps")
                     if str(staging) in line}) == 1, "the intermediate v1 is still loaded"
         (watched / "x.so").unlink()
-        assert eng.hotplug.wait_idle(30)
+        settle(eng)
         eng.apply_expert_changes()
         eng.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
         import gc
         gc.collect()
         assert maps_of(staging) == 0
+        # cffi's FFI.dlopen() keeps every library object it returned unless told otherwise
+        assert len(getattr(_ffi, "_libraries", [])) == kept
     finally:
         eng.close()

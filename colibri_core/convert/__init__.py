@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..config import ModelConfig, format_validation_error
-from ..errors import ColibriError, ConfigError
+from ..errors import ConfigError
 from ..quant import check_group, quantize_q4, quantize_q8
 from ..weights import (AttentionWeights, Expert, FFNWeights, LayerWeights, write_model_dir)
 from . import families as fam
@@ -178,7 +178,7 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         shutil.rmtree(staging)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
-    E, I = cfg.num_experts, cfg.expert_intermediate
+    E = cfg.num_experts
     n_attn = sum(1 for _, _, k in fam.attention_sections(ck, cfg, 0) if k == "matrix")
     per_layer = [n_attn + (3 if t == "dense" else 3 * E + (3 if cfg.shared_expert_intermediate_size else 0))
                  for t in cfg.layer_types]

@@ -226,7 +226,7 @@ def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits
     return s.astype(np.float32), res
 
 
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 def search_clip(w: np.ndarray, x: np.ndarray, bits: int, group: int) -> Optional[float]:

@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1500, help="end-to-end steps (stage 3)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layer", type=int, default=NEW_EXPERT_LAYER)
-    ap.add_argument("--ct-weight", type=float, default=0.25,
+    ap.add_argument("--ct-weight", type=float, default=0.7,
                     help="loss weight of card-testing examples (prior correction)")
     a = ap.parse_args()
 
