@@ -51,7 +51,7 @@ FIXED = os.environ.get("COLIBRI_FUZZ_EXAMPLES")
 
 
 def examples(default: int) -> int:
-    """Examples per fuzzer: the CI default (tuned to keep the file under ~25 s on 2 cores),
+    """Examples per fuzzer: the CI default (tuned to keep the file near 15 s on 2 idle cores),
     or COLIBRI_FUZZ_EXAMPLES for a long run."""
     return int(FIXED) if FIXED else max(1, int(default * SCALE))
 
@@ -198,7 +198,7 @@ def scratch(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzz")
 
 
-@fuzz(150)
+@fuzz(200)
 @given(data=st.data())
 def test_fuzz_config_structures(model_cfg_base, data):
     """ModelConfig / RunConfig / EngineConfig from structurally mutated valid dicts."""
@@ -227,7 +227,7 @@ def _yaml_dump(obj) -> str:
     return yaml.safe_dump(obj, allow_unicode=True)
 
 
-@fuzz(120)
+@fuzz(160)
 @given(data=st.data())
 def test_fuzz_config_files(model_cfg_base, scratch, data):
     """read_mapping / load_run_config / load_model_config on mutated files, as text (JSON,
@@ -267,7 +267,7 @@ def test_fuzz_config_files(model_cfg_base, scratch, data):
 
 # ============================================================================ requests
 
-@fuzz(600)
+@fuzz(1000)
 @given(prompt=st.one_of(
     st.text(),
     st.text().map(lambda s: "MODE:" + s),
@@ -313,7 +313,7 @@ token_like = st.one_of(st.integers(), st.sampled_from(EDGE_INTS), st.floats(), s
                        st.just(np.int64(3)), st.just(np.float32(1.0)))
 
 
-@fuzz(200)
+@fuzz(300)
 @given(prompt=st.one_of(st.text(max_size=200), st.lists(token_like, max_size=12),
                         st.binary(max_size=8), st.integers(), st.none(),
                         st.lists(st.integers(0, 255), min_size=1, max_size=400)),
@@ -407,7 +407,7 @@ def _touch(f: ContainerFile) -> None:
             a.reshape(-1)[-1:].tobytes()           # the last byte of every part is readable
 
 
-@fuzz(250)
+@fuzz(400)
 @given(data=st.data())
 def test_fuzz_container_file(container_bytes, scratch, data):
     name = data.draw(st.sampled_from(sorted(container_bytes)))
@@ -458,7 +458,7 @@ def mutated_model_dir(draw, base: Path, cfg: dict, dst: Path):
     return what
 
 
-@fuzz(80)
+@fuzz(120)
 @given(data=st.data())
 def test_fuzz_model_dir(tiny_model_dir, model_cfg_base, scratch, data):
     """load_model on mutated model directories; when one loads, a forward pass runs."""
@@ -614,7 +614,7 @@ def test_valid_experts_read(experts, scratch):
         assert info.meta.name == name and (info.q4 is not None) == (name == "q4")
 
 
-@fuzz(350)
+@fuzz(500)
 @given(data=st.data())
 def test_fuzz_expert_elf(experts, scratch, data):
     from colibri_core.hotplug.elf import ElfFile

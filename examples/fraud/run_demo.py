@@ -1,6 +1,6 @@
 """Fraud detection with a hot-plugged expert: a new pattern goes live while scoring runs.
 
-    python examples/fraud/run_demo.py                  # ~2-4 min on 2 cores
+    python examples/fraud/run_demo.py                  # ~1.5-3 min on 2 cores
     python examples/fraud/run_demo.py --quick          # ~30 s, wide intervals
 
 What it does, with the committed model (examples/fraud/model, configs/fraud.yaml) and the
@@ -42,11 +42,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER,  # noqa: E402
-                    fmt_ci, fraud_prob, group_metrics, load_scoring, newcombe_diff, wilson)
-from stream import OLD_PATTERNS, SEQ_LEN, StreamConfig, generate  # noqa: E402
+from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER,  # noqa: E402
+                    episode_bootstrap, fmt_ci, fraud_prob, group_metrics, load_scoring,
+                    newcombe_diff, wilson)
+from fraud_stream import OLD_PATTERNS, SEQ_LEN, StreamConfig, generate  # noqa: E402
 
 TXNS_PER_CARD = 38.0        # about, over 14 days (used to size the simulated population)
+
+
+def _pct(p: float) -> str:
+    return "n/a" if math.isnan(p) else f"{100 * p:.0f}%"
 
 
 def clock(t: float) -> str:
@@ -175,7 +180,7 @@ def plot(path: Path, pattern: np.ndarray, flag: np.ndarray, t0s: np.ndarray, t1s
     ax.text(t_live, 1.03, " live", color="green", fontsize=8, va="bottom")
     ax.set_ylim(-0.03, 1.1)
     ax.set_ylabel("recall")
-    ax.legend(loc="center left", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Colibri fraud demo: a new expert hot-plugged while scoring")
     rate = B / np.maximum(t1s - t0s, 1e-9)
     ax2.hlines(rate, t0s, t1s, color="k", lw=1.5)
@@ -191,11 +196,11 @@ def plot(path: Path, pattern: np.ndarray, flag: np.ndarray, t0s: np.ndarray, t1s
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", type=int, default=10000, help="transactions before the drop")
-    ap.add_argument("--after", type=int, default=10000, help="transactions after it is live")
+    ap.add_argument("--before", type=int, default=12000, help="transactions before the drop")
+    ap.add_argument("--after", type=int, default=12000, help="transactions after it is live")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--latency-sample", type=int, default=256)
-    ap.add_argument("--check-size", type=int, default=1200,
+    ap.add_argument("--check-size", type=int, default=1000,
                     help="fixed transactions scored before and after (fraud first)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=str(BUILD / "demo"))
@@ -241,6 +246,7 @@ def main(argv=None) -> dict:
     txns = make_stream(a.before + a.after + slack, a.seed, 0.008, 0.010)
     ids = np.array([tx.token_ids() for tx in txns], np.int64)
     pattern = np.array([tx.pattern for tx in txns])
+    episode = np.array([tx.episode for tx in txns])
     check = make_stream(max(2000, 5 * a.check_size), a.seed + 1, 0.05, 0.05)   # enriched
     keep = [i for i, tx in enumerate(check) if tx.is_fraud][:a.check_size // 3]
     keep += [i for i, tx in enumerate(check) if not tx.is_fraud][:a.check_size - len(keep)]
@@ -252,7 +258,8 @@ def main(argv=None) -> dict:
     say(f"batch of {lat['n']}: {lat['batch']['txn_per_s']:.0f} txn/s "
         f"({lat['batch']['latency_ms_per_txn_amortized']:.2f} ms/txn amortised, "
         f"{lat['batch']['latency_ms_wall']:.0f} ms for the batch); one by one: "
-        f"{lat['one_by_one']['txn_per_s']:.0f} txn/s (median {lat['one_by_one']['latency_ms_median']:.1f} ms, "
+        f"{lat['one_by_one']['txn_per_s']:.0f} txn/s (median "
+        f"{lat['one_by_one']['latency_ms_median']:.1f} ms, "
         f"p95 {lat['one_by_one']['latency_ms_p95']:.1f} ms); x{lat['speedup']:.1f}; "
         f"max |dp| {lat['max_abs_prob_diff']:.2e}")
     p_check_before = score(engine, check_ids, B)
@@ -296,7 +303,7 @@ def main(argv=None) -> dict:
     if live_batch is None:
         raise SystemExit("the stream ended before the expert went live: raise --after")
     n_scored = min(len(ids), len(rows) * B)
-    probs, pat = probs[:n_scored], pattern[:n_scored]
+    probs, pat, epi = probs[:n_scored], pattern[:n_scored], episode[:n_scored]
     p_check_after = score(engine, check_ids, B)
     rows_a = np.array(rows)
     t_live_perf = rows_a[live_batch, 1]
@@ -316,7 +323,13 @@ def main(argv=None) -> dict:
                        "recall_change": newcombe_diff(g0["tp"], g0["positives"], g1["tp"],
                                                       g1["positives"]),
                        "precision_change": newcombe_diff(g0["tp"], g0["tp"] + g0["fp"],
-                                                         g1["tp"], g1["tp"] + g1["fp"])}
+                                                         g1["tp"], g1["tp"] + g1["fp"]),
+                       "episode_bootstrap": episode_bootstrap(flag, pat, epi, group, split),
+                       "per_pattern_recall": {
+                           p: [wilson(int((flag[:split] & (pat[:split] == p)).sum()),
+                                      int((pat[:split] == p).sum())),
+                               wilson(int((flag[split:] & (pat[split:] == p)).sum()),
+                                      int((pat[split:] == p).sum()))] for p in group}}
     fp0 = group_metrics(flag[:split], pat[:split], ["card_testing"])["fp_rate"]
     fp1 = group_metrics(flag[split:], pat[split:], ["card_testing"])["fp_rate"]
     res["table"] = table
@@ -355,7 +368,8 @@ def main(argv=None) -> dict:
         "batches": len(rows), "median_batch_s": float(np.median(t1s - t0s)),
         "max_pause_between_batches_s": float(gaps.max()) if len(gaps) else 0.0,
         "median_completion_period_s": float(np.median(period)) if len(period) else 0.0,
-        "max_completion_period_near_drop_s": float(period[near].max()) if len(period[near]) else 0.0,
+        "max_completion_period_near_drop_s":
+            float(period[near].max()) if len(period[near]) else 0.0,
         "max_completion_period_s": float(period.max()) if len(period) else 0.0,
         "live_batch_s": float(t1s[live_batch] - t0s[live_batch]),
         "around_drop": [{"batch": int(j), "end_s": float(t1s[j] - t_drop_rel),
@@ -368,20 +382,62 @@ def main(argv=None) -> dict:
     }
     engine.close()
 
+    # the counterfactual: the after phase's transactions scored by the base model alone
+    # (a second engine, no hot-plug), so that before/after is also compared on the same
+    # transactions, free of the stream's drift between the two phases
+    base = Engine.from_config(CONFIG)
+    p_base = score(base, ids[split:n_scored], B)
+    base.close()
+    flag_b = p_base >= thr
+    cf = {}
+    for name, group in (("new pattern (card testing)", ["card_testing"]),
+                        ("old patterns", OLD_PATTERNS)):
+        m = np.isin(pat[split:], group)
+        cf[name] = {"base": group_metrics(flag_b, pat[split:], group),
+                    "with_expert": group_metrics(flag[split:], pat[split:], group),
+                    "gained": int((flag[split:] & ~flag_b & m).sum()),
+                    "lost": int((~flag[split:] & flag_b & m).sum())}
+    lm = pat[split:] == "legit"
+    cf["legit"] = {"base_fp": int((flag_b & lm).sum()),
+                   "with_expert_fp": int((flag[split:] & lm).sum()),
+                   "new_fp": int((flag[split:] & ~flag_b & lm).sum()),
+                   "removed_fp": int((~flag[split:] & flag_b & lm).sum()), "n": int(lm.sum())}
+    res["after_phase_same_transactions"] = cf
+
     # report
     say("")
     say(f"threshold P(FRAUD) >= {thr:.4f}; {n_scored} transactions in {len(rows)} batches of {B}")
-    say(f"{'':28s} {'before':>26s} {'after':>26s}   change (95% CI)")
+    say(f"{'':40s} {'before':>22s} {'after':>22s}   {'change, Newcombe':>22s}"
+        f"   {'change, by episode':>18s}")
     for name, r in table.items():
+        eb = r["episode_bootstrap"]
         for metric in ("recall", "precision"):
             b, c = r["before"][metric], r["after"][metric]
-            d = r[f"{metric}_change"]
+            d, e = r[f"{metric}_change"], eb[f"{metric}_change"]
             say(f"{name + ' ' + metric:40s} {fmt_ci(*b):>22s} {fmt_ci(*c):>22s}   "
-                f"{100 * d[0]:+5.1f} [{100 * d[1]:+5.1f}, {100 * d[2]:+5.1f}]")
-        say(f"{'':40s} n={r['before']['positives']:<5d} tp={r['before']['tp']:<4d} "
-            f"fp={r['before']['fp']:<4d}      n={r['after']['positives']:<5d} "
-            f"tp={r['after']['tp']:<4d} fp={r['after']['fp']:<4d}")
+                f"{100 * d[0]:+5.1f} [{100 * d[1]:+5.1f}, {100 * d[2]:+5.1f}]"
+                f"     [{100 * e[0]:+5.1f}, {100 * e[1]:+5.1f}]")
+        say(f"{'':40s} n={r['before']['positives']:<4d} ({eb['episodes'][0]} episodes) "
+            f"tp={r['before']['tp']:<4d} fp={r['before']['fp']:<3d}  "
+            f"n={r['after']['positives']:<4d} ({eb['episodes'][1]} episodes) "
+            f"tp={r['after']['tp']:<4d} fp={r['after']['fp']:<3d}")
+    pp = table["old patterns"]["per_pattern_recall"]
+    say("old patterns, recall by pattern (before -> after): " + ", ".join(
+        f"{p} {_pct(v[0][0])} (n={int((pat[:split] == p).sum())})"
+        f" -> {_pct(v[1][0])} (n={int((pat[split:] == p).sum())})" for p, v in pp.items()))
     say(f"{'legit false-positive rate':40s} {fmt_ci(*fp0):>22s} {fmt_ci(*fp1):>22s}")
+    say(f"after phase, the same {n_scored - split} transactions scored by the base model alone "
+        f"vs with the expert:")
+    for name in ("new pattern (card testing)", "old patterns"):
+        c = cf[name]
+        for metric in ("recall", "precision"):
+            say(f"  {name + ' ' + metric:38s} {fmt_ci(*c['base'][metric]):>22s} "
+                f"{fmt_ci(*c['with_expert'][metric]):>22s}")
+        say(f"  {'':38s} decisions changed on {c['base']['positives']} txns: "
+            f"{c['gained']} caught, {c['lost']} missed")
+    lg = cf["legit"]
+    say(f"  legit: {lg['base_fp']} -> {lg['with_expert_fp']} false positives of {lg['n']} "
+        f"({lg['new_fp']} new, {lg['removed_fp']} gone)")
     st = res["same_transactions"]
     say(f"same {st['n_old']} old-pattern / {st['n_new']} card-testing / {st['n_legit']} legit "
         f"txns scored before and after: old recall {st['old_recall'][0]:.3f} -> "

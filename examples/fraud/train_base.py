@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BUILD, HF_CONFIG, MODEL_DIR, SCORING_JSON, best_f1_threshold,  # noqa: E402
-                    dequantized_hf_model, encode, fraud_prob, labels, roc_auc,
-                    torch_fraud_prob)
-from stream import FRAUD, OK, SEQ_LEN, StreamConfig, generate, summary, write_tokenizer  # noqa: E402
+from fraud_common import (BUILD, HF_CONFIG, MODEL_DIR, SCORING_JSON,  # noqa: E402
+                          best_f1_threshold, dequantized_hf_model, encode, fraud_prob,
+                          labels, roc_auc, torch_fraud_prob)
+from fraud_stream import (FRAUD, OK, SEQ_LEN, StreamConfig, generate, summary,  # noqa: E402
+                          write_tokenizer)
 
 TRAIN = StreamConfig(n_cards=5000, days=14, old_fraud_rate=0.08, new_fraud_rate=0.0, seed=101)
 VALID = StreamConfig(n_cards=1500, days=14, old_fraud_rate=0.01, new_fraud_rate=0.0, seed=202)
@@ -58,7 +59,7 @@ def train(ids: np.ndarray, y: np.ndarray, steps: int, seed: int, batch: int = 25
         el = time.time() - t0
         frac = step / steps
         for g in opt.param_groups:
-            g["lr"] = lr * (min(1.0, step / 100) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))))
+            g["lr"] = lr * min(1.0, step / 100) * (0.05 + 0.475 * (1 + math.cos(math.pi * frac)))
         idx = torch.from_numpy(rng.integers(0, len(X), batch))
         x = X[idx]
         out = model(input_ids=x, output_router_logits=True,
@@ -109,7 +110,8 @@ def main() -> int:
     auc_t = roc_auc(torch_fraud_prob(model, Xva), yva)
     print(f"torch: {steps} steps; valid AUC {auc_t:.4f} (float weights)", flush=True)
 
-    hf_dir = BUILD / f"hf_{Path(a.out).name}"
+    out = Path(a.out)
+    hf_dir = BUILD / "hf_model" if out.resolve() == MODEL_DIR else out.parent / f"{out.name}_hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(hf_dir, safe_serialization=True)
     write_tokenizer(hf_dir / "tokenizer.json")
@@ -129,8 +131,10 @@ def main() -> int:
                                                                    replace=False)]))
     from colibri_core.engine import Engine
     with Engine.from_model_dir(a.out) as eng:
-        p_c = np.concatenate([fraud_prob(np.stack(eng.score_batch(list(map(list, Xva[sub][i:i + 512])))))
-                              for i in range(0, len(sub), 512)])
+        Xs = Xva[sub]
+        p_c = np.concatenate([
+            fraud_prob(np.stack(eng.score_batch([list(r) for r in Xs[i:i + 512]])))
+            for i in range(0, len(Xs), 512)])
     diff = float(np.abs(p_c - p[sub]).max())
     flips = int(((p_c >= thr) != (p[sub] >= thr)).sum())
     flag = p >= thr

@@ -39,9 +39,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BUILD, EXPERT_JSON, EXPERT_NPZ, HF_CONFIG, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
-                    dequantized_hf_model, encode, group_metrics, load_scoring)
-from stream import FRAUD, OK, OLD_PATTERNS, StreamConfig, generate, summary  # noqa: E402
+from fraud_common import (BUILD, EXPERT_JSON, EXPERT_NPZ, HF_CONFIG, MODEL_DIR,  # noqa: E402
+                          NEW_EXPERT_LAYER, dequantized_hf_model, encode, group_metrics,
+                          load_scoring)
+from fraud_stream import FRAUD, OK, OLD_PATTERNS, StreamConfig, generate, summary  # noqa: E402
 
 MIX = StreamConfig(n_cards=1600, days=14, old_fraud_rate=0.04, new_fraud_rate=0.12, seed=303)
 VALID = StreamConfig(n_cards=900, days=14, old_fraud_rate=0.01, new_fraud_rate=0.01, seed=404)
@@ -130,6 +131,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1500, help="end-to-end steps (stage 3)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layer", type=int, default=NEW_EXPERT_LAYER)
+    ap.add_argument("--out", default=str(EXPERT_NPZ.parent),
+                    help="folder for card_testing.npz / .json")
     ap.add_argument("--ct-weight", type=float, default=0.7,
                     help="loss weight of card-testing examples (prior correction)")
     a = ap.parse_args()
@@ -142,7 +145,9 @@ def main() -> int:
     t0 = time.time()
     thr = load_scoring()["threshold"]
     mix, va = generate(MIX), generate(VALID)
-    print(f"mix: {len(mix)} txns {json.dumps({p: summary(mix)[p]['n'] for p in ['legit', 'card_testing'] + OLD_PATTERNS})}"
+    sm = summary(mix)
+    counts = {p: sm[p]["n"] for p in ["legit", "card_testing"] + OLD_PATTERNS}
+    print(f"mix: {len(mix)} txns {json.dumps(counts)}"
           f"; valid: {len(va)} ({time.time() - t0:.0f}s)", flush=True)
 
     model = dequantized_hf_model(MODEL_DIR)
@@ -261,10 +266,12 @@ def main() -> int:
     print(f"legit FP rate {before['fp_rate'][0]:.4%} -> {after['fp_rate'][0]:.4%}; decisions "
           f"flipped on old-pattern txns: {flips_old}, on legit: {flips_legit}")
 
-    EXPERT_NPZ.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(EXPERT_NPZ, w1=w1, w3=w3, w2=w2, router_row=row.detach().numpy().astype(np.float32),
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    npz_path, json_path = out / EXPERT_NPZ.name, out / EXPERT_JSON.name
+    np.savez(npz_path, w1=w1, w3=w3, w2=w2, router_row=row.detach().numpy().astype(np.float32),
              router_bias=np.float32(bias.item()))
-    EXPERT_JSON.write_text(json.dumps({
+    json_path.write_text(json.dumps({
         "name": "card_testing", "layer": L, "hidden": H, "intermediate": I,
         "threshold": thr, "router_bias": float(bias.item()),
         "valid_before": before, "valid_after_int4": after,
@@ -272,7 +279,7 @@ def main() -> int:
         "mix_stream": MIX.__dict__, "valid_stream": VALID.__dict__,
         "steps": a.steps, "seed": a.seed, "ct_weight": a.ct_weight,
     }, indent=1) + "\n")
-    print(f"wrote {EXPERT_NPZ} and {EXPERT_JSON.name} ({time.time() - t0:.0f}s total)")
+    print(f"wrote {npz_path} and {json_path.name} ({time.time() - t0:.0f}s total)")
     return 0
 
 
