@@ -360,11 +360,14 @@ class Launcher:
 LAUNCHER: Launcher | None = None
 
 
+EXTRA_ENV: dict = {}
+
+
 def run_child(engine: str, job: dict, threads: int, timeout: float = 3600) -> dict:
     """Run one engine runner (through the launcher): its JSON, plus its peak RSS (the
     child's ru_maxrss from wait4, KiB on Linux)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+               MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", **EXTRA_ENV)
     cmd = [sys.executable, str(HERE / RUNNER[engine]), json.dumps(job)]
     t0 = time.time()
     r = LAUNCHER.run(cmd, env, HERE, timeout)
@@ -606,7 +609,7 @@ def pyspy(engine: str, job: dict, threads: int, rate: int = 250) -> str | None:
     if spy is None:
         return None
     raw = OUT / f"vs_llamacpp_pyspy_{engine.replace('.', '')}.txt"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **EXTRA_ENV)
     cmd = [spy, "record", "--native", "-r", str(rate), "-f", "raw", "-o", str(raw), "--",
            sys.executable, str(HERE / RUNNER[engine]), json.dumps(job)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
@@ -667,6 +670,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="afterwards: cProfile one Colibri decode; py-spy --native both engines")
     ap.add_argument("--tag", default="", help="suffix for the output file names")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for every engine runner (e.g. OMP_WAIT_POLICY=ACTIVE)")
     ap.add_argument("--report-only", action="store_true",
                     help="re-render the table and PNG from the last run's JSON (no measuring)")
     a = ap.parse_args(argv)
@@ -681,6 +686,7 @@ def main(argv=None):
         print(md)
         return
     global LAUNCHER
+    EXTRA_ENV.update(kv.split("=", 1) for kv in a.env)
     LAUNCHER = Launcher()          # first, while this process is small
     try:
         _main(a)
