@@ -26,6 +26,13 @@ def main():
     prof = Profiler(j.get("profile"))
     with prof:
         res = time_stream(decode_profiled(stream(), prof))
+    if j.get("profile_prefill"):          # the first token alone: prefill + one sample
+        import cProfile
+        pr = cProfile.Profile()
+        pr.enable()
+        eng.generate(j["prompt"], max_new_tokens=1, temperature=0).run()
+        pr.disable()
+        pr.dump_stats(j["profile_prefill"])
     emit({"engine": "colibri", **res})
 
 

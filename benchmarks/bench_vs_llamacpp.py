@@ -570,13 +570,17 @@ def profile_colibri(job: dict, threads: int, top: int = 30) -> str:
     import io
     import pstats
     prof = OUT / "vs_llamacpp_colibri.pstats"
-    run_child("colibri", {**job, "profile": str(prof)}, threads)
+    pre = OUT / "vs_llamacpp_colibri_prefill.pstats"
+    run_child("colibri", {**job, "profile": str(prof), "profile_prefill": str(pre)}, threads)
     buf = io.StringIO()
     st = pstats.Stats(str(prof), stream=buf)
     buf.write("=== cProfile, decode steps only, by own time (tottime) ===\n")
     st.sort_stats("tottime").print_stats(top)
     buf.write("=== by cumulative time ===\n")
     st.sort_stats("cumulative").print_stats(top)
+    st = pstats.Stats(str(pre), stream=buf)
+    buf.write("=== cProfile, first token (prompt prefill + 1 sample), by own time ===\n")
+    st.sort_stats("tottime").print_stats(15)
     return buf.getvalue()
 
 
