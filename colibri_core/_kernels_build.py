@@ -16,38 +16,19 @@ from cffi import FFI
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _KDIR = "colibri_core/_kernels"  # relative to the repo root, as setuptools wants
 
-# Mirror of the public part of _kernels/ck.h.
-CDEF = """
-void ck_init(void);
-int ck_backend(void);
-int ck_backend_available(int b);
-int ck_set_backend(int b);
-void ck_set_threads(int n);
-void ck_set_par_min_work(int64_t w);
-int ck_get_threads(void);
-uint64_t ck_rdtsc(void);
-const char *ck_cycle_counter_name(void);
-void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
-                     int8_t *xq, float *xs, int32_t *xsum);
-int ck_q4_matmul(const uint8_t *wd, const float *ws, const uint8_t *wz,
-                 int64_t rows, int64_t cols, int64_t group,
-                 const float *x, int64_t n, float *out, int act_int8,
-                 int8_t *xq, float *xs, int32_t *xsum);
-int ck_q8_matmul(const int8_t *wd, const float *ws,
-                 int64_t rows, int64_t cols, int64_t group,
-                 const float *x, int64_t n, float *out, int act_int8,
-                 int8_t *xq, float *xs, int32_t *xsum);
-int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
-                  const uint8_t *w3d, const float *w3s, const uint8_t *w3z, int64_t g13,
-                  const uint8_t *w2d, const float *w2s, const uint8_t *w2z, int64_t g2,
-                  int64_t hidden, int64_t inter,
-                  const float *x, int64_t n, float *out, const float *rw,
-                  int accumulate, int act_int8,
-                  int8_t *xq, float *xs, int32_t *xsum,
-                  float *h, int8_t *hq, float *hs, int32_t *hsum);
-int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
-                        int64_t nkv, int64_t len, float scale, float *out, float *scores);
-"""
+_PUBLIC_END = "/* ------------------------------------------------------------------ internals */"
+
+
+def public_declarations() -> str:
+    """The public part of _kernels/ck.h (from its enum up to the internals marker) is the
+    cdef: one source of truth for the C API."""
+    with open(os.path.join(_REPO, _KDIR, "ck.h")) as f:
+        text = f.read()
+    start = text.index("enum { CK_SCALAR")
+    return text[start:text.index(_PUBLIC_END)]
+
+
+CDEF = public_declarations()
 
 
 def _build_ffi(absolute: bool = False) -> FFI:
