@@ -24,7 +24,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_vs_llamacpp import OUT, WORK, _permute_qk, logit_errors  # noqa: E402
+from bench_vs_llamacpp import OUT, WORK, logit_errors  # noqa: E402
 
 ROLE_HF = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
            "attn_v": "self_attn.v_proj.weight", "attn_o": "self_attn.o_proj.weight",

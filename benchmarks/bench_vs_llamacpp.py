@@ -25,13 +25,22 @@ What it does (everything cached under benchmarks/out/vs_llamacpp/, git-ignored):
 
 llama-cpp-python and gguf are installed on demand (pip) when missing; they are never
 project dependencies. If that install fails the Colibri + transformers part still runs.
-`--profile` adds a cProfile of one Colibri decode (top functions printed and written to
-benchmarks/out/vs_llamacpp_profile.txt).
+
+Options: `--profile` re-runs one generation per engine afterwards under py-spy --native
+(when py-spy is installed: what the calling thread does during decode steps) and one
+Colibri generation under cProfile (decode steps, and the first token separately); all
+printed and written to benchmarks/out/vs_llamacpp_profile.txt. `--env KEY=VALUE` adds to
+every runner's environment (e.g. OMP_WAIT_POLICY=ACTIVE); `--tag _x` suffixes the output
+names; `--report-only` re-renders table and PNG from the last JSON. Per-role causes of the
+logit error: benchmarks/_peer_fidelity_ablation.py.
+
+Peak RSS is each runner's ru_maxrss from wait4; the runners are started by
+benchmarks/_peer_launcher.py, a process forked while this one is small, because Linux
+carries the parent's RSS into a forked child's ru_maxrss.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
