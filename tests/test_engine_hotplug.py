@@ -189,3 +189,30 @@ def test_isolated_expert_crash_after_adoption_disables_it(tiny_model_dir, tmp_pa
         assert all(getattr(e, "hot", None) is not hot for e in eng.model.expert_set.experts[1])
     finally:
         eng.close()
+
+
+def test_pinned_request_keeps_its_expert_set(tiny_model_dir, tmp_path):
+    """A request that pins its expert set is computed with the snapshot it started with,
+    while a new request adopts the newly dropped expert."""
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    with Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                             hotplug=HotplugConfig(settle_s=0.05))) as eng:
+        pinned = iter(eng.generate([1, 2, 3], max_new_tokens=30, temperature=0, pin_experts=True))
+        first = [next(pinned) for _ in range(3)]
+        os.rename(_build(build, "late", "1", seed=3), watched / "late.so")
+        t0 = time.time()
+        while eng.expert_set_version == 0 and time.time() - t0 < 20:
+            eng.apply_expert_changes()               # this is the engine's thread
+            time.sleep(0.02)
+        assert eng.expert_set_version >= 1           # adopted while the pinned run is open
+        rest = list(pinned)
+        assert {ev.expert_set_version for ev in first + rest} == {0}
+        for t in eng.model.last_routing:             # the pinned run never saw slot 4
+            assert not (t.routing.ids == 4).any()
+        g = eng.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
+        assert g.events[0].expert_set_version >= 1
+        routed = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
+        assert (routed == 4).any()
