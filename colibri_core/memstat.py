@@ -1,0 +1,124 @@
+"""What the operating system says about memory: mincore residency of mapped ranges and of
+files' page cache, dropping a file's cache, bytes really read (/proc/self/io), RSS.
+
+Linux-specific; used by the memory budget (residency.py), the CLI's memory line, tests and
+benchmarks.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno as _errno
+import mmap
+import os
+from typing import Optional
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+_libc = None
+
+
+def _lib():
+    """libc through ctypes: its calls release the GIL (mmap.madvise does not), so an I/O
+    thread blocked in MADV_POPULATE_READ does not stall the forward loop."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.madvise.restype = ctypes.c_int
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.mincore.restype = ctypes.c_int
+        _libc = lib
+    return _libc
+
+
+def madvise(addr: int, length: int, advice: int) -> int:
+    """0, or the errno of a failed madvise(2) on [addr, addr+length) (page aligned)."""
+    if _lib().madvise(addr, length, advice) != 0:
+        return ctypes.get_errno() or _errno.EINVAL
+    return 0
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of [addr, addr+length) (a mapping, page aligned) present in memory: mincore(2).
+    For a file mapping this is the file's page-cache residency over the range, mapped by
+    this process or not (the caller must be able to write the file, or own it, for
+    Linux >= 5.0 to report pages it has not mapped itself)."""
+    if length <= 0:
+        return 0
+    n = -(-length // PAGE)
+    vec = np.zeros(n, np.uint8)
+    if _lib().mincore(addr, length, vec.ctypes.data) != 0:
+        return 0
+    return int(np.count_nonzero(vec & 1)) * PAGE
+
+
+def file_cache_bytes(path) -> int:
+    """Page-cache residency of a whole file (mapped briefly; mapping reads nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    try:
+        view = np.frombuffer(mm, np.uint8)
+        n = resident_bytes(view.ctypes.data, size)
+        del view
+        return n
+    finally:
+        mm.close()
+
+
+def drop_file_cache(path, offset: int = 0, length: int = 0, sync: bool = False) -> None:
+    """posix_fadvise(DONTNEED): drop the file's clean, unmapped pages from the page cache.
+    sync: write dirty pages first (a model written moments ago is still dirty, and dirty
+    pages are not dropped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if sync:
+            os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def proc_read_bytes() -> Optional[int]:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes: page
+    cache misses, O_DIRECT reads, readahead), None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def proc_memory() -> dict:
+    """VmRSS, VmHWM (peak RSS), RssAnon, RssFile, RssShmem of this process, in bytes."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
