@@ -135,12 +135,13 @@ def _sha256(path: Path) -> str:
 
 def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             lm_head_bits: Optional[int] = None, embed_bits: Optional[int] = None,
-            calibration=None, calibration_tokens_max: int = 512,
+            kv_bits: Optional[int] = None, calibration=None, calibration_tokens_max: int = 512,
             progress: bool = False, overwrite: bool = False) -> ModelConfig:
     """Convert; returns the written model config. Raises ConfigError (one line) for
     unsupported architectures and options, ModelFormatError for broken checkpoints."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    for name, b in (("--bits", bits), ("lm_head_bits", lm_head_bits), ("embed_bits", embed_bits)):
+    for name, b in (("--bits", bits), ("lm_head_bits", lm_head_bits), ("embed_bits", embed_bits),
+                    ("kv_bits", kv_bits)):
         if b is not None and b not in VALID_BITS:
             raise ConfigError(f"{name} {b}: must be one of {', '.join(map(str, VALID_BITS))}")
     try:
@@ -158,6 +159,10 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
     lm_bits = lm_head_bits or (8 if bits == 4 else bits)
     emb_bits = embed_bits or (lm_bits if fields.get("tie_word_embeddings") else bits)
+    # Attention K/V projections at 8 bits under a 4-bit body (as llama.cpp does): they are
+    # small (kv_heads x head_dim rows) but carry a large share of the logit error (measured
+    # by benchmarks/_peer_fidelity_ablation.py). An AWQ import keeps its own 4 bits.
+    kvb = kv_bits or (8 if bits == 4 and spec is None else bits)
     method = "awq-import" if spec is not None else ("awq" if calibration is not None else "rtn")
     try:
         cfg = ModelConfig.model_validate(fields)
@@ -208,14 +213,14 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                 bar.set_description("convert")
 
         quant = {"method": method, "bits": bits, "group_size": spec.group if spec else group_size,
-                 "lm_head_bits": lm_bits, "embed_bits": emb_bits,
+                 "lm_head_bits": lm_bits, "embed_bits": emb_bits, "kv_bits": kvb,
                  "source_dtypes": sorted(ck.float_dtypes())}
         if calibration is not None:
             quant["calibration"] = {"sha256": _sha256(Path(calibration)), "tokens": scales.tokens,
                                     **scales.summary()}
         cfg = cfg.model_copy(update={"quantization": quant})
 
-        main = _main_sections(wr, cfg, lm_bits, emb_bits, tick)
+        main = _main_sections(wr, cfg, lm_bits, emb_bits, tick, kvb)
         routing = list(_routing_sections(wr, cfg))
         experts = _experts(wr, cfg, tick)
         n_main = 4 + sum(12 + 2 * n_attn + (8 if cfg.shared_expert_intermediate_size else 6)
@@ -240,7 +245,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
 
 # ----------------------------------------------------------------------------- sections
 
-def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, tick) -> Iterator:
+def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, tick,
+                   kv_bits: Optional[int] = None) -> Iterator:
     ck = wr.ck
 
     def mat(name, src, key=None, bits=None):
@@ -257,7 +263,8 @@ def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, t
         yield p + "ffn_norm", wr.vector(fam.Src(q + "post_attention_layernorm.weight"))
         for name, src, k in fam.attention_sections(ck, cfg, L):
             if k == "matrix":
-                yield from mat(name, src)
+                kv = name.endswith((".wk", ".wv"))
+                yield from mat(name, src, bits=kv_bits if kv else None)
             else:
                 yield name, wr.vector(src)
         if kind == "dense":
