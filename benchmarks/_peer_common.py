@@ -97,3 +97,15 @@ class Profiler:
         if self.pr is not None:
             self.pr.disable()
             self.pr.dump_stats(self.path)
+
+
+def time_peer(stream, j: dict) -> dict:
+    """Warm up with 4 tokens of j["warmup"], then time j["tokens"] tokens after j["prompt"]
+    (under the profiler when j["profile"] asks for one). `stream(prompt, n)` yields token
+    ids; the same procedure for every engine, so the numbers compare."""
+    for _ in stream(j["warmup"], 4):
+        pass
+    prof = Profiler(j.get("profile"))
+    with prof:
+        return time_stream(decode_profiled(stream(j["prompt"], j["tokens"]), prof))
+

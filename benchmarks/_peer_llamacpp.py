@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _peer_common import Profiler, decode_profiled, emit, job, time_stream
+from _peer_common import emit, job, time_peer
 
 
 def main():
@@ -43,11 +43,7 @@ def main():
             tok = argmax_last()
             yield tok
 
-    for _ in stream(j["warmup"], 4):
-        pass
-    prof = Profiler(j.get("profile"))
-    with prof:
-        res = time_stream(decode_profiled(stream(j["prompt"], j["tokens"]), prof))
+    res = time_peer(stream, j)
     emit({"engine": "llama.cpp", **res, **info})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _peer_common import Profiler, decode_profiled, emit, job, time_stream
+from _peer_common import emit, job, time_peer
 
 
 def main():
@@ -33,11 +33,7 @@ def main():
             tok = int(out.logits[0, -1].argmax())
             yield tok
 
-    for _ in stream(j["warmup"], 4):
-        pass
-    prof = Profiler(j.get("profile"))
-    with prof:
-        res = time_stream(decode_profiled(stream(j["prompt"], j["tokens"]), prof))
+    res = time_peer(stream, j)
     emit({"engine": "transformers", "dtype": "float32", **res})
 
 
