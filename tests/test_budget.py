@@ -136,10 +136,13 @@ def test_budget_holds(model_dir, reference, load_mode):
     assert toks == reference[0]
     assert probe.samples > 20
     # the expert files' page cache (mapped or not) never exceeds the cache's capacity by
-    # more than one expert: an evicted expert's pages are dropped by one I/O thread while
-    # another may already be reading the next one (seen once, on a loaded machine)
+    # more than one expert per I/O thread: each load job drops its evicted experts' pages
+    # before it reads, but with n threads, n-1 other jobs may have read before this one
+    # dropped, and the sampler's mincore sum over the files is not one instant either (a
+    # file counted before its drop, another after its load: seen on a loaded CI machine)
     one_expert = max(f.stat().st_size for f in files)
-    assert probe.peak <= res.capacity + one_expert, (probe.peak, res.capacity)
+    slack = cfg.residency.io_threads * one_expert
+    assert probe.peak <= res.capacity + slack, (probe.peak, res.capacity, slack)
     assert probe.peak_used <= res.capacity and rep["expert_cache_peak"] <= res.capacity
     if load_mode == "copy":
         assert probe.peak == 0                                   # O_DIRECT or dropped
