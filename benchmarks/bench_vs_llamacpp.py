@@ -31,8 +31,10 @@ Options: `--profile` re-runs one generation per engine afterwards under py-spy -
 Colibri generation under cProfile (decode steps, and the first token separately); all
 printed and written to benchmarks/out/vs_llamacpp_profile.txt. `--env KEY=VALUE` adds to
 every runner's environment (e.g. OMP_WAIT_POLICY=ACTIVE); `--tag _x` suffixes the output
-names; `--report-only` re-renders table and PNG from the last JSON. Per-role causes of the
-logit error: benchmarks/_peer_fidelity_ablation.py.
+names; `--report-only` re-renders table and PNG from the last JSON; `--fidelity-only` runs
+steps 1, 2 and 4 only. The Colibri conversion is redone when the model, the convert()
+arguments (CONVERT_KW) or the converter's code (quant.py, convert/) change. Per-role
+causes of the logit error: benchmarks/_peer_fidelity_ablation.py.
 
 Peak RSS is each runner's ru_maxrss from wait4; the runners are started by
 benchmarks/_peer_launcher.py, a process forked while this one is small, because Linux
@@ -125,13 +127,31 @@ def build_hf(path: Path) -> Path:
     return path
 
 
+CONVERT_KW = dict(bits=4)
+
+
+def _convert_key(hf: Path) -> dict:
+    """What the cached Colibri conversion depends on: the model, the convert() arguments
+    and the converter's code (so a changed default or rounding rule reconverts)."""
+    import hashlib
+    import colibri_core
+    pkg = Path(colibri_core.__file__).parent
+    code = hashlib.sha256(b"".join((pkg / f).read_bytes() for f in
+                                   ("quant.py", "convert/__init__.py", "convert/awq.py")))
+    return {"spec": json.loads((hf / "bench_spec.json").read_text()), "convert": CONVERT_KW,
+            "code": code.hexdigest()}
+
+
 def build_colibri(hf: Path, path: Path) -> Path:
-    if (path / "config.json").exists() and path.stat().st_mtime >= (hf / "bench_spec.json").stat().st_mtime:
+    marker = path.with_name(path.name + ".key.json")
+    key = _convert_key(hf)
+    if (path / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == key:
         return path
     from colibri_core.convert import convert
     t0 = time.time()
     log(f"converting to Colibri q4 in {path} ...")
-    convert(hf, path, bits=4, overwrite=True)
+    convert(hf, path, overwrite=True, **CONVERT_KW)
+    marker.write_text(json.dumps(key))
     log(f"  converted in {time.time() - t0:.0f} s")
     return path
 
@@ -685,6 +705,9 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix for the output file names")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every engine runner (e.g. OMP_WAIT_POLICY=ACTIVE)")
+    ap.add_argument("--fidelity-only", action="store_true",
+                    help="only the logit-error part (no bandwidth, no timing); writes "
+                         "benchmarks/out/vs_llamacpp{tag}_fidelity.json")
     ap.add_argument("--report-only", action="store_true",
                     help="re-render the table and PNG from the last run's JSON (no measuring)")
     a = ap.parse_args(argv)
@@ -738,9 +761,10 @@ def _main(a):
     if "llama.cpp" in paths:
         res["inventory"]["llama.cpp"] = gguf_inventory(Path(paths["llama.cpp"]))
         res["inventory"]["llama.cpp F16"] = gguf_inventory(Path(paths["llama.cpp F16"]))
-    log("measuring read bandwidth ...")
-    res["bandwidth"] = read_bandwidth(a.threads)
-    log(f"  {res['bandwidth']['GBps']:.2f} GB/s ({a.threads} threads)")
+    if not a.fidelity_only:
+        log("measuring read bandwidth ...")
+        res["bandwidth"] = read_bandwidth(a.threads)
+        log(f"  {res['bandwidth']['GBps']:.2f} GB/s ({a.threads} threads)")
 
     # ---- fidelity: the same prompts through every model
     V = SHAPE["vocab_size"]
@@ -769,6 +793,12 @@ def _main(a):
         if isinstance(v, dict):
             log(f"  {k}: rel RMS {v['rel_rms']:.4f}  rel max {v['rel_max']:.4f}  "
                 f"top-1 {100 * v['top1_agree']:.1f}%  KL {v['kl_mean']:.4f}")
+    if a.fidelity_only:
+        out = OUT / f"vs_llamacpp{a.tag}_fidelity.json"
+        out.write_text(json.dumps(res, indent=1, default=float))
+        print(json.dumps(fid, indent=1, default=float))
+        print(f"wrote {out}")
+        return
 
     # ---- timing rounds
     rng = np.random.default_rng(0)

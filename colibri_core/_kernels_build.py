@@ -3,8 +3,9 @@
 Used by setup.py (`cffi_modules`) and runnable directly for a development build:
 `python colibri_core/_kernels_build.py` puts `_colibri_kernels*.so` into colibri_core/.
 
-SIMD code is chosen at run time (AVX2+FMA functions carry target attributes), so the
-build never uses -march=native and the extension runs on any x86-64 / aarch64 CPU.
+SIMD code is chosen at run time (AVX2+FMA and AVX-512 VNNI functions carry target
+attributes), so the build never uses -march=native and the extension runs on any
+x86-64 / aarch64 CPU.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
     colibri run [--config FILE | --model DIR] [--prompt TEXT] [-n N] [--top-k K] ...
     colibri inspect MODEL_DIR [--verify]
     colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
-                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--progress] [--force]
+                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--q4-clip mse|minmax]
+                    [--progress] [--force]
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
 
 User mistakes print one line `colibri: error: ...` and exit 2; Ctrl-C exits 130.
@@ -178,7 +179,7 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
                   lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
-                  kv_bits=args.kv_bits,
+                  kv_bits=args.kv_bits, q4_clip=args.q4_clip,
                   calibration=args.calibration, progress=args.progress or sys.stderr.isatty(),
                   overwrite=args.force)
     q = cfg.quantization
@@ -289,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
-                   help="4: q4 (lm_head q8), 8: q8, 16: the checkpoint's own bf16/f16, 32: f32")
+                   help="4: q4 (embedding, lm_head and K/V q8), 8: q8, 16: the checkpoint's "
+                        "own bf16/f16, 32: f32")
     c.add_argument("--group-size", type=int, default=128, dest="group_size",
                    help="quantization group size, a multiple of 64 (default 128)")
     c.add_argument("--kv-bits", type=int, choices=[4, 8, 16, 32], dest="kv_bits",
@@ -297,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lm-head-bits", type=int, choices=[4, 8, 16, 32], dest="lm_head_bits",
                    help="override the lm_head's precision (default: 8 under --bits 4)")
     c.add_argument("--embed-bits", type=int, choices=[4, 8, 16, 32], dest="embed_bits",
-                   help="override the embedding's precision")
+                   help="override the embedding's precision (default: 8 under --bits 4; "
+                        "the lm_head's when tied)")
+    c.add_argument("--q4-clip", choices=["mse", "minmax"], dest="q4_clip",
+                   help="q4 scale/zero point per group: mse (min/max or a shrunk range, "
+                        "whichever has the smaller squared error) or minmax (plain RTN); "
+                        "default mse, minmax with --calibration")
     c.add_argument("--calibration", metavar="FILE",
                    help="text file: AWQ activation-aware scales from the model's activations")
     c.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")

@@ -233,6 +233,7 @@ class EngineConfig(BaseModel):
     sampling: SamplingConfig = SamplingConfig()
     length_policy: list[LengthRule] = []               # dynamic k by prompt length
     prefetch: Literal["none", "willneed", "populate"] = "willneed"
+    fast_decode: bool = True                           # decode.py's path where it applies
     experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
     hotplug: HotplugConfig = HotplugConfig()
     plugins_dir: Optional[str] = None

@@ -158,6 +158,7 @@ class Engine:
             self.hotplug = None
         self._close_residency()
         self.model.expert_set = None        # its experts hold views into the mapped files
+        self.model.drop_decode_plans()      # so do the decode path's C structs
         self.weights.close()
 
     def __enter__(self):

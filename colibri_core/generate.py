@@ -115,8 +115,7 @@ class Generation:
                     eng.apply_expert_changes()          # between two tokens, on this thread
                     es = eng.model.expert_set
                     version = es.version
-                logits = eng.model.forward([np.asarray([tok])], [cache], [self.k],
-                                           expert_set=es)[0]
+                logits = eng.model.decode_step(tok, cache, self.k, expert_set=es)
             if decoder is not None and self.stop_reason != "stop":
                 tail = decoder.flush()
                 self.text += tail
@@ -133,7 +132,7 @@ class Generation:
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
                 return int(got)
-        if not np.isfinite(logits).all():
+        if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
             logits = self._finite_logits(logits)
         return self.sampler(logits)
 

@@ -6,9 +6,11 @@ ValueError naming the argument; arrays are then handed to C with `ffi.from_buffe
 never copied. No alignment is required: weight parts may be views at any byte offset.
 The C calls release the GIL.
 
-Backends: "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64), "scalar" (portable C, the
-reference). The best one is picked at import; `COLIBRI_KERNELS=scalar` forces the scalar
-one, and `set_backend()` switches at run time (tests, benchmarks).
+Backends: "avx512vnni" (x86-64 with AVX-512 F/BW/VL/VNNI: vpdpbusd int8 dots; otherwise
+the AVX2 code), "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64), "scalar" (portable C, the
+reference). The best one available is picked at import, in that order; `COLIBRI_KERNELS=
+<name>` (e.g. avx2, scalar) forces one if this CPU has it, and `set_backend()` switches at
+run time (tests, benchmarks). avx512vnni and avx2 give bit-identical results.
 Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or all cores).
 Importing this module sets GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
 is already set (see below).
@@ -49,7 +51,8 @@ __all__ = [
 
 lib.ck_init()
 
-_BACKENDS = {"scalar": 0, "avx2": 1, "neon": 2}
+_BACKENDS = {"scalar": 0, "avx2": 1, "neon": 2, "avx512vnni": 3}
+_PREFERENCE = ("avx512vnni", "avx2", "neon", "scalar")   # as ck_core.c's ck_init
 _NAMES = {v: k for k, v in _BACKENDS.items()}
 _ACTS = {"int8": 1, "float": 0}
 _NULL = ffi.NULL
@@ -60,7 +63,7 @@ _CTYPE = {_f32: "float[]", _u8: "uint8_t[]", _i8: "int8_t[]", _i32: "int32_t[]"}
 # ----------------------------------------------------------------------------- runtime
 
 def backend() -> str:
-    """Name of the active SIMD path: "avx2", "neon" or "scalar"."""
+    """Name of the active SIMD path: "avx512vnni", "avx2", "neon" or "scalar"."""
     return _NAMES[lib.ck_backend()]
 
 
@@ -69,10 +72,11 @@ def available_backends() -> list[str]:
 
 
 def set_backend(name: str) -> str:
-    """Switch the SIMD path ("scalar", "avx2", "neon" or "auto"); returns the active one.
-    Not meant to be called while other threads run kernels."""
+    """Switch the SIMD path ("scalar", "avx2", "avx512vnni", "neon" or "auto": the best
+    available); returns the active one. Not meant to be called while other threads run
+    kernels."""
     if name == "auto":
-        name = next(n for n in ("avx2", "neon", "scalar") if lib.ck_backend_available(_BACKENDS[n]))
+        name = next(n for n in _PREFERENCE if lib.ck_backend_available(_BACKENDS[n]))
     if name not in _BACKENDS or lib.ck_set_backend(_BACKENDS[name]) != 0:
         raise ValueError(f"kernel backend {name!r} is not available here "
                          f"(available: {', '.join(available_backends())})")
@@ -94,6 +98,14 @@ def _set_parallel_threshold(macs: int) -> None:
     """Testing aid: calls with fewer multiply-adds than this run on one thread
     (0: every call uses all threads; negative: back to the built-in default)."""
     lib.ck_set_par_min_work(int(macs))
+
+
+def _set_matmul_min_tokens(n: int) -> int:
+    """Testing/benchmark aid: calls of n >= this many tokens use the batch (matrix-matrix)
+    tiles, fewer tokens the matrix-vector tiles once per token (1: always the batch
+    tiles; <= 0: back to the measured default, ck_core.c's CK_MATMUL_MIN_TOKENS).
+    Returns the value now in effect. Results do not depend on it."""
+    return lib.ck_set_matmul_min_tokens(int(n))
 
 
 def rdtsc() -> int:

@@ -68,7 +68,8 @@ class Model:
                                              # (converter calibration); None in normal use
         self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
                           "populate": MADV_POPULATE_READ}[engine.prefetch]
-        self.last_routing: list[LayerTrace] = []
+        self._last_routing: list[LayerTrace] = []
+        self._fast_trace = None              # the DecodePlan whose last step is the latest
         # What stays resident: the madvise prefetch alone, or the memory budget's expert
         # cache (residency.py); Model._moe acquires a layer's routed experts through it.
         from .residency import make_residency
@@ -76,6 +77,18 @@ class Model:
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
         self._warned: set = set()
+        self._plans: dict = {}               # expert set version -> DecodePlan | reason (one)
+
+    @property
+    def last_routing(self) -> list[LayerTrace]:
+        """What the router did in each MoE layer of the last forward or decode step."""
+        if self._fast_trace is not None:               # built on demand: no per-token cost
+            self._last_routing, self._fast_trace = self._fast_trace.traces(), None
+        return self._last_routing
+
+    @last_routing.setter
+    def last_routing(self, value: list) -> None:
+        self._last_routing, self._fast_trace = value, None
 
     # ------------------------------------------------------------------ small blocks
     def new_cache(self, capacity: int) -> KVCache:
@@ -330,6 +343,56 @@ class Model:
             logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
             results.append(logits if all_logits else logits[0])
         return results
+
+    # ------------------------------------------------------------------ decode
+    def decode_plan(self, es: Optional[ExpertSet] = None):
+        """The decode fast path's plan for expert set `es` (decode.py), or the reason
+        (a string) why this step needs the general path."""
+        es = es or self.expert_set
+        if not self.engine.fast_decode:
+            return "fast_decode is off"
+        if self.observer is not None:
+            return "an observer is attached"
+        h = self.hooks
+        if h is not None and (h.before_layer is not None or h.after_layer is not None
+                              or h.routing is not None or h.choose_k_token is not None
+                              or h.expert_timing is not None or h.expert_prefetch is not None):
+            return "a plugin implements a per-layer hook"
+        plan = self._plans.get(es.version)
+        if plan is None:
+            from .decode import DecodePlan, Unsupported
+            try:
+                plan = DecodePlan(self, es)
+            except Unsupported as e:
+                plan = str(e)
+            # one plan at a time: a plan keeps its expert set (and so any hot-plugged
+            # expert in it) alive, and a removed expert must be let go of promptly
+            self._plans.clear()
+            self._plans[es.version] = plan
+        return plan
+
+    def drop_decode_plans(self) -> None:
+        """Forget the decode plans (they point into the mapped weights)."""
+        self._plans.clear()
+        self._fast_trace = None
+
+    def decode_step(self, token: int, cache, k: int, expert_set: Optional[ExpertSet] = None) -> np.ndarray:
+        """Logits [V] of one new token of one sequence. Through the fast path when it
+        applies (the result is then a buffer the next step overwrites: copy it to keep
+        it), else through forward()."""
+        es = expert_set or self.expert_set
+        plan = self.decode_plan(es)
+        if isinstance(plan, str) or k > 256:
+            return self.forward([np.asarray([token])], [cache], [k], expert_set=es)[0]
+        cfg = self.cfg
+        if not 0 <= token < cfg.vocab_size:
+            raise RequestError(f"token id {token} out of range 0..{cfg.vocab_size - 1}")
+        if cfg.moe_layers and not 1 <= k <= min(cfg.num_experts, 256):
+            raise RequestError(f"top_k={k} out of range 1..{cfg.num_experts}")
+        self._last_routing = []
+        logits = plan.step(token, cache, k)
+        self._fast_trace = plan
+        return logits
 
     def _forward_chunked(self, tokens, caches, ks, all_logits: bool, es, chunk: int) -> list:
         """forward() in pieces of at most `chunk` tokens (the memory budget's activation

@@ -179,9 +179,16 @@ class Residency:
         # repeated MADV_WILLNEED on a resident 4 MB expert still costs ~60 us (the kernel
         # walks its page cache): measured as 1 ms of a 10 ms decode step.
         self._advised: set = set()
+        self._to_advise = {lw.index: sum(ex.file is not None for ex in lw.experts)
+                           for lw in weights.layers}
 
     def waves(self, used):
         return (used,)
+
+    def all_prefetched(self, layer: int) -> bool:
+        """True once every expert file of `layer` has had its madvise: acquire() has
+        nothing left to do there (the decode fast path then skips it)."""
+        return self._advice is None or self._to_advise.get(layer, 0) <= 0
 
     def acquire(self, layer: int, used, experts):
         """-> an object indexed by expert slot giving what to run (here: `experts`)."""
@@ -189,10 +196,13 @@ class Residency:
         if a is not None:
             advised = self._advised
             for e in used:                         # one madvise per routed expert, up front
+                if e < 0:
+                    continue
                 f = experts[e].file
                 if f is not None and id(f) not in advised:
                     f.madvise(a)
                     advised.add(id(f))
+                    self._to_advise[layer] = self._to_advise.get(layer, 0) - 1
         return experts
 
     def release(self, layer: int, used) -> None:

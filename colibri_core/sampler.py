@@ -19,9 +19,9 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64)
-        if self.temperature == 0.0:
+        if self.temperature == 0.0:      # on the logits as they are: no float64 copy
             return int(np.argmax(logits))
+        logits = np.asarray(logits, dtype=np.float64)
         z = logits / self.temperature
         p = np.exp(z - z.max())
         p /= p.sum()

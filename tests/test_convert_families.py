@@ -173,6 +173,36 @@ def test_conversion_is_deterministic(built, tmp_path):
         assert (out / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
 
+def test_bits4_precision_defaults_and_q4_clip(built, tmp_path):
+    """--bits 4: embedding, lm_head and K/V at q8 by default; q4 groups chosen by the
+    documented rule (`q4_clip`, recorded in config.json); --q4-clip minmax is plain RTN."""
+    from colibri_core.cli import main
+    from colibri_core.convert.safetensors_reader import Checkpoint
+    from colibri_core.quant import Q4Tensor, Q8Tensor, quantize_q4
+    from colibri_core.weights import load_model
+    _, hf, out = built("mixtral", 4)
+    ck = Checkpoint(hf)
+    assert main(["convert", str(hf), str(tmp_path / "mm"), "--q4-clip", "minmax"]) == 0
+    src = ck.get("model.layers.1.block_sparse_moe.experts.2.w2.weight").astype(np.float64)
+    for d, clip in ((out, "mse"), (tmp_path / "mm", "minmax")):
+        w = load_model(d)
+        try:
+            q = w.cfg.quantization
+            assert (q["embed_bits"], q["lm_head_bits"], q["kv_bits"], q["q4_clip"]) == (8, 8, 8, clip)
+            assert isinstance(w.embed, Q8Tensor) and isinstance(w.lm_head, Q8Tensor)
+            assert isinstance(w.layers[0].attn.wk, Q8Tensor) and isinstance(w.layers[0].attn.wq, Q4Tensor)
+            t, ref = w.layers[1].experts[2].ffn.w2, quantize_q4(src, 128, clip=clip)
+            np.testing.assert_array_equal(t.data, ref.data)
+            np.testing.assert_array_equal(t.scales, ref.scales)
+            np.testing.assert_array_equal(t.zeros, ref.zeros)
+        finally:
+            w.close()
+    with pytest.raises(ConfigError, match="--q4-clip"):
+        convert(hf, tmp_path / "bad", bits=4, q4_clip="best")
+    cfg = convert(hf, tmp_path / "e4", bits=4, embed_bits=4)       # the override still works
+    assert cfg.quantization["embed_bits"] == 4
+
+
 def test_interrupted_conversion_leaves_nothing_valid_looking(built, tmp_path, monkeypatch):
     import colibri_core.convert as conv
     _, hf, _ = built("qwen2_moe", 4)
@@ -334,18 +364,26 @@ def test_awq_beats_rtn_on_activation_outliers(tmp_path):
     ids = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(HELD_OUT).ids
     ref = hf_logits(model, ids)
     res = {}
-    for name, kw in (("rtn", {}), ("awq", {"calibration": tmp_path / "cal.txt"})):
-        cfg = convert(tmp_path / "hf", tmp_path / name, bits=4, **kw)
+    # AWQ's own effect, both on plain RTN; then the defaults (RTN: mse; AWQ: minmax)
+    for name, clip, kw in (("rtn_minmax", "minmax", {}), ("awq", None, {"calibration": tmp_path / "cal.txt"}),
+                           ("rtn", None, {})):
+        cfg = convert(tmp_path / "hf", tmp_path / name, bits=4, q4_clip=clip, **kw)
         with _float_engine(tmp_path / name) as eng:
             lg = eng.next_token_logits(ids, all_positions=True)
         rms = float(np.sqrt(((lg - ref) ** 2).mean() / (ref ** 2).mean()))
         res[name] = (rms, _kl(lg, ref), cfg)
-    (r_rms, r_kl, _), (a_rms, a_kl, acfg) = res["rtn"], res["awq"]
-    print(f"AWQ vs RTN (4-bit, outliers x20, held-out text): relative logit RMS error "
-          f"{r_rms:.3f} -> {a_rms:.3f}, KL {r_kl:.4f} -> {a_kl:.4f} "
-          f"({(1 - a_kl / r_kl) * 100:.0f}% lower); calibration {acfg.quantization['calibration']}")
-    assert acfg.quantization["method"] == "awq"
-    assert a_kl < 0.8 * r_kl and a_rms < 0.9 * r_rms
+    assert res["awq"][2].quantization["method"] == "awq"
+    assert res["awq"][2].quantization["q4_clip"] == "minmax" and res["rtn"][2].quantization["q4_clip"] == "mse"
+    for rtn in ("rtn_minmax", "rtn"):
+        (r_rms, r_kl, rcfg), (a_rms, a_kl, acfg) = res[rtn], res["awq"]
+        print(f"AWQ vs RTN (4-bit, RTN --q4-clip {rcfg.quantization['q4_clip']}, outliers x20, "
+              f"held-out text): relative logit RMS error {r_rms:.3f} -> {a_rms:.3f}, KL "
+              f"{r_kl:.4f} -> {a_kl:.4f} ({(1 - a_kl / r_kl) * 100:.0f}% lower); calibration "
+              f"{acfg.quantization['calibration']}")
+        if rtn == "rtn_minmax":
+            assert a_kl < 0.8 * r_kl and a_rms < 0.9 * r_rms
+        else:                               # mse's RTN is better to begin with: less to gain
+            assert a_kl < r_kl and a_rms < r_rms
     # the scales are explicit sections, not folded into the norms shared with the router
     w = load_model(tmp_path / "awq")
     try:

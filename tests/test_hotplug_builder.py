@@ -83,15 +83,19 @@ def test_hot_expert_weights_and_forward_match_the_npz(built, weights, tmp_path):
         assert not e.router_row.flags.owndata and e.router_row.dtype == np.float32
         np.testing.assert_array_equal(e.router_row, w["router_row"].astype(np.float32))
         assert e.router_bias == pytest.approx(-0.75)
-        # Weights: exactly what quantize_q4 makes; within the INT4 rounding bound of the npz.
+        # Weights: exactly what quantize_q4 makes (default rule: mse clipping); no more
+        # squared error than min/max RTN of the npz, whose values are within half a step.
         for name, t in (("w1", e.q4.w1), ("w3", e.q4.w3), ("w2", e.q4.w2)):
             ref = quantize_q4(w[name], G)
             np.testing.assert_array_equal(t.data, ref.data)
             np.testing.assert_array_equal(t.scales, ref.scales)
             np.testing.assert_array_equal(t.zeros, ref.zeros)
             deq = dequantize_q4(t)
-            half_step = np.repeat(t.scales.astype(np.float64), G, axis=1)[:, : t.cols] / 2
-            assert np.all(np.abs(deq - w[name]) <= half_step * (1 + 1e-5) + 1e-7)
+            rtn = quantize_q4(w[name], G, clip="minmax")
+            deq_rtn = dequantize_q4(rtn)
+            half_step = np.repeat(rtn.scales.astype(np.float64), G, axis=1)[:, : t.cols] / 2
+            assert np.all(np.abs(deq_rtn - w[name]) <= half_step * (1 + 1e-5) + 1e-7)
+            assert ((deq - w[name]) ** 2).sum() <= ((deq_rtn - w[name]) ** 2).sum()
         # forward (the C fallback): equal to the dequantized reference up to float rounding,
         # and within the INT4 error of the float weights.
         x = np.random.default_rng(1).standard_normal((7, H)).astype(np.float32)

@@ -174,6 +174,48 @@ def test_threads_and_backends_agree(act):
         assert rel(y, res["scalar", 1]) < 1e-5, (be, th)
 
 
+@pytest.mark.skipif(not {"avx2", "avx512vnni"} <= set(BACKENDS),
+                    reason="needs both the avx2 and avx512vnni backends")
+@pytest.mark.parametrize("threads", THREADS)
+def test_avx512vnni_bit_identical_to_avx2(threads):
+    """The VNNI tiles change only how the exact integer dots are formed: every int8
+    result must equal AVX2's bit for bit (odd rows, partial groups, more groups than one
+    dot chunk of 32, every token tile width, unaligned parts)."""
+    old = K.get_threads()
+    K.set_threads(threads)
+    K._set_parallel_threshold(0 if threads > 1 else -1)
+    try:
+        rng = np.random.default_rng(5)
+        for rows, cols, group in [(37, 300, 64), (259, 1000, 128), (67, 64 * 43, 64),
+                                  (5, 64 * 75, 128), (3, 130, 128)]:
+            w = rng.standard_normal((rows, cols)).astype(np.float32)
+            t, t8 = unaligned_q4(Q.quantize_q4(w, group)), Q.quantize_q8(w[::-1].copy(), group)
+            for n in (1, 2, 3, 4, 5, 9):
+                x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
+                res = {}
+                for be in ("avx2", "avx512vnni"):
+                    K.set_backend(be)
+                    res[be] = (K.q4_matmul(t, x, np.empty((n, rows), np.float32)),
+                               K.q8_matmul(t8, x, np.empty((n, rows), np.float32)))
+                for a, b in zip(res["avx2"], res["avx512vnni"]):
+                    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32),
+                                                  err_msg=f"{rows}x{cols} g{group} n{n}")
+        for dims in [(300, 259, 64, 128), (130, 300, 128, 64)]:
+            for n in (1, 3, 7):
+                w1, w3, w2, x, rw, _, _ = ffn_case(*dims, n)
+                res = {}
+                for be in ("avx2", "avx512vnni"):
+                    K.set_backend(be)
+                    res[be] = K.expert_ffn(w1, w3, w2, x, np.empty_like(x), act="int8",
+                                           row_weights=rw)
+                np.testing.assert_array_equal(res["avx2"].view(np.int32),
+                                              res["avx512vnni"].view(np.int32))
+    finally:
+        K.set_backend("auto")
+        K.set_threads(old)
+        K._set_parallel_threshold(-1)
+
+
 def test_batch_equals_single_tokens(backend):
     """N > 1 tiles rows x tokens; each row must equal the decode (N = 1) answer."""
     t, x, _, _ = case(37, 300, 64, 7)
@@ -366,16 +408,86 @@ def test_runtime_info():
     assert K.cycle_counter_name() in ("rdtsc", "cntvct_el0", "clock_gettime_ns")
 
 
-def test_env_forces_scalar():
+BEST = next(b for b in ["avx512vnni", "avx2", "neon", "scalar"] if b in BACKENDS)
+
+
+@pytest.mark.parametrize("name", BACKENDS + ["auto", "sse9"])
+def test_env_forces_backend(name):
+    """COLIBRI_KERNELS=<name> picks that backend at import; "auto" and names this CPU
+    lacks give the best one."""
     code = ("import numpy as np; from colibri_core import kernels as K, quant as Q; "
             "t = Q.quantize_q4(np.ones((3, 70), np.float32), 64); "
             "y = K.q4_matmul(t, np.ones((1, 70), np.float32), np.empty((1, 3), np.float32)); "
             "print(K.backend(), round(float(y.sum())))")
     # the child imports the very colibri_core this process tests (checkout or install)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
-    env = dict(os.environ, COLIBRI_KERNELS="scalar",
+    env = dict(os.environ, COLIBRI_KERNELS=name,
                PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["scalar", "210"]
+    assert r.stdout.split() == [name if name in BACKENDS else BEST, "210"]
+
+
+def test_auto_is_the_best():
+    assert K.set_backend("auto") == BEST
+
+
+# ----------------------------------------------------------------------------- prefill switch
+
+# (rows, cols, group) for q4/q8 matmul and (hidden, inter, g13, g2) for expert_ffn: odd
+# rows (partial row tiles), partial groups and 64-blocks, more groups than one dot chunk
+SWITCH_MATMULS = [(3, 130, 64), (37, 300, 128), (259, 1000, 64), (5, 64 * 43, 128)]
+SWITCH_FFNS = [(130, 300, 128, 64), (300, 259, 64, 128)]
+SWITCH_NS = [1, 2, 3, 4, 5, 6, 7, 9, 13]
+# 1: batch tiles for every n > 1; 0: the built-in default; 5: batch tiles of 4 tokens
+# and a partial last tile of 3 or fewer run per token; a large value: matvec tiles only
+SWITCH_POINTS = [1, 0, 5, 1 << 30]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_switch_point_does_not_change_results(backend, threads):
+    """Whether a call of n tokens runs the batch (row x tokens) tiles or the matrix-vector
+    tiles once per token (kernels._set_matmul_min_tokens) must not change one bit: every
+    backend's tiles compute each (row, token) result with the same arithmetic whatever
+    the tile shape."""
+    old = K.get_threads()
+    K.set_threads(threads)
+    K._set_parallel_threshold(0 if threads > 1 else -1)
+    default = K._set_matmul_min_tokens(0)
+    rng = np.random.default_rng(11)
+    try:
+        assert default >= 1
+        for rows, cols, group in SWITCH_MATMULS:
+            t4 = unaligned_q4(Q.quantize_q4(rng.standard_normal((rows, cols)).astype(np.float32), group))
+            t8 = Q.quantize_q8(rng.standard_normal((rows, cols)).astype(np.float32), group)
+            for n in SWITCH_NS:
+                x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
+                res = {}
+                for sp in SWITCH_POINTS:
+                    assert K._set_matmul_min_tokens(sp) == (sp or default)
+                    res[sp] = [f(w, x, np.empty((n, rows), np.float32), act=act)
+                               for f, w in ((K.q4_matmul, t4), (K.q8_matmul, t8))
+                               for act in ("int8", "float")]
+                for sp in SWITCH_POINTS[1:]:
+                    for a, b in zip(res[SWITCH_POINTS[0]], res[sp]):
+                        np.testing.assert_array_equal(
+                            a.view(np.int32), b.view(np.int32),
+                            err_msg=f"{rows}x{cols} g{group} n{n} switch {sp}")
+        for dims in SWITCH_FFNS:
+            for n in SWITCH_NS:
+                w1, w3, w2, x, rw, _, ref_i = ffn_case(*dims, n)
+                res = {}
+                for sp in SWITCH_POINTS:
+                    K._set_matmul_min_tokens(sp)
+                    res[sp] = [K.expert_ffn(w1, w3, w2, x, np.empty_like(x), act=act,
+                                            row_weights=rw) for act in ("int8", "float")]
+                assert rel(res[0][0], ref_i * rw[:, None]) < FFN_INT8_TOL
+                for sp in SWITCH_POINTS[1:]:
+                    for a, b in zip(res[SWITCH_POINTS[0]], res[sp]):
+                        np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32),
+                                                      err_msg=f"ffn {dims} n{n} switch {sp}")
+    finally:
+        assert K._set_matmul_min_tokens(0) == default
+        K.set_threads(old)
+        K._set_parallel_threshold(-1)

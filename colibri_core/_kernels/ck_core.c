@@ -22,6 +22,22 @@
 #define CK_PAR_MIN_WORK (1 << 19)
 static int64_t g_par_min_work = CK_PAR_MIN_WORK;
 
+/* From this many tokens a matmul or expert FFN runs the backend's batch tiles (1 row x
+ * nt_many tokens, sharing each unpacked weight vector); fewer tokens run the
+ * matrix-vector tiles (rt rows x 1 token, sharing each activation load) once per token.
+ * Either way a weight tile stays in L1 while its tokens go by, so weights are read from
+ * memory once per call, and each (row, token) result is the same bit for bit.
+ * Measured: `nice -n 5 python benchmarks/bench_prefill_switch.py --reps 7 --backends
+ * avx512vnni avx2` on 2 shared Zen 4 cores (tables in docs/BENCHMARKS.md). Matvec vs batch
+ * tiles, 1 thread, hot, expert FFN 1024->2816->1024 / 1024x1024 q4_matmul, avx512vnni
+ * (avx2): n = 2: 278 vs 289 us (362 vs 374) / 36 vs 36 (46 vs 49): the 1x2 batch tile
+ * loses to two 4x1 matvec tiles; n = 3: 409 vs 377 (545 vs 479) / 52 vs 45 (67 vs 57),
+ * and 1.1-1.3x for the batch tiles at every n >= 3. Cold weights and 2 threads give the
+ * same switch point in all 16 configurations. A last partial tile of 2 tokens (n = 6,
+ * 10, 14) goes per token by the same rule: FFN n = 6 713 us against 726 with a 1x2 tile. */
+#define CK_MATMUL_MIN_TOKENS 3
+static int g_matmul_min_tokens = CK_MATMUL_MIN_TOKENS;
+
 static const ck_backend_t *g_be = &ck_backend_scalar;
 static int g_threads = 1;
 static int g_inited = 0;
@@ -29,11 +45,14 @@ static int g_inited = 0;
 static const ck_backend_t *backend_ptr(int b) {
     if (b == CK_SCALAR) return &ck_backend_scalar;
 #if defined(__x86_64__) || defined(__i386__)
-    if (b == CK_AVX2) {
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-            return &ck_backend_avx2;
-    }
+    /* libgcc's checks include the OS's saving of the ymm/zmm state (XGETBV) */
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (b == CK_AVX2 && avx2) return &ck_backend_avx2;
+    if (b == CK_AVX512VNNI && avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return &ck_backend_avx512vnni;
 #endif
 #if defined(__aarch64__)
     if (b == CK_NEON) return &ck_backend_neon;
@@ -41,6 +60,12 @@ static const ck_backend_t *backend_ptr(int b) {
     return NULL;
 }
 
+/* best first; also the CK_* values ck_backend() can return */
+static const int k_preference[] = {CK_AVX512VNNI, CK_AVX2, CK_NEON, CK_SCALAR};
+#define N_BACKENDS ((int)(sizeof k_preference / sizeof k_preference[0]))
+
+/* COLIBRI_KERNELS=<backend name> forces that backend when this CPU has it; unset,
+ * "auto", an unknown or an unavailable name all mean the best one available. */
 void ck_init(void) {
     if (g_inited) return;
     g_inited = 1;
@@ -48,16 +73,21 @@ void ck_init(void) {
     g_threads = omp_get_max_threads();
 #endif
     const char *env = getenv("COLIBRI_KERNELS");
-    if (env && strcmp(env, "scalar") == 0) { g_be = &ck_backend_scalar; return; }
-    const ck_backend_t *be = backend_ptr(CK_AVX2);
-    if (!be) be = backend_ptr(CK_NEON);
-    g_be = be ? be : &ck_backend_scalar;
+    const ck_backend_t *best = NULL;
+    for (int i = 0; i < N_BACKENDS; i++) {
+        const ck_backend_t *be = backend_ptr(k_preference[i]);
+        if (!be) continue;
+        if (env && strcmp(env, be->name) == 0) { best = be; break; }
+        if (!best) best = be;
+    }
+    g_be = best;   /* scalar is always available */
 }
 
 int ck_backend(void) {
     ck_init();
-    if (g_be == &ck_backend_scalar) return CK_SCALAR;
-    return g_be == backend_ptr(CK_AVX2) ? CK_AVX2 : CK_NEON;
+    for (int i = 0; i < N_BACKENDS; i++)
+        if (g_be == backend_ptr(k_preference[i])) return k_preference[i];
+    return CK_SCALAR;
 }
 
 int ck_backend_available(int b) { return backend_ptr(b) != NULL; }
@@ -107,6 +137,23 @@ static int nthreads_for(int64_t work) {
 
 /* tests force tiny problems onto every thread with 0; < 0 restores the default */
 void ck_set_par_min_work(int64_t w) { g_par_min_work = w < 0 ? CK_PAR_MIN_WORK : w; }
+
+int ck_set_matmul_min_tokens(int n) {
+    g_matmul_min_tokens = n <= 0 ? CK_MATMUL_MIN_TOKENS : n;
+    return g_matmul_min_tokens;
+}
+
+/* Tokens per tile for a call of n tokens: nt_many from g_matmul_min_tokens on, else 1 */
+static inline int tokens_per_tile(const ck_backend_t *be, int64_t n) {
+    return n > 1 && n >= g_matmul_min_tokens ? be->nt_many : 1;
+}
+
+/* Tokens in the tile that starts with `left` tokens to go: a last partial tile of fewer
+ * than g_matmul_min_tokens tokens runs the matrix-vector tiles too, one token each. */
+static inline int tile_tokens(int ntp, int64_t left) {
+    if (left >= ntp) return ntp;
+    return left < g_matmul_min_tokens ? 1 : (int)left;
+}
 
 static ck_q4 mk_q4(const uint8_t *d, const float *s, const uint8_t *z,
                    int64_t rows, int64_t cols, int64_t group) {
@@ -196,15 +243,15 @@ static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int
  * (rt x nt) tiles; the `omp for` gives each thread a contiguous range of row tiles. */
 static void rows_all_tokens(const ck_backend_t *be, int kind, const void *w, int64_t rows,
                             const void *act, int64_t n, float *out, int64_t ldo) {
-    const int rtp = be->rt, ntp = n > 1 ? be->nt_many : 1;
+    const int rtp = be->rt, ntp = tokens_per_tile(be, n);
     const int64_t ntiles = (rows + rtp - 1) / rtp;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < ntiles; i++) {
         int64_t r0 = i * rtp;
         int rt = rows - r0 < rtp ? (int)(rows - r0) : rtp;
         float res[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
-            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
+        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+            nt = tile_tokens(ntp, n - t0);
             run_tile(be, kind, w, r0, rt, act, t0, nt, res);
             for (int t = 0; t < nt; t++)
                 for (int r = 0; r < rt; r++) ck_stf(out + (t0 + t) * ldo + r0 + r, res[r * nt + t]);
@@ -295,7 +342,7 @@ static void ffn_body(void *p) {
     const ffn_ctx *c = p;
     const ck_backend_t *be = c->be;
     const int64_t n = c->n, hld = c->hld;
-    const int rtp = be->rt, ntp = n > 1 ? be->nt_many : 1;
+    const int rtp = be->rt, ntp = tokens_per_tile(be, n);
     if (c->act_int8) {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n; t++)
@@ -310,8 +357,8 @@ static void ffn_body(void *p) {
         int64_t r0 = i * rtp;
         int rt = c->inter - r0 < rtp ? (int)(c->inter - r0) : rtp;
         float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
-            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
+        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+            nt = tile_tokens(ntp, n - t0);
             if (c->act_int8) {
                 be->q4_i8(&c->w1, r0, rt, &c->xa, t0, nt, g);
                 be->q4_i8(&c->w3, r0, rt, &c->xa, t0, nt, u);
@@ -341,8 +388,8 @@ static void ffn_body(void *p) {
         int64_t r0 = i * rtp;
         int rt = c->hidden - r0 < rtp ? (int)(c->hidden - r0) : rtp;
         float y[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0; t0 < n; t0 += ntp) {
-            int nt = n - t0 < ntp ? (int)(n - t0) : ntp;
+        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+            nt = tile_tokens(ntp, n - t0);
             if (c->act_int8) be->q4_i8(&c->w2, r0, rt, &c->ha, t0, nt, y);
             else be->q4_f32(&c->w2, r0, rt, &c->hf, t0, nt, y);
             for (int t = 0; t < nt; t++) {
@@ -433,3 +480,7 @@ int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, c
     if (!scores) free(s);
     return 0;
 }
+
+const ck_backend_t *ck_active_backend(void) { ck_init(); return g_be; }
+
+int ck_threads_for(int64_t work) { ck_init(); return nthreads_for(work); }

@@ -4,9 +4,13 @@
 
 - Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (MLA attention, grouped
   sigmoid routing); see families.py for the config mapping and what is refused.
-- Precision (`bits`): 4 -> q4 (lm_head q8 and, when tied, the embedding too), 8 -> q8,
+- Precision (`bits`): 4 -> q4 (embedding, lm_head and attention K/V q8), 8 -> q8,
   16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
   checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.
+  `q4_clip`: "mse" (per group, the scale/zero point of smallest squared error among
+  min/max and shrunk ranges) or "minmax" (plain min/max); see quant.quantize_q4. Default:
+  "mse", or "minmax" with `calibration` (AWQ searches its own clipping on the output error;
+  unweighted mse clipping on top of its scales measured worse).
 - `calibration`: a text file; AWQ scales are searched on the model's own activations
   (awq.py). Without it, plain round-to-nearest. AutoAWQ checkpoints are imported as they
   are.
@@ -32,7 +36,7 @@ import numpy as np
 
 from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
-from ..quant import check_group, quantize_q4, quantize_q8
+from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q8
 from ..weights import (AttentionWeights, Expert, FFNWeights, LayerWeights, write_model_dir)
 from . import families as fam
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
@@ -83,8 +87,9 @@ class _Writer:
     """Turns checkpoint tensors into stored sections for one conversion."""
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig, bits: int, group: int,
-                 awq: Optional[AwqSpec], scales: Scales):
+                 awq: Optional[AwqSpec], scales: Scales, q4_clip: str = DEFAULT_Q4_CLIP):
         self.ck, self.cfg, self.bits, self.group, self.awq, self.scales = ck, cfg, bits, group, awq, scales
+        self.q4_clip = q4_clip
 
     def float32(self, src: fam.Src) -> np.ndarray:
         if src.awq:
@@ -125,7 +130,7 @@ class _Writer:
             w = w * s.astype(np.float64)[None, :]
         if key in sc.clip:
             w = clip_groups(w, self.group, sc.clip[key])
-        t = quantize_q4(w, self.group) if bits == 4 else quantize_q8(w, self.group)
+        t = quantize_q4(w, self.group, clip=self.q4_clip) if bits == 4 else quantize_q8(w, self.group)
         return t, s
 
 
@@ -136,7 +141,8 @@ def _sha256(path: Path) -> str:
 def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             lm_head_bits: Optional[int] = None, embed_bits: Optional[int] = None,
             kv_bits: Optional[int] = None, calibration=None, calibration_tokens_max: int = 512,
-            progress: bool = False, overwrite: bool = False) -> ModelConfig:
+            q4_clip: Optional[str] = None, progress: bool = False,
+            overwrite: bool = False) -> ModelConfig:
     """Convert; returns the written model config. Raises ConfigError (one line) for
     unsupported architectures and options, ModelFormatError for broken checkpoints."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -148,6 +154,10 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         check_group(group_size)
     except ValueError as e:
         raise ConfigError(f"--group-size {group_size}: {e}") from None
+    if q4_clip is None:
+        q4_clip = "minmax" if calibration is not None else DEFAULT_Q4_CLIP
+    if q4_clip not in Q4_CLIPS:
+        raise ConfigError(f"--q4-clip {q4_clip}: must be one of {', '.join(Q4_CLIPS)}")
     hf = _read_json(hf_dir / "config.json")
     fields = fam.model_config_fields(hf, add_bos=_add_bos(hf_dir))
     spec = awq_spec(hf)
@@ -158,7 +168,11 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         if bits not in (4, 8):
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
     lm_bits = lm_head_bits or (8 if bits == 4 else bits)
-    emb_bits = embed_bits or (lm_bits if fields.get("tie_word_embeddings") else bits)
+    # The embedding at 8 bits under a 4-bit body too: decode reads one row of it per token,
+    # so this costs file size only, and at 4 bits it is the largest single cause of logit
+    # error (benchmarks/_peer_fidelity_ablation.py). Tied, it is the lm_head.
+    emb_bits = embed_bits or (lm_bits if fields.get("tie_word_embeddings")
+                              else (8 if bits == 4 else bits))
     # Attention K/V projections at 8 bits under a 4-bit body (as llama.cpp does): they are
     # small (kv_heads x head_dim rows) but carry a large share of the logit error (measured
     # by benchmarks/_peer_fidelity_ablation.py). An AWQ import keeps its own 4 bits.
@@ -199,13 +213,14 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
     scales = Scales()
     try:
         staging.mkdir(parents=True)
-        wr = _Writer(ck, cfg, bits, group_size, spec, scales)
+        wr = _Writer(ck, cfg, bits, group_size, spec, scales, q4_clip)
         if calibration is not None:
             if bar is not None:
                 bar.set_description("calibrate")
             seqs = calibration_tokens(hf_dir, Path(calibration), cfg, calibration_tokens_max)
             embed = wr.float32(fam.Src("model.embed_tokens.weight"))
-            sc = calibrate(cfg, seqs, embed, lambda L: _float_layer(wr, L), bits, group_size, tick)
+            sc = calibrate(cfg, seqs, embed, lambda L: _float_layer(wr, L), bits, group_size, tick,
+                           q4_clip=q4_clip)
             del embed
             scales = sc
             wr.scales = sc
@@ -215,6 +230,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         quant = {"method": method, "bits": bits, "group_size": spec.group if spec else group_size,
                  "lm_head_bits": lm_bits, "embed_bits": emb_bits, "kv_bits": kvb,
                  "source_dtypes": sorted(ck.float_dtypes())}
+        if 4 in (bits, lm_bits, emb_bits, kvb):
+            quant["q4_clip"] = q4_clip
         if calibration is not None:
             quant["calibration"] = {"sha256": _sha256(Path(calibration)), "tokens": scales.tokens,
                                     **scales.summary()}

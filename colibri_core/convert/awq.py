@@ -12,7 +12,8 @@ Two things live here:
    Plain alpha = 0 is RTN, so the choice is never worse than RTN on the calibration set.
    Then, per matrix, a weight-clipping ratio (each group clipped to +-ratio * max|w|
    before rounding, AutoAWQ's auto-clip with one ratio per matrix) is searched the same
-   way. The matrix is stored as Q(clip(W*s)) together with s (section
+   way. Candidates are scored with the q4 rounding rule the matrix is stored with
+   (`q4_clip`). The matrix is stored as Q(clip(W*s)) together with s (section
    `<name>.act_scale`), and the engine divides its input by s before the matmul. Nothing
    is folded into the norm that the router shares with the experts. The one exception
    is an FFN's down projection: its input scale is folded exactly into the rows of the
@@ -34,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..errors import ConfigError
-from ..quant import Q4Tensor, pack_nibbles, padded_cols
+from ..quant import DEFAULT_Q4_CLIP, Q4Tensor, fake_quant_q4, pack_nibbles, padded_cols
 from .families import Src
 from .safetensors_reader import Checkpoint
 
@@ -117,27 +118,21 @@ def awq_q4(ck: Checkpoint, src: Src, spec: AwqSpec) -> Q4Tensor:
 
 # ----------------------------------------------------------------------------- fake quant
 
-def fake_quant(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+def fake_quant(w: np.ndarray, bits: int, group: int, q4_clip: str = DEFAULT_Q4_CLIP) -> np.ndarray:
     """Dequantized float64 copy of `w` after Colibri's q4 / q8 rounding (docs/FORMAT.md),
-    vectorized over groups (same results as quant.quantize_q4 / quantize_q8)."""
+    vectorized over groups (same results as quant.quantize_q4(clip=q4_clip) / quantize_q8)."""
     w = np.asarray(w, np.float64)
+    if bits != 8:
+        return fake_quant_q4(w, group, q4_clip)
     rows, cols = w.shape
     cp = padded_cols(cols, group)
     wp = np.full((rows, cp), np.nan)
     wp[:, :cols] = w
     g = wp.reshape(rows, cp // group, group)
-    if bits == 8:
-        amax = np.nanmax(np.abs(g), axis=2)
-        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32).astype(np.float64)
-        q = np.clip(np.round(g / scale[:, :, None]), -127, 127)
-        return (q * scale[:, :, None]).reshape(rows, cp)[:, :cols]
-    lo, hi = np.nanmin(g, axis=2), np.nanmax(g, axis=2)
-    scale = (hi - lo) / 15.0
-    scale = np.where(scale <= 0, np.where(lo != 0, np.abs(lo), 1.0), scale)
-    scale = scale.astype(np.float32).astype(np.float64)
-    zero = np.clip(np.round(-lo / scale), 0, 15)
-    q = np.clip(np.round(g / scale[:, :, None]) + zero[:, :, None], 0, 15)
-    return ((q - zero[:, :, None]) * scale[:, :, None]).reshape(rows, cp)[:, :cols]
+    amax = np.nanmax(np.abs(g), axis=2)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32).astype(np.float64)
+    q = np.clip(np.round(g / scale[:, :, None]), -127, 127)
+    return (q * scale[:, :, None]).reshape(rows, cp)[:, :cols]
 
 
 def clip_groups(w: np.ndarray, group: int, ratio: float) -> np.ndarray:
@@ -185,7 +180,7 @@ def _out_err(x: np.ndarray, d: np.ndarray) -> float:
 
 
 def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits: int,
-                 group: int) -> tuple[Optional[np.ndarray], SearchResult]:
+                 group: int, q4_clip: str = DEFAULT_Q4_CLIP) -> tuple[Optional[np.ndarray], SearchResult]:
     """Best per-input-channel scale for the matrices `ws` ([R_i, C] each) sharing input
     rows `x` [N, C]; None when plain RTN (alpha = 0) is best.
 
@@ -205,7 +200,7 @@ def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits
         if key not in tried:
             s = a ** alpha / (wm ** (1 - alpha) if duo else 1.0)
             s = s / np.sqrt(s.max() * s.min())
-            err = sum(_out_err(x, fake_quant(w * s[None, :], bits, group) / s[None, :] - w)
+            err = sum(_out_err(x, fake_quant(w * s[None, :], bits, group, q4_clip) / s[None, :] - w)
                       for w in ws64)
             tried[key] = (err, s)
         return tried[key][0]
@@ -229,13 +224,14 @@ def search_scale(ws: list[np.ndarray], x: np.ndarray, mean_abs: np.ndarray, bits
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
-def search_clip(w: np.ndarray, x: np.ndarray, bits: int, group: int) -> Optional[float]:
+def search_clip(w: np.ndarray, x: np.ndarray, bits: int, group: int,
+                q4_clip: str = DEFAULT_Q4_CLIP) -> Optional[float]:
     """Best weight-clipping ratio for one (already scaled) matrix on its (already divided)
     inputs x; None when no clipping is best. One ratio per matrix, so what has to be kept
     until the matrix is written is a single number."""
     x = np.ascontiguousarray(x, np.float32)
     w = np.asarray(w, np.float64)
-    errs = [(_out_err(x, fake_quant(clip_groups(w, group, r), bits, group) - w), -r)
+    errs = [(_out_err(x, fake_quant(clip_groups(w, group, r), bits, group, q4_clip) - w), -r)
             for r in CLIP_RATIOS]
     err, neg_r = min(errs)
     return None if neg_r == -1.0 else -neg_r
@@ -330,7 +326,8 @@ def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
 
 
 def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Callable,
-              bits: int, group: int, tick: Callable = lambda n=1: None) -> Scales:
+              bits: int, group: int, tick: Callable = lambda n=1: None,
+              q4_clip: str = DEFAULT_Q4_CLIP) -> Scales:
     """Run the float model layer by layer over `seqs`, searching AWQ scales as it goes.
 
     layer_loader(L) -> (LayerWeights of float32 arrays, {matrix key: weight array}) where
@@ -357,11 +354,12 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
         if xr is None or not len(xr):
             return None
         xs = _subsample(xr)
-        s, res = search_scale([w for _, w in keys_ws], xs, np.abs(xr).mean(axis=0), bits, group)
+        s, res = search_scale([w for _, w in keys_ws], xs, np.abs(xr).mean(axis=0), bits, group,
+                              q4_clip)
         out.results[keys_ws[0][0]] = res
         for k, w in keys_ws:
             r = search_clip(w if s is None else w * s[None, :],
-                            xs if s is None else xs / s[None, :], bits, group)
+                            xs if s is None else xs / s[None, :], bits, group, q4_clip)
             if r is not None:
                 out.clip[k] = r
         return s
