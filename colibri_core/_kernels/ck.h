@@ -108,6 +108,7 @@ typedef struct {
     float *h; int8_t *hq; float *hs; int32_t *hsum;  /* per FFN j: h + j*hld, hq + j*hcp,
                                                         hs/hsum + j*(hcp/64) */
     int64_t max_ffns, hld, hcp;
+    int threads;                             /* at most this many threads (0: no cap) */
 } ck_dscratch;
 
 /* x [H] += o_proj(attention(rmsnorm(x))) for the token at position `pos`; its rotated
@@ -139,6 +140,12 @@ int ck_decode_head(const ck_mat *w, const float *norm, float eps, const float *x
 
 /* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / dequantize_q8 */
 void ck_mat_row(const ck_mat *w, int64_t r, float *out);
+
+/* Since the last call: out[0] chunks the caller ran, out[1] chunks other threads ran,
+ * out[2] cycles in parallel loops, out[3] of them the caller spent waiting for other
+ * threads' chunks (decode.py's thread control reads it to see whether a second thread
+ * is really running) */
+void ck_pool_stats(int64_t *out);
 
 /* Tests: `rounds` loops of n chunks on nth threads of the decode path's pool (ck_pool.c);
  * returns how many chunk counts were not exactly one per loop (0), or -1 (memory). */

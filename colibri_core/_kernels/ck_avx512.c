@@ -8,7 +8,7 @@
  * everything else (activation quantization, float paths, attention) is the AVX2 code.
  * Only 256-bit vectors: Zen 4 runs a 512-bit op as two 256-bit halves, and a zmm q4 tile
  * (one dpbusd per 64-value block on a broadcast of its 32 bytes, high half shifted)
- * measured no faster than AVX2, against ~1.3x for the ymm tile below.
+ * measured no faster than AVX2, against 1.15-1.4x for the ymm tile below (in cache).
  *
  * Results are bit-identical to the AVX2 backend (tests/test_kernels.py checks it): the
  * integer dots are exact, and the float epilogues below follow AVX2's arithmetic in the
@@ -197,9 +197,10 @@ VNNI_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t 
 /* s8 x s8: dpbusd(|w| as u8, x with w's sign), the maddubs trick of AVX2. Lane i of the
  * i32 accumulator sums bytes 4i..4i+3 of each 32-byte step exactly as AVX2's madd does,
  * so the per-lane integers, and with them the float epilogue, are identical. Otherwise
- * a copy of AVX2's q8_i8_tile (rows side by side, software prefetch): this matvec is
- * memory-bound, and variants (two accumulators per row, 64-byte steps, prefetch by the
- * first token only) measured no faster. */
+ * a copy of AVX2's q8_i8_tile (rows side by side, software prefetch). This matvec is
+ * memory-bound: on Zen 4 (32000x1024) ~5% faster than AVX2 from L3, 5-9% slower from
+ * DRAM on one thread, even on two; variants (two accumulators per row, 64-byte steps,
+ * other prefetch distances, prefetch by the first token only) measured no better. */
 VNNI_INL void q8_i8_tile(const ck_q8 *w, int64_t r0, const int8_t *xr, const float *xs,
                          float *res, int ldr, const int RT) {
     const int64_t cp = w->cp, ng = w->ng, G = w->group;

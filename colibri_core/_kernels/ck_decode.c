@@ -31,6 +31,12 @@ static chunks chunking(int64_t n, int64_t tile_bytes) {
 
 static inline int64_t nchunks(chunks c) { return (c.n + c.per - 1) / c.per; }
 
+/* threads for `work` multiply-adds, under the caller's cap (decode.py's thread control) */
+static inline int nthreads(const ck_dscratch *s, int64_t work) {
+    int n = ck_threads_for(work);
+    return s->threads > 0 && s->threads < n ? s->threads : n;
+}
+
 static inline int64_t mat_bytes_per_row(const ck_mat *m) {
     return m->kind == CK_W_Q4 ? m->cols / 2 : m->cols;
 }
@@ -216,9 +222,9 @@ int ck_decode_attention(const ck_attn_layer *a, float eps, const double *inv_fre
     c.o = chunking(ntiles(&c.w[3], rtp), rtp * mat_bytes_per_row(&a->wo));
     int64_t work = 0;
     for (int m = 0; m < 4; m++) work += c.w[m].rows * c.w[m].cols;
-    int nth = ck_threads_for(work);
+    int nth = nthreads(s, work);
     ck_pool_for(qkv_chunk, &c, nchunks(c.qkv), nth);
-    ck_pool_for(head_chunk, &c, a->nkv, ck_threads_for(2 * a->nh * a->d * (pos + 1)));
+    ck_pool_for(head_chunk, &c, a->nkv, nthreads(s, 2 * a->nh * a->d * (pos + 1)));
     /* the o projection's input, quantized once (buffer a: q, k, v are done with it) */
     const wmat *wo = &c.w[3];
     int64_t cpo = rup(wo->cols, wo->group);
@@ -404,7 +410,7 @@ int ck_decode_ffn(const ck_ffn *table, const int64_t *ids, const float *weights,
     /* gate + up tiles: 2 * rt rows of `hidden` columns; h quantization: ~16 groups */
     ffn_ctx c = {be, jobs, m, chunking(t1, 2 * be->rt * hidden / 2), chunking(t2, 4096),
                  chunking((hidden + be->rt - 1) / be->rt, be->rt * down_row), hidden, x};
-    int nth = ck_threads_for(work);
+    int nth = nthreads(s, work);
     ck_pool_for(up_chunk, &c, nchunks(c.s1), nth);
     ck_pool_for(hquant_chunk, &c, nchunks(c.s1b), nth);
     ck_pool_for(down_chunk, &c, nchunks(c.s2), nth);
@@ -437,6 +443,6 @@ int ck_decode_head(const ck_mat *w, const float *norm, float eps, const float *x
     rmsnorm(x, norm, w->cols, eps, s->xn);
     c.a = act_for(&A, s, be, s->xn, w->cols, w->group, &err);
     if (err) return err;
-    ck_pool_for(lm_chunk, &c, nchunks(c.ch), ck_threads_for(w->rows * w->cols));
+    ck_pool_for(lm_chunk, &c, nchunks(c.ch), nthreads(s, w->rows * w->cols));
     return 0;
 }

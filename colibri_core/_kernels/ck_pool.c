@@ -50,6 +50,10 @@ static struct {
     _Atomic uint64_t range[MAX_THREADS];
     _Atomic int sleepers;
     _Atomic int busy;                 /* a caller is inside ck_pool_for */
+    /* since the last ck_pool_stats: chunks run by the caller / by the others, and rdtsc
+     * cycles of the parallel loops / of the caller waiting for others' chunks at the end */
+    _Atomic int64_t st_mine, st_others;
+    int64_t st_loop, st_wait;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int workers;                      /* started (caller is participant 0) */
@@ -80,6 +84,7 @@ static void work(int me, uint64_t gen) {
         while ((c = claim(r, gen >> 1, k == 0)) >= 0) {
             fn(ctx, c);
             atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+            atomic_fetch_add_explicit(me ? &P.st_others : &P.st_mine, 1, memory_order_relaxed);
         }
     }
 }
@@ -150,9 +155,22 @@ void ck_pool_for(ck_chunk_fn fn, void *ctx, int64_t n, int nth) {
         pthread_cond_broadcast(&P.cv);
         pthread_mutex_unlock(&P.mu);
     }
+    uint64_t t0 = ck_rdtsc();
     work(0, gen);
+    uint64_t t1 = ck_rdtsc();
     while (atomic_load_explicit(&P.done, memory_order_acquire) < n) relax();
+    uint64_t t2 = ck_rdtsc();
+    P.st_loop += (int64_t)(t2 - t0);
+    P.st_wait += (int64_t)(t2 - t1);
     atomic_store(&P.busy, 0);
+}
+
+void ck_pool_stats(int64_t *out) {
+    out[0] = atomic_exchange(&P.st_mine, 0);
+    out[1] = atomic_exchange(&P.st_others, 0);
+    out[2] = P.st_loop;
+    out[3] = P.st_wait;
+    P.st_loop = P.st_wait = 0;
 }
 
 /* ------------------------------------------------------------------ self-check (tests) */
