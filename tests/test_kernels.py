@@ -303,7 +303,8 @@ def attention_ref(q, k, v, length, scale):
     return np.einsum("kgs,skd->kgd", sc, vals).reshape(nh, d)
 
 
-@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 8, 32), (6, 1, 100), (1, 1, 7)])
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 8, 32), (6, 1, 100), (1, 1, 7),
+                                       (16, 4, 64), (12, 2, 72), (7, 1, 40)])
 @pytest.mark.parametrize("length", [1, 3, 77, 300])
 def test_attention_decode(backend, threads, nh, nkv, d, length):
     rng = np.random.default_rng(nh * 1000 + d + length)

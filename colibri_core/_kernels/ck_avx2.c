@@ -369,35 +369,127 @@ AVX2_API void ck_avx2_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x,
 
 /* ------------------------------------------------------------------ attention */
 
+/* exp(x) for a vector (Cephes-style range reduction and degree-5 polynomial, ~2 ulp);
+ * NaN stays NaN (min/max return their second operand on NaN). */
+AVX2_INL __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2_INL void softmax_row(float *row, int64_t len) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + p));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float m = _mm_cvtss_f32(m4);
+    for (; p < len; p++) m = row[p] > m ? row[p] : m;
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= len; p += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + p), mm));
+        _mm256_storeu_ps(row + p, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum_ps(sv);
+    for (; p < len; p++) sum += row[p] = expf(row[p] - m);
+    const float inv = 1.0f / sum;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(row + p, _mm256_mul_ps(_mm256_loadu_ps(row + p), iv));
+    for (; p < len; p++) row[p] *= inv;
+}
+
+/* out[h0 + u] (u < HN) = sum_p s[h0 + u, p] * v_p: 16 columns of HN heads stay in
+ * registers while the positions go by, so each value row is loaded once for the HN heads
+ * (the first version reloaded and stored out[h] for every position and head). */
+AVX2_INL void attn_values(const float *s, int h0, int64_t d, const float *v, int64_t ld,
+                          int64_t len, float *out, const int HN) {
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) {
+        __m256 acc[4][2];
+#pragma GCC unroll 4
+        for (int u = 0; u < HN; u++) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < len; p++) {
+            __m256 v0 = _mm256_loadu_ps(v + p * ld + c), v1 = _mm256_loadu_ps(v + p * ld + c + 8);
+#pragma GCC unroll 4
+            for (int u = 0; u < HN; u++) {
+                __m256 w = _mm256_set1_ps(s[(h0 + u) * len + p]);
+                acc[u][0] = _mm256_fmadd_ps(w, v0, acc[u][0]);
+                acc[u][1] = _mm256_fmadd_ps(w, v1, acc[u][1]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < HN; u++) {
+            _mm256_storeu_ps(out + (h0 + u) * d + c, acc[u][0]);
+            _mm256_storeu_ps(out + (h0 + u) * d + c + 8, acc[u][1]);
+        }
+    }
+    for (; c < d; c++)                       /* d % 16 columns */
+        for (int u = 0; u < HN; u++) {
+            float a = 0.0f;
+            for (int64_t p = 0; p < len; p++) a += s[(h0 + u) * len + p] * ck_ldf(v + p * ld + c);
+            ck_stf(out + (h0 + u) * d + c, a);
+        }
+}
+
+/* Scores: four heads sharing a key row are dotted with it together and reduced by one
+ * hadd tree (a horizontal sum per head and position cost more than the dot itself). */
 AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, const float *v,
                            int64_t ld, int64_t len, float scale, float *s, float *out) {
     const int64_t d8 = d / 8 * 8;
     for (int64_t p = 0; p < len; p++) {
         const float *kr = k + p * ld;
-        for (int h = 0; h < g; h++) {
+        int h = 0;
+        for (; h + 4 <= g; h += 4) {
+            const float *qh = q + h * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < d8; i += 8) {
+                __m256 kv = _mm256_loadu_ps(kr + i);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), kv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + i), kv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 2 * d + i), kv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 3 * d + i), kv, a3);
+            }
+            __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            float dots[4];
+            _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            for (int u = 0; u < 4; u++) {
+                float dot = dots[u];
+                for (int64_t i = d8; i < d; i++) dot += ck_ldf(qh + u * d + i) * ck_ldf(kr + i);
+                s[(h + u) * len + p] = dot * scale;
+            }
+        }
+        for (; h < g; h++) {
             const float *qh = q + h * d;
             __m256 acc = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i < d8; i += 8)
+            for (int64_t i = 0; i < d8; i += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kr + i), acc);
             float dot = hsum_ps(acc);
-            for (; i < d; i++) dot += ck_ldf(qh + i) * ck_ldf(kr + i);
+            for (int64_t i = d8; i < d; i++) dot += ck_ldf(qh + i) * ck_ldf(kr + i);
             s[h * len + p] = dot * scale;
         }
     }
-    ck_softmax_rows(s, g, len);
-    for (int64_t i = 0; i < g * d; i++) ck_stf(out + i, 0.0f);
-    for (int64_t p = 0; p < len; p++) {
-        const float *vr = v + p * ld;
-        for (int h = 0; h < g; h++) {
-            float *oh = out + h * d;
-            const float wgt = s[h * len + p];
-            const __m256 w8 = _mm256_set1_ps(wgt);
-            int64_t i = 0;
-            for (; i < d8; i += 8)
-                _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(vr + i),
-                                                         _mm256_loadu_ps(oh + i)));
-            for (; i < d; i++) ck_stf(oh + i, ck_ldf(oh + i) + wgt * ck_ldf(vr + i));
+    for (int h = 0; h < g; h++) softmax_row(s + h * len, len);
+    for (int h0 = 0; h0 < g; h0 += 4) {
+        switch (g - h0 < 4 ? g - h0 : 4) {
+        case 4: attn_values(s, h0, d, v, ld, len, out, 4); break;
+        case 3: attn_values(s, h0, d, v, ld, len, out, 3); break;
+        case 2: attn_values(s, h0, d, v, ld, len, out, 2); break;
+        default: attn_values(s, h0, d, v, ld, len, out, 1); break;
         }
     }
 }
