@@ -77,11 +77,15 @@ class ThreadControl:
     measured on 2 CPUs with one busy, 2 threads decode at 14.8 ms/token against 6.5 ms on
     one. The pool (ck_pool.c) reports, per step, the chunks the other threads ran and how
     long the caller waited for them; when they did less than a quarter of the work, or the
-    caller waited more than a quarter of the time, for two steps running, the next steps
+    caller waited more than a quarter of the time, for three steps running, the next steps
     run on the caller's thread alone, and a single step on all threads probes again after
-    16, 32, ... 512 steps (doubling while the probes fail)."""
+    4, 8, ... 512 steps (doubling while the probes fail). A short disturbance thus costs
+    a few single-threaded steps (measured: a 16-step first backoff put 16 tokens of a
+    quiet run at 1-thread speed after a 2-step hiccup)."""
 
     UNHEALTHY_SHARE = 0.25
+    BAD_STEPS = 3
+    FIRST_BACKOFF = 4
     MAX_BACKOFF = 512
 
     def __init__(self, scratch):
@@ -89,33 +93,36 @@ class ThreadControl:
         self.stats = np.zeros(4, np.int64)
         self.p_stats = ffi.cast("int64_t *", ffi.from_buffer(self.stats))
         self.bad = 0
-        self.backoff = 16
+        self.backoff = self.FIRST_BACKOFF
         self.countdown = 0
         self.steps = self.single_steps = 0
 
+    def read_stats(self) -> None:
+        lib.ck_pool_stats(self.p_stats)
+
     def after_step(self) -> None:
         self.steps += 1
-        lib.ck_pool_stats(self.p_stats)
+        self.read_stats()
         if self.s.threads == 1:                      # running alone: probe when due
             self.single_steps += 1
             self.countdown -= 1
             if self.countdown <= 0:
                 self.s.threads = 0
-                self.bad = 1                         # one bad probe step is enough
+                self.bad = self.BAD_STEPS - 1        # one bad probe step is enough
             return
         mine, others, loop, wait = self.stats
         if mine + others == 0:                       # too small to run in parallel
             return
         if others < self.UNHEALTHY_SHARE * (mine + others) or wait > self.UNHEALTHY_SHARE * loop:
             self.bad += 1
-            if self.bad >= 2:
+            if self.bad >= self.BAD_STEPS:
                 self.s.threads = 1
                 self.countdown = self.backoff
                 self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
                 self.bad = 0
         else:
             self.bad = 0
-            self.backoff = 16
+            self.backoff = self.FIRST_BACKOFF
 
 
 class DecodePlan:

@@ -223,3 +223,44 @@ def test_pool_runs_every_chunk_exactly_once(n, nth):
     many back-to-back loops (where a late thread must never run a newer loop's chunk with
     an older loop's function), with more threads than chunks too."""
     assert lib.ck_pool_check(n, nth, 300) == 0
+
+
+class _Scratch:
+    threads = 0
+
+
+class ScriptedControl:
+    """decode.ThreadControl fed scripted pool statistics instead of the pool's."""
+
+    def __init__(self):
+        from colibri_core.decode import ThreadControl
+        self.c = ThreadControl(_Scratch())
+        self.c.read_stats = lambda: None
+
+    def step(self, others_share: float, wait_frac: float = 0.0) -> int:
+        """One step with the given share of chunks run by other threads; returns the cap
+        the next step runs under (0: all threads)."""
+        if self.c.s.threads == 1:
+            self.c.stats[:] = 0                  # a single-threaded step: no pool loops
+        else:
+            self.c.stats[:] = [round(100 * (1 - others_share)), round(100 * others_share),
+                               1000, round(1000 * wait_frac)]
+        self.c.after_step()
+        return self.c.s.threads
+
+
+def test_thread_control_falls_back_and_probes_with_backoff():
+    t = ScriptedControl()
+    assert [t.step(0.5) for _ in range(20)] == [0] * 20          # healthy: never capped
+    assert [t.step(0.45, wait_frac=0.5) for _ in range(3)] == [0, 0, 1]   # caller waits
+    assert [t.step(0.0) for _ in range(4)] == [1, 1, 1, 0]       # 4 steps alone, then probe
+    assert t.step(0.05) == 1                                     # failed probe: back off
+    assert [t.step(0.0) for _ in range(8)] == [1] * 7 + [0]      # ... for 8 steps
+    assert t.step(0.5) == 0                                      # a good probe: stay
+    assert [t.step(0.5) for _ in range(10)] == [0] * 10
+    assert [t.step(0.1) for _ in range(3)] == [0, 0, 1]          # backoff restarted at 4
+    assert [t.step(0.0) for _ in range(4)] == [1, 1, 1, 0]
+    # two bad steps then a good one: a short hiccup is not enough
+    t2 = ScriptedControl()
+    assert [t2.step(s) for s in (0.1, 0.1, 0.5, 0.1, 0.1, 0.5)] == [0] * 6
+    assert t.c.single_steps >= 15 and t2.c.single_steps == 0
