@@ -1,0 +1,71 @@
+"""A/B of decode speed between two commits, in the same run: each side in its own
+checkout and fresh processes, alternating, several rounds; medians and the ratio.
+
+    python benchmarks/ab_decode.py REF [--other WORKTREE_OR_HEAD] [--rounds 5] [--threads 2]
+
+REF is any commit: it is checked out with `git worktree` into build/ab-REF and its
+kernels are built there; the other side is this working tree (uncommitted changes
+included). Each round runs one generation of 128 tokens after a 64-token prompt on each
+side (bench_vs_llamacpp.py's model by default) and records the per-token p50.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+CHILD = r'''
+import json, sys, numpy as np
+from colibri_core.engine import Engine
+from colibri_core.config import EngineConfig
+e = Engine(sys.argv[1], EngineConfig(threads=int(sys.argv[2])))
+prompt = list(np.random.default_rng(0).integers(1, e.model_cfg.vocab_size - 1, 64))
+e.generate(prompt[:8], max_new_tokens=4, temperature=0).run()
+lat = [ev.latency_s for ev in e.generate(prompt, max_new_tokens=129, temperature=0)][1:]
+print(json.dumps({"p50_ms": float(np.median(lat)) * 1e3, "mean_ms": float(np.mean(lat)) * 1e3}))
+'''
+
+
+def checkout(ref: str) -> Path:
+    path = REPO / "build" / f"ab-{ref.replace('/', '_')}"
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "colibri_core/_kernels_build.py"], cwd=path, check=True,
+                   stdout=subprocess.DEVNULL)
+    return path
+
+
+def run(tree: Path, model: str, threads: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(threads)], env=env, cwd="/",
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ref")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=str(HERE / "out" / "vs_llamacpp" / "colibri_q4"))
+    a = ap.parse_args(argv)
+    sides = {a.ref: checkout(a.ref), "working tree": REPO}
+    res = {name: [] for name in sides}
+    for r in range(a.rounds):
+        for name, tree in (sides.items() if r % 2 == 0 else reversed(list(sides.items()))):
+            p = run(tree, a.model, a.threads)["p50_ms"]
+            res[name].append(p)
+            print(f"round {r} {name:14s} p50 {p:.3f} ms", flush=True)
+    med = {n: statistics.median(v) for n, v in res.items()}
+    print(json.dumps(med), f"working tree / {a.ref}: {med['working tree'] / med[a.ref]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
