@@ -42,7 +42,7 @@ def _build_ffi(absolute: bool = False) -> FFI:
         '#include "ck.h"',
         sources=[os.path.join(kdir, os.path.basename(p)) for p in sources],
         include_dirs=[kdir],
-        depends=[os.path.join(kdir, "ck.h")],
+        depends=[os.path.join(kdir, "ck.h"), os.path.join(kdir, "ck_tiles.h")],
         extra_compile_args=["-O3", "-fopenmp", "-std=gnu11"],
         extra_link_args=["-fopenmp"],
     )

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include "ck.h"
+#include "ck_tiles.h"
 
 #define AVX2_FN static __attribute__((target("avx2,fma")))
 /* the entries other backends reuse (declared in ck.h) */
@@ -186,37 +187,7 @@ AVX2_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
     for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];
 }
 
-#define Q4_I8_TILE(RT, NT)                                                              \
-    do {                                                                                \
-        if (bpg == 2) q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 2);        \
-        else if (bpg == 1) q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 1);   \
-        else q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 0);                 \
-    } while (0)
-
-/* Decode (nt == 1) runs 4 rows at a time, sharing the activation loads; batches run
- * 1 row x up to 4 tokens, sharing each unpacked weight vector (measured faster than
- * 2x4, 2x2 and 4x2 tiles, which spill registers). */
-AVX2_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
-                   float *res) {
-    const int64_t bpg = w->group / 64;
-    if (nt == 1) {
-        const int r = 0;
-        switch (rt) {
-        case 4: Q4_I8_TILE(4, 1); break;
-        case 3: Q4_I8_TILE(3, 1); break;
-        case 2: Q4_I8_TILE(2, 1); break;
-        default: Q4_I8_TILE(1, 1); break;
-        }
-        return;
-    }
-    for (int r = 0; r < rt; r++) {
-        switch (nt) {
-        case 4: Q4_I8_TILE(1, 4); break;
-        case 3: Q4_I8_TILE(1, 3); break;
-        default: Q4_I8_TILE(1, 2); break;
-        }
-    }
-}
+CK_DEFINE_Q4_I8(AVX2_FN, q4_i8, q4_i8_tile)
 
 /* ------------------------------------------------------------------ q4, float act */
 
@@ -286,59 +257,12 @@ AVX2_API void ck_avx2_q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x,
 
 /* ------------------------------------------------------------------ q8 */
 
-/* s8 x s8 with maddubs: |w| as u8 times x with w's sign (pairs <= 2*128*127 < 2^15).
- * RT rows side by side share each activation load, and the same software prefetch as
- * the q4 tiles runs ahead of them: one row at a time without it ran at ~9 GB/s from
- * DRAM on one core (the lm_head's matvec was a fifth of a decode step). Each row's
- * float epilogue (8 lanes, one fmadd per group, then the horizontal sum) is unchanged. */
-AVX2_INL void q8_i8_tile(const ck_q8 *w, int64_t r0, const int8_t *xr, const float *xs,
-                         float *res, int ldr, const int RT) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int64_t cp = w->cp, ng = w->ng, G = w->group;
-    const int8_t *row = w->data + r0 * cp;
-    const int64_t pf = RT * cp + CK_PF_BYTES;
-    __m256 facc[CK_MAX_RT];
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) facc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i iacc[CK_MAX_RT];
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) iacc[r] = _mm256_setzero_si256();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + k));
-#pragma GCC unroll 4
-            for (int r = 0; r < RT; r++) {
-                if (!(k & 63))
-                    _mm_prefetch((const char *)(row + r * cp + k + pf), _MM_HINT_T1);
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(row + r * cp + k));
-                __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(p, ones));
-            }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            float c = ck_ldf(w->scales + (r0 + r) * ng + g) * ck_ldf(xs + g);
-            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(c), facc[r]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) res[r * ldr] = hsum_ps(facc[r]);
-}
+/* u8 x s8 byte products summed into i32 lanes: maddubs to i16 pairs, madd to i32 */
+#define AVX2_DOT4(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+CK_DEFINE_Q8_I8_TILE(AVX2_INL, q8_i8_tile, AVX2_DOT4)
 
-AVX2_FN void q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
-                   float *res) {
-    for (int t = 0; t < nt; t++) {
-        const int8_t *xr = a->q + (t0 + t) * a->cp;
-        const float *xs = a->s + (t0 + t) * a->ng;
-        switch (rt) {
-        case 4: q8_i8_tile(w, r0, xr, xs, res + t, nt, 4); break;
-        case 3: q8_i8_tile(w, r0, xr, xs, res + t, nt, 3); break;
-        case 2: q8_i8_tile(w, r0, xr, xs, res + t, nt, 2); break;
-        default:
-            for (int r = 0; r < rt; r++) q8_i8_tile(w, r0 + r, xr, xs, res + r * nt + t, nt, 1);
-        }
-    }
-}
+CK_DEFINE_Q8_I8(AVX2_FN, q8_i8, q8_i8_tile)
 
 AVX2_API void ck_avx2_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0,
                              int nt, float *res) {

@@ -16,6 +16,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #include "ck.h"
+#include "ck_tiles.h"
 
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
 #define VNNI_FN static __attribute__((target(VNNI_TARGET)))
@@ -162,91 +163,17 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
     for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];
 }
 
-#define Q4_I8_TILE(RT, NT)                                                              \
-    do {                                                                                \
-        if (bpg == 2) q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 2);        \
-        else if (bpg == 1) q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 1);   \
-        else q4_i8_tile(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 0);                 \
-    } while (0)
-
-/* Tile shapes as AVX2: 4 rows x 1 token for decode, 1 row x up to 4 tokens for batches. */
-VNNI_FN void q4_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
-                   float *res) {
-    const int64_t bpg = w->group / 64;
-    if (nt == 1) {
-        const int r = 0;
-        switch (rt) {
-        case 4: Q4_I8_TILE(4, 1); break;
-        case 3: Q4_I8_TILE(3, 1); break;
-        case 2: Q4_I8_TILE(2, 1); break;
-        default: Q4_I8_TILE(1, 1); break;
-        }
-        return;
-    }
-    for (int r = 0; r < rt; r++) {
-        switch (nt) {
-        case 4: Q4_I8_TILE(1, 4); break;
-        case 3: Q4_I8_TILE(1, 3); break;
-        default: Q4_I8_TILE(1, 2); break;
-        }
-    }
-}
+CK_DEFINE_Q4_I8(VNNI_FN, q4_i8, q4_i8_tile)
 
 /* ------------------------------------------------------------------ q8, int8 act */
 
-/* s8 x s8: dpbusd(|w| as u8, x with w's sign), the maddubs trick of AVX2. Lane i of the
- * i32 accumulator sums bytes 4i..4i+3 of each 32-byte step exactly as AVX2's madd does,
- * so the per-lane integers, and with them the float epilogue, are identical. Otherwise
- * a copy of AVX2's q8_i8_tile (rows side by side, software prefetch). This matvec is
- * memory-bound: on Zen 4 (32000x1024) ~5% faster than AVX2 from L3, 5-9% slower from
- * DRAM on one thread, even on two; variants (two accumulators per row, 64-byte steps,
- * other prefetch distances, prefetch by the first token only) measured no better. */
-VNNI_INL void q8_i8_tile(const ck_q8 *w, int64_t r0, const int8_t *xr, const float *xs,
-                         float *res, int ldr, const int RT) {
-    const int64_t cp = w->cp, ng = w->ng, G = w->group;
-    const int8_t *row = w->data + r0 * cp;
-    const int64_t pf = RT * cp + CK_PF_BYTES;
-    __m256 facc[CK_MAX_RT];
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) facc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i iacc[CK_MAX_RT];
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) iacc[r] = _mm256_setzero_si256();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + k));
-#pragma GCC unroll 4
-            for (int r = 0; r < RT; r++) {
-                if (!(k & 63))
-                    _mm_prefetch((const char *)(row + r * cp + k + pf), _MM_HINT_T1);
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(row + r * cp + k));
-                iacc[r] = _mm256_dpbusd_epi32(iacc[r], _mm256_abs_epi8(wv),
-                                              _mm256_sign_epi8(xv, wv));
-            }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            float c = ck_ldf(w->scales + (r0 + r) * ng + g) * ck_ldf(xs + g);
-            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(c), facc[r]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) res[r * ldr] = hsum_ps(facc[r]);
-}
+/* dpbusd in place of maddubs + madd. This matvec is memory-bound: on Zen 4 (32000x1024)
+ * ~5% faster than AVX2 from L3, 5-9% slower from DRAM on one thread, even on two;
+ * variants (two accumulators per row, 64-byte steps, other prefetch distances, prefetch
+ * by the first token only) measured no better. */
+CK_DEFINE_Q8_I8_TILE(VNNI_INL, q8_i8_tile, _mm256_dpbusd_epi32)
 
-VNNI_FN void q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
-                   float *res) {
-    for (int t = 0; t < nt; t++) {
-        const int8_t *xr = a->q + (t0 + t) * a->cp;
-        const float *xs = a->s + (t0 + t) * a->ng;
-        switch (rt) {
-        case 4: q8_i8_tile(w, r0, xr, xs, res + t, nt, 4); break;
-        case 3: q8_i8_tile(w, r0, xr, xs, res + t, nt, 3); break;
-        case 2: q8_i8_tile(w, r0, xr, xs, res + t, nt, 2); break;
-        default: q8_i8_tile(w, r0, xr, xs, res + t, nt, 1); break;
-        }
-    }
-}
+CK_DEFINE_Q8_I8(VNNI_FN, q8_i8, q8_i8_tile)
 
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
