@@ -169,6 +169,11 @@ class DecodePlan:
         self.scaling = float(cfg.routed_scaling_factor)
         self.layers = []
         groups, hld, hcp = set(), 64, 64
+        # the C calls quantize one activation vector for at most two group sizes
+        attn_groups = {getattr(lw.attn, n).group for lw in w.layers for n in ("wq", "wk", "wv")
+                       if hasattr(getattr(lw.attn, n), "group")}
+        if len(attn_groups) > 2:
+            raise Unsupported(f"q/k/v matrices with {len(attn_groups)} group sizes")
         for lw in w.layers:
             a = lw.attn
             if a.act_scales:
@@ -218,6 +223,8 @@ class DecodePlan:
                     entry["shared"] = sh
                     ffns.append(lw.shared)
                     entry["shared_gate"] = _f32(keep, lw.shared_gate)
+            if len({f.w1.group for f in ffns}) > 2:
+                raise Unsupported(f"layer {lw.index}: experts with more than two group sizes")
             for f in ffns:
                 groups.update((f.w1.group, f.w2.group))
                 hld = max(hld, -(-f.w1.rows // 64) * 64)
@@ -232,8 +239,7 @@ class DecodePlan:
         self._embed_mat = (_mat(keep, w.embed, "embed")
                            if isinstance(w.embed, (Q4Tensor, Q8Tensor)) else None)
         # buffers
-        G = max(groups)
-        cp_max = max(padded_cols(H, G), padded_cols(NH * D, G))
+        cp_max = max(padded_cols(c, g) for g in groups for c in (H, NH * D))
         self.x = np.zeros(H, np.float32)
         self.xn = np.zeros(H, np.float32)
         self.logits = np.zeros(cfg.vocab_size, np.float32)

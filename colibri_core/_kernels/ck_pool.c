@@ -110,7 +110,14 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-static void after_fork_child(void) { P.workers = 0; atomic_store(&P.busy, 0); }
+/* a forked child has none of the workers, and a lock one of them held stays held */
+static void after_fork_child(void) {
+    P.workers = 0;
+    atomic_store(&P.busy, 0);
+    atomic_store(&P.sleepers, 0);
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_cond_init(&P.cv, NULL);
+}
 
 static int start_workers(int n) {
     static int registered = 0;
