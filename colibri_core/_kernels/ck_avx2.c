@@ -348,6 +348,7 @@ AVX2_INL void attn_values(const float *s, int h0, int64_t d, const float *v, int
 #pragma GCC unroll 4
         for (int u = 0; u < HN; u++) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
         for (int64_t p = 0; p < len; p++) {
+            if (p + 8 < len) _mm_prefetch((const char *)(v + (p + 8) * ld + c), _MM_HINT_T0);
             __m256 v0 = _mm256_loadu_ps(v + p * ld + c), v1 = _mm256_loadu_ps(v + p * ld + c + 8);
 #pragma GCC unroll 4
             for (int u = 0; u < HN; u++) {
@@ -377,6 +378,10 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
     const int64_t d8 = d / 8 * 8;
     for (int64_t p = 0; p < len; p++) {
         const float *kr = k + p * ld;
+        /* the cache rows of one kv head are ld floats apart and were evicted by the
+         * weights streamed since the last token: fetch the row 8 positions ahead */
+        if (p + 8 < len)
+            for (int64_t i = 0; i < d; i += 16) _mm_prefetch((const char *)(kr + 8 * ld + i), _MM_HINT_T0);
         int h = 0;
         for (; h + 4 <= g; h += 4) {
             const float *qh = q + h * d;
