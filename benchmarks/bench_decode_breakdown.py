@@ -65,7 +65,7 @@ def main(argv=None):
                                   plan.p_xn, plan.p_x, plan.H, s)
             else:
                 t2 = pc()
-                lib.ck_decode_ffn(L["table"], plan.p_ids_zero(), plan._one, 1, ffi.NULL, ffi.NULL,
+                lib.ck_decode_ffn(L["table"], plan.p_dense_ids, plan.p_dense_w, 1, ffi.NULL, ffi.NULL,
                                   plan.p_xn, plan.p_x, plan.H, s)
             t3 = pc()
             att, rou, ffn = att + t1 - t0, rou + t2 - t1, ffn + t3 - t2

@@ -281,6 +281,9 @@ class DecodePlan:
         self.p_xn = ffi.cast("float *", ffi.from_buffer(self.xn))
         self.p_logits = ffi.cast("float *", ffi.from_buffer(self.logits))
         self.p_ids = ffi.cast("int64_t *", ffi.from_buffer(self.ids))
+        # a dense layer is a table of one FFN, chosen with weight 1
+        self.p_dense_ids = _buf(keep, np.zeros(1, np.int64), "int64_t *")
+        self.p_dense_w = _buf(keep, np.ones(1, np.float32), "float *")
         for i, L in enumerate(self.layers):
             L["p_rl"] = ffi.cast("float *", ffi.from_buffer(self.router_logits[i]))
             L["p_ids"] = ffi.cast("int64_t *", ffi.from_buffer(self.route_ids[i]))
@@ -316,8 +319,8 @@ class DecodePlan:
             raise RequestError(f"sequence needs {pos + 1} positions, its cache holds {cache.capacity}")
         if self._embed_mat is not None:
             lib.ck_mat_row(self._embed_mat, int(token), self.p_x)
-        else:
-            x[:] = np.asarray(self.embed[int(token)], np.float32)
+        else:                                     # f32 / f16 / bf16 rows: the model's own
+            x[:] = model._embed(np.array([token], np.int64))[0]
         self._scores(pos + 1)
         caches = self._layer_caches(cache)
         res = model.residency
@@ -327,7 +330,7 @@ class DecodePlan:
                                                 self.rope_factor, self.p_x, kc, vc, pos,
                                                 L["ffn_norm"], self.p_xn, s))
             if not L["moe"]:
-                self._check(lib.ck_decode_ffn(L["table"], self.p_ids_zero(), self._one, 1,
+                self._check(lib.ck_decode_ffn(L["table"], self.p_dense_ids, self.p_dense_w, 1,
                                               ffi.NULL, ffi.NULL, self.p_xn, self.p_x, self.H, s))
                 continue
             rc = lib.ck_decode_route(self.p_xn, L["router"], L["bias"], L["slots"], self.H, k,
@@ -350,17 +353,6 @@ class DecodePlan:
                                        self.p_logits, s))
         self.control.after_step()
         return self.logits
-
-    _zero_ids = None
-    _one = None
-
-    def p_ids_zero(self):
-        if self._zero_ids is None:
-            self._zero_ids_arr = np.zeros(1, np.int64)
-            self._one_arr = np.ones(1, np.float32)
-            self._zero_ids = ffi.cast("int64_t *", ffi.from_buffer(self._zero_ids_arr))
-            self._one = ffi.cast("float *", ffi.from_buffer(self._one_arr))
-        return self._zero_ids
 
     def _route_nonfinite(self, L, k: int) -> None:
         """A NaN/Inf router logit: the general router's fallback (uniform weights over the

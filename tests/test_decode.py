@@ -264,3 +264,23 @@ def test_thread_control_falls_back_and_probes_with_backoff():
     t2 = ScriptedControl()
     assert [t2.step(s) for s in (0.1, 0.1, 0.5, 0.1, 0.1, 0.5)] == [0] * 6
     assert t.c.single_steps >= 15 and t2.c.single_steps == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unquantized_embedding_rows(models, dtype):
+    """An embedding kept at 16/32 bits (`--embed-bits 16|32`) is read through the model's
+    own row conversion (bf16 sections are uint16: widened, not cast)."""
+    from colibri_core.quant import dequantize_q4
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        e = dequantize_q4(m.w.embed).astype(np.float32)
+        if dtype == "bfloat16":
+            e = (e.view(np.uint32) >> 16).astype(np.uint16)     # truncated to bf16 bits
+        m.w.embed = e
+        m.drop_decode_plans()
+        ref = m.new_cache(16)
+        m.forward([np.array([3, 4])], [ref])
+        fast = clone(m, ref)
+        a = m.decode_step(7, fast, 2).copy()
+        b = m.forward([np.array([7])], [ref], [2])[0]
+        assert rel(a, b) < 1e-5
