@@ -2,7 +2,7 @@
 
 `Model.forward` is the general path (any batch, every hook, every weight type). A decode
 step of the common case -- one sequence, one new token, int8 activations, q4/q8 weights,
-fixed-point softmax routing, no hook that needs the layer's internals -- instead runs
+fixed-point softmax routing, no hook that needs the layer's hidden state -- instead runs
 here: per layer one C call for the attention block, one for the routing and one for the
 FFN block (ck_decode.c), each parallel part one OpenMP region. Buffers are allocated
 once per plan, so a decode step allocates nothing (checked with tracemalloc in
@@ -324,6 +324,8 @@ class DecodePlan:
         self._scores(pos + 1)
         caches = self._layer_caches(cache)
         res = model.residency
+        hooks = model.hooks
+        routing_hook = hooks.routing if hooks is not None else None
         for i, L in enumerate(self.layers):
             kc, vc = caches[L["index"]]
             self._check(lib.ck_decode_attention(L["attn"], self.eps, self.inv_freq,
@@ -340,6 +342,8 @@ class DecodePlan:
                 self._route_nonfinite(L, k)
             else:
                 self._check(rc)
+            if routing_hook is not None:
+                self._routing_hook(routing_hook, L, k)
             if not res.all_prefetched(L["index"]):
                 res.acquire(L["index"], self.route_ids[L["row"], :k], L["experts"])
             ids = L["p_ids"]
@@ -369,6 +373,31 @@ class DecodePlan:
         self.router_logits[i, :logits.shape[1]] = logits[0]
         self.route_ids[i, :k] = r.ids[0]
         self.route_w[i, :k] = r.weights[0]
+
+    def _routing_hook(self, hook, L, k: int) -> None:
+        """colibri_routing on this layer's choice, as the general path calls it (observers
+        see the plan's buffers; an override of the same shape replaces the choice)."""
+        i = L["row"]
+        ids, w = self.route_ids[i:i + 1, :k], self.route_w[i:i + 1, :k]
+        logits = self.router_logits[i:i + 1, :L["slots"]]
+        z = logits.astype(np.float64)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        scores = np.take_along_axis(p, ids, 1).astype(np.float32)
+        override = hook(layer=L["index"], expert_ids=ids, weights=w, scores=scores, logits=logits)
+        if override is not None:
+            new_ids = np.asarray(override[0], np.int64).reshape(-1)
+            new_w = np.asarray(override[1], np.float32).reshape(-1)
+            if new_ids.shape != (k,) or new_w.shape != (k,):
+                raise ValueError(f"colibri_routing override for layer {L['index']}: expected "
+                                 f"arrays of shape (1, {k}), got {np.shape(override[0])} and "
+                                 f"{np.shape(override[1])}")
+            bad = (new_ids < -1) | (new_ids >= L["slots"])
+            if bad.any():
+                raise ValueError(f"colibri_routing override for layer {L['index']}: expert id "
+                                 f"{int(new_ids[bad][0])} out of range -1..{L['slots'] - 1}")
+            self.route_ids[i, :k] = new_ids
+            self.route_w[i, :k] = new_w
 
     def _run_custom(self, L, k: int):
         """Hot-plugged experts without INT4 weights run their own ffn_forward (through the

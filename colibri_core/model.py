@@ -355,7 +355,7 @@ class Model:
             return "an observer is attached"
         h = self.hooks
         if h is not None and (h.before_layer is not None or h.after_layer is not None
-                              or h.routing is not None or h.choose_k_token is not None
+                              or h.choose_k_token is not None
                               or h.expert_timing is not None or h.expert_prefetch is not None):
             return "a plugin implements a per-layer hook"
         plan = self._plans.get(es.version)

@@ -109,6 +109,43 @@ class LayerWatcher:
         self.layers += 1
 
 
+class ForceExpert:
+    """A routing override: every token of every MoE layer goes to experts (0, 1)."""
+
+    @hookimpl
+    def colibri_routing(self, layer, expert_ids, weights):
+        ids = np.zeros_like(expert_ids)
+        ids[:, 1:] = 1
+        return ids, np.full_like(weights, 1.0 / expert_ids.shape[1])
+
+
+def test_routing_hooks_run_in_the_fast_path(models):
+    """The metrics plugin (a routing observer) and a routing override keep the fast path
+    and see / do what they do in the general path."""
+    from colibri_core.builtin_plugins.metrics import Metrics
+    d = models["mixed_shared_odd"]
+    counts, toks = {}, {}
+    for fast in (True, False):
+        with Engine(d, EngineConfig(fast_decode=fast)) as eng:
+            m = Metrics()
+            eng.register_plugin(m, name="metrics")
+            assert isinstance(eng.model.decode_plan(), str) != fast
+            toks[fast] = eng.generate([5, 6, 7], max_new_tokens=12, temperature=0).run().token_ids
+            counts[fast] = {L: c.tolist() for L, c in m.last.expert_counts.items()}
+    assert toks[True] == toks[False] and counts[True] == counts[False]
+    assert sum(sum(c) for c in counts[True].values()) == 2 * 2 * (3 + 11)   # 2 layers, k=2
+    forced = {}
+    for fast in (True, False):
+        with Engine(d, EngineConfig(fast_decode=fast)) as eng:
+            eng.register_plugin(ForceExpert(), name="force")
+            m = eng.model
+            c = m.new_cache(16)
+            m.forward([np.array([3, 4])], [c])
+            forced[fast] = m.decode_step(9, c, 2).copy()
+            assert all(t.routing.ids.tolist() == [[0, 1]] for t in m.last_routing)
+    assert rel(forced[True], forced[False]) < 1e-5
+
+
 def test_per_layer_hooks_and_settings_take_the_general_path(models, tmp_path):
     d = models["mixed_shared_odd"]
     with Engine(d, EngineConfig()) as eng:
