@@ -23,7 +23,6 @@
 #define VNNI_INL static inline __attribute__((target(VNNI_TARGET), always_inline))
 
 #define CK_PF_BYTES 8192   /* as ck_avx2.c: software prefetch distance past the tile */
-#define GCHUNK 32          /* groups whose integer dots are buffered before the float pass */
 
 VNNI_INL float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -32,23 +31,7 @@ VNNI_INL float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* dq: 8 groups x 4 dots, [group][dot] -> col[j]: dot j of the 8 groups. The dots are
- * stored 16 bytes per group and transposed in registers, because reading 8 groups back
- * as one 32-byte load of 4-byte stores (as the AVX2 tile does) cannot be store-forwarded
- * and stalls once per row and token of every tile. */
-VNNI_INL void transpose_8x4(const int32_t (*dq)[4], __m256i col[4]) {
-#define LD2(i) _mm256_inserti128_si256(                                                 \
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)dq[i])),               \
-        _mm_loadu_si128((const __m128i *)dq[(i) + 4]), 1)
-    const __m256i r04 = LD2(0), r15 = LD2(1), r26 = LD2(2), r37 = LD2(3);
-#undef LD2
-    const __m256i t0 = _mm256_unpacklo_epi32(r04, r15), t1 = _mm256_unpacklo_epi32(r26, r37);
-    const __m256i t2 = _mm256_unpackhi_epi32(r04, r15), t3 = _mm256_unpackhi_epi32(r26, r37);
-    col[0] = _mm256_unpacklo_epi64(t0, t1);
-    col[1] = _mm256_unpackhi_epi64(t0, t1);
-    col[2] = _mm256_unpacklo_epi64(t2, t3);
-    col[3] = _mm256_unpackhi_epi64(t2, t3);
-}
+CK_DEFINE_Q4_DOT_PASS(VNNI_INL)
 
 /* ------------------------------------------------------------------ q4, int8 act */
 
@@ -68,13 +51,13 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
     const uint8_t *wr = w->data + r0 * rb;
     const int8_t *xr = a->q + t0 * a->cp;
     const int64_t pf = RT * rb + CK_PF_BYTES;
-    int32_t dq[2][GCHUNK][4];   /* [k / 4][group][k % 4] */
+    int32_t dq[2][CK_GCHUNK][4];   /* [k / 4][group][k % 4] */
     float acc[8];
 #pragma GCC unroll 8
     for (int k = 0; k < K; k++) acc[k] = 0.0f;
 
-    for (int64_t gc = 0; gc < ng; gc += GCHUNK) {
-        const int gn = ng - gc < GCHUNK ? (int)(ng - gc) : GCHUNK;
+    for (int64_t gc = 0; gc < ng; gc += CK_GCHUNK) {
+        const int gn = ng - gc < CK_GCHUNK ? (int)(ng - gc) : CK_GCHUNK;
         for (int gi = 0; gi < gn; gi++) {
             const int64_t g = gc + gi;
             __m256i ilo[8], ihi[8];
@@ -117,47 +100,7 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
                                                _mm256_extracti128_si256(h, 1)));
             }
         }
-        /* sum_g sw[g]*xs[g]*(dot[g] - z[g]*xsum[g]) per (row, token): the arithmetic and
-         * order of ck_avx2.c's q4_group_pass (8 groups per step, then a scalar tail), so
-         * the floats match bit for bit. */
-#pragma GCC unroll 2
-        for (int q = 0; q < K4 / 4; q++) {
-            const int nk = K - 4 * q < 4 ? K - 4 * q : 4;
-            __m256 facc[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < nk; j++) facc[j] = _mm256_setzero_ps();
-            int g = 0;
-            for (; g + 8 <= gn; g += 8) {
-                __m256i col[4];
-                transpose_8x4(dq[q] + g, col);
-#pragma GCC unroll 4
-                for (int j = 0; j < nk; j++) {
-                    const int k = 4 * q + j;
-                    const int64_t wo = (r0 + k / NT) * ng + gc + g;
-                    const int64_t ao = (t0 + k % NT) * a->ng + gc + g;
-                    __m256i zz = _mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(w->zeros + wo)));
-                    __m256i d = _mm256_sub_epi32(col[j], _mm256_mullo_epi32(
-                        zz, _mm256_loadu_si256((const __m256i *)(a->sum + ao))));
-                    __m256 c = _mm256_mul_ps(_mm256_loadu_ps(w->scales + wo),
-                                             _mm256_loadu_ps(a->s + ao));
-                    facc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), c, facc[j]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int j = 0; j < nk; j++) {
-                const int k = 4 * q + j;
-                const int64_t wo = (r0 + k / NT) * ng + gc, ao = (t0 + k % NT) * a->ng + gc;
-                const uint8_t *z = w->zeros + wo;
-                const float *sw = w->scales + wo, *xs = a->s + ao;
-                const int32_t *xsum = a->sum + ao;
-                float tail = 0.0f;
-                for (int gg = g; gg < gn; gg++)
-                    tail += (float)(dq[q][gg][j] - (int32_t)z[gg] * ck_ldi(xsum + gg)) *
-                            (ck_ldf(sw + gg) * ck_ldf(xs + gg));
-                acc[k] += hsum_ps(facc[j]) + tail;
-            }
-        }
+        q4_dot_pass(w, r0, a, t0, dq, gc, gn, acc, K, NT);
     }
 #pragma GCC unroll 8
     for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];

@@ -12,6 +12,80 @@
 #ifndef COLIBRI_CK_TILES_H
 #define COLIBRI_CK_TILES_H
 
+/* CK_DEFINE_Q4_DOT_PASS(INL): the two q4 int8 tiles' shared second half.
+ * - transpose_8x4: dq 8 groups x 4 dots, [group][dot] -> col[j] = dot j of the 8 groups.
+ *   The tiles store each group's 4 dots as 16 bytes and transpose them in registers:
+ *   4-byte stores read back as one 32-byte load cannot be store-forwarded, and stalled
+ *   once per row and token of a tile.
+ * - q4_dot_pass: acc[k] += sum_g sw[g]*xs[g]*(dot[g] - z[g]*xsum[g]) for the K = RT*NT
+ *   (row, token) pairs of a tile over a chunk of gn groups starting at gc, with the
+ *   zero-point correction in exact integer math (as quant.matvec_q4_q8_ref), 8 groups per
+ *   step and then a scalar tail. One order for every backend: bit-identical floats.
+ * Needs CK_GCHUNK and hsum_ps. */
+#define CK_GCHUNK 32   /* groups whose integer dots are buffered before the float pass */
+
+#define CK_DEFINE_Q4_DOT_PASS(INL)                                                      \
+    INL void transpose_8x4(const int32_t (*dq)[4], __m256i col[4]) {                    \
+        const __m256i r04 = _mm256_inserti128_si256(_mm256_castsi128_si256(             \
+            _mm_loadu_si128((const __m128i *)dq[0])), _mm_loadu_si128((const __m128i *)dq[4]), 1); \
+        const __m256i r15 = _mm256_inserti128_si256(_mm256_castsi128_si256(             \
+            _mm_loadu_si128((const __m128i *)dq[1])), _mm_loadu_si128((const __m128i *)dq[5]), 1); \
+        const __m256i r26 = _mm256_inserti128_si256(_mm256_castsi128_si256(             \
+            _mm_loadu_si128((const __m128i *)dq[2])), _mm_loadu_si128((const __m128i *)dq[6]), 1); \
+        const __m256i r37 = _mm256_inserti128_si256(_mm256_castsi128_si256(             \
+            _mm_loadu_si128((const __m128i *)dq[3])), _mm_loadu_si128((const __m128i *)dq[7]), 1); \
+        const __m256i t0 = _mm256_unpacklo_epi32(r04, r15), t1 = _mm256_unpacklo_epi32(r26, r37); \
+        const __m256i t2 = _mm256_unpackhi_epi32(r04, r15), t3 = _mm256_unpackhi_epi32(r26, r37); \
+        col[0] = _mm256_unpacklo_epi64(t0, t1);                                         \
+        col[1] = _mm256_unpackhi_epi64(t0, t1);                                         \
+        col[2] = _mm256_unpacklo_epi64(t2, t3);                                         \
+        col[3] = _mm256_unpackhi_epi64(t2, t3);                                         \
+    }                                                                                   \
+    INL void q4_dot_pass(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0,       \
+                         int32_t (*dq)[CK_GCHUNK][4], int64_t gc, int gn, float *acc,   \
+                         const int K, const int NT) {                                   \
+        const int K4 = (K + 3) / 4 * 4;                                                 \
+        const int64_t ng = w->ng;                                                       \
+        _Pragma("GCC unroll 2")                                                         \
+        for (int q = 0; q < K4 / 4; q++) {                                              \
+            const int nk = K - 4 * q < 4 ? K - 4 * q : 4;                               \
+            __m256 facc[4];                                                             \
+            _Pragma("GCC unroll 4")                                                     \
+            for (int j = 0; j < nk; j++) facc[j] = _mm256_setzero_ps();                 \
+            int g = 0;                                                                  \
+            for (; g + 8 <= gn; g += 8) {                                               \
+                __m256i col[4];                                                         \
+                transpose_8x4(dq[q] + g, col);                                          \
+                _Pragma("GCC unroll 4")                                                 \
+                for (int j = 0; j < nk; j++) {                                          \
+                    const int k = 4 * q + j;                                            \
+                    const int64_t wo = (r0 + k / NT) * ng + gc + g;                     \
+                    const int64_t ao = (t0 + k % NT) * a->ng + gc + g;                  \
+                    __m256i zz = _mm256_cvtepu8_epi32(                                  \
+                        _mm_loadl_epi64((const __m128i *)(w->zeros + wo)));             \
+                    __m256i d = _mm256_sub_epi32(col[j], _mm256_mullo_epi32(            \
+                        zz, _mm256_loadu_si256((const __m256i *)(a->sum + ao))));       \
+                    __m256 c = _mm256_mul_ps(_mm256_loadu_ps(w->scales + wo),           \
+                                             _mm256_loadu_ps(a->s + ao));               \
+                    facc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), c, facc[j]);       \
+                }                                                                       \
+            }                                                                           \
+            _Pragma("GCC unroll 4")                                                     \
+            for (int j = 0; j < nk; j++) {                                              \
+                const int k = 4 * q + j;                                                \
+                const int64_t wo = (r0 + k / NT) * ng + gc, ao = (t0 + k % NT) * a->ng + gc; \
+                const uint8_t *z = w->zeros + wo;                                       \
+                const float *sw = w->scales + wo, *xs = a->s + ao;                      \
+                const int32_t *xsum = a->sum + ao;                                      \
+                float tail = 0.0f;                                                      \
+                for (int gg = g; gg < gn; gg++)                                         \
+                    tail += (float)(dq[q][gg][j] - (int32_t)z[gg] * ck_ldi(xsum + gg)) * \
+                            (ck_ldf(sw + gg) * ck_ldf(xs + gg));                        \
+                acc[k] += hsum_ps(facc[j]) + tail;                                      \
+            }                                                                           \
+        }                                                                               \
+    }
+
 #define CK_Q4_TILE_(TILE, RT, NT)                                                       \
     do {                                                                                \
         if (bpg == 2) TILE(w, r0 + r, a, t0, res + r * nt, nt, RT, NT, 2);              \
