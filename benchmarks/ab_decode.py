@@ -3,7 +3,7 @@ checkout and fresh processes, alternating, several rounds; medians and the ratio
 
     python benchmarks/ab_decode.py REF [--other WORKTREE_OR_HEAD] [--rounds 5] [--threads 2]
 
-REF is any commit: it is checked out with `git worktree` into build/ab-REF and its
+REF is any commit: it is checked out with `git worktree` into build/ab-<commit> and its
 kernels are built there; the other side is this working tree (uncommitted changes
 included). Each round runs one generation of 128 tokens after a 64-token prompt on each
 side (bench_vs_llamacpp.py's model by default) and records the per-token p50.
@@ -34,9 +34,12 @@ print(json.dumps({"p50_ms": float(np.median(lat)) * 1e3, "mean_ms": float(np.mea
 
 
 def checkout(ref: str) -> Path:
-    path = REPO / "build" / f"ab-{ref.replace('/', '_')}"
+    """A worktree of `ref` (resolved to its commit now: "HEAD" moves) with its kernels."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", ref + "^{commit}"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.strip()
+    path = REPO / "build" / f"ab-{commit[:12]}"
     if not path.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True)
     subprocess.run([sys.executable, "colibri_core/_kernels_build.py"], cwd=path, check=True,
                    stdout=subprocess.DEVNULL)
     return path
