@@ -9,7 +9,9 @@ from _peer_common import Profiler, decode_profiled, emit, job, time_stream
 def main():
     j = job()
     from colibri_core.engine import Engine
-    eng = Engine.from_model_dir(j["model"], threads=j["threads"])
+    # the model's files are read in at load, as llama.cpp's loader reads (and repacks)
+    # its weights before the first token: neither engine's timing includes disk reads
+    eng = Engine.from_model_dir(j["model"], threads=j["threads"], preload="populate")
     if j["mode"] == "logits":
         out = np.stack([eng.next_token_logits(p, all_positions=True).astype(np.float32)
                         for p in j["prompts"]])

@@ -233,6 +233,10 @@ class EngineConfig(BaseModel):
     sampling: SamplingConfig = SamplingConfig()
     length_policy: list[LengthRule] = []               # dynamic k by prompt length
     prefetch: Literal["none", "willneed", "populate"] = "willneed"
+    # without a memory budget: the whole model's files at load -- "willneed" starts reading
+    # them in the background (as llama.cpp's mmap loader does), "populate" returns once
+    # they are read and mapped; "none" leaves it to the per-expert prefetch
+    preload: Literal["none", "willneed", "populate"] = "willneed"
     fast_decode: bool = True                           # decode.py's path where it applies
     experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
     hotplug: HotplugConfig = HotplugConfig()

@@ -185,6 +185,20 @@ class Residency:
     def waves(self, used):
         return (used,)
 
+    def preload(self, advice: int) -> None:
+        """Advise every file of the model at once (EngineConfig.preload). Pages the
+        machine evicted while the model sat unused (this machine's DAMON pages out page
+        cache idle for a minute) are then read back before, not during, the first tokens
+        that need them; measured as ~40 ms stalls in decode runs before this existed."""
+        for f in self.weights.files:
+            f.madvise(advice)
+        if self._advice is not None:                 # the per-expert prefetch is done too
+            for lw in self.weights.layers:
+                for ex in lw.experts:
+                    if ex.file is not None:
+                        self._advised.add(id(ex.file))
+                self._to_advise[lw.index] = 0
+
     def all_prefetched(self, layer: int) -> bool:
         """True once every expert file of `layer` has had its madvise: acquire() has
         nothing left to do there (the decode fast path then skips it)."""
@@ -743,6 +757,9 @@ def _fix_malloc() -> None:
 def make_residency(weights: ModelWeights, engine: EngineConfig, advice: Optional[int]) -> Residency:
     """The engine's residency: the free default, or the budgeted expert cache."""
     if engine.max_resident_mb is None:
-        return Residency(weights, advice)
+        res = Residency(weights, advice)
+        if engine.preload != "none" and engine.load_mode == "mmap":
+            res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
+        return res
     plan = plan_budget(weights.cfg, engine, _file_sizes(weights.path, weights.cfg))
     return BudgetResidency(weights, engine, plan)
