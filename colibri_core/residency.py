@@ -186,10 +186,10 @@ class Residency:
         return (used,)
 
     def preload(self, advice: int) -> None:
-        """Advise every file of the model at once (EngineConfig.preload). Pages the
-        machine evicted while the model sat unused (this machine's DAMON pages out page
-        cache idle for a minute) are then read back before, not during, the first tokens
-        that need them; measured as ~40 ms stalls in decode runs before this existed."""
+        """Advise every file of the model at once (EngineConfig.preload): pages that are
+        not in the page cache (a cold start, or pages the kernel evicted while the model
+        sat unused -- this development machine's DAMON pages out page cache idle for a
+        minute) are read before, not during, the first tokens that need them."""
         for f in self.weights.files:
             f.madvise(advice)
         if self._advice is not None:                 # the per-expert prefetch is done too
