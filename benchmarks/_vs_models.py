@@ -21,6 +21,7 @@ SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hid
              num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
              num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
              rope_theta=1e6)
+ENGINES = ("colibri", "llama.cpp", "transformers")
 SPEC_VERSION = 1          # bump to rebuild the cached models
 
 
