@@ -210,7 +210,7 @@ class HotplugConfig(BaseModel):
 
 
 class ResidencyConfig(BaseModel):
-    """The expert cache behind EngineConfig.max_resident_mb (colibri_core/residency.py);
+    """The expert cache behind EngineConfig.max_resident_mb (colibri_core/expertcache.py);
     ignored without a budget."""
     model_config = _STRICT
     policy: Literal["lru", "lfu"] = "lfu"          # lfu: frequency with exponential aging

@@ -321,7 +321,7 @@ class ContainerFile:
     """One mapped (or copied-in) container file; hands out zero-copy views.
 
     load_mode "header" reads only the section table: the data is read later by the caller
-    into buffers of its own (the memory budget's copy-in expert slots, residency.py), and
+    into buffers of its own (the memory budget's copy-in expert slots, expertcache.py), and
     `tensor(name, buf, base)` hands out views into such a buffer."""
 
     def __init__(self, path: Path, load_mode: str = "mmap"):
