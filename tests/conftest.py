@@ -14,3 +14,10 @@ def tiny_model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     write_random_model(d / "m", seed=0)
     return d / "m"
+
+
+@pytest.fixture
+def model(tiny_model_dir, tmp_path):
+    """A private copy of the tiny model, free to damage."""
+    from robust_helpers import copy_model
+    return copy_model(tiny_model_dir, tmp_path / "m")

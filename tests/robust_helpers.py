@@ -133,3 +133,102 @@ def run_many(cases: dict[str, list[str]], timeout: float = 120) -> dict[str, sub
             raise AssertionError(f"{k}: {cases[k]} timed out")
         out[k] = subprocess.CompletedProcess(cases[k], p.returncode, so, se)
     return out
+
+
+def one_line(e: BaseException) -> str:
+    """The error's text, asserted to be one line."""
+    text = str(e)
+    assert text and "\n" not in text, f"not one line: {text!r}"
+    return text
+
+
+def damage_model(model: Path, how: str) -> None:
+    """Break a copy of the tiny model in the way `how` names (test_damaged_models.DAMAGE)."""
+    cfg = read_config(model)
+    if how == "no config.json":
+        (model / "config.json").unlink()
+    elif how == "config.json truncated":
+        (model / "config.json").write_text((model / "config.json").read_text()[:100])
+    elif how == "config.json not an object":
+        (model / "config.json").write_text("[1, 2]")
+    elif how == "model.bin missing":
+        (model / "model.bin").unlink()
+    elif how == "expert file missing":
+        (model / "expert_2_3.bin").unlink()
+    elif how == "expert file missing, unlisted":
+        (model / "expert_2_3.bin").unlink()
+        del cfg["files"]["expert_2_3.bin"]
+        write_config(model, cfg)
+    elif how == "truncated":
+        p = model / "expert_1_0.bin"
+        p.write_bytes(p.read_bytes()[:5000])
+    elif how == "truncated, size re-recorded":
+        p = model / "expert_1_0.bin"
+        p.write_bytes(p.read_bytes()[:5000])
+        refresh_files(model)
+    elif how == "resized":
+        with open(model / "routing.bin", "ab") as f:
+            f.write(b"\0" * 10)
+    elif how == "bad magic":
+        poke(model / "model.bin", 0, b"NOTCOLIB")
+        refresh_files(model)
+    elif how == "future major version":
+        poke(model / "model.bin", 8, (7).to_bytes(2, "little"))
+        refresh_files(model)
+    elif how == "garbage table":
+        poke(model / "expert_1_1.bin", 16, b"{not json")
+        refresh_files(model)
+    elif how == "table offset past end":
+        raw = (model / "expert_1_1.bin").read_bytes()
+        tlen = int.from_bytes(raw[12:16], "little")
+        table = json.loads(raw[16:16 + tlen])
+        table["sections"][0]["parts"]["data"][0] += 1 << 30
+        new = json.dumps(table, separators=(",", ":")).encode()
+        poke(model / "expert_1_1.bin", 12, len(new).to_bytes(4, "little") + new)
+        refresh_files(model)
+    elif how == "file name escapes":
+        cfg["files"]["../model.bin"] = cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "file name with NUL":
+        cfg["files"]["model\0.bin"] = cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "model.bin is a folder":
+        (model / "model.bin").unlink()
+        (model / "model.bin").mkdir()
+        del cfg["files"]["model.bin"]
+        write_config(model, cfg)
+    elif how == "no format field":
+        del cfg["format"]
+        write_config(model, cfg)
+    elif how == "format 2.0":
+        cfg["format"]["major"] = 2
+        write_config(model, cfg)
+    elif how == "hidden_size changed":
+        cfg["hidden_size"] = 64
+        cfg["num_heads"] = 2
+        write_config(model, cfg)
+    elif how == "more experts than files":
+        cfg["num_experts"] = 5
+        write_config(model, cfg)
+    elif how == "vocab_size changed":
+        cfg["vocab_size"] = 300
+        write_config(model, cfg)
+    else:
+        raise AssertionError(how)
+
+
+def nan_model(tmp_path, section="lm_head", part="scales", index=0):
+    """A random model whose `section` holds a NaN in `part` at `index`."""
+    from colibri_core.testing import write_random_model
+    d = tmp_path / "nan"
+    write_random_model(d, seed=2)
+    poke_f32(d, "model.bin", section, part, index, float("nan"))
+    return d
+
+
+def model_dict(**over):
+    """A small valid ModelConfig as a dict, with `over` applied."""
+    d = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
+             num_heads=4, num_kv_heads=2, layer_types=["dense", "moe"], num_experts=4, top_k=2)
+    d.update(over)
+    return d
