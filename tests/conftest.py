@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -21,3 +22,30 @@ def model(tiny_model_dir, tmp_path):
     """A private copy of the tiny model, free to damage."""
     from robust_helpers import copy_model
     return copy_model(tiny_model_dir, tmp_path / "m")
+
+
+# -- plugin tests ----------------------------------------------------------------------
+
+@pytest.fixture
+def pm():
+    """A plugin manager with no plugins (no entry points, no built-ins)."""
+    from colibri_core.plugins import build_plugin_manager
+    return build_plugin_manager(load_entrypoints=False, builtins=(), environ={})
+
+
+@pytest.fixture
+def relay(pm):
+    from colibri_core.plugins import HookRelay
+    return HookRelay(pm)
+
+
+@pytest.fixture
+def pipe():
+    """A pipe (read fd, write fd) for trace output, closed after the test."""
+    r, w = os.pipe()
+    yield r, w
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
