@@ -13,6 +13,7 @@
 #define COLIBRI_CK_H
 
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------ public API */
@@ -242,6 +243,9 @@ void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const floa
 void ck_softmax_rows(float *s, int g, int64_t len);
 void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
+
+/* the expert FFN's activation: silu(v) = v * sigmoid(v) */
+static inline float ck_silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* unaligned scalar access to user memory (compiles to a plain mov) */
 static inline float ck_ldf(const float *p) { float v; memcpy(&v, p, 4); return v; }

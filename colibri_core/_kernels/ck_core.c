@@ -325,8 +325,6 @@ int ck_q8_matmul(const int8_t *wd, const float *ws,
 
 /* ------------------------------------------------------------------ expert FFN */
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 typedef struct {
     const ck_backend_t *be;
     ck_q4 w1, w3, w2;
@@ -368,7 +366,7 @@ static void ffn_body(void *p) {
             }
             for (int t = 0; t < nt; t++)
                 for (int r = 0; r < rt; r++)
-                    c->h[(t0 + t) * hld + r0 + r] = silu(g[r * nt + t]) * u[r * nt + t];
+                    c->h[(t0 + t) * hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
         }
     }
     /* h's padding columns are zeroed (the float tiles read whole 64-blocks), then h is

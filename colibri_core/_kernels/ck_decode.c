@@ -304,8 +304,6 @@ typedef struct {
     float *x;
 } ffn_ctx;
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 /* the FFN that item i of a loop over the jobs' items belongs to (first[] ascending) */
 static inline int job_of(const ffn_ctx *c, int64_t i, int first_stage) {
     int j = 0;
@@ -328,7 +326,7 @@ static void up_chunk(void *p, int64_t ch) {
         int rt = (int)min64(rtp, f->w1.rows - r0);
         tile(be, &f->w1, r0, rt, f->x, g);
         tile(be, &f->w3, r0, rt, f->x, u);
-        for (int r = 0; r < rt; r++) f->h[r0 + r] = silu(g[r]) * u[r];
+        for (int r = 0; r < rt; r++) f->h[r0 + r] = ck_silu(g[r]) * u[r];
     }
 }
 
