@@ -4,13 +4,14 @@
 step of the common case -- one sequence, one new token, int8 activations, q4/q8 weights,
 fixed-point softmax routing, no hook that needs the layer's hidden state -- instead runs
 here: per layer one C call for the attention block, one for the routing and one for the
-FFN block (ck_decode.c), each parallel part one OpenMP region. Buffers are allocated
-once per plan, so a decode step allocates nothing (checked with tracemalloc in
-tests/test_decode.py).
+FFN block (ck_decode.c), whose parallel loops run on the work-stealing pool of
+ck_pool.c. Buffers are allocated once per plan, so a decode step allocates nothing
+(checked with tracemalloc in tests/test_decode.py).
 
-A plan is built per expert set (hot-plugging swaps the set between tokens) and refused,
-with the reason kept in `DecodePlan.why_not`, when the model or the settings need the
-general path; `Model.decode_step` then uses `forward`.
+A plan is built per expert set (hot-plugging swaps the set between tokens). When the
+model or the settings need the general path, building it raises `Unsupported`, and
+`Model.decode_plan()` returns that reason instead of a plan; `Model.decode_step` then
+uses `forward`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from .routing import _EXP2_TABLE
 
 _ERRORS = {1: "more than two activation group sizes in one call",
            2: "decode scratch too small", 3: "non-finite router logits"}
-MAX_FFNS = 257          # routed experts of one token (k <= 256) + a shared expert
 
 
 class Unsupported(Exception):

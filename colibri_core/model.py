@@ -11,7 +11,7 @@ dim, E experts, K experts per token, V vocab, S cached positions of one sequence
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
