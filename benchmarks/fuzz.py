@@ -1,8 +1,9 @@
-"""Long fuzzing run: the fuzzers of tests/test_fuzz.py in rounds with fresh seeds.
+"""Long fuzzing run: the fuzzers of tests/test_fuzz*.py in rounds with fresh seeds.
 
     python benchmarks/fuzz.py --minutes 30 [--per-round 2000] [-k elf] [--json out.json]
 
-Each round runs `pytest tests/test_fuzz.py` with COLIBRI_FUZZ_EXAMPLES=<per-round> and a new
+Each round runs pytest on tests/test_fuzz.py and test_fuzz_elf.py with
+COLIBRI_FUZZ_EXAMPLES=<per-round> and a new
 `--hypothesis-seed`, until the time is up; the first failing round stops the run and its
 output (hypothesis' shrunk falsifying example, with a reproduction blob) is printed. At the
 end: rounds, inputs tried per fuzzer, and the result. The CI run is the same file with a
@@ -37,6 +38,7 @@ def main(argv=None) -> int:
         seed = random.randrange(1 << 31)
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                "-W", "ignore::DeprecationWarning", str(ROOT / "tests" / "test_fuzz.py"),
+               str(ROOT / "tests" / "test_fuzz_elf.py"),
                f"--hypothesis-seed={seed}"]
         if args.k:
             cmd += ["-k", args.k]

@@ -1,6 +1,7 @@
 """Property-based tests and structural fuzzers (hypothesis) on everything that reads
 user-supplied bytes: config files, model directories (container tables, config.json),
-the prompt's MODE: prefix and token ids, and the ELF metadata reader of hot-plugged experts.
+the prompt's MODE: prefix and token ids; the ELF metadata reader of hot-plugged experts is
+fuzzed in test_fuzz_elf.py, with the same machinery (fuzz_helpers.py).
 
 The contract, for every input: return normally or raise one of the documented typed errors
 (ColibriError subclasses: ConfigError, ModelFormatError, RequestError, ExpertRejected...),
@@ -21,151 +22,24 @@ COLIBRI_FUZZ_REPORT=path.json writes how many inputs each fuzzer tried (docs/ROB
 """
 from __future__ import annotations
 
-import atexit
-import copy
 import json
-import os
 import shutil
-import struct
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from colibri_core.config import (EngineConfig, ModelConfig, RunConfig, load_model_config,
                                  load_run_config, parse, read_mapping)
-from colibri_core.errors import (ColibriError, ConfigError, ExpertIndexError, ModelFormatError,
-                                 RequestError)
-from colibri_core.hotplug.errors import ExpertRejected
+from colibri_core.errors import ConfigError, ExpertIndexError, ModelFormatError, RequestError
 from colibri_core.modelfile import _PREFIX, ContainerFile
 from colibri_core.requests import split_mode_prefix
 from colibri_core.weights import load_model
 
-from robust_helpers import memory_limit, time_limit
-
-SCALE = float(os.environ.get("COLIBRI_FUZZ_SCALE", "1"))
-FIXED = os.environ.get("COLIBRI_FUZZ_EXAMPLES")
-
-
-def examples(default: int) -> int:
-    """Examples per fuzzer: the CI default (tuned to keep the file near 15 s on 2 idle cores),
-    or COLIBRI_FUZZ_EXAMPLES for a long run."""
-    return int(FIXED) if FIXED else max(1, int(default * SCALE))
-
-
-def fuzz(default: int):
-    return settings(max_examples=examples(default), deadline=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture,
-                                           HealthCheck.filter_too_much])
-
-
-TRIED: Counter = Counter()          # inputs tried per fuzzer (reported on exit)
-TIME_LIMIT_S = 10.0                 # one input must be handled within this (hang guard)
-MEM_LIMIT = 64 << 20                # ... and allocate at most this (the inputs are < 1 MiB)
-
-
-def _report():
-    path = os.environ.get("COLIBRI_FUZZ_REPORT")
-    if path and TRIED:
-        old = {}
-        if os.path.exists(path):
-            try:
-                old = json.loads(Path(path).read_text())
-            except ValueError:
-                old = {}
-        for k, v in TRIED.items():
-            old[k] = old.get(k, 0) + v
-        Path(path).write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
-
-
-atexit.register(_report)
-
-
-def guarded(name: str, fn, allowed=(ColibriError,)):
-    """Run fn under the time and memory guards; only the typed errors are allowed out.
-    Returns fn's result, or the (allowed) exception."""
-    TRIED[name] += 1
-    with time_limit(TIME_LIMIT_S, name), memory_limit(MEM_LIMIT, name):
-        try:
-            return fn()
-        except allowed as e:
-            text = str(e)
-            assert text.strip(), f"{name}: empty error message from {type(e).__name__}"
-            return e
-
-
-# ============================================================================ values
-
-# Boundary values that break naive readers, plus anything JSON can hold.
-EDGE_INTS = [0, 1, -1, 2, 3, 63, 64, 65, 127, 128, 4095, 4096, 4097, 2 ** 16, 2 ** 31 - 1,
-             2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 40, 2 ** 40 + 1, 2 ** 53, 2 ** 63 - 1, 2 ** 63,
-             2 ** 64, -(2 ** 63), 10 ** 30]
-json_scalars = st.one_of(
-    st.sampled_from(EDGE_INTS), st.integers(), st.booleans(), st.none(),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
-    st.sampled_from(["", "q4", "q8", "f32", "f16", "bf16", "moe", "dense", "mla", "gqa",
-                     "softmax", "sigmoid", "yarn", "\x00", "x" * 300]))
-json_values = st.recursive(json_scalars,
-                           lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                   st.dictionaries(st.text(max_size=8), inner,
-                                                                   max_size=4)),
-                           max_leaves=12)
-
-
-def _paths(obj, prefix=()):
-    """Every path (tuple of keys/indices) into a JSON-like value, the root excluded."""
-    out = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.append(prefix + (k,))
-            out += _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out.append(prefix + (i,))
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-@st.composite
-def mutated(draw, base, n_max: int = 3, values=json_values):
-    """`base` (a JSON-like dict) with 1..n_max structural mutations: a field set to another
-    value, deleted, duplicated into a new key, or a new key added."""
-    obj = copy.deepcopy(base)
-
-    def value():                    # a fresh copy: sampled constants are shared objects
-        return copy.deepcopy(draw(values))
-    for _ in range(draw(st.integers(1, n_max))):
-        paths = _paths(obj)
-        op = draw(st.sampled_from(["set", "set", "set", "delete", "add", "list"]))
-        if not paths or op == "add":
-            parent = obj if not paths else _get(obj, draw(st.sampled_from(paths))[:-1])
-            if isinstance(parent, dict):
-                parent[draw(st.text(max_size=10))] = value()
-            continue
-        path = draw(st.sampled_from(paths))
-        parent = _get(obj, path[:-1])
-        if op == "delete":
-            del parent[path[-1]]
-        elif op == "list" and isinstance(parent[path[-1]], list):
-            lst = parent[path[-1]]
-            how = draw(st.sampled_from(["empty", "double", "first", "reverse", "append"]))
-            new = {"empty": [], "double": lst * 2, "first": lst[:1], "reverse": lst[::-1],
-                   "append": lst + [value()]}[how]
-            lst[:] = copy.deepcopy(new)
-        else:
-            parent[path[-1]] = value()
-    return obj
-
-
-def _get(obj, path):
-    for p in path:
-        obj = obj[p]
-    return obj
-
+from fuzz_helpers import TRIED, EDGE_INTS, fuzz, guarded, json_values, mutated
+from fuzz_helpers import scratch  # noqa: F401  (a fixture)
 
 # ============================================================================ configs
 
@@ -193,9 +67,6 @@ def model_cfg_base(tiny_model_dir):
     return _valid_model_config(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    return tmp_path_factory.mktemp("fuzz")
 
 
 @fuzz(200)
@@ -479,162 +350,3 @@ def test_fuzz_model_dir(tiny_model_dir, model_cfg_base, scratch, data):
         finally:
             w.close()
     guarded("model dir: load + forward", go, (ConfigError, ModelFormatError))
-
-
-# ============================================================================ ELF
-
-ELF_FIELDS = {   # Elf64_Ehdr after e_ident: name -> (offset, struct format)
-    "e_type": (16, "<H"), "e_machine": (18, "<H"), "e_version": (20, "<I"), "e_entry": (24, "<Q"),
-    "e_phoff": (32, "<Q"), "e_shoff": (40, "<Q"), "e_flags": (48, "<I"), "e_ehsize": (52, "<H"),
-    "e_phentsize": (54, "<H"), "e_phnum": (56, "<H"), "e_shentsize": (58, "<H"),
-    "e_shnum": (60, "<H"), "e_shstrndx": (62, "<H")}
-SHDR_FIELDS = [("sh_name", 0, "<I"), ("sh_type", 4, "<I"), ("sh_flags", 8, "<Q"), ("sh_addr", 16, "<Q"),
-               ("sh_offset", 24, "<Q"), ("sh_size", 32, "<Q"), ("sh_link", 40, "<I"), ("sh_info", 44, "<I"),
-               ("sh_addralign", 48, "<Q"), ("sh_entsize", 56, "<Q")]
-PHDR_FIELDS = [("p_type", 0, "<I"), ("p_flags", 4, "<I"), ("p_offset", 8, "<Q"), ("p_vaddr", 16, "<Q"),
-               ("p_paddr", 24, "<Q"), ("p_filesz", 32, "<Q"), ("p_memsz", 40, "<Q"), ("p_align", 48, "<Q")]
-SYM_FIELDS = [("st_name", 0, "<I"), ("st_info", 4, "<B"), ("st_other", 5, "<B"), ("st_shndx", 6, "<H"),
-              ("st_value", 8, "<Q"), ("st_size", 16, "<Q")]
-META_FIELDS = [("magic", 0, "<I"), ("abi_version", 4, "<I"), ("struct_size", 8, "<I"), ("flags", 12, "<I"),
-               ("hidden", 16, "<I"), ("intermediate", 20, "<I"), ("group", 24, "<I"),
-               ("n_layers", 28, "<I"), ("layers[0]", 32, "<i"), ("layers[15]", 92, "<i"),
-               ("router_bias", 96, "<f"), ("name[0]", 104, "<B"), ("name[63]", 167, "<B"),
-               ("version[0]", 168, "<B"), ("target[127]", 327, "<B")]
-
-
-class ElfLayout:
-    """Where the mutable structures of a valid expert .so lie (from its own headers)."""
-
-    def __init__(self, path: Path):
-        from colibri_core.hotplug.elf import SHT_DYNSYM, SHT_SYMTAB, ElfFile
-        self.raw = path.read_bytes()
-        self.size = len(self.raw)
-        r = self.raw
-        self.phoff, self.shoff = struct.unpack_from("<QQ", r, 32)
-        self.phnum, self.shnum = struct.unpack_from("<H", r, 56)[0], struct.unpack_from("<H", r, 60)[0]
-        with ElfFile(path) as elf:
-            self.symtabs = [(s.offset, s.size // 24) for s in elf.sections if s.type in (SHT_DYNSYM, SHT_SYMTAB)]
-            self.symbols = {}
-            for s in elf.sections:
-                if s.type in (SHT_DYNSYM, SHT_SYMTAB):
-                    strtab = elf.sections[s.link]
-                    names = r[strtab.offset:strtab.offset + strtab.size]
-                    for i in range(1, s.size // 24):
-                        st_name = struct.unpack_from("<I", r, s.offset + 24 * i)[0]
-                        end = names.find(b"\0", st_name)
-                        nm = names[st_name:end].decode("utf-8", "replace")
-                        if nm.startswith("colibri_") or nm == "ffn_forward":
-                            self.symbols.setdefault(nm, []).append(s.offset + 24 * i)
-            meta = elf.symbol("colibri_expert_meta")
-            self.meta_off = elf.symbol_offset(meta)
-
-
-def _elf_values(bits_fmt: str, size: int, orig: int):
-    n = struct.calcsize(bits_fmt)
-    if bits_fmt == "<f":
-        return st.one_of(st.floats(width=32), st.sampled_from([float("nan"), float("inf"), 0.0]))
-    signed = bits_fmt[-1].islower() and bits_fmt[-1] not in "BHIQ"
-    lo, hi = (-(1 << (8 * n - 1)), (1 << (8 * n - 1)) - 1) if signed else (0, (1 << (8 * n)) - 1)
-    edges = [v for v in {0, 1, 2, 3, 16, 24, 56, 64, 360, 4096, size - 1, size, size + 1, size * 2,
-                         orig - 1, orig + 1, orig + 24, orig * 2, hi, hi - 1, hi // 2, hi // 2 + 1,
-                         lo, 0xFFFF, 0xFF00, 0x7FFFFFFF} if lo <= v <= hi]
-    return st.one_of(st.sampled_from(sorted(edges)), st.integers(lo, hi))
-
-
-@st.composite
-def mutated_elf(draw, lay: ElfLayout):
-    raw = bytearray(lay.raw)
-    for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["ehdr", "ident", "shdr", "shdr", "phdr", "sym", "sym", "meta",
-                                     "meta", "bytes", "truncate"]))
-        if kind == "ident":
-            if len(raw) >= 16:
-                raw[draw(st.integers(0, 15))] = draw(st.integers(0, 255))
-            continue
-        if kind == "truncate":
-            cut = draw(st.sampled_from([0, 3, 4, 15, 16, 63, 64, lay.shoff, lay.shoff + 1,
-                                        lay.size - 1, lay.meta_off + 100]))
-            del raw[min(cut, len(raw)):]
-            continue
-        if kind == "bytes":
-            if raw:
-                for _ in range(draw(st.integers(1, 16))):
-                    raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
-            continue
-        if kind == "ehdr":
-            name = draw(st.sampled_from(sorted(ELF_FIELDS)))
-            off, fmt = ELF_FIELDS[name]
-        elif kind == "shdr":
-            i = draw(st.integers(0, max(0, lay.shnum - 1)))
-            _, rel, fmt = draw(st.sampled_from(SHDR_FIELDS))
-            off = lay.shoff + 64 * i + rel
-        elif kind == "phdr":
-            i = draw(st.integers(0, max(0, lay.phnum - 1)))
-            _, rel, fmt = draw(st.sampled_from(PHDR_FIELDS))
-            off = lay.phoff + 56 * i + rel
-        elif kind == "sym":
-            name = draw(st.sampled_from(sorted(lay.symbols)))
-            base = draw(st.sampled_from(lay.symbols[name]))
-            _, rel, fmt = draw(st.sampled_from(SYM_FIELDS))
-            off = base + rel
-        else:
-            _, rel, fmt = draw(st.sampled_from(META_FIELDS))
-            off = lay.meta_off + rel
-        n = struct.calcsize(fmt)
-        if off + n > len(raw):
-            continue
-        orig = struct.unpack_from(fmt, raw, off)[0]
-        val = draw(_elf_values(fmt, lay.size, int(orig) if fmt != "<f" else 0))
-        struct.pack_into(fmt, raw, off, val)
-    return bytes(raw)
-
-
-@pytest.fixture(scope="module")
-def experts(tmp_path_factory):
-    """Two valid experts: the C test expert (no q4 weights) and a built one (q4 symbols)."""
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc")
-    from colibri_core.hotplug.builder import build_expert
-    from colibri_core.hotplug.testing import compile_test_expert
-    d = tmp_path_factory.mktemp("elf")
-    a = compile_test_expert(d / "plain.so", hidden=128, layer=1, name="plain")
-    rng = np.random.default_rng(0)
-    np.savez(d / "w.npz", w1=rng.standard_normal((64, 128)), w3=rng.standard_normal((64, 128)),
-             w2=rng.standard_normal((128, 64)), router_row=rng.standard_normal(128).astype(np.float32))
-    build_expert(d / "w.npz", d / "q4.so", layer=2, name="q4", version="1")
-    return {"plain": ElfLayout(a), "q4": ElfLayout(d / "q4.so")}
-
-
-def test_valid_experts_read(experts, scratch):
-    from colibri_core.hotplug.meta import read_expert_file
-    for name, lay in experts.items():
-        p = scratch / f"ok-{name}.so"
-        p.write_bytes(lay.raw)
-        info = read_expert_file(str(p), 128, {1, 2})
-        assert info.meta.name == name and (info.q4 is not None) == (name == "q4")
-
-
-@fuzz(500)
-@given(data=st.data())
-def test_fuzz_expert_elf(experts, scratch, data):
-    from colibri_core.hotplug.elf import ElfFile
-    from colibri_core.hotplug.meta import read_expert_file
-    which = data.draw(st.sampled_from(sorted(experts)))
-    raw = data.draw(mutated_elf(experts[which]))
-    p = scratch / f"fuzz-{which}.so"
-    p.write_bytes(raw)
-
-    def go():
-        with ElfFile(p) as elf:                 # the reader on its own
-            for s in list(elf.symbols.values())[:50]:
-                if s.defined and s.size < (1 << 20):
-                    try:
-                        elf.symbol_bytes(s)
-                    except ExpertRejected:
-                        pass
-        return read_expert_file(str(p), 128, {1, 2})
-    got = guarded("expert .so: ELF + metadata", go, (ExpertRejected,))
-    if not isinstance(got, BaseException):
-        assert got.meta.hidden_size == 128 and got.router_row.offset + got.router_row.nbytes <= len(raw)
-        for part in (got.q4 or {}).values():
-            assert 0 <= part.offset and part.offset + part.nbytes <= len(raw)
