@@ -43,15 +43,6 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepse
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7, 8]]
 
 
-def _kl(lg, ref):
-    def lsm(a):
-        a = np.asarray(a, np.float64)
-        a = a - a.max(1, keepdims=True)
-        return a - np.log(np.exp(a).sum(1, keepdims=True))
-    lp, lq = lsm(ref), lsm(lg)
-    return float((np.exp(lp) * (lp - lq)).sum(1).mean())
-
-
 _HWM = ("import re; print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
 
 
@@ -74,32 +65,10 @@ def _child_convert(hf: Path, out: Path) -> tuple[float, float, float]:
     return secs, peak, baseline
 
 
-def _inject(model, F=20.0):
-    import torch
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
-                v[[3, 77, 150, 290]] *= F
-            elif k.endswith("experts.gate_up_proj"):
-                i = v.shape[1] // 2
-                v[:, i + 1:i + 4] *= F
-            elif k.endswith(("up_proj.weight", "v_proj.weight")):
-                v[1:4] *= F
-    return model
-
-
-CAL = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts models route every "
-       "token to a few experts; the router picks them with a learned linear layer. "
-       "Quantization stores weights in four bits, and activation-aware scaling protects the "
-       "channels that carry large activations. In 1969 the first message crossed the network; "
-       "numbers such as 3.14159 or 2.71828 appear in many formulas. ") * 3
-HELD = ("Once upon a time a small engine read its weights from disk, mapped them into memory "
-        "and answered questions about fraud patterns, one token after another.")
-
-
 def family_row(fam: str, work: Path, medium_hidden: int) -> dict:
     import torch
-    from hf_helpers import (hf_greedy, hf_logits, load_dequantized_into, make_hf_model,
+    from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, inject_outliers, mean_kl,
+                            hf_greedy, hf_logits, load_dequantized_into, make_hf_model,
                             perplexity, rel_err, save, write_tokenizer)
     from colibri_core.convert import convert
     from colibri_core.engine import Engine
@@ -130,11 +99,11 @@ def family_row(fam: str, work: Path, medium_hidden: int) -> dict:
         row["loss4_ppl"] = perplexity(ours[tuple(long_ids)], long_ids) / perplexity(ref[tuple(long_ids)], long_ids) - 1
     # AWQ vs RTN on injected outliers
     from tokenizers import Tokenizer
-    ma = _inject(make_hf_model(fam, seed=2, hidden_size=320))
+    ma = inject_outliers(make_hf_model(fam, seed=2, hidden_size=320))
     save(ma, d / "awq_hf")
     write_tokenizer(d / "awq_hf")
-    (d / "cal.txt").write_text(CAL)
-    ids = Tokenizer.from_file(str(d / "awq_hf" / "tokenizer.json")).encode(HELD).ids
+    (d / "cal.txt").write_text(CALIBRATION_TEXT)
+    ids = Tokenizer.from_file(str(d / "awq_hf" / "tokenizer.json")).encode(HELD_OUT).ids
     r = hf_logits(ma, ids)
     kls = {}
     for name, kw in (("rtn", {}), ("awq", {"calibration": d / "cal.txt"})):
@@ -143,7 +112,7 @@ def family_row(fam: str, work: Path, medium_hidden: int) -> dict:
         if name == "awq":
             row["awq_s"] = time.perf_counter() - t0
         with Engine.from_model_dir(d / name, routing="float", activations="float") as eng:
-            kls[name] = _kl(eng.next_token_logits(ids, all_positions=True), r)
+            kls[name] = mean_kl(eng.next_token_logits(ids, all_positions=True), r)
     row["kl_rtn"], row["kl_awq"] = kls["rtn"], kls["awq"]
     # conversion time / peak RSS on a medium model
     over = dict(hidden_size=medium_hidden, num_hidden_layers=4, vocab_size=4000)

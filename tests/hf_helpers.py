@@ -391,3 +391,45 @@ def save_awq(model, path: Path, group: int = 64) -> dict:
                                   "zero_point": True, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return packed
+
+
+# ----------------------------------------------------------------------------- AWQ material
+# Shared by tests/test_convert_families.py and benchmarks/convert_report.py.
+
+AWQ_OUTLIERS = [3, 77, 150, 290]
+
+
+def inject_outliers(model, F=20.0):
+    """Activation outliers at every linear input: a few channels of each RMSNorm weight
+    (inputs of q/k/v, router and experts' gate/up) and a few rows of the up / value
+    projections (inputs of the down / output projections) scaled up by F."""
+    import torch
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
+                v[AWQ_OUTLIERS] *= F
+            elif k.endswith("experts.gate_up_proj"):
+                i = v.shape[1] // 2
+                v[:, i + 1:i + 4] *= F
+            elif k.endswith(("up_proj.weight", "v_proj.weight")):
+                v[1:4] *= F
+    return model
+
+
+CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route every "
+    "token to a few experts; the router picks them with a learned linear layer. "
+    "Quantization stores weights in four bits, and activation-aware scaling protects the "
+    "channels that carry large activations. In 1969 the first message crossed the network; "
+    "numbers such as 3.14159 or 2.71828 appear in many formulas. ") * 3
+HELD_OUT = ("Once upon a time a small engine read its weights from disk, mapped them into "
+            "memory and answered questions about fraud patterns, one token after another.")
+
+
+def mean_kl(lg, ref):
+    """Mean over positions of KL(softmax(ref) || softmax(lg)), rows of logits."""
+    def lsm(a):
+        a = a - a.max(1, keepdims=True)
+        return a - np.log(np.exp(a).sum(1, keepdims=True))
+    lp, lq = lsm(np.asarray(ref, np.float64)), lsm(np.asarray(lg, np.float64))
+    return float((np.exp(lp) * (lp - lq)).sum(1).mean())

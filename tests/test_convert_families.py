@@ -26,9 +26,9 @@ from colibri_core.convert import convert
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 
-from hf_helpers import (check_fast_path, greedy_match, hf_greedy, hf_logits,
-                        load_dequantized_into, make_hf_model, perplexity, rel_err, save,
-                        save_awq, write_tokenizer)
+from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, check_fast_path, greedy_match, hf_greedy,
+                        hf_logits, inject_outliers, load_dequantized_into, make_hf_model,
+                        mean_kl, perplexity, rel_err, save, save_awq, write_tokenizer)
 
 H = 320
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7]]
@@ -316,48 +316,10 @@ def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patc
 
 # ----------------------------------------------------------------------------- AWQ
 
-AWQ_OUTLIERS = [3, 77, 150, 290]
-
-
-def _inject_outliers(model, F=20.0):
-    """Activation outliers at every linear input: a few channels of each RMSNorm weight
-    (inputs of q/k/v, router and experts' gate/up) and a few rows of the up / value
-    projections (inputs of the down / output projections) scaled up by F."""
-    import torch
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
-                v[AWQ_OUTLIERS] *= F
-            elif k.endswith("experts.gate_up_proj"):
-                i = v.shape[1] // 2
-                v[:, i + 1:i + 4] *= F
-            elif k.endswith(("up_proj.weight", "v_proj.weight")):
-                v[1:4] *= F
-    return model
-
-
-CALIBRATION_TEXT = (
-    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route every "
-    "token to a few experts; the router picks them with a learned linear layer. "
-    "Quantization stores weights in four bits, and activation-aware scaling protects the "
-    "channels that carry large activations. In 1969 the first message crossed the network; "
-    "numbers such as 3.14159 or 2.71828 appear in many formulas. ") * 3
-HELD_OUT = ("Once upon a time a small engine read its weights from disk, mapped them into "
-            "memory and answered questions about fraud patterns, one token after another.")
-
-
-def _kl(lg, ref):
-    def lsm(a):
-        a = a - a.max(1, keepdims=True)
-        return a - np.log(np.exp(a).sum(1, keepdims=True))
-    lp, lq = lsm(np.asarray(ref, np.float64)), lsm(np.asarray(lg, np.float64))
-    return float((np.exp(lp) * (lp - lq)).sum(1).mean())
-
-
 def test_awq_beats_rtn_on_activation_outliers(tmp_path):
     from tokenizers import Tokenizer
     from colibri_core.weights import load_model
-    model = _inject_outliers(make_hf_model("qwen3_moe", seed=2, hidden_size=H))
+    model = inject_outliers(make_hf_model("qwen3_moe", seed=2, hidden_size=H))
     save(model, tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
     (tmp_path / "cal.txt").write_text(CALIBRATION_TEXT)
@@ -371,7 +333,7 @@ def test_awq_beats_rtn_on_activation_outliers(tmp_path):
         with _float_engine(tmp_path / name) as eng:
             lg = eng.next_token_logits(ids, all_positions=True)
         rms = float(np.sqrt(((lg - ref) ** 2).mean() / (ref ** 2).mean()))
-        res[name] = (rms, _kl(lg, ref), cfg)
+        res[name] = (rms, mean_kl(lg, ref), cfg)
     assert res["awq"][2].quantization["method"] == "awq"
     assert res["awq"][2].quantization["q4_clip"] == "minmax" and res["rtn"][2].quantization["q4_clip"] == "mse"
     for rtn in ("rtn_minmax", "rtn"):
