@@ -368,6 +368,18 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, Linux {platform.release()}"
 
 
+def git_commit() -> str:
+    """The commit measured (`+dirty` when the work tree has uncommitted changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               text=True, capture_output=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def write_md(text: str) -> None:
     doc = HERE.parent / "docs" / "BENCHMARKS.md"
     begin, end = "<!-- bench_budget:begin -->", "<!-- bench_budget:end -->"
@@ -421,7 +433,9 @@ def main(argv=None):
         rows.append(merge_runs(runs))
     load1 = os.getloadavg()
     cmd = "python benchmarks/bench_budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {"cmd": cmd.strip(), "date": datetime.date.today().isoformat(), "machine": machine(),
+    meta = {"cmd": cmd.strip(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(),
             "load": [load0[0], load1[0]], "size": size, "experts": experts,
             "n_experts": n_experts, "prompt": a.prompt, "tokens": a.tokens,
             "threads": a.threads, "repeat": a.repeat}
@@ -443,7 +457,7 @@ def render(m: dict, rows: list[dict]) -> str:
                 f"prefill chunk" if plan else "the non-expert weights, the KV cache and activations")
     return f"""## Memory budget (`bench_budget.py`)
 
-Command: `{m['cmd']}` — {m['date']}, {m['machine']};
+Command: `{m['cmd']}` — commit {m.get('commit', '?')}, {m['date']}, {m['machine']};
 load average {m['load'][0]:.2f} before, {m['load'][1]:.2f} after (other jobs were running on
 this machine: the tokens/s figures are noisy, the memory and I/O figures are not).
 
