@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import OUT, bench_model  # noqa: E402
+from common import OUT, bench_model, git_commit, machine  # noqa: E402
 
 SHAPE = dict(experts=32)                    # ~1.26 GB: >= 4x the 25% budget's expert cache
 MiB = 1 << 20
@@ -353,31 +352,6 @@ def checks(rows: list[dict]) -> str:
         lines.append(f"cgroup peak below its limit (no reclaim forced by the limit) in "
                      f"{under}/{len(cgs)}")
     return "; ".join(lines) + "."
-
-
-def machine() -> str:
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, Linux {platform.release()}"
-
-
-def git_commit() -> str:
-    """The commit measured (`+dirty` when the work tree has uncommitted changes)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               text=True, capture_output=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def write_md(text: str) -> None:
