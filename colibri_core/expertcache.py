@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import ops
 from .config import EngineConfig
 from .errors import ModelFormatError, RequestError
 from .memstat import _lib, drop_file_cache, madvise, proc_memory, proc_read_bytes
@@ -436,11 +437,8 @@ class BudgetResidency(Residency):
         if L is None or x.shape[0] > 4:            # a prefill needs most experts anyway
             return
         lw = self._layers[L]
-        var = np.mean(x * x, axis=-1, keepdims=True)
-        xn = (x / np.sqrt(var + self.cfg.rms_norm_eps)) * lw.ffn_norm
-        logits = xn @ es.routers[L].T
-        if es.logit_bias[L] is not None:
-            logits = logits + es.logit_bias[L]
+        xn = ops.rmsnorm(x, lw.ffn_norm, self.cfg.rms_norm_eps)
+        logits = ops.router_logits(xn, es.routers[L], es.logit_bias[L])
         if es.select_bias[L] is not None:
             logits = logits + es.select_bias[L]
         kk = int(np.max(k)) if np.ndim(k) else int(k)
