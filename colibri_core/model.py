@@ -17,17 +17,15 @@ import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig
-from .errors import RequestError
+from .errors import ExpertError, RequestError
 from . import mla, ops
 from .quant import Q4Tensor, Q8Tensor
 from .routing import LayerTrace, Routing, route
 from .expertset import ExpertSet
-from .weights import MADV_POPULATE_READ, FFNWeights, LayerWeights, ModelWeights
+from .memstat import MADV_POPULATE_READ, MADV_WILLNEED
+from .weights import FFNWeights, LayerWeights, ModelWeights
 
 import logging
-import mmap as _mmap
-
-from .hotplug.errors import HotplugError
 
 log = logging.getLogger("colibri")
 
@@ -57,7 +55,7 @@ class Model:
         self._inv_freq, self._rope_factor = ops.rope_frequencies(self.cfg)   # [D/2], cos/sin factor
         self.observer = None                 # callable(weight, x) seeing every linear's input
                                              # (converter calibration); None in normal use
-        self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
+        self._prefetch = {"none": None, "willneed": MADV_WILLNEED,
                           "populate": MADV_POPULATE_READ}[engine.prefetch]
         self._last_routing: list[LayerTrace] = []
         self._fast_trace = None              # the DecodePlan whose last step is the latest
@@ -228,7 +226,7 @@ class Model:
         y = np.empty_like(x)                       # hot-plugged custom code: ffn_forward
         try:
             ex.forward(x, y)
-        except HotplugError as e:
+        except ExpertError as e:
             # A failing hot expert contributes nothing to this token; the hot-plug manager
             # removes it at the next token boundary. The engine goes on.
             if ex.name not in self._warned:

@@ -20,9 +20,12 @@ def padded_cols(cols: int, group: int) -> int:
     return -(-cols // group) * group
 
 
-def check_group(group: int) -> None:
+def check_group(group: int, what: str = "") -> None:
+    """ValueError unless `group` is a positive multiple of NIBBLE_BLOCK (`what`: a prefix
+    naming the argument)."""
     if group <= 0 or group % NIBBLE_BLOCK:
-        raise ValueError(f"group size {group} is not a positive multiple of {NIBBLE_BLOCK}")
+        raise ValueError(f"{what + ': ' if what else ''}group size {group} is not a positive "
+                         f"multiple of {NIBBLE_BLOCK}")
 
 
 @dataclass(frozen=True)
