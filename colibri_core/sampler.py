@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from . import ops
+
 
 class Sampler:
     """One per request. The same seed and logits give the same tokens."""
@@ -22,9 +24,7 @@ class Sampler:
         if self.temperature == 0.0:      # on the logits as they are: no float64 copy
             return int(np.argmax(logits))
         logits = np.asarray(logits, dtype=np.float64)
-        z = logits / self.temperature
-        p = np.exp(z - z.max())
-        p /= p.sum()
+        p = ops.softmax(logits / self.temperature)
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
             cum = np.cumsum(p[order])
