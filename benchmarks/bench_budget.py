@@ -46,7 +46,7 @@ ROWS = [   # (label, budget fraction or None, engine settings)
     ("25%, mmap, lfu", 0.25, {}),
     ("25%, mmap, lru", 0.25, {"residency": {"policy": "lru"}}),
     ("25%, mmap, lfu + speculative", 0.25, {"residency": {"speculative": True}}),
-    ("25%, copy-in slots, lfu + speculative", 0.25,
+    ("25%, copy-in frames, lfu + speculative", 0.25,
      {"load_mode": "copy", "residency": {"speculative": True}}),
 ]
 
@@ -462,7 +462,7 @@ pages were dropped from the page cache ({rows[0].get('cache_drop', '?')}; mincor
 {checks(rows)}
 
 Mechanisms behind the rows: a copy-in load is one O_DIRECT `preadv` into a preallocated
-slot; a mapped load goes through the page cache (allocate, read, map with
+frame; a mapped load goes through the page cache (allocate, read, map with
 `MADV_POPULATE_READ`, later `MADV_DONTNEED` + `POSIX_FADV_DONTNEED` to free), and that
 kernel time competes with the compute kernels on a 2-CPU machine. The unbudgeted copy-in
 row reads the files through the page cache into private memory, so the model is held
