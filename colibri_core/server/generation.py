@@ -149,10 +149,10 @@ def run_generation(ctx, p: GenParams, book) -> dict:
                 raise RequestError(f"sampling settings: {e}") from None
             sampler = RecordingSampler(inner, p.logprobs, eos, texts)
             rid = ctx.request_id if len(p.prompts) * p.n == 1 else f"{ctx.request_id}.{choice}"
-            gen = eng.generate(prompt, max_new_tokens=max(p.max_tokens or 0, 0)
-                               if p.max_tokens is not None else
-                               eng.model_cfg.max_position_embeddings,
-                               top_k=p.experts, stop=p.stop, sampler=sampler, request_id=rid)
+            n_new = eng.model_cfg.max_position_embeddings if p.max_tokens is None \
+                else p.max_tokens          # the engine stops at the context's end anyway
+            gen = eng.generate(prompt, max_new_tokens=n_new, top_k=p.experts, stop=[],
+                               sampler=sampler, request_id=rid)
             ids = gen.prompt_ids
             start = Start(choice, ids)
             if p.echo:
@@ -162,26 +162,72 @@ def run_generation(ctx, p: GenParams, book) -> dict:
             ctx.emit(start)
             n_out, reason = 0, "length"
             if gen.max_new_tokens > 0:
+                cut = StopCutter(p.stop)
                 it = iter(gen)
                 try:
                     for ev in it:
                         rec = sampler.records[ev.step] if p.logprobs is not None else None
                         g, sid = book.stamp(ev.expert_set_version)
-                        ctx.emit(Token(choice, ev.token_id, ev.text, rec, g, sid))
+                        text, hit = cut.push(ev.text)
+                        ctx.emit(Token(choice, ev.token_id, text, rec, g, sid))
                         n_out += 1
+                        if hit:
+                            reason = "stop"
+                            break
                         ctx.check()
                 finally:
                     it.close()            # the generation's own cleanup (hooks, gc)
-                tail = gen.text[len("".join(e.text for e in gen.events)):]
-                if tail:                  # bytes held back by the UTF-8 decoder
-                    g, sid = book.stamp()
-                    ctx.emit(Token(choice, -1, tail, None, g, sid))
-                reason = FINISH.get(gen.stop_reason or "length", "stop")
+                if reason != "stop":
+                    # text held back by the UTF-8 decoder or as a possible stop's start
+                    tail = cut.finish(gen.text[len(cut.text):])
+                    if tail:
+                        g, sid = book.stamp()
+                        ctx.emit(Token(choice, -1, tail, None, g, sid))
+                    reason = FINISH.get(gen.stop_reason or "length", "stop")
             ctx.emit(End(choice, reason, len(ids), n_out))
             usage["prompt_tokens"] += len(ids)
             usage["completion_tokens"] += n_out
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
+
+
+class StopCutter:
+    """Stop strings over streamed text: text that may be the start of a stop string is
+    held back until it is known not to be one, so the client never sees any part of
+    the stop string (which may straddle tokens)."""
+
+    def __init__(self, stops: list):
+        self.stops = stops
+        self.text = ""            # everything the tokens decoded to
+        self.sent = 0             # characters of it passed on
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        if not self.stops:
+            self.sent = len(self.text)
+            return piece, False
+        longest = max(map(len, self.stops))
+        start = max(0, self.sent - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out, self.sent = self.text[self.sent:end], max(self.sent, end)
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def finish(self, tail: str) -> str:
+        """The held-back text (and the decoder's tail) once no stop string followed."""
+        self.text += tail
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
 
 
 def _echo_text(eng, prompt, ids) -> str:
