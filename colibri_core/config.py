@@ -218,7 +218,7 @@ class ResidencyConfig(BaseModel):
     speculative: bool = False                      # guess the next MoE layer's experts early
     io_threads: int = Field(default=4, ge=1, le=64)   # expert loads in flight at once
     kv_tokens: Optional[int] = Field(default=None, gt=0)  # KV positions reserved (None: the context)
-    debug_poison: bool = False                     # copy mode: fill evicted slots with NaN
+    debug_poison: bool = False                     # copy mode: fill evicted frames with NaN
 
 
 class EngineConfig(BaseModel):

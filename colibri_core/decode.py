@@ -21,7 +21,8 @@ import numpy as np
 
 from .kernels import ffi, lib
 from .quant import Q4Tensor, Q8Tensor, padded_cols
-from .routing import _EXP2_TABLE
+from . import ops
+from .routing import _EXP2_TABLE, LayerTrace, Routing, route
 
 _ERRORS = {1: "more than two activation group sizes in one call",
            2: "decode scratch too small", 3: "non-finite router logits"}
@@ -361,11 +362,8 @@ class DecodePlan:
     def _route_nonfinite(self, L, k: int) -> None:
         """A NaN/Inf router logit: the general router's fallback (uniform weights over the
         first k experts), so both paths agree."""
-        from .routing import route
-        logits = self.xn[None, :] @ np.asarray(self.es.routers[L["index"]], np.float32).T
-        bias = self.es.logit_bias[L["index"]]
-        if bias is not None:
-            logits = logits + bias
+        logits = ops.router_logits(self.xn[None, :], np.asarray(self.es.routers[L["index"]], np.float32),
+                                   self.es.logit_bias[L["index"]])
         r = route(logits, np.array([k]), mode="fixed", scoring="softmax",
                   norm_topk_prob=self.model.cfg.norm_topk_prob,
                   scaling=self.model.cfg.routed_scaling_factor)
@@ -380,9 +378,7 @@ class DecodePlan:
         i = L["row"]
         ids, w = self.route_ids[i:i + 1, :k], self.route_w[i:i + 1, :k]
         logits = self.router_logits[i:i + 1, :L["slots"]]
-        z = logits.astype(np.float64)
-        p = np.exp(z - z.max())
-        p /= p.sum()
+        p = ops.softmax(logits.astype(np.float64))
         scores = np.take_along_axis(p, ids, 1).astype(np.float32)
         override = hook(layer=L["index"], expert_ids=ids, weights=w, scores=scores, logits=logits)
         if override is not None:
@@ -418,17 +414,13 @@ class DecodePlan:
 
     def traces(self) -> list:
         """The last step's routing as the general path records it (model.LayerTrace)."""
-        from .model import LayerTrace
-        from .routing import Routing
         out, k = [], self.last_k
         for L in self.layers:
             if not L["moe"]:
                 continue
             i = L["row"]
             logits = self.router_logits[i:i + 1, :L["slots"]].copy()
-            z = logits.astype(np.float64)
-            p = np.exp(z - z.max())
-            p /= p.sum()
+            p = ops.softmax(logits.astype(np.float64))
             ids = self.route_ids[i:i + 1, :k].copy()
             out.append(LayerTrace(L["index"], Routing(ids, self.route_w[i:i + 1, :k].copy(),
                                                       np.take_along_axis(p, ids, 1).astype(np.float32)),

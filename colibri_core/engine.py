@@ -23,7 +23,7 @@ from .config import EngineConfig, ModelConfig, find_config, load_run_config, par
 from .errors import ConfigError, RequestError
 from .generate import Generation
 from .model import Model
-from .requests import check_k, split_mode_prefix
+from .kselect import check_k, split_mode_prefix
 from .sampler import Sampler
 from .tokenizer import Tokenizer
 from .weights import load_model
@@ -187,7 +187,7 @@ class Engine:
 
     def choose_k(self, prompt_tokens: int, explicit: Optional[int], prefix: Optional[int],
                  request: dict) -> tuple[int, str]:
-        """Precedence: argument, MODE: prefix, plugin, length policy, model (requests.py)."""
+        """Precedence: argument, MODE: prefix, plugin, length policy, model (kselect.py)."""
         cfg = self.model_cfg
         if not cfg.moe_layers:
             return cfg.top_k, "model (no MoE layers)"

@@ -27,5 +27,10 @@ class RequestError(ColibriError, ValueError):
     """A request is invalid: bad token ids, bad k, empty prompt, malformed MODE: prefix."""
 
 
+class ExpertError(ColibriError):
+    """An expert was refused or failed: the base of the hot-plug errors (hotplug/errors.py).
+    The model catches it around an expert's own code, which then contributes nothing."""
+
+
 class KernelError(ColibriError, RuntimeError):
     """The compiled kernels are missing or were called with bad arguments."""

@@ -1,7 +1,7 @@
 """The expert cache behind a memory budget (EngineConfig.max_resident_mb): what
 residency.py's module docstring describes as "the cache" -- entries per (layer, expert),
 pinning, LRU/LFU eviction, loads on I/O threads (mapped pages through MADV_POPULATE_READ,
-or copy-in slots read with preadv, O_DIRECT where possible) and speculative loads of the
+or copy-in frames read with preadv, O_DIRECT where possible) and speculative loads of the
 next MoE layer's likely experts. residency.py plans the budget and picks this class.
 """
 from __future__ import annotations
@@ -19,12 +19,14 @@ from typing import Optional
 
 import numpy as np
 
+from . import ops
 from .config import EngineConfig
 from .errors import ModelFormatError, RequestError
-from .memstat import _lib, drop_file_cache, madvise, proc_memory, proc_read_bytes
-from .residency import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, BudgetPlan,
-                        Residency)
-from .weights import Expert, ModelWeights, expert_ffn
+from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
+                      drop_file_cache, madvise, proc_memory, proc_read_bytes)
+from .residency import BudgetPlan, Residency
+from .modelfile import expert_name
+from .weights import ModelExpert, ModelWeights, expert_ffn
 
 # ----------------------------------------------------------------------------- I/O threads
 
@@ -63,19 +65,19 @@ class _IOPool:
             t.join(timeout=10)
 
 
-class SlotExpert:
-    """A routed expert living in a copy-in slot: its views point into the slot and are
+class CopyInExpert:
+    """A routed expert living in a copy-in frame: its views point into the frame and are
     valid while the expert is pinned (between acquire and release)."""
 
     __slots__ = ("layer", "index", "ffn", "file", "address", "nbytes")
 
-    def __init__(self, ex: Expert, ffn, address: int, nbytes: int):
+    def __init__(self, ex: ModelExpert, ffn, address: int, nbytes: int):
         self.layer, self.index, self.ffn, self.file = ex.layer, ex.index, ffn, ex.file
         self.address, self.nbytes = address, nbytes
 
     @property
     def name(self) -> str:
-        return f"expert_{self.layer}_{self.index}"
+        return expert_name(self.layer, self.index)
 
 
 class _Pending:
@@ -98,7 +100,7 @@ class _Pending:
 
 
 class _Entry:
-    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "slot", "ex", "drops")
+    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "frame", "ex", "drops")
 
     def __init__(self, key, nbytes: int, ex):
         self.key, self.nbytes, self.ex = key, nbytes, ex
@@ -107,7 +109,7 @@ class _Entry:
         self.future: Optional[Future] = None
         self.obj = None
         self.spec = False
-        self.slot = -1
+        self.frame = -1
         self.drops: list = []     # evicted experts whose pages its load job drops first
 
 
@@ -188,7 +190,7 @@ class BudgetResidency(Residency):
         experts = [ex for lw in weights.layers for ex in lw.experts]
         self.capacity = plan.capacity
         if self.mode == "copy":
-            self._setup_slots(experts, rc.io_threads)
+            self._setup_frames(experts, rc.io_threads)
         else:
             for ex in experts:       # the header reads at load touched the files: start empty
                 self._drop_mapped(ex, sync=True)
@@ -196,8 +198,8 @@ class BudgetResidency(Residency):
         self._read0 = proc_read_bytes()
         _fix_malloc()
 
-    # --- copy-in slots
-    def _setup_slots(self, experts: list, io_threads: int) -> None:
+    # --- copy-in frames
+    def _setup_frames(self, experts: list, io_threads: int) -> None:
         spans = {}
         for ex in experts:
             f = ex.file
@@ -206,17 +208,17 @@ class BudgetResidency(Residency):
                 ex.ffn = None
             spans[id(ex)] = f.data_span()
         self._span = spans
-        self.slot_bytes = max((b - a for a, b in spans.values()), default=PAGE)
-        self.slot_bytes = -(-self.slot_bytes // PAGE) * PAGE
+        self.frame_bytes = max((b - a for a, b in spans.values()), default=PAGE)
+        self.frame_bytes = -(-self.frame_bytes // PAGE) * PAGE
         self.direct = self._probe_direct(experts)
-        n = self.capacity // self.slot_bytes
+        n = self.capacity // self.frame_bytes
         if not self.direct:        # buffered reads hold one expert per thread in the cache
-            n = max(self.plan.top_k, (self.capacity - io_threads * self.slot_bytes) // self.slot_bytes)
-        self.n_slots = n
-        self.capacity = n * self.slot_bytes
-        raw = np.empty(n * self.slot_bytes + PAGE, np.uint8)      # pages come as slots fill
+            n = max(self.plan.top_k, (self.capacity - io_threads * self.frame_bytes) // self.frame_bytes)
+        self.n_frames = n
+        self.capacity = n * self.frame_bytes
+        raw = np.empty(n * self.frame_bytes + PAGE, np.uint8)      # pages come as frames fill
         a = (-raw.ctypes.data) % PAGE
-        self._slots = raw[a:a + n * self.slot_bytes].reshape(n, self.slot_bytes)
+        self._frames = raw[a:a + n * self.frame_bytes].reshape(n, self.frame_bytes)
         self._free = list(range(n - 1, -1, -1))
         for f in self.weights.files:       # private copies made; no page-cache duplicates
             drop_file_cache(f.path, sync=True)
@@ -303,8 +305,8 @@ class BudgetResidency(Residency):
             self.spec_wasted += 1
         if self.mode == "copy":
             if self.poison:                     # a stale view would now compute NaN
-                self._slots[ent.slot].fill(0xFF)
-            self._free.append(ent.slot)
+                self._frames[ent.frame].fill(0xFF)
+            self._free.append(ent.frame)
         else:
             # The pages are dropped by the next load job, on its I/O thread, before it reads
             # anything: the engine's thread does not wait for it, and what is resident never
@@ -321,10 +323,10 @@ class BudgetResidency(Residency):
     def _admit(self, key, ex, prio: int) -> _Entry:
         f = ex.file
         if self.mode == "copy":
-            ent = _Entry(key, self.slot_bytes, ex)
+            ent = _Entry(key, self.frame_bytes, ex)
             self._make_room(ent.nbytes)
-            ent.slot = self._free.pop()
-            ent.future = self._pool.submit(prio, self._load_slot, ex, ent.slot)
+            ent.frame = self._free.pop()
+            ent.future = self._pool.submit(prio, self._load_frame, ex, ent.frame)
         else:
             ent = _Entry(key, f.size, ex)
             self._make_room(ent.nbytes)
@@ -357,12 +359,12 @@ class BudgetResidency(Residency):
         _populate(f.base_address, f.size, f.path)
         return ex
 
-    def _load_slot(self, ex, slot: int):            # on an I/O thread
+    def _load_frame(self, ex, frame: int):            # on an I/O thread
         a, b = self._span[id(ex)]
-        buf = self._slots[slot]
+        buf = self._frames[frame]
         _read_into(ex.file.path, memoryview(buf[:b - a]), a, self.direct)
         ffn = expert_ffn(ex.file, self.cfg.hidden_size, self.cfg.expert_intermediate, buf, a)
-        return SlotExpert(ex, ffn, int(buf.ctypes.data), ex.file.size)
+        return CopyInExpert(ex, ffn, int(buf.ctypes.data), ex.file.size)
 
     def _ready(self, ent: _Entry):
         fut = ent.future
@@ -376,7 +378,7 @@ class BudgetResidency(Residency):
         """The routed experts of one layer, in groups that fit the cache together (one group
         unless a prefill routes to more experts than the budget holds)."""
         w = max(1, self.capacity // max(1, self.plan.expert_bytes if self.mode != "copy"
-                                        else self.slot_bytes))
+                                        else self.frame_bytes))
         if len(used) <= w:
             return (used,)
         return tuple(used[i:i + w] for i in range(0, len(used), w))
@@ -436,11 +438,8 @@ class BudgetResidency(Residency):
         if L is None or x.shape[0] > 4:            # a prefill needs most experts anyway
             return
         lw = self._layers[L]
-        var = np.mean(x * x, axis=-1, keepdims=True)
-        xn = (x / np.sqrt(var + self.cfg.rms_norm_eps)) * lw.ffn_norm
-        logits = xn @ es.routers[L].T
-        if es.logit_bias[L] is not None:
-            logits = logits + es.logit_bias[L]
+        xn = ops.rmsnorm(x, lw.ffn_norm, self.cfg.rms_norm_eps)
+        logits = ops.router_logits(xn, es.routers[L], es.logit_bias[L])
         if es.select_bias[L] is not None:
             logits = logits + es.select_bias[L]
         kk = int(np.max(k)) if np.ndim(k) else int(k)
@@ -457,7 +456,7 @@ class BudgetResidency(Residency):
                 key = (L, e)
                 if key in self.entries:
                     continue
-                need = self.slot_bytes if self.mode == "copy" else ex.file.size
+                need = self.frame_bytes if self.mode == "copy" else ex.file.size
                 if not self._make_room(need, optional=True):
                     break
                 ent = self._admit(key, ex, 1)
@@ -497,7 +496,7 @@ class BudgetResidency(Residency):
                                 "hit_rate": (self.spec_correct / self.spec_guessed
                                              if self.spec_guessed else None)}
         if self.mode == "copy":
-            r.update({"slots": self.n_slots, "slot_bytes": self.slot_bytes, "o_direct": self.direct})
+            r.update({"frames": self.n_frames, "frame_bytes": self.frame_bytes, "o_direct": self.direct})
         return r
 
     def close(self) -> None:

@@ -13,13 +13,15 @@ from typing import Optional
 
 import numpy as np
 
+from .modelfile import expert_name
 from .weights import FFNWeights, ModelWeights
 
 VACANT_LOGIT = -1e30   # finite, so the router's non-finite fallback is not triggered
 
 
 class HotSlot:
-    """Adapter giving a hot-plugged expert the interface of a model expert."""
+    """A hot-plugged expert in a router slot of one layer: the Expert protocol
+    (weights.Expert) around a hotplug HotExpert."""
 
     file = None
 
@@ -34,7 +36,7 @@ class HotSlot:
 
     @property
     def name(self) -> str:
-        return f"expert_{self.layer}_{self.index}"
+        return expert_name(self.layer, self.index)
 
     @property
     def address(self) -> int:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from .quant import NIBBLE_BLOCK, Q4Tensor, Q8Tensor, padded_cols
+from .quant import NIBBLE_BLOCK, Q4Tensor, Q8Tensor, check_group, padded_cols
 
 # libgomp reads its settings when it is loaded (with the extension, just below). Its
 # default lets idle workers spin ~300K iterations; on a machine busy with other jobs the
@@ -137,11 +137,6 @@ def _arr(name: str, a, dtype: np.dtype, shape: tuple, writable: bool = False) ->
     return a
 
 
-def _check_group(name: str, group: int) -> None:
-    if group <= 0 or group % NIBBLE_BLOCK:
-        raise ValueError(f"{name}: group size {group} is not a positive multiple of {NIBBLE_BLOCK}")
-
-
 def _q4_parts(name: str, w) -> tuple:
     """Validated cffi pointers of a Q4Tensor's parts, cached on the tensor (its fields
     are frozen, so the check holds for its lifetime; ~3 us saved per call)."""
@@ -150,7 +145,7 @@ def _q4_parts(name: str, w) -> tuple:
         return parts
     if not isinstance(w, Q4Tensor):
         raise ValueError(f"{name}: expected a Q4Tensor, got {type(w).__name__}")
-    _check_group(name, w.group)
+    check_group(w.group, name)
     cp = padded_cols(w.cols, w.group)
     ng = cp // w.group
     _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
@@ -210,7 +205,7 @@ class Workspace:
     """
 
     def __init__(self, max_tokens: int, max_cols: int, group: int = 128):
-        _check_group("Workspace", group)
+        check_group(group, "Workspace")
         if max_tokens < 1 or max_cols < 1:
             raise ValueError("Workspace: max_tokens and max_cols must be >= 1")
         self.max_tokens, self.max_cols, self.group = int(max_tokens), int(max_cols), int(group)
@@ -255,7 +250,7 @@ def act_quantize_q8(x: np.ndarray, group: int, xq: Optional[np.ndarray] = None,
     """Per-group int8 quantization of x f32 [N, C]; bit-identical to
     quant.quantize_act_q8. Fills xq int8 [N, Cp], xs f32 [N, NG], xsum int32 [N, NG]
     (allocated when None) and returns (xq, xs, xsum)."""
-    _check_group("group", group)
+    check_group(group, "group")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"x: expected a 2-D numpy array, got {getattr(x, 'shape', type(x).__name__)}")
     n, cols = x.shape
@@ -293,7 +288,7 @@ def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
     mode = _act(act)
     if not isinstance(w, Q8Tensor):
         raise ValueError(f"w: expected a Q8Tensor, got {type(w).__name__}")
-    _check_group("w", w.group)
+    check_group(w.group, "w")
     cp = padded_cols(w.cols, w.group)
     _arr("w.data", w.data, _i8, (w.rows, cp))
     _arr("w.scales", w.scales, _f32, (w.rows, cp // w.group))

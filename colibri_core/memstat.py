@@ -16,6 +16,11 @@ from typing import Optional
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+# madvise(2) advice (the mmap module lacks some on older Pythons): WILLNEED starts
+# readahead, POPULATE_READ (Linux >= 5.14) maps the pages in, DONTNEED unmaps them.
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 _libc = None
 

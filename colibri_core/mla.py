@@ -1,4 +1,4 @@
-"""DeepSeek multi-head latent attention (MLA), and the rotary tables every attention uses.
+"""DeepSeek multi-head latent attention (MLA). The rotary tables are ops.rope_frequencies.
 
 MLA (DeepSeek-V2/V3) compresses keys and values into one latent vector per position:
 
@@ -26,85 +26,28 @@ S cached positions.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
+from . import ops
 from .config import ModelConfig
 
 LORA_NORM_EPS = 1e-6          # q_a_layernorm / kv_a_layernorm: transformers' default eps
 _DEQUANT_BUDGET = 256 << 20   # bytes of dequantized wkv_b kept across layers
 
 
-# ----------------------------------------------------------------------------- rotary
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def rope_dim(cfg: ModelConfig) -> int:
-    return cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_size
-
-
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inverse frequencies [D/2] float64, attention factor applied to cos/sin)."""
-    dim = rope_dim(cfg)
-    base = cfg.rope_theta
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    rs = cfg.rope_scaling
-    if rs is None:
-        return 1.0 / pos_freqs, 1.0
-    factor = rs.factor
-    af = rs.attention_factor
-    if af is None:
-        if rs.mscale and rs.mscale_all_dim:
-            af = _yarn_mscale(factor, rs.mscale) / _yarn_mscale(factor, rs.mscale_all_dim)
-        else:
-            af = _yarn_mscale(factor)
-
-    def corr_dim(rot):
-        return (dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = corr_dim(rs.beta_fast), corr_dim(rs.beta_slow)
-    if rs.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float64)
-    extra = 1.0 - ramp                                   # extrapolation weight
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-    # transformers computes these tables in float32
-    return inv.astype(np.float32).astype(np.float64), float(af)
-
+# ----------------------------------------------------------------------------- scale
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(q·k head size), times mscale^2 under YaRN with mscale_all_dim (DeepSeek)."""
     scale = cfg.head_size ** -0.5
     rs = cfg.rope_scaling
     if cfg.attention == "mla" and rs is not None and rs.mscale_all_dim:
-        m = _yarn_mscale(rs.factor, rs.mscale_all_dim)
+        m = ops.yarn_mscale(rs.factor, rs.mscale_all_dim)
         scale *= m * m
     return scale
-
-
-def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, factor: float,
-               interleave: bool) -> np.ndarray:
-    """Rotary embedding of x [T, heads, D] at positions pos [T].
-
-    interleave=False: rotate-half (pairs (i, i + D/2)); True: pairs (2i, 2i+1), result
-    written de-interleaved (first the rotated even lanes, then the odd ones)."""
-    ang = pos[:, None].astype(np.float64) * inv_freq[None, :]             # [T, D/2]
-    cos = (np.cos(ang) * factor).astype(np.float32)[:, None, :]
-    sin = (np.sin(ang) * factor).astype(np.float32)[:, None, :]
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -167,25 +110,13 @@ class MLACache:
 
 # ----------------------------------------------------------------------------- attention
 
-def _float_matrix(w) -> np.ndarray:
-    from .quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
-    if isinstance(w, Q4Tensor):
-        return dequantize_q4(w).astype(np.float32)
-    if isinstance(w, Q8Tensor):
-        return dequantize_q8(w).astype(np.float32)
-    a = np.asarray(w)
-    if a.dtype == np.uint16:                                     # bf16
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32, copy=False)
-
-
 def _absorb_matrix(model, a: MLAWeights, layer: int) -> np.ndarray:
     """wkv_b as float32 [NH, N + V, r] (act scale already divided out of its columns)."""
     memo = model.__dict__.setdefault("_mla_wkv_b", {})
     w = memo.get(layer)
     if w is None:
         cfg = model.cfg
-        w = _float_matrix(a.wkv_b)
+        w = ops.float_matrix(a.wkv_b)
         s = a.act_scales.get("wkv_b")
         if s is not None:
             w = w / np.asarray(s, np.float32)[None, :]
@@ -208,14 +139,14 @@ def attention(model, lw, xn: np.ndarray, pos: np.ndarray, spans) -> np.ndarray:
         q = model.linear(a.wq, xn, sc.get("wq"))
     else:
         qa = model.linear(a.wq_a, xn, sc.get("wq_a"))
-        q = model.linear(a.wq_b, _rms(qa, a.q_a_norm), sc.get("wq_b"))
+        q = model.linear(a.wq_b, ops.rmsnorm(qa, a.q_a_norm, LORA_NORM_EPS), sc.get("wq_b"))
     q = q.reshape(T, NH, N + R)
     kv = model.linear(a.wkv_a, xn, sc.get("wkv_a"))
-    c = _rms(kv[:, :r], a.kv_a_norm)                                   # [T, r]
+    c = ops.rmsnorm(kv[:, :r], a.kv_a_norm, LORA_NORM_EPS)                                 # [T, r]
     k_pe = kv[:, None, r:]                                             # [T, 1, R]
     inter = cfg.rope_interleave
-    q_pe = apply_rope(q[..., N:], pos, model._inv_freq, model._rope_factor, inter)
-    k_pe = apply_rope(k_pe, pos, model._inv_freq, model._rope_factor, inter)[:, 0]
+    q_pe = ops.apply_rope(q[..., N:], pos, model._inv_freq, model._rope_factor, inter)
+    k_pe = ops.apply_rope(k_pe, pos, model._inv_freq, model._rope_factor, inter)[:, 0]
     if getattr(model, "observer", None) is not None:
         model.observer(a.wkv_b, c)
     wkv_b = _absorb_matrix(model, a, lw.index)                         # [NH, N + V, r]
@@ -230,16 +161,8 @@ def attention(model, lw, xn: np.ndarray, pos: np.ndarray, spans) -> np.ndarray:
         cs, ks = cache.k[L, :s0 + n], cache.v[L, :s0 + n]              # [S, r], [S, R]
         s = (np.einsum("thr,sr->hts", q_lat[t0:t1], cs)
              + np.einsum("thd,sd->hts", q_pe[t0:t1], ks)) * scale      # [NH, n, S]
-        if n > 1:
-            mask = np.arange(s0 + n)[None, :] > (s0 + np.arange(n))[:, None]
-            s = np.where(mask[None], -np.inf, s)
-        s = np.exp(s - s.max(axis=-1, keepdims=True))
-        s /= s.sum(axis=-1, keepdims=True)
-        o_lat[t0:t1] = np.einsum("hts,sr->thr", s.astype(np.float32), cs)
+        p = ops.causal_softmax(s, s0)
+        o_lat[t0:t1] = np.einsum("hts,sr->thr", p.astype(np.float32), cs)
     out = np.einsum("thr,hvr->thv", o_lat, wkv_b[:, N:, :])            # [T, NH, V]
     return model.linear(a.wo, np.ascontiguousarray(out.reshape(T, NH * V), np.float32), sc.get("wo"))
 
-
-def _rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return (x / np.sqrt(var + LORA_NORM_EPS)) * w

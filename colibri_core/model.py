@@ -11,24 +11,21 @@ dim, E experts, K experts per token, V vocab, S cached positions of one sequence
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig
-from .errors import RequestError
-from . import mla
+from .errors import ExpertError, RequestError
+from . import mla, ops
 from .quant import Q4Tensor, Q8Tensor
-from .routing import Routing, route
+from .routing import LayerTrace, Routing, route
 from .expertset import ExpertSet
-from .weights import MADV_POPULATE_READ, FFNWeights, LayerWeights, ModelWeights
+from .memstat import MADV_POPULATE_READ, MADV_WILLNEED
+from .weights import FFNWeights, LayerWeights, ModelWeights
 
 import logging
-import mmap as _mmap
-
-from .hotplug.errors import HotplugError
 
 log = logging.getLogger("colibri")
 
@@ -47,14 +44,6 @@ class KVCache:
         self.length = 0
 
 
-@dataclass
-class LayerTrace:
-    """What the router did in one layer (handed to hooks / kept for tests)."""
-    layer: int
-    routing: Routing
-    logits: np.ndarray   # [T, E] router logits
-
-
 class Model:
     def __init__(self, weights: ModelWeights, engine: EngineConfig = EngineConfig(), hooks=None):
         self.w = weights
@@ -63,10 +52,10 @@ class Model:
         self.hooks = hooks                   # plugins.HookRelay or None
         self.act = engine.activations
         self.routing_mode = engine.routing
-        self._inv_freq, self._rope_factor = mla.rope_frequencies(self.cfg)   # [D/2], cos/sin factor
+        self._inv_freq, self._rope_factor = ops.rope_frequencies(self.cfg)   # [D/2], cos/sin factor
         self.observer = None                 # callable(weight, x) seeing every linear's input
                                              # (converter calibration); None in normal use
-        self._prefetch = {"none": None, "willneed": _mmap.MADV_WILLNEED,
+        self._prefetch = {"none": None, "willneed": MADV_WILLNEED,
                           "populate": MADV_POPULATE_READ}[engine.prefetch]
         self._last_routing: list[LayerTrace] = []
         self._fast_trace = None              # the DecodePlan whose last step is the latest
@@ -97,8 +86,7 @@ class Model:
         return KVCache(self.cfg, capacity)
 
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        var = np.mean(x * x, axis=-1, keepdims=True)
-        return (x / np.sqrt(var + self.cfg.rms_norm_eps)) * w
+        return ops.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
     def linear(self, w, x: np.ndarray, act_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """x [T, in] @ w^T -> [T, out] float32, whatever the stored number type.
@@ -117,10 +105,7 @@ class Model:
             out = np.empty((x.shape[0], w.rows), dtype=np.float32)
             kernels.q8_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
             return out
-        w = np.asarray(w)
-        if w.dtype == np.uint16:                 # bf16 section: widen on use
-            w = (w.astype(np.uint32) << 16).view(np.float32)
-        return (x @ w.astype(np.float32, copy=False).T).astype(np.float32, copy=False)
+        return (x @ ops.float_matrix(w).T).astype(np.float32, copy=False)
 
     def _ffn(self, ffn: FFNWeights, x: np.ndarray, out: np.ndarray,
              row_weights: Optional[np.ndarray] = None, accumulate: bool = False) -> None:
@@ -134,22 +119,13 @@ class Model:
             return
         g = self.linear(ffn.w1, x, sc.get("w1"))
         u = self.linear(ffn.w3, x, sc.get("w3"))
-        y = self.linear(ffn.w2, (g / (1.0 + np.exp(-g))) * u, sc.get("w2"))
+        y = self.linear(ffn.w2, ops.silu(g) * u, sc.get("w2"))
         if row_weights is not None:
             y *= row_weights[:, None]
         if accumulate:
             out += y
         else:
             out[...] = y
-
-    def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Rotate-half rotary embedding (Hugging Face layout). x [T, heads, D], pos [T]."""
-        ang = pos[:, None].astype(np.float64) * self._inv_freq[None, :]      # [T, D/2]
-        cos = (np.cos(ang) * self._rope_factor).astype(np.float32)[:, None, :]
-        sin = (np.sin(ang) * self._rope_factor).astype(np.float32)[:, None, :]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     # ------------------------------------------------------------------ attention
     def _attention(self, lw: LayerWeights, xn: np.ndarray, pos: np.ndarray,
@@ -170,9 +146,9 @@ class Model:
         q, k, v = q.reshape(T, NH, D), k.reshape(T, NKV, D), v.reshape(T, NKV, D)
         if cfg.qk_norm == "per_head":
             q, k = self._rmsnorm(q, a.q_norm), self._rmsnorm(k, a.k_norm)
-        q, k = self._rope(q, pos), self._rope(k, pos)
+        q = ops.apply_rope(q, pos, self._inv_freq, self._rope_factor)    # rotate-half layout
+        k = ops.apply_rope(k, pos, self._inv_freq, self._rope_factor)
         out = np.empty((T, NH, D), dtype=np.float32)
-        group = NH // NKV
         scale = 1.0 / math.sqrt(D)
         L = lw.index
         for t0, t1, cache in spans:
@@ -184,25 +160,15 @@ class Model:
                 kernels.attention_decode(np.ascontiguousarray(q[t0]), cache.k[L], cache.v[L],
                                          s0 + 1, out[t0], scale=scale)
                 continue
-            keys = cache.k[L, :s0 + n]                                   # [S, NKV, D]
-            vals = cache.v[L, :s0 + n]
-            qs = q[t0:t1].reshape(n, NKV, group, D)
-            sc = np.einsum("tkgd,skd->kgts", qs, keys) * scale           # [NKV, G, n, S]
-            if n > 1:                                                    # causal mask
-                mask = np.arange(s0 + n)[None, :] > (s0 + np.arange(n))[:, None]
-                sc = np.where(mask[None, None], -np.inf, sc)
-            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-            sc /= sc.sum(axis=-1, keepdims=True)
-            o = np.einsum("kgts,skd->tkgd", sc.astype(np.float32), vals)
-            out[t0:t1] = o.reshape(n, NH, D)
+            out[t0:t1] = ops.attention(q[t0:t1], cache.k[L, :s0 + n], cache.v[L, :s0 + n],
+                                       scale, s0)
         return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
 
     # ------------------------------------------------------------------ MoE
     def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray, es: ExpertSet) -> np.ndarray:
         cfg, L = self.cfg, lw.index
-        logits = xn @ es.routers[L].T                                     # [T, slots]
-        if es.logit_bias[L] is not None:                                  # hot experts' bias,
-            logits += es.logit_bias[L]                                    # vacant slots
+        # [T, slots]; the logit bias: hot experts' bias, vacant slots
+        logits = ops.router_logits(xn, es.routers[L], es.logit_bias[L])
         r = route(logits, k_tok, mode=self.routing_mode, scoring=cfg.scoring_func,
                   norm_topk_prob=cfg.norm_topk_prob, bias=es.select_bias[L],
                   n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -248,7 +214,7 @@ class Model:
             self._ffn(lw.shared, xn, sh)
             if lw.shared_gate is not None:
                 g = xn @ np.asarray(lw.shared_gate, np.float32).T               # [T, 1]
-                sh *= 1.0 / (1.0 + np.exp(-g))
+                sh *= ops.sigmoid(g)
             out += sh
         return out
 
@@ -260,7 +226,7 @@ class Model:
         y = np.empty_like(x)                       # hot-plugged custom code: ffn_forward
         try:
             ex.forward(x, y)
-        except HotplugError as e:
+        except ExpertError as e:
             # A failing hot expert contributes nothing to this token; the hot-plug manager
             # removes it at the next token boundary. The engine goes on.
             if ex.name not in self._warned:
@@ -324,9 +290,7 @@ class Model:
             else:
                 kk = kt
                 if hooks is not None and hooks.choose_k_token is not None:
-                    logits = xn @ es.routers[lw.index].T
-                    probs = np.exp(logits - logits.max(1, keepdims=True))
-                    probs /= probs.sum(1, keepdims=True)
+                    probs = ops.softmax(ops.router_logits(xn, es.routers[lw.index]))
                     got = hooks.choose_k_token(layer=lw.index, probs=probs, default_k=kt)
                     if got is not None:
                         kk = np.clip(np.asarray(got, np.int64), 1, cfg.num_experts)
@@ -423,19 +387,7 @@ class Model:
         return [np.concatenate(o, axis=0) if all_logits else o[-1] for o in outs]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
-        e = self.w.embed
-        if isinstance(e, Q4Tensor):
-            from .quant import dequantize_q4
-            rows = Q4Tensor(e.data[ids], e.scales[ids], e.zeros[ids], len(ids), e.cols, e.group)
-            return dequantize_q4(rows).astype(np.float32)
-        if isinstance(e, Q8Tensor):
-            from .quant import dequantize_q8
-            rows = Q8Tensor(e.data[ids], e.scales[ids], len(ids), e.cols, e.group)
-            return dequantize_q8(rows).astype(np.float32)
-        rows = np.asarray(e[ids])
-        if rows.dtype == np.uint16:              # bf16
-            return (rows.astype(np.uint32) << 16).view(np.float32)
-        return rows.astype(np.float32)
+        return ops.embedding(self.w.embed, ids)
 
 
 def _perf() -> float:

@@ -36,8 +36,13 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def expert_name(layer: int, idx: int) -> str:
+    """The name of expert `idx` of global layer `layer`, everywhere: files, traces, hooks."""
+    return f"expert_{layer}_{idx}"
+
+
 def expert_file_name(layer: int, idx: int) -> str:
-    return f"expert_{layer}_{idx}.bin"
+    return expert_name(layer, idx) + ".bin"
 
 
 # ----------------------------------------------------------------------------- writer
@@ -176,7 +181,8 @@ def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:
     # [start, start + delta) becomes header padding, zeroed by the caller
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes (model checksums, hot-plug allowlists)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:

@@ -20,9 +20,12 @@ def padded_cols(cols: int, group: int) -> int:
     return -(-cols // group) * group
 
 
-def check_group(group: int) -> None:
+def check_group(group: int, what: str = "") -> None:
+    """ValueError unless `group` is a positive multiple of NIBBLE_BLOCK (`what`: a prefix
+    naming the argument)."""
     if group <= 0 or group % NIBBLE_BLOCK:
-        raise ValueError(f"group size {group} is not a positive multiple of {NIBBLE_BLOCK}")
+        raise ValueError(f"{what + ': ' if what else ''}group size {group} is not a positive "
+                         f"multiple of {NIBBLE_BLOCK}")
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,7 @@ def matvec_q4_q8_ref(t: Q4Tensor, x: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- more references
-# (q8 and the fused expert FFN, the references of kernels.q8_matmul / kernels.expert_ffn)
+# (q8: the references of kernels.q8_matmul; the fused expert FFN's is ops.expert_ffn_ref)
 
 def matvec_q8_ref(t: Q8Tensor, x: np.ndarray) -> np.ndarray:
     """float64 reference of y = W x for a q8 matrix (x [C] or [N, C])."""
@@ -310,15 +313,3 @@ def matvec_q8_q8_ref(t: Q8Tensor, x: np.ndarray) -> np.ndarray:
     dots = np.einsum("rgk,ngk->nrg", wg, xg)
     y = (dots * np.asarray(t.scales, np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(2)
     return y if np.ndim(x) == 2 else y[0]
-
-
-def expert_ffn_ref(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray,
-                   act: str = "float") -> np.ndarray:
-    """float64 reference of kernels.expert_ffn (before the routing weight):
-    silu(x W1^T) * (x W3^T) @ W2^T. act="int8" follows the int8 kernel: x and the hidden
-    activation h (rounded to float32) are quantized per group before each product."""
-    x = np.atleast_2d(np.asarray(x, dtype=np.float32))
-    mv = matvec_q4_q8_ref if act == "int8" else matvec_q4_ref
-    g, u = mv(w1, x), mv(w3, x)
-    h = g / (1.0 + np.exp(-g)) * u
-    return mv(w2, h.astype(np.float32) if act == "int8" else h)

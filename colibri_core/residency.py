@@ -13,7 +13,7 @@ What the budget counts (MiB = 2**20 bytes): everything of the model that occupie
   whether it is mapped (RSS) or only in the page cache: `MADV_DONTNEED` on a file mapping
   lowers RSS but leaves the page cached, so eviction is `MADV_DONTNEED` on the range and
   then `posix_fadvise(POSIX_FADV_DONTNEED)` on the file (a fresh descriptor: ContainerFile
-  closes its own after mapping). In copy-in mode the cache is a fixed pool of slots
+  closes its own after mapping). In copy-in mode the cache is a fixed pool of frames
   (preallocated, filled with `os.preadv`, O_DIRECT where the file system allows, so the
   page cache is not filled on the side).
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -46,16 +45,13 @@ import numpy as np
 
 from .config import EngineConfig, ModelConfig, load_model_config
 from .errors import ConfigError
+from .memstat import MADV_POPULATE_READ, MADV_WILLNEED, PAGE
 from .modelfile import expert_file_name
 from .weights import ModelWeights
 
 log = logging.getLogger("colibri")
 
 MiB = 1 << 20
-PAGE = mmap.PAGESIZE
-MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux >= 5.14
 
 # OS memory probes live in memstat.py; re-exported here for callers of this module.
 from .memstat import resident_bytes, file_cache_bytes, drop_file_cache, proc_read_bytes, proc_memory  # noqa: E402,F401

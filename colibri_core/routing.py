@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import ops
+
 # Fixed-point exp: x = d * log2(e) (d <= 0) is split into an integer part and a fraction
 # quantized to 1/FRAC_STEPS; 2^-frac comes from a table in Q30. Error of one weight:
 # |2^(1/2048) - 1| ~ 3.4e-4 relative before normalisation, well inside 0.003.
@@ -32,6 +34,14 @@ class Routing:
     weights: np.ndarray  # float32 [T, K] mixing weights (0 where id is -1)
     scores: np.ndarray   # float32 [T, K] router scores of the chosen experts (softmax
                          #                probabilities over all experts, or sigmoid scores)
+
+
+@dataclass
+class LayerTrace:
+    """What the router did in one layer (handed to hooks / kept for tests)."""
+    layer: int
+    routing: Routing
+    logits: np.ndarray   # [T, E] router logits
 
 
 def fixed_point_softmax_weights(logits: np.ndarray, sel: np.ndarray,
@@ -53,17 +63,6 @@ def fixed_point_softmax_weights(logits: np.ndarray, sel: np.ndarray,
     return (w_q.astype(np.float64) / 65536.0).astype(np.float32)
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
-def top_k_by_value(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices [T, k] of the k largest values per row, largest first, ties -> lower index."""
-    order = np.argsort(-values, axis=1, kind="stable")
-    return order[:, :k]
-
-
 def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: str = "softmax",
           norm_topk_prob: bool = True, bias: np.ndarray | None = None,
           n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Routing:
@@ -76,17 +75,17 @@ def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: st
     safe = np.where(finite[:, None], logits, 0.0).astype(np.float32)
 
     if scoring == "softmax":
-        probs = _softmax(safe.astype(np.float64))
+        probs = ops.softmax(safe.astype(np.float64), axis=1)
         select_on = safe.astype(np.float64)
     else:  # sigmoid scores (DeepSeek-V3): selection may add a bias and be group-limited
-        probs = 1.0 / (1.0 + np.exp(-safe.astype(np.float64)))
+        probs = ops.sigmoid(safe.astype(np.float64))
         select_on = probs + (bias.astype(np.float64)[None, :] if bias is not None else 0.0)
     if bias is not None and scoring == "softmax":
         select_on = select_on + bias.astype(np.float64)[None, :]
     if n_group > 1 and topk_group < n_group:
         select_on = _group_limit(select_on, n_group, topk_group, top2=scoring == "sigmoid")
 
-    sel = top_k_by_value(select_on, K)                                 # [T, K]
+    sel = ops.top_k(select_on, K)                                 # [T, K]
     scores = np.take_along_axis(probs, sel, axis=1)
     if scoring == "softmax":
         if mode == "fixed":
@@ -121,7 +120,7 @@ def _group_limit(values: np.ndarray, n_group: int, topk_group: int, top2: bool) 
         gs = np.sort(g, axis=2)[:, :, -2:].sum(axis=2)
     else:
         gs = g.max(axis=2)
-    keep = top_k_by_value(gs, topk_group)
+    keep = ops.top_k(gs, topk_group)
     mask = np.zeros((T, n_group), dtype=bool)
     np.put_along_axis(mask, keep, True, axis=1)
     return np.where(np.repeat(mask, E // n_group, axis=1), values, -np.inf)

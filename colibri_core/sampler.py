@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from . import ops
+
 
 class Sampler:
     """One per request. The same seed and logits give the same tokens."""
@@ -38,8 +40,7 @@ class Sampler:
         z = logits / self.temperature
         if 0 < self.top_k < z.size:      # ties at the k-th value are kept
             z = np.where(z >= np.partition(z, -self.top_k)[-self.top_k], z, -np.inf)
-        p = np.exp(z - z.max())
-        p /= p.sum()
+        p = ops.softmax(z)
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
             cum = np.cumsum(p[order])

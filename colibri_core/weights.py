@@ -4,23 +4,20 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
 from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, ContainerFile, Tensor, expert_file_name,
-                        sha256_file, write_container)
+                        expert_name, sha256_file, write_container)
 from .quant import Q4Tensor, Q8Tensor
 
 Matrix = Union[np.ndarray, Q4Tensor, Q8Tensor]
-
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
 @dataclass
@@ -33,8 +30,36 @@ class FFNWeights:
     act_scales: dict = field(default_factory=dict)
 
 
+@runtime_checkable
+class Expert(Protocol):
+    """What every expert the model routes to offers (Model._moe, decode.py, residency):
+
+    - ModelExpert: the model's own, views into its mapped expert_{layer}_{index}.bin;
+    - expertcache.CopyInExpert: a model expert read into a frame of the budget's cache;
+    - expertset.HotSlot: a hot-plugged expert (hotplug.HotExpert, itself made from a
+      checked file, hotplug.PreparedExpert) placed in a router slot of a layer.
+
+    `ffn` holds INT4 weights our kernels run; when it is None the expert computes itself
+    with `forward(x, out)` (a hot-plugged .so's ffn_forward). `address` / `nbytes` locate
+    its weights in memory (traces, the expert_prefetch hook); 0 when there are none.
+    """
+    layer: int          # global layer index
+    index: int          # its router slot in that layer
+    ffn: Optional[FFNWeights]
+
+    @property
+    def name(self) -> str: ...          # modelfile.expert_name(layer, index)
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass
-class Expert:
+class ModelExpert:
+    """One of the model's own experts (the Expert protocol)."""
     layer: int
     index: int
     ffn: FFNWeights
@@ -42,7 +67,7 @@ class Expert:
 
     @property
     def name(self) -> str:
-        return f"expert_{self.layer}_{self.index}"
+        return expert_name(self.layer, self.index)
 
     @property
     def address(self) -> int:
@@ -77,7 +102,7 @@ class LayerWeights:
     dense: Optional[FFNWeights] = None
     router: Optional[np.ndarray] = None       # [E, H] f32
     router_bias: Optional[np.ndarray] = None  # [E] selection-only bias
-    experts: list[Expert] = field(default_factory=list)
+    experts: list[ModelExpert] = field(default_factory=list)
     shared: Optional[FFNWeights] = None
     shared_gate: Optional[np.ndarray] = None  # [1, H]
 
@@ -164,7 +189,7 @@ def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarr
 def load_model(path: Union[str, Path], load_mode: str = "mmap",
                lazy_experts: bool = False) -> ModelWeights:
     """Open a model directory. lazy_experts: routed expert files are opened for their
-    section table only (Expert.ffn is None); the memory budget's copy-in residency reads
+    section table only (ModelExpert.ffn is None); the memory budget's copy-in residency reads
     them into slots on demand (residency.py)."""
     path = Path(path)
     if not path.is_dir():
@@ -243,10 +268,10 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                 for e in range(E):
                     if lazy_experts:
                         f = open_file(expert_file_name(L, e), "header")
-                        lw.experts.append(Expert(L, e, expert_ffn(f, H, I), f))
+                        lw.experts.append(ModelExpert(L, e, expert_ffn(f, H, I), f))
                         continue
                     f = open_file(expert_file_name(L, e))
-                    lw.experts.append(Expert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
+                    lw.experts.append(ModelExpert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
                 if cfg.shared_expert_intermediate_size:
                     lw.shared = ffn(main, p, ("shared_w1", "shared_w3", "shared_w2"),
                                     cfg.shared_expert_intermediate_size)

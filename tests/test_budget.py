@@ -2,7 +2,7 @@
 
 A small random model whose routed experts are ~4x the budget: the budget holds (peak RSS
 growth and the expert files' page-cache residency, measured with mincore while experts are
-pinned mid-layer), results are bit-identical to the unbudgeted run, an evicted copy-in slot
+pinned mid-layer), results are bit-identical to the unbudgeted run, an evicted copy-in frame
 (poisoned with NaN) is never one the current token still uses, and a budget too small to
 run is refused at start with the minimum.
 """
@@ -146,7 +146,7 @@ def test_budget_holds(model_dir, reference, load_mode):
     assert probe.peak_used <= res.capacity and rep["expert_cache_peak"] <= res.capacity
     if load_mode == "copy":
         assert probe.peak == 0                                   # O_DIRECT or dropped
-        assert rep["slots"] * rep["slot_bytes"] <= res.capacity
+        assert rep["frames"] * rep["frame_bytes"] <= res.capacity
     else:
         assert probe.peak > 0
     assert rep["misses"] > 0 and rep["evictions"] > 0
@@ -197,7 +197,7 @@ def test_bit_identical_to_unbudgeted(model_dir, reference, settings):
 
 def test_smallest_budget_copy_poison_never_frees_a_pinned_expert(model_dir):
     """The smallest budget that runs (the cache holds a single token's experts, so every
-    prefill layer runs in waves and every token evicts); evicted slots are overwritten with
+    prefill layer runs in waves and every token evicts); evicted frames are overwritten with
     NaN: a view still in use would make the logits NaN or different."""
     plan = check_budget(model_dir, EngineConfig(max_resident_mb=1000))
     smallest = np.ceil(plan.minimum / MiB * 10) / 10
@@ -209,7 +209,7 @@ def test_smallest_budget_copy_poison_never_frees_a_pinned_expert(model_dir):
         want = ref.next_token_logits(prompt, all_positions=True)
     with Engine(model_dir, cfg) as eng:
         res = eng.model.residency
-        assert res.n_slots < 2 * plan.top_k + 2
+        assert res.n_frames < 2 * plan.top_k + 2
         assert run(eng, prompt, 6) == want_toks
         got = eng.next_token_logits(prompt, all_positions=True)
         rep = eng.memory_report(page_cache=False)
@@ -226,8 +226,8 @@ def test_pinned_experts_are_never_evicted(model_dir):
     with Engine(model_dir, cfg) as eng:
         res, es = eng.model.residency, eng.model.expert_set
         L1, L2 = eng.model_cfg.moe_layers[:2]
-        full = np.arange(res.n_slots)
-        run1 = res.acquire(L1, full, es.experts[L1])            # fills every slot, pinned
+        full = np.arange(res.n_frames)
+        run1 = res.acquire(L1, full, es.experts[L1])            # fills every frame, pinned
         ffns = [run1[e].ffn for e in full]
         snap = [f.w2.scales.copy() for f in ffns]
         with pytest.raises(RuntimeError, match="pinned"):
@@ -238,7 +238,7 @@ def test_pinned_experts_are_never_evicted(model_dir):
         assert np.isfinite(run2[0].ffn.w2.scales).all()
         res.release(L2, np.array([0]))
         changed = [f for f, s in zip(ffns, snap) if not np.array_equal(f.w2.scales, s)]
-        assert len(changed) == 1                  # the evicted one: its slot holds L2's now
+        assert len(changed) == 1                  # the evicted one: its frame holds L2's now
 
 
 def test_too_small_budget_refused_with_minimum(model_dir):

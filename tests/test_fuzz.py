@@ -35,7 +35,7 @@ from colibri_core.config import (EngineConfig, ModelConfig, RunConfig, load_mode
                                  load_run_config, parse, read_mapping)
 from colibri_core.errors import ConfigError, ExpertIndexError, ModelFormatError, RequestError
 from colibri_core.modelfile import _PREFIX, ContainerFile
-from colibri_core.requests import split_mode_prefix
+from colibri_core.kselect import split_mode_prefix
 from colibri_core.weights import load_model
 
 from fuzz_helpers import TRIED, EDGE_INTS, fuzz, guarded, json_values, mutated

@@ -15,7 +15,7 @@ import pytest
 from colibri_core.hotplug import HotplugManager
 from colibri_core.hotplug.errors import (ExpertCrashed, ExpertSecurityError, HotplugStateError,
                                          RollbackError)
-from colibri_core.hotplug.staging import sha256_file
+from colibri_core.modelfile import sha256_file
 from colibri_core.hotplug.testing import MAGIC_INPUT, compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

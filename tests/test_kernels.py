@@ -1,4 +1,4 @@
-"""The C kernels (colibri_core.kernels) against the numpy references of quant.py.
+"""The C kernels (colibri_core.kernels) against the numpy references of quant.py and ops.py.
 
 Error bounds (relative, ||y - ref|| / ||ref|| over the whole output):
   act="float" vs the float64 dequantized product ......... FLOAT_TOL = 1e-5
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from colibri_core import kernels as K
+from colibri_core import ops
 from colibri_core import quant as Q
 
 FLOAT_TOL = 1e-5
@@ -264,8 +265,8 @@ def ffn_case(hidden: int, inter: int, g13: int, g2: int, n: int):
     w2 = Q.quantize_q4(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, g2)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     rw = rng.uniform(0.1, 1.0, n).astype(np.float32)
-    return (w1, w3, w2, x, rw, Q.expert_ffn_ref(w1, w3, w2, x, "float"),
-            Q.expert_ffn_ref(w1, w3, w2, x, "int8"))
+    return (w1, w3, w2, x, rw, ops.expert_ffn_ref(w1, w3, w2, x, "float"),
+            ops.expert_ffn_ref(w1, w3, w2, x, "int8"))
 
 
 @pytest.mark.parametrize("dims", [(64, 128, 64, 128), (130, 300, 128, 64), (300, 259, 64, 128)])
@@ -292,15 +293,10 @@ def test_expert_ffn(backend, threads, dims, n):
 # ----------------------------------------------------------------------------- attention
 
 def attention_ref(q, k, v, length, scale):
-    """float64 version of the model's decode attention (grouped-query)."""
-    nh, d = q.shape
-    nkv = k.shape[1]
-    qs = q.astype(np.float64).reshape(nkv, nh // nkv, d)
-    keys, vals = k[:length].astype(np.float64), v[:length].astype(np.float64)
-    sc = np.einsum("kgd,skd->kgs", qs, keys) * scale
-    sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-    sc /= sc.sum(axis=-1, keepdims=True)
-    return np.einsum("kgs,skd->kgd", sc, vals).reshape(nh, d)
+    """float64 attention of one token (the last of `length` positions) over the cache."""
+    f64 = np.float64
+    return ops.attention(q[None].astype(f64), k[:length].astype(f64), v[:length].astype(f64),
+                         scale, start=length - 1)[0]
 
 
 @pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 8, 32), (6, 1, 100), (1, 1, 7),

@@ -2,12 +2,8 @@
 import numpy as np
 import pytest
 
+from colibri_core.ops import softmax
 from colibri_core.routing import fixed_point_softmax_weights, route
-
-
-def _softmax(x):
-    z = np.exp(x - x.max(1, keepdims=True))
-    return z / z.sum(1, keepdims=True)
 
 
 @pytest.mark.parametrize("E,scale", [(4, 0.1), (8, 1.0), (60, 3.0), (64, 10.0)])
@@ -15,7 +11,7 @@ def test_fixed_point_weights_within_0_003_of_float(E, scale):
     rng = np.random.default_rng(E)
     logits = (rng.standard_normal((2000, E)) * scale).astype(np.float32)
     sel = np.argsort(-logits, axis=1)[:, :min(8, E)]
-    exact = np.take_along_axis(_softmax(logits.astype(np.float64)), sel, 1)
+    exact = np.take_along_axis(softmax(logits.astype(np.float64)), sel, 1)
     for norm in (False, True):
         got = fixed_point_softmax_weights(logits, sel, normalize_selected=norm)
         ref = exact / exact.sum(1, keepdims=True) if norm else exact
@@ -37,7 +33,7 @@ def test_selection_is_top_k_of_logits_any_k():
 def test_norm_topk_prob_off_gives_softmax_probabilities():
     logits = np.array([[2.0, 1.0, 0.0, -1.0]], np.float32)
     r = route(logits, np.array([2]), mode="float", norm_topk_prob=False)
-    p = _softmax(logits.astype(np.float64))[0]
+    p = softmax(logits.astype(np.float64))[0]
     assert np.allclose(r.weights[0], p[:2], atol=1e-6)
     assert np.allclose(r.scores[0], p[:2], atol=1e-6)
 

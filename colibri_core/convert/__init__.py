@@ -37,7 +37,7 @@ import numpy as np
 from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q8
-from ..weights import (AttentionWeights, Expert, FFNWeights, LayerWeights, write_model_dir)
+from ..weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
                   clip_groups)
@@ -347,7 +347,7 @@ def _float_layer(wr: _Writer, L: int):
         I = cfg.expert_intermediate
         for e in range(cfg.num_experts):
             srcs = fam.expert_sources(ck, L, e, I)
-            lw.experts.append(Expert(L, e, FFNWeights(*(mat(f"expert.{L}.{e}.{m}", s)
+            lw.experts.append(ModelExpert(L, e, FFNWeights(*(mat(f"expert.{L}.{e}.{m}", s)
                                                        for m, s in zip(("w1", "w3", "w2"), srcs)))))
         if cfg.shared_expert_intermediate_size:
             lw.shared = FFNWeights(*(mat(p + s, src) for s, src in

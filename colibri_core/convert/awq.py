@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import ops
 from ..errors import ConfigError
 from ..quant import DEFAULT_Q4_CLIP, Q4Tensor, fake_quant_q4, pack_nibbles, padded_cols
 from .families import Src
@@ -306,7 +307,7 @@ def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
     """The MoE block in float (same math as Model._moe with float routing), running every
     expert through model._ffn so the observer sees each expert's own rows."""
     from ..routing import route
-    r = route(xn @ lw.router.T, kt, mode="float", scoring=cfg.scoring_func,
+    r = route(ops.router_logits(xn, lw.router), kt, mode="float", scoring=cfg.scoring_func,
               norm_topk_prob=cfg.norm_topk_prob, bias=lw.router_bias, n_group=cfg.n_group,
               topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
     y = np.zeros_like(xn)
@@ -320,7 +321,7 @@ def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
         sh = np.empty_like(xn)
         model._ffn(lw.shared, xn, sh)
         if lw.shared_gate is not None:
-            sh *= 1.0 / (1.0 + np.exp(-(xn @ np.asarray(lw.shared_gate, np.float32).T)))
+            sh *= ops.sigmoid(xn @ np.asarray(lw.shared_gate, np.float32).T)
         y += sh
     return y
 
@@ -409,8 +410,7 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
                 out.act[key(ffn.w1)] = out.act[key(ffn.w3)] = s
             hr = rec.rows(ffn.w2)
             if fallback is not None and (hr is None or len(hr) < MIN_EXPERT_ROWS):
-                g, u = fallback @ ffn.w1.T, fallback @ ffn.w3.T
-                hr = (g / (1.0 + np.exp(-g))) * u
+                hr = ops.silu(fallback @ ffn.w1.T) * (fallback @ ffn.w3.T)
             s2 = search([(key(ffn.w2), ffn.w2)], hr)
             if s2 is not None:
                 out.fold_cols[key(ffn.w2)] = s2

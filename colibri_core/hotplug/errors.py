@@ -6,10 +6,10 @@ also carries a short machine-readable `reason` code, which the manager puts in t
 """
 from __future__ import annotations
 
-from colibri_core.errors import ColibriError
+from colibri_core.errors import ExpertError
 
 
-class HotplugError(ColibriError):
+class HotplugError(ExpertError):
     """Base class of the hot-plug errors."""
 
     reason = "error"

@@ -98,14 +98,6 @@ def ensure_private_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(COPY_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def stage_file(src: str, staging_dir: str, expect: FileSig | None = None) -> tuple[str, str]:
     """Copy `src` into `staging_dir` as `<sha256>.so`; return (sha256, staged path).
 

@@ -232,7 +232,7 @@ class StopCutter:
 
 def _echo_text(eng, prompt, ids) -> str:
     if isinstance(prompt, str):
-        from ..requests import split_mode_prefix
+        from ..kselect import split_mode_prefix
         return split_mode_prefix(prompt)[1]
     return eng.tokenizer.decode(ids) if eng.tokenizer is not None else ""
 
