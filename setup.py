@@ -8,6 +8,7 @@ setup(
         "colibri_core",
         "colibri_core.convert",
         "colibri_core.hotplug",
+        "colibri_core.server",
         "colibri_core.configs",
         "colibri_core.builtin_plugins",
     ],
@@ -17,7 +18,8 @@ setup(
         "colibri_core.builtin_plugins": "plugins",
     },
     package_data={
-        "colibri_core": ["_kernels/*.c", "_kernels/*.h", "models/*/*", "include/*.h"],
+        "colibri_core": ["_kernels/*.c", "_kernels/*.h", "models/*/*", "include/*.h",
+                         "server/*.html"],
         "colibri_core.configs": ["*.yaml", "*.json"],
         "colibri_core.builtin_plugins": ["*.py"],
     },

@@ -6,6 +6,7 @@
                     [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--q4-clip mse|minmax]
                     [--progress] [--force]
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
+    colibri serve [--config NAME | --model DIR] [--host H] [--port P] ...  (docs/SERVE.md)
 
 User mistakes print one line `colibri: error: ...` and exit 2; Ctrl-C exits 130.
 """
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--threads", type=int)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_experts_list)
+
+    from .server import add_arguments as serve_arguments, main as cmd_serve
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with live experts "
+                                      "(docs/SERVE.md)")
+    serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     c.add_argument("hf_dir")

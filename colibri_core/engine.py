@@ -238,7 +238,11 @@ class Engine:
     def generate(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: Optional[int] = None,
                  top_k: Optional[int] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, seed: Optional[int] = None,
-                 stop: Optional[list[str]] = None, pin_experts: bool = False) -> Generation:
+                 stop: Optional[list[str]] = None, pin_experts: bool = False,
+                 sampler=None, request_id: Optional[str] = None) -> Generation:
+        """`sampler`: a callable(logits) -> token id replacing the Sampler built from
+        temperature/top_p/seed (the server's adds top-k, logit bias and log-probs);
+        `request_id`: the id the hooks see (default `req-N`)."""
         s = self.config.sampling
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
@@ -248,14 +252,15 @@ class Engine:
         if not all(isinstance(x, str) and x for x in stop):
             raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
         ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
-        rid = f"req-{next(_request_ids)}"
+        rid = request_id or f"req-{next(_request_ids)}"
         k, source = self.choose_k(len(ids), top_k, prefix_k, {"id": rid})
-        try:
-            sampler = Sampler(s.temperature if temperature is None else temperature,
-                              s.top_p if top_p is None else top_p,
-                              s.seed if seed is None else seed)
-        except (TypeError, ValueError) as e:
-            raise RequestError(f"sampling settings: {e}") from None
+        if sampler is None:
+            try:
+                sampler = Sampler(s.temperature if temperature is None else temperature,
+                                  s.top_p if top_p is None else top_p,
+                                  s.seed if seed is None else seed)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"sampling settings: {e}") from None
         return Generation(self, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,
                           request_id=rid, truncated_from=truncated)
 

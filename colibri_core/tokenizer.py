@@ -37,6 +37,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (log-prob listings)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
     def token_to_id(self, s: str):
         return self._tok.token_to_id(s)
 

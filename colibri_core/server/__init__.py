@@ -1,0 +1,49 @@
+"""`colibri serve`: an OpenAI-compatible HTTP server around one Engine.
+
+    runner.py      the one engine thread and its bounded queue (EngineRunner.submit)
+    generation.py  work run on that thread: completions/chat choices, scoring
+    params.py      request bodies -> checked parameters (400 naming the field)
+    responses.py   engine events -> OpenAI bodies and SSE chunks
+    chat.py        the checkpoint's chat template (sandboxed Jinja, as transformers)
+    experts.py     expert-set generation/id, listing, refusals, routed tokens
+    metrics.py     Prometheus registry; the status page's one-minute window
+    app.py         the Starlette app: routes, auth, request ids, errors, access log
+    serve.py       engine + app + uvicorn from the command line's options
+
+Design notes: docs/SERVE.md.
+"""
+
+
+def add_arguments(p) -> None:
+    """`colibri serve`'s options (cli.py adds the subcommand)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="run config file or shipped config name (default: builtin)")
+    src.add_argument("--model", help="model directory (engine defaults)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
+    p.add_argument("--model-id", dest="model_id",
+                   help="the model name clients see (default: the config's or folder's name)")
+    p.add_argument("--experts-dir", dest="experts_dir",
+                   help="watched folder of hot-plugged experts (default: the config's "
+                        "experts_dir, else ./experts_so when it exists)")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
+    p.add_argument("--api-key", dest="api_key",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (or $COLIBRI_API_KEY)")
+    p.add_argument("--cors-origin", dest="cors_origin", action="append",
+                   help="allow browser requests from this origin (repeatable; off by default)")
+    p.add_argument("--strict-params", dest="strict_params", action="store_true",
+                   help="answer 400 to unknown request fields instead of ignoring them")
+    p.add_argument("--allow-expert-upload", dest="allow_expert_upload", action="store_true",
+                   help="enable PUT /v1/experts/NAME (needs an API key and an allowlist)")
+    p.add_argument("--expert-allowlist", dest="expert_allowlist", metavar="FILE",
+                   help="sha256 digests (one per line) an uploaded expert may have")
+    p.add_argument("--queue-size", dest="queue_size", type=int, default=64,
+                   help="requests that may wait for the engine before 429 (default 64)")
+    p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
+                   help="seconds a request may take, queue included (default 600)")
+
+
+def main(args) -> int:
+    from .serve import main as serve_main
+    return serve_main(args)

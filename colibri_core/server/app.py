@@ -1,0 +1,565 @@
+"""The ASGI app: OpenAI routes, /v1/score, /v1/experts, /metrics, /health, /ready, /.
+
+One `Server` object holds the engine, its runner (the one engine thread), the expert
+book, the metrics and the chat template; the route handlers below only read requests,
+submit work to the runner and shape answers. Every handler goes through `endpoint()`,
+which does what all routes share: the request id (X-Request-ID echoed or generated),
+the API key on /v1 routes, errors as OpenAI JSON, the access-log line and the request
+counter.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import params
+from .chat import ChatTemplate
+from .errors import ApiError, bad_request, from_exception
+from .experts import ExpertBook
+from .generation import End, Token, run_generation, run_score, ScoreItem
+from .metrics import ServerMetrics
+from .responses import SSE_DONE, Chunker, Collector, sse
+from .runner import Cancelled, EngineRunner
+
+log = logging.getLogger("colibri.server")
+access_log = logging.getLogger("colibri.server.access")
+
+GEN_HEADER = "X-Colibri-Expert-Set-Generation"
+SET_HEADER = "X-Colibri-Expert-Set-Id"
+KiB, MiB = 1024, 1024 * 1024
+LIMITS = {"generate": 4 * MiB, "score": 16 * MiB, "upload": 64 * MiB, "small": 64 * KiB}
+MAX_SCORE_SEQUENCES = 4096
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_RID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    cors_origins: list = field(default_factory=list)
+    strict_params: bool = False
+    allow_expert_upload: bool = False
+    upload_allowlist: Optional[frozenset] = None    # sha256 digests an upload may have
+    queue_size: int = 64
+    request_timeout_s: Optional[float] = 600.0
+    shutdown_timeout_s: float = 10.0
+    model_id: str = "colibri"
+    score_batch_tokens: int = 4096
+
+
+class Server:
+    """The engine and everything the routes share."""
+
+    def __init__(self, engine, settings: Settings, book: Optional[ExpertBook] = None):
+        self.engine = engine
+        self.settings = settings
+        self.book = book or ExpertBook(engine)
+        engine.register_plugin(self.book, name="colibri-server-book")
+        if engine.hotplug is not None:
+            self.book.attach(engine.hotplug)
+        self.runner = EngineRunner(engine, settings.queue_size)
+        self.metrics = ServerMetrics(self)
+        self.template = ChatTemplate.from_model_dir(engine.model_dir)
+        self.ready = False
+        self.started_at = time.time()
+        self._sampler: Optional[asyncio.Task] = None
+
+    # -- life cycle (the app's lifespan) ------------------------------------------------
+    async def startup(self) -> None:
+        self.runner.start()
+        self._sampler = asyncio.create_task(self._sample_every_second())
+        self.ready = True
+
+    async def shutdown(self) -> None:
+        self.ready = False
+        if self._sampler is not None:
+            self._sampler.cancel()
+        await asyncio.to_thread(self.runner.stop, self.settings.shutdown_timeout_s)
+        self.engine.close()
+
+    async def _sample_every_second(self) -> None:
+        while True:
+            try:
+                self.metrics.sample(self.book)
+            except Exception:  # noqa: BLE001 - the status window is best effort
+                log.exception("status sample failed")
+            await asyncio.sleep(1.0)
+
+    # -- shared request plumbing --------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def versions(self, generation: Optional[int] = None) -> tuple[int, str]:
+        return self.book.stamp(generation)
+
+
+class Record:
+    """One request's access-log line and counters, finished once."""
+
+    def __init__(self, server: Server, rid: str, route: str):
+        self.server = server
+        self.rid = rid
+        self.route = route
+        self.t0 = time.perf_counter()
+        self.prompt_tokens = 0
+        self.tokens = 0
+        self.first_s: Optional[float] = None
+        self.last_tok: dict[int, float] = {}
+        self.gens: list = []
+        self.deferred = False
+        self.done = False
+
+    def see(self, ev) -> None:
+        """Observe an engine event (first-token and per-token timing, versions)."""
+        m = self.server.metrics
+        if isinstance(ev, Token):
+            now = time.perf_counter()
+            if ev.token_id >= 0:
+                self.tokens += 1
+                m.tokens.labels("completion").inc()
+            if self.first_s is None:
+                self.first_s = now - self.t0
+                m.first_token.observe(self.first_s)
+            prev = self.last_tok.get(ev.choice)
+            if prev is not None and ev.token_id >= 0:
+                m.per_token.observe(now - prev)
+            self.last_tok[ev.choice] = now
+            if not self.gens or self.gens[-1] != ev.generation:
+                self.gens.append(ev.generation)
+        elif isinstance(ev, End):
+            self.prompt_tokens += ev.prompt_tokens
+            m.tokens.labels("prompt").inc(ev.prompt_tokens)
+
+    def finish(self, status: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.server.metrics
+        m.requests.labels(self.route, str(status)).inc()
+        if status == 499:
+            m.cancelled.labels("disconnect").inc()
+        elif status == 504:
+            m.cancelled.labels("timeout").inc()
+        total = (time.perf_counter() - self.t0) * 1000
+        first = f"{self.first_s * 1000:.1f}" if self.first_s is not None else "-"
+        gens = ",".join(map(str, self.gens)) or "-"
+        access_log.info("%s %s %d prompt=%d tokens=%d first_ms=%s total_ms=%.1f gen=%s",
+                        self.rid, self.route, status, self.prompt_tokens, self.tokens, first,
+                        total, gens)
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    return rid if _RID_RE.fullmatch(rid) else f"req-{uuid.uuid4().hex[:16]}"
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def endpoint(server: Server, route: str, fn, auth: bool = True):
+    async def handler(request: Request) -> Response:
+        rid = _request_id(request)
+        rec = Record(server, rid, route)
+        try:
+            if auth:
+                server.check_auth(request)
+            response = await fn(request, rec)
+        except asyncio.CancelledError:
+            rec.finish(499)
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style answer
+            response = _error_response(from_exception(e, rid))
+        response.headers["X-Request-ID"] = rid
+        if not rec.deferred:
+            rec.finish(response.status_code)
+        return response
+    return handler
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise ApiError(413, f"request body of {int(cl)} bytes is over this route's limit of "
+                            f"{limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over this route's limit of {limit} bytes",
+                           code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    raw = await read_body(request, limit)
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body: expected a JSON object", code="invalid_json")
+    return body
+
+
+async def _watch_disconnect(request: Request, stream) -> None:
+    """Cancel the job when the client goes away while we wait (non-streaming answers)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            stream.cancel("disconnect")
+            return
+
+
+async def _collect(request: Request, stream, rec: Record, until_token: bool) -> list:
+    """Events of `stream` until its end (or its first token), watching for a disconnect."""
+    events = []
+    watcher = asyncio.create_task(_watch_disconnect(request, stream))
+    try:
+        async for ev in stream:
+            rec.see(ev)
+            events.append(ev)
+            if until_token and isinstance(ev, Token):
+                break
+    finally:
+        watcher.cancel()
+    return events
+
+
+# ----------------------------------------------------------------------------- routes
+
+def build_app(server: Server) -> Starlette:
+    S = server
+    eng = server.engine
+    st = server.settings
+
+    def version_headers(events) -> dict:
+        first = next((e for e in events if isinstance(e, Token)), None)
+        g, sid = (first.generation, first.set_id) if first is not None else S.versions()
+        return {GEN_HEADER: str(g), SET_HEADER: sid}
+
+    async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
+        rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
+        created = int(time.time())
+        job = S.runner.submit(lambda ctx: run_generation(ctx, p, S.book),
+                              request_id=rec.rid, timeout_s=st.request_timeout_s)
+        logprobs = p.logprobs is not None
+        if not stream:
+            try:
+                events = await _collect(request, job, rec, until_token=False)
+            except Cancelled:
+                return Response(status_code=499)
+            coll = Collector(chat, logprobs)
+            for ev in events:
+                coll.add(ev)
+            body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
+            return JSONResponse(body, headers=version_headers(events))
+        try:
+            first = await _collect(request, job, rec, until_token=True)
+        except Cancelled:
+            return Response(status_code=499)
+        chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage)
+        rec.deferred = True
+
+        async def body():
+            status, finished = 200, False
+            try:
+                for ev in first:
+                    c = chunker.chunk(ev)
+                    if c is not None:
+                        yield sse(c)
+                async for ev in job:
+                    rec.see(ev)
+                    c = chunker.chunk(ev)
+                    if c is not None:
+                        yield sse(c)
+                finished = True
+                if include_usage:
+                    yield sse(chunker.usage_chunk(job.result))
+                yield SSE_DONE
+            except (asyncio.CancelledError, GeneratorExit):
+                status = 499
+                raise
+            except Exception as e:  # noqa: BLE001 - sent in the stream, then [DONE]
+                finished = True
+                err = from_exception(e, rec.rid)
+                status = err.status
+                yield sse(err.body())
+                yield SSE_DONE
+            finally:
+                if not finished:
+                    job.cancel("disconnect")
+                    status = 499
+                rec.finish(status)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={**version_headers(first), "Cache-Control": "no-cache",
+                                          "X-Request-ID": rec.rid})
+
+    async def completions(request, rec):
+        body = await read_json(request, LIMITS["generate"])
+        params.check_fields(body, "completions", st.strict_params, rec.rid)
+        p = params.sampling(body, eng, "completions")
+        p.prompts = params.completion_prompts(body)
+        stream, include_usage = params.stream_options(body)
+        return await openai_run(request, rec, p, False, stream, include_usage)
+
+    async def chat_completions(request, rec):
+        body = await read_json(request, LIMITS["generate"])
+        params.check_fields(body, "chat", st.strict_params, rec.rid)
+        p = params.sampling(body, eng, "chat")
+        p.max_tokens = p.max_tokens          # None: until the context is full
+        messages, prefix_k = params.chat_messages(body)
+        if S.template is None or eng.tokenizer is None:
+            raise bad_request(f"this model ({eng.model_dir}) has no chat template "
+                              f"(chat_template.jinja or tokenizer_config.json's "
+                              f"chat_template): use /v1/completions", param="messages",
+                              code="no_chat_template")
+        text = S.template.render(messages)
+        ids = eng.tokenizer.encode(text)
+        if not ids:
+            raise bad_request("messages: the chat template rendered them as empty text",
+                              param="messages")
+        p.prompts = [ids]
+        if p.experts is None:
+            p.experts = prefix_k
+        stream, include_usage = params.stream_options(body)
+        return await openai_run(request, rec, p, True, stream, include_usage)
+
+    async def score(request, rec):
+        body = await read_json(request, LIMITS["score"])
+        experts = params._int(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
+        raw = body.get("items")
+        if raw is None:
+            raw = [{"prompt": body.get("prompt"), "candidates": body.get("candidates")}]
+        if not isinstance(raw, list) or not raw:
+            raise bad_request("items: expected a non-empty list of {prompt, candidates}",
+                              param="items")
+        n_seq = sum(len(x.get("candidates") or []) if isinstance(x, dict) else 0 for x in raw)
+        if n_seq > MAX_SCORE_SEQUENCES:
+            raise bad_request(f"{n_seq} candidates in one request, at most "
+                              f"{MAX_SCORE_SEQUENCES}", param="items")
+
+        def work(ctx):
+            items = [_score_item(ctx.engine, x, i) for i, x in enumerate(raw)]
+            return run_score(ctx, items, experts, S.book, st.score_batch_tokens)
+        job = S.runner.submit(work, request_id=rec.rid, timeout_s=st.request_timeout_s)
+        try:
+            await _collect(request, job, rec, until_token=False)
+        except Cancelled:
+            return Response(status_code=499)
+        out = job.result
+        rec.prompt_tokens = out["usage"]["prompt_tokens"]
+        S.metrics.tokens.labels("prompt").inc(rec.prompt_tokens)
+        g = out["expert_sets"][0]
+        return JSONResponse({"object": "score", "model": st.model_id, **out},
+                            headers={GEN_HEADER: str(g["generation"]), SET_HEADER: g["id"]})
+
+    async def models(request, rec):
+        return JSONResponse({"object": "list", "data": [{
+            "id": st.model_id, "object": "model", "created": int(S.started_at),
+            "owned_by": "colibri", "max_model_len": eng.model_cfg.max_position_embeddings,
+            "num_experts": eng.num_experts, "top_k": eng.model_cfg.top_k}]})
+
+    async def experts(request, rec):
+        return JSONResponse(S.book.listing())
+
+    async def rollback(request, rec):
+        name = request.path_params["name"]
+        if eng.hotplug is None:
+            raise ApiError(409, "this server watches no experts folder: nothing to roll back",
+                           code="no_hotplug")
+        eng.hotplug.rollback(name)
+        return JSONResponse({"name": name, "status": "queued", "detail": "the previous version "
+                             "goes live between two tokens; GET /v1/experts shows it"},
+                            status_code=202)
+
+    async def upload(request, rec):
+        name = request.path_params["name"]
+        if not st.allow_expert_upload:
+            raise ApiError(403, "expert upload is off: start the server with "
+                                "--allow-expert-upload (an upload runs native code)",
+                           type="permission_error", code="upload_disabled")
+        if eng.hotplug is None:
+            raise ApiError(409, "this server watches no experts folder", code="no_hotplug")
+        if not _NAME_RE.fullmatch(name):
+            raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
+                              f"'-' (1-64, not starting with '.')", param="name")
+        data = await read_body(request, LIMITS["upload"])
+        import hashlib
+        sha = hashlib.sha256(data).hexdigest()
+        allow = st.upload_allowlist
+        if not allow or sha not in allow:
+            raise ApiError(403, f"sha256 {sha} is not on the server's upload allowlist",
+                           type="permission_error", code="allowlist")
+        folder = Path(eng.hotplug.experts_dir)
+        final = folder / (name if name.endswith(".so") else f"{name}.so")
+        tmp = folder / f".{final.name}.{os.getpid()}.upload"
+        await asyncio.to_thread(_write_atomically, tmp, final, data)
+        return JSONResponse({"name": name, "path": str(final), "sha256": sha,
+                             "status": "written", "detail": "the folder's checks and probe "
+                             "run next; GET /v1/experts shows adoption or refusal"},
+                            status_code=202)
+
+    async def health(request, rec):
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request, rec):
+        if not S.ready:
+            return JSONResponse({"ready": False}, status_code=503)
+        return JSONResponse({"ready": True, "model": st.model_id,
+                             "expert_set_generation": S.versions()[0]})
+
+    async def metrics(request, rec):
+        data, ctype = S.metrics.render()
+        return Response(data, media_type=ctype)
+
+    async def status_json(request, rec):
+        listing = S.book.listing()
+        return JSONResponse({"model": st.model_id, "model_dir": str(eng.model_dir),
+                             "uptime_s": time.time() - S.started_at,
+                             "queue_depth": S.runner.depth, "busy": S.runner.busy,
+                             "expert_set_generation": listing["expert_set_generation"],
+                             "expert_set_id": listing["expert_set_id"],
+                             "experts": listing["data"], "refusals": listing["refusals"][:10],
+                             "watched_folder": listing["watched_folder"],
+                             "window": S.metrics.window(60.0)})
+
+    async def index(request, rec):
+        page = (Path(__file__).parent / "status.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("{{MODEL}}", _html_escape(st.model_id)))
+
+    def r(path, fn, name, methods=("GET",), auth=True):
+        return Route(path, endpoint(S, name, fn, auth=auth), methods=list(methods))
+
+    routes = [
+        r("/v1/completions", completions, "completions", ("POST",)),
+        r("/v1/chat/completions", chat_completions, "chat", ("POST",)),
+        r("/v1/score", score, "score", ("POST",)),
+        r("/v1/models", models, "models"),
+        r("/v1/experts", experts, "experts"),
+        r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),
+        r("/v1/experts/{name}", upload, "upload", ("PUT",)),
+        r("/health", health, "health", auth=False),
+        r("/ready", ready, "ready", auth=False),
+        r("/metrics", metrics, "metrics", auth=False),
+        r("/status.json", status_json, "status", auth=False),
+        r("/", index, "index", auth=False),
+    ]
+
+    async def http_error(request, exc: HTTPException):
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" \
+            if exc.status_code == 405 else "http_error"
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+        err = ApiError(exc.status_code, msg, code=code)
+        resp = _error_response(err)
+        S.metrics.requests.labels("unknown", str(exc.status_code)).inc()
+        return resp
+
+    middleware = []
+    if st.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(st.cors_origins),
+                                     allow_methods=["*"], allow_headers=["*"],
+                                     expose_headers=["X-Request-ID", GEN_HEADER, SET_HEADER]))
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await S.startup()
+        try:
+            yield
+        finally:
+            await S.shutdown()
+
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={404: http_error, 405: http_error})
+
+
+def _score_item(eng, x, i: int) -> ScoreItem:
+    """{prompt, candidates} -> token ids: a text candidate's tokens are
+    tokenize(prompt + candidate) minus tokenize(prompt), as scoring harnesses count them."""
+    from ..errors import RequestError
+    if not isinstance(x, dict):
+        raise RequestError(f"items[{i}]: expected an object {{prompt, candidates}}")
+    prompt, cands = x.get("prompt"), x.get("candidates")
+    if not isinstance(cands, list) or not cands:
+        raise RequestError(f"items[{i}].candidates: expected a non-empty list")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(f"items[{i}].prompt: empty text")
+        pids = eng.encode(prompt)
+    elif isinstance(prompt, list) and prompt:
+        pids = eng.prepare_ids(prompt, reserve=0)[0]
+    else:
+        raise RequestError(f"items[{i}].prompt: expected text or a non-empty list of token ids")
+    ctx = eng.model_cfg.max_position_embeddings
+    out = []
+    for j, c in enumerate(cands):
+        if isinstance(c, str):
+            if not isinstance(prompt, str):
+                raise RequestError(f"items[{i}].candidates[{j}]: a text candidate needs a "
+                                   f"text prompt")
+            ids = eng.encode(prompt + c)[len(pids):]
+        elif isinstance(c, list):
+            ids = eng.prepare_ids(c, reserve=0)[0] if c else []
+        else:
+            raise RequestError(f"items[{i}].candidates[{j}]: expected text or token ids")
+        if not ids:
+            raise RequestError(f"items[{i}].candidates[{j}]: no tokens after the prompt")
+        if len(pids) + len(ids) > ctx:
+            raise RequestError(f"items[{i}].candidates[{j}]: {len(pids) + len(ids)} tokens "
+                               f"with the prompt, over the model's context of {ctx}")
+        out.append(ids)
+    return ScoreItem(pids, out, list(cands))
+
+
+def _write_atomically(tmp: Path, final: Path, data: bytes) -> None:
+    """Temp file (dotted: the watcher ignores it), fsync, chmod 644, rename."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _html_escape(s: str) -> str:
+    import html
+    return html.escape(s)

@@ -1,0 +1,86 @@
+"""HTTP errors in OpenAI's shape, and the engine's typed errors mapped onto them.
+
+Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with a
+4xx/5xx status; a bug inside the server becomes a 500 whose message names the request id
+(the traceback goes to the server's log, never to the client).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..errors import ColibriError, ConfigError, ModelFormatError, RequestError
+
+log = logging.getLogger("colibri.server")
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP status + OpenAI error body (+ headers)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class QueueFull(ApiError):
+    def __init__(self, depth: int, retry_after: int):
+        super().__init__(429, f"the server's request queue is full ({depth} waiting); retry "
+                              f"after {retry_after} s", type="rate_limit_error",
+                         code="queue_full", headers={"Retry-After": str(retry_after)})
+
+
+class RequestTimeout(ApiError):
+    def __init__(self, seconds: float):
+        super().__init__(504, f"the request ran past the server's per-request timeout of "
+                              f"{seconds:g} s (--request-timeout)", type="timeout_error",
+                         code="request_timeout")
+
+
+class ShuttingDown(ApiError):
+    def __init__(self):
+        super().__init__(503, "the server is shutting down; retry on another instance",
+                         type="server_error", code="shutting_down",
+                         headers={"Retry-After": "1"})
+
+
+def from_exception(exc: BaseException, request_id: str) -> ApiError:
+    """Map any exception raised while serving a request to the error the client sees."""
+    if isinstance(exc, ApiError):
+        return exc
+    name = type(exc).__name__
+    if isinstance(exc, ColibriError):
+        # Late import: the hot-plug package is only loaded when hot-plug is in use.
+        from ..hotplug.errors import ExpertRejected, RollbackError
+        msg = str(exc).splitlines()[0] if str(exc) else name
+        if isinstance(exc, RollbackError):
+            status = 404 if "not active" in msg else 409
+            return ApiError(status, msg, code="rollback")
+        if isinstance(exc, ExpertRejected):
+            return ApiError(400, msg, code=getattr(exc, "reason", "rejected"))
+        if isinstance(exc, (RequestError, ConfigError)):
+            return ApiError(400, msg, code="invalid_value")
+        if "busy" in name.lower() or "concurrent" in name.lower():   # one-request guard
+            return ApiError(503, msg, type="server_error", code="engine_busy",
+                            headers={"Retry-After": "1"})
+        if isinstance(exc, ModelFormatError):
+            return ApiError(500, msg, type="server_error", code="model_error")
+        return ApiError(500, msg, type="server_error", code=name)
+    log.error("request %s failed with an internal error", request_id, exc_info=exc)
+    return ApiError(500, f"internal error while serving request {request_id} ({name}); the "
+                         f"server log has the details", type="server_error",
+                    code="internal_error")

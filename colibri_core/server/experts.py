@@ -1,0 +1,189 @@
+"""The server's view of the experts: the expert-set identity stamped on tokens, the
+listing of live experts, refusals and adoptions, and routed-token counts per expert.
+
+expert_set_generation is the engine's expert-set counter (it only grows; +1 per applied
+change); expert_set_id is sha256 over the set's sorted (name, sha256) pairs, model
+experts included, so two servers with the same experts report the same id.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..hookspecs import hookimpl
+
+log = logging.getLogger("colibri.server")
+
+
+def set_pairs(engine, es) -> list[tuple[str, str]]:
+    """Sorted distinct (name, sha256) of every expert in the set `es`."""
+    from ..expertset import HotSlot
+    files = engine.model_cfg.files or {}
+    pairs = set()
+    for exps in es.experts.values():
+        for e in exps:
+            if e is None:
+                continue
+            if isinstance(e, HotSlot):
+                pairs.add((e.hot.name, e.hot.sha256))
+            else:
+                info = files.get(f"{e.name}.bin")
+                pairs.add((e.name, getattr(info, "sha256", "") or ""))
+    return sorted(pairs)
+
+
+def expert_set_id(pairs: list[tuple[str, str]]) -> str:
+    h = hashlib.sha256()
+    for name, sha in pairs:
+        h.update(f"{name}\t{sha}\n".encode())
+    return h.hexdigest()
+
+
+class ExpertBook:
+    """Expert-set ids by generation, adoptions/refusals, routed tokens; thread-safe.
+
+    Registered as a plugin (colibri_routing observer) on the engine; `on_event` is chained
+    into the hot-plug manager's event callback.
+    """
+
+    def __init__(self, engine, max_refusals: int = 50):
+        self.engine = engine          # may be set later (see serve.run_server)
+        self._lock = threading.Lock()
+        self._ids: dict[int, str] = {}
+        self.refusals: deque = deque(maxlen=max_refusals)
+        self.adoptions = 0
+        self._refused: dict[str, int] = {}          # reason -> count since start
+        self.listeners: list[Callable[[str, dict], None]] = []
+        self.routed: dict[int, np.ndarray] = {}          # layer -> int64 [slots] (engine thread)
+        self._slot_names: dict[int, str] = {}
+
+    # -- versions -----------------------------------------------------------------------
+    def stamp(self, generation: Optional[int] = None) -> tuple[int, str]:
+        """(generation, id) of the engine's current set, or of a past `generation`."""
+        es = self.engine.model.expert_set
+        g = es.version if generation is None else generation
+        with self._lock:
+            sid = self._ids.get(g)
+        if sid is None and es.version == g:
+            sid = expert_set_id(set_pairs(self.engine, es))
+            with self._lock:
+                self._ids[g] = sid
+        return g, sid or ""
+
+    # -- hot-plug events ----------------------------------------------------------------
+    def attach(self, manager) -> None:
+        """Chain into the manager's event callback (refusals carry their reason code)."""
+        previous = manager.on_event
+
+        def on_event(kind: str, info: dict) -> None:
+            if previous is not None:
+                previous(kind, info)
+            self.on_event(kind, info)
+        manager.on_event = on_event
+
+    def on_event(self, kind: str, info: dict) -> None:
+        if kind == "rejected":
+            self.add_refusal(str(info.get("path", "")), str(info.get("reason", "rejected")),
+                             str(info.get("message", "")))
+        elif kind == "loaded":
+            with self._lock:
+                self.adoptions += 1
+        for fn in self.listeners:
+            try:
+                fn(kind, info)
+            except Exception:  # noqa: BLE001 - a listener must not stop hot-plugging
+                log.exception("expert event listener failed")
+
+    def add_refusal(self, path: str, reason: str, message: str) -> None:
+        with self._lock:
+            self.refusals.append({"time": time.time(), "path": path, "reason": reason,
+                                  "message": message})
+            self._refused[reason] = self._refused.get(reason, 0) + 1
+
+    def refusal_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._refused)
+
+    @contextmanager
+    def capture_startup_refusals(self):
+        """While the engine starts (before attach() is possible), take refusals from the
+        manager's log records, which carry the typed error."""
+        book = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                err = record.args[0] if isinstance(record.args, tuple) and record.args else None
+                if record.msg == "hot-plug refused: %s" and err is not None:
+                    book.add_refusal(str(getattr(err, "path", "") or ""),
+                                     str(getattr(err, "reason", "rejected")), str(err))
+        h = Handler()
+        logger = logging.getLogger("colibri.hotplug")
+        logger.addHandler(h)
+        try:
+            yield
+        finally:
+            logger.removeHandler(h)
+
+    # -- routed tokens ------------------------------------------------------------------
+    @hookimpl
+    def colibri_routing(self, layer: int, expert_ids: np.ndarray):
+        ids = expert_ids.ravel()
+        counts = np.bincount(ids[ids >= 0])
+        have = self.routed.get(layer)
+        if have is None or have.size < counts.size:
+            grown = np.zeros(max(counts.size, 8), np.int64)
+            if have is not None:
+                grown[:have.size] = have
+            self.routed[layer] = have = grown
+        have[:counts.size] += counts
+        return None
+
+    def slot_name(self, layer: int, slot: int) -> str:
+        if slot < self.engine.model_cfg.num_experts:
+            return f"expert_{layer}_{slot}"
+        name = self._slot_names.get(slot)
+        if name is None and self.engine.hotplug is not None:
+            self._slot_names = {r["slot"]: r["name"] for r in self.engine.hotplug.list()}
+            name = self._slot_names.get(slot)
+        return name or f"slot_{slot}"
+
+    def routed_by_name(self) -> dict[str, int]:
+        """Routed tokens per expert name, summed over layers (a hot expert spans layers)."""
+        out: dict[str, int] = {}
+        for layer, counts in list(self.routed.items()):
+            for slot in np.flatnonzero(counts):
+                name = self.slot_name(layer, int(slot))
+                out[name] = out.get(name, 0) + int(counts[slot])
+        return out
+
+    # -- listing ------------------------------------------------------------------------
+    def listing(self) -> dict:
+        eng = self.engine
+        cfg = eng.model_cfg
+        generation, sid = self.stamp()
+        rows = []
+        for L in cfg.moe_layers:
+            for e in eng.weights.layers[L].experts:
+                info = (cfg.files or {}).get(f"{e.name}.bin")
+                rows.append({"name": e.name, "version": "", "slot": e.index, "layers": [L],
+                             "origin": "model file", "sha256": getattr(info, "sha256", ""),
+                             "isolation": "inprocess", "status": "active"})
+        if eng.hotplug is not None:
+            for r in eng.hotplug.list():
+                rows.append({"name": r["name"], "version": r["version"], "slot": r["slot"],
+                             "layers": r["layers"], "origin": r["origin"],
+                             "sha256": r["sha256"], "isolation": r["isolation"],
+                             "status": r["status"]})
+        with self._lock:
+            refusals = list(self.refusals)[::-1]
+            adoptions = self.adoptions
+        return {"object": "list", "expert_set_generation": generation, "expert_set_id": sid,
+                "watched_folder": eng.hotplug.experts_dir if eng.hotplug is not None else None,
+                "data": rows, "refusals": refusals, "adoptions": adoptions}

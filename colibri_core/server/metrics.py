@@ -1,0 +1,97 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in
+one process, e.g. in tests). Scraped at GET /metrics."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+
+
+class _ExpertCollector:
+    """Read at scrape time from the engine side: no bookkeeping on the token path."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        s = self.server
+        book = s.book
+        g = GaugeMetricFamily("colibri_expert_set_generation",
+                              "Expert-set generation (grows by one per applied change)")
+        g.add_metric([], book.stamp()[0])
+        yield g
+        q = GaugeMetricFamily("colibri_queue_depth", "Requests waiting for the engine")
+        q.add_metric([], s.runner.depth)
+        yield q
+        r = GaugeMetricFamily("colibri_requests_running", "Requests on the engine now")
+        r.add_metric([], 1 if s.runner.busy else 0)
+        yield r
+        b = GaugeMetricFamily("colibri_batch_size", "Sequences in the engine's current step "
+                              "(one request at a time until the batching scheduler)")
+        b.add_metric([], 1 if s.runner.busy else 0)
+        yield b
+        a = CounterMetricFamily("colibri_expert_adoptions", "Hot-plugged experts adopted")
+        a.add_metric([], book.adoptions)
+        yield a
+        ref = CounterMetricFamily("colibri_expert_refusals", "Expert files refused, by reason",
+                                  labels=["reason"])
+        for reason, n in sorted(book.refusal_counts().items()):
+            ref.add_metric([reason], n)
+        yield ref
+        rt = CounterMetricFamily("colibri_routed_tokens", "Tokens routed to each expert, "
+                                 "summed over its layers", labels=["expert"])
+        for name, n in sorted(book.routed_by_name().items()):
+            rt.add_metric([name], n)
+        yield rt
+
+
+class ServerMetrics:
+    def __init__(self, server):
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter("colibri_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=reg)
+        self.tokens = Counter("colibri_tokens", "Tokens processed", ["kind"], registry=reg)
+        self.first_token = Histogram("colibri_first_token_seconds",
+                                     "Time from request to its first token",
+                                     buckets=LATENCY_BUCKETS, registry=reg)
+        self.per_token = Histogram("colibri_token_seconds", "Time between two tokens of a "
+                                   "request", buckets=LATENCY_BUCKETS, registry=reg)
+        self.cancelled = Counter("colibri_requests_cancelled", "Requests stopped early",
+                                 ["why"], registry=reg)
+        reg.register(_ExpertCollector(server))
+        # (time, completion tokens so far, routed tokens by name): the status page's window
+        self.history: deque = deque(maxlen=130)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def completion_total(self) -> float:
+        return self.tokens.labels("completion")._value.get()
+
+    def sample(self, book) -> None:
+        """One point of the status page's one-minute window (called every second)."""
+        self.history.append((time.monotonic(), self.completion_total(), book.routed_by_name()))
+
+    def window(self, seconds: float = 60.0) -> dict:
+        """tokens/s and each expert's share of routed tokens over the last `seconds`."""
+        if not self.history:
+            return {"seconds": 0.0, "tokens_per_s": 0.0, "routed": {}}
+        now_t, now_tok, now_routed = self.history[-1]
+        old = self.history[0]
+        for h in self.history:
+            if now_t - h[0] <= seconds:
+                old = h
+                break
+        dt = now_t - old[0]
+        delta = {k: v - old[2].get(k, 0) for k, v in now_routed.items()}
+        delta = {k: v for k, v in delta.items() if v > 0}
+        total = sum(delta.values())
+        return {"seconds": dt, "tokens_per_s": (now_tok - old[1]) / dt if dt > 0 else 0.0,
+                "routed": {k: {"tokens": v, "share": v / total} for k, v in
+                           sorted(delta.items(), key=lambda kv: -kv[1])}}

@@ -1,0 +1,277 @@
+"""Reading OpenAI request bodies: every field checked, with a 400 that names it.
+
+Fields are sorted into: implemented; documented by OpenAI but not implemented (a 400
+naming the field when set to anything but its default); and unknown (ignored and logged,
+or a 400 with --strict-params). Colibri's own fields: `experts_per_token` (experts per
+token for this request; a `MODE:kN|` prompt prefix works too), `ignore_eos`, and `top_k`
+(the sampling top-k, as llama-server and vLLM read it; 0 or -1: off).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+from .errors import bad_request
+from .generation import GenParams
+
+log = logging.getLogger("colibri.server")
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 64
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+          "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
+          "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+COMPLETIONS = COMMON | {"prompt", "logprobs", "echo"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                 "parallel_tool_calls"}
+
+
+def _none_or(*ok):
+    return lambda v: v is None or v in ok
+
+
+def _unset(v) -> bool:
+    return v is None or v == [] or v == {}
+
+
+# field -> predicate "is this the default (harmless) value?"
+NOT_IMPLEMENTED_COMMON = {
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+}
+NOT_IMPLEMENTED = {
+    "completions": {**NOT_IMPLEMENTED_COMMON, "best_of": _none_or(1), "suffix": _unset},
+    "chat": {**NOT_IMPLEMENTED_COMMON,
+             "tools": _unset, "tool_choice": _none_or("none"), "functions": _unset,
+             "function_call": _none_or("none"),
+             "response_format": lambda v: v is None or v == {"type": "text"},
+             "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+             "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset,
+             "verbosity": _unset},
+}
+
+
+def check_fields(body: dict, route: str, strict: bool, request_id: str) -> None:
+    known = COMPLETIONS if route == "completions" else CHAT
+    missing = NOT_IMPLEMENTED[route]
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in missing:
+            if not missing[name](value):
+                raise bad_request(f"{name}: not implemented by Colibri (got {value!r:.60}); "
+                                  f"leave it out or at its default", param=name,
+                                  code="unsupported_parameter")
+            continue
+        if strict:
+            raise bad_request(f"{name}: unknown field (the server runs with --strict-params)",
+                              param=name, code="unknown_parameter")
+        log.info("request %s: unknown field %r ignored", request_id, name)
+
+
+# ----------------------------------------------------------------------------- values
+
+def _int(body, name, default=None, lo=None, hi=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise bad_request(f"{name}: expected an integer, got {v!r:.40}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise bad_request(f"{name}: {v} is out of range (allowed {rng})", param=name)
+    return v
+
+
+def _num(body, name, default, lo=None, hi=None, lo_open=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"{name}: expected a number, got {v!r:.40}", param=name)
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        left = "(" if lo_open else "["
+        raise bad_request(f"{name}: {v} is out of range (allowed {left}{lo}, {hi}])",
+                          param=name)
+    return float(v)
+
+
+def _bool(body, name, default=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{name}: expected true or false, got {v!r:.40}", param=name)
+    return v
+
+
+def _stop(body):
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 4:
+        raise bad_request("stop: expected a non-empty string or a list of up to 4 of them",
+                          param="stop")
+    return v
+
+
+def _logit_bias(body, vocab: int):
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request("logit_bias: expected an object {token id: bias}", param="logit_bias")
+    out = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias: key {k!r:.30} is not a token id",
+                              param="logit_bias") from None
+        if not 0 <= t < vocab:
+            raise bad_request(f"logit_bias: token id {t} out of range 0..{vocab - 1}",
+                              param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad_request(f"logit_bias[{k}]: {b!r:.30} is not a number in -100..100",
+                              param="logit_bias")
+        out[t] = float(b)
+    return out
+
+
+def _prompts(body) -> list:
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("prompt: missing (text, a list of texts, token ids, or a list of "
+                          "token-id lists)", param="prompt", code="missing")
+    if isinstance(p, str):
+        out = [p]
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in p):
+        out = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        out = p
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        for i, x in enumerate(p):
+            if not x or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+                raise bad_request(f"prompt[{i}]: expected a non-empty list of token ids",
+                                  param="prompt")
+        out = p
+    else:
+        raise bad_request("prompt: expected text, a list of texts, token ids, or a list of "
+                          "token-id lists", param="prompt")
+    if len(out) > MAX_PROMPTS:
+        raise bad_request(f"prompt: {len(out)} prompts, at most {MAX_PROMPTS} per request",
+                          param="prompt")
+    for i, x in enumerate(out):
+        if isinstance(x, str) and not x:
+            raise bad_request(f"prompt[{i}]: empty text", param="prompt")
+    return out
+
+
+def sampling(body: dict, engine, route: str) -> GenParams:
+    """The fields both routes share -> GenParams (prompts filled in by the caller)."""
+    V = engine.model_cfg.vocab_size
+    E = engine.num_experts
+    max_tokens = _int(body, "max_tokens", None, lo=0)
+    if route == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", None, lo=0)
+    if route == "completions" and "max_tokens" not in body:
+        max_tokens = 16                                   # OpenAI's default for completions
+    top_k = _int(body, "top_k", 0, lo=-1)
+    seed = _int(body, "seed", None)
+    if seed is not None and seed < 0:
+        seed &= (1 << 64) - 1                           # numpy's generator takes seeds >= 0
+    p = GenParams(
+        prompts=[], n=_int(body, "n", 1, lo=1, hi=MAX_N), max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0, lo=0.0, hi=100.0),
+        top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=max(top_k, 0), seed=seed, stop=_stop(body),
+        logit_bias=_logit_bias(body, V), ignore_eos=_bool(body, "ignore_eos"),
+        experts=_int(body, "experts_per_token", None, lo=1, hi=E))
+    if route == "completions":
+        lp = body.get("logprobs")
+        if lp is not None:
+            p.logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        p.echo = _bool(body, "echo")
+    else:
+        if _bool(body, "logprobs"):
+            p.logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        elif body.get("top_logprobs") is not None:
+            raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
+    return p
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options: only allowed with stream: true",
+                          param="stream_options")
+    if not isinstance(so, dict):
+        raise bad_request("stream_options: expected an object", param="stream_options")
+    return stream, _bool(so, "include_usage")
+
+
+def completion_prompts(body: dict) -> list:
+    return _prompts(body)
+
+
+def chat_messages(body: dict) -> tuple[list, Optional[int]]:
+    """messages -> plain [{role, content: str}] for the template, and a MODE:kN| k found
+    at the start of the last user message (stripped)."""
+    from ..kselect import split_mode_prefix
+    from ..errors import RequestError
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages: expected a non-empty list of {role, content}",
+                          param="messages", code="missing" if msgs is None else "invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}]: expected an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise bad_request(f"messages[{i}].role: {role!r:.30} is not supported (system, "
+                              f"developer, user, assistant; tools are not implemented)",
+                              param=f"messages[{i}].role")
+        for f in ("tool_calls", "function_call", "audio"):
+            if not _unset(m.get(f)):
+                raise bad_request(f"messages[{i}].{f}: not implemented by Colibri",
+                                  param=f"messages[{i}].{f}", code="unsupported_parameter")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{j}].type: {kind!r:.30} is not "
+                                      f"supported (text only: no images, audio or files)",
+                                      param=f"messages[{i}].content[{j}].type",
+                                      code="unsupported_parameter")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content: expected text or a list of text parts",
+                              param=f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    k = None
+    for m in reversed(out):
+        if m["role"] == "user":
+            try:
+                k, m["content"] = split_mode_prefix(m["content"])
+            except RequestError as e:
+                raise bad_request(str(e), param="messages") from None
+            break
+    return out, k

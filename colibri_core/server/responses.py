@@ -1,0 +1,134 @@
+"""Engine events (generation.py) -> OpenAI response bodies and stream chunks."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .generation import End, Start, Token
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _completion_lp(entries: list, start_offset: int) -> dict:
+    """OpenAI completions log-probs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    off = start_offset
+    for tok, lp, top in entries:
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {t: v for t, v in top})
+        out["text_offset"].append(off)
+        off += len(tok)
+    return out
+
+
+def _chat_lp(entries: list) -> dict:
+    def item(t, v):
+        return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**item(tok, lp), "top_logprobs": [item(t, v) for t, v in top or []]}
+                        for tok, lp, top in entries]}
+
+
+class Collector:
+    """Builds the non-streaming body of one request from its events."""
+
+    def __init__(self, chat: bool, logprobs: bool):
+        self.chat = chat
+        self.logprobs = logprobs
+        self.choices: dict[int, dict] = {}
+        self.sets: list = []              # distinct (generation, id), in order of use
+
+    def add(self, ev) -> None:
+        c = self.choices.setdefault(ev.choice, {"text": [], "lp": [], "echo": "",
+                                                "echo_lp": None, "finish": None})
+        if isinstance(ev, Start):
+            c["echo"] = ev.echo_text
+            c["echo_lp"] = ev.echo_logprobs
+        elif isinstance(ev, Token):
+            c["text"].append(ev.text)
+            if ev.logprob is not None:
+                c["lp"].append(ev.logprob)
+            if not self.sets or self.sets[-1][0] != ev.generation:
+                self.sets.append((ev.generation, ev.set_id))
+        elif isinstance(ev, End):
+            c["finish"] = ev.finish_reason
+
+    def body(self, rid: str, created: int, model: str, usage: dict, fallback_set) -> dict:
+        sets = self.sets or [fallback_set]
+        choices = []
+        for i in sorted(self.choices):
+            c = self.choices[i]
+            text = "".join(c["text"])
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": _chat_lp(c["lp"]) if self.logprobs else None,
+                                "finish_reason": c["finish"]})
+            else:
+                lp = None
+                if self.logprobs:
+                    entries = (c["echo_lp"] or []) + c["lp"]
+                    lp = _completion_lp(entries, 0)
+                choices.append({"index": i, "text": c["echo"] + text, "logprobs": lp,
+                                "finish_reason": c["finish"]})
+        return {"id": rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": created, "model": model, "choices": choices, "usage": usage,
+                "expert_sets": [{"expert_set_generation": g, "expert_set_id": s}
+                                for g, s in sets]}
+
+
+class Chunker:
+    """Builds the SSE chunks of one streaming request from its events."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, logprobs: bool,
+                 include_usage: bool):
+        self.base = {"id": rid, "object": "chat.completion.chunk" if chat else
+                     "text_completion", "created": created, "model": model}
+        self.chat = chat
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.last_set: Optional[tuple] = None
+
+    def _chunk(self, choice: dict, ev=None) -> dict:
+        d = {**self.base, "choices": [choice]}
+        if ev is not None and isinstance(ev, Token) and (ev.generation, ev.set_id) != self.last_set:
+            self.last_set = (ev.generation, ev.set_id)
+            d["expert_set_generation"], d["expert_set_id"] = self.last_set
+        if self.include_usage:
+            d["usage"] = None
+        return d
+
+    def chunk(self, ev) -> Optional[dict]:
+        if isinstance(ev, Start):
+            if self.chat:
+                return self._chunk({"index": ev.choice, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                    "logprobs": None, "finish_reason": None})
+            if ev.echo_text or ev.echo_logprobs:
+                lp = _completion_lp(ev.echo_logprobs, 0) if self.logprobs and \
+                    ev.echo_logprobs else None
+                return self._chunk({"index": ev.choice, "text": ev.echo_text, "logprobs": lp,
+                                    "finish_reason": None})
+            return None
+        if isinstance(ev, Token):
+            if self.chat:
+                lp = _chat_lp([ev.logprob]) if self.logprobs and ev.logprob else None
+                return self._chunk({"index": ev.choice, "delta": {"content": ev.text},
+                                    "logprobs": lp, "finish_reason": None}, ev)
+            lp = _completion_lp([ev.logprob], 0) if self.logprobs and ev.logprob else None
+            return self._chunk({"index": ev.choice, "text": ev.text, "logprobs": lp,
+                                "finish_reason": None}, ev)
+        if isinstance(ev, End):
+            if self.chat:
+                return self._chunk({"index": ev.choice, "delta": {}, "logprobs": None,
+                                    "finish_reason": ev.finish_reason})
+            return self._chunk({"index": ev.choice, "text": "", "logprobs": None,
+                                "finish_reason": ev.finish_reason})
+        return None
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self.base, "choices": [], "usage": usage}

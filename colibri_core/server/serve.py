@@ -1,0 +1,172 @@
+"""Start the server: build the engine, print what is served, run uvicorn (one worker).
+
+SIGTERM (and Ctrl-C) stop accepting connections, let requests in flight finish within
+the shutdown deadline (then cancel them), close the engine and exit 0 (130 for Ctrl-C).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from .app import Server, Settings, build_app
+from .experts import ExpertBook
+
+API_KEY_ENV = "COLIBRI_API_KEY"
+
+
+def default_experts_dir(configured: Optional[str]) -> Optional[str]:
+    """The config's experts_dir, else ./experts_so when it exists (the repository's)."""
+    if configured:
+        return configured
+    return "experts_so" if Path("experts_so").is_dir() else None
+
+
+def load_allowlist(path: Optional[str]) -> Optional[frozenset]:
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split()
+    except OSError as e:
+        raise ConfigError(f"--expert-allowlist {path}: cannot read it ({e.strerror})") from None
+    bad = [x for x in lines if len(x) != 64 or any(c not in "0123456789abcdef" for c in x.lower())]
+    if bad:
+        raise ConfigError(f"--expert-allowlist {path}: {bad[0]!r:.70} is not a sha256 hex "
+                          f"digest (expected one 64-character digest per line)")
+    return frozenset(x.lower() for x in lines)
+
+
+def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
+    """Build the engine (engine_factory()), bind, print the URL, serve until stopped."""
+    import uvicorn
+
+    _quiet_access_logs()
+    # The engine's startup scan of the watched folder logs refusals before the server can
+    # listen to its events: capture them for /v1/experts.
+    book = ExpertBook(engine=None)
+    with book.capture_startup_refusals():
+        engine = engine_factory()
+    try:
+        book.engine = engine
+        server = Server(engine, settings, book=book)
+        sock = _bind(settings.host, settings.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        _print_banner(engine, server, url, out)
+        app = build_app(server)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, workers=1,
+                                timeout_graceful_shutdown=settings.shutdown_timeout_s,
+                                lifespan="on")
+        uv = uvicorn.Server(config)
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown; a no-op
+        # handler underneath makes that re-raise harmless, so SIGTERM exits 0.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            uv.run(sockets=[sock])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            sock.close()
+        print("colibri: server stopped", file=out, flush=True)
+        return 0
+    finally:
+        engine.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                          f"pick another port (--port 0 picks a free one)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _print_banner(engine, server: Server, url: str, out) -> None:
+    cfg = engine.model_cfg
+    s = server.settings
+    print(f"colibri: model {s.model_id} ({engine.model_dir}): {cfg.architecture}, "
+          f"{cfg.num_layers} layers ({len(cfg.moe_layers)} MoE, {cfg.num_experts} experts, "
+          f"top-{cfg.top_k}), context {cfg.max_position_embeddings}", file=out)
+    if engine.hotplug is None:
+        print("colibri: experts: no watched folder (--experts-dir DIR, or run from a folder "
+              "with experts_so/)", file=out)
+    else:
+        live = [r for r in engine.hotplug.list() if r["status"] == "active"]
+        names = ", ".join(f"{r['name']} {r['version']} (slot {r['slot']})" for r in live)
+        print(f"colibri: experts: watching {engine.hotplug.experts_dir}; adopted "
+              f"{len(live)}{': ' + names if names else ''}", file=out)
+        for r in server.book.listing()["refusals"]:
+            print(f"colibri: experts: refused {r['path']}: {r['reason']}", file=out)
+    chat = "chat template " + ("yes" if server.template is not None else "none")
+    auth = "API key required on /v1" if s.api_key else "no API key"
+    print(f"colibri: {chat}; {auth}; queue {s.queue_size}; expert-set generation "
+          f"{server.versions()[0]}", file=out)
+    print(f"colibri: serving {url}  (status page {url}/, OpenAI API {url}/v1)", file=out,
+          flush=True)
+
+
+def _quiet_access_logs() -> None:
+    """Our access log: one line per request on stderr, `colibri: access: ...`."""
+    lg = logging.getLogger("colibri.server.access")
+    if not lg.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("colibri: access: %(message)s"))
+        lg.addHandler(h)
+        lg.propagate = False
+    lg.setLevel(logging.INFO)
+    logging.getLogger("colibri.server").setLevel(logging.INFO)
+
+
+def settings_from_args(args, engine_cfg) -> Settings:
+    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    allow = load_allowlist(args.expert_allowlist)
+    if allow is None and engine_cfg.hotplug.allowlist:
+        allow = frozenset(x.lower() for x in engine_cfg.hotplug.allowlist)
+    if args.allow_expert_upload and (not key or not allow):
+        raise ConfigError("--allow-expert-upload needs an API key (--api-key or "
+                          f"${API_KEY_ENV}) and a hash allowlist (--expert-allowlist FILE or "
+                          "the config's hotplug.allowlist): an uploaded expert is native code")
+    if args.queue_size < 1:
+        raise ConfigError(f"--queue-size {args.queue_size}: expected at least 1")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds > 0")
+    return Settings(host=args.host, port=args.port, api_key=key,
+                    cors_origins=list(args.cors_origin or []),
+                    strict_params=args.strict_params,
+                    allow_expert_upload=args.allow_expert_upload, upload_allowlist=allow,
+                    queue_size=args.queue_size, request_timeout_s=args.request_timeout,
+                    model_id=args.model_id)
+
+
+def main(args) -> int:
+    """`colibri serve` (the options: colibri_core.server.add_arguments)."""
+    from ..config import EngineConfig, find_config, load_run_config, parse
+    from ..engine import Engine
+    if args.model:
+        base, model_dir = EngineConfig(), Path(args.model)
+        model_id = args.model_id or model_dir.resolve().name
+    else:
+        name = args.config or "builtin"
+        cfg, model_dir = load_run_config(find_config(name))
+        base = cfg.engine
+        model_id = args.model_id or Path(name).stem
+    overrides = {"experts_dir": args.experts_dir or default_experts_dir(base.experts_dir)}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.plugins_dir:
+        overrides["plugins_dir"] = args.plugins_dir
+    engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
+    args.model_id = model_id
+    settings = settings_from_args(args, engine_cfg)
+    return run_server(lambda: Engine(model_dir, engine_cfg), settings)

@@ -1,0 +1,77 @@
+"""A live `colibri serve` in a subprocess, on 127.0.0.1 and a free port, for the tests."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+READY_DEADLINE_S = 30.0
+
+
+class LiveServer:
+    def __init__(self, *args: str, experts_dir: Path, env: dict | None = None):
+        cmd = [sys.executable, "-m", "colibri_core", "serve", "--port", "0",
+               "--experts-dir", str(experts_dir), *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self._url = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._url.wait(READY_DEADLINE_S) or not self.url:
+            self.stop()
+            raise RuntimeError("the server did not print its URL within "
+                               f"{READY_DEADLINE_S:.0f} s:\n" + "\n".join(self.lines))
+        deadline = time.monotonic() + READY_DEADLINE_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the server was not ready within the deadline:\n" + self.log())
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            m = re.search(r"serving (http://\S+)", line)
+            if m and not self.url:
+                self.url = m.group(1)
+                self._url.set()
+        self._url.set()
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in a Prometheus text page (0.0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + (("{" + labels + "}") if labels else " ")) or \
+                (labels == "" and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
