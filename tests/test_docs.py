@@ -53,7 +53,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        name = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{name}:{self.line}"
 
 
 def parse(path: Path) -> list[Block]:
@@ -251,3 +252,22 @@ def test_sh_block_runs_as_written(block, pages, request):
     if block is same[-1]:
         problems = page.stop_background()
         assert not problems, problems
+
+
+def test_background_block_runs_until_ready_then_gets_sigterm(tmp_path, request):
+    """The mechanism for server blocks, on a stand-in server: started in the background,
+    the next block reaches it on the page's port, and SIGTERM ends it."""
+    page = Page(tmp_path / "page.md", tmp_path)
+    url = "http://127.0.0.1:{PORT}/README.md"
+    server = Block(page.path, 1, "sh", "exec python -m http.server {PORT} --bind 127.0.0.1",
+                   None, url)
+    client = Block(page.path, 5, "sh", 'python -c "import urllib.request as u; '
+                   "assert b'Colibri' in u.urlopen('http://127.0.0.1:{PORT}/README.md').read()\"",
+                   None, None)
+    run_block(server, page, request)
+    (_, proc), = page.background
+    assert proc.poll() is None
+    run_block(client, page, request)
+    assert page.stop_background() == [] and proc.returncode is not None
+    with pytest.raises(pytest.fail.Exception, match="exit status 3"):
+        run_block(Block(page.path, 9, "sh", "true\nexit 3\necho never", None, None), page, request)
