@@ -65,12 +65,12 @@ class Engine:
         self._check_policy(config)
         tok_path = self.model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path, self.model_cfg.vocab_size) if tok_path.exists() else None
-        from .plugins import HookRelay, build_plugin_manager
+        from .plugins import HookRelay, build_plugin_manager, register_builtin_plugin
         if plugin_manager is None:
             plugin_manager = build_plugin_manager(plugins_dir=config.plugins_dir)
             if config.debug:
-                from .builtin_plugins.tracer import Tracer
-                plugin_manager.register(Tracer(kinds=tuple(config.debug)), name="debug-tracer")
+                register_builtin_plugin(plugin_manager, "tracer", "debug-tracer",
+                                        kinds=tuple(config.debug))
         self.pm = plugin_manager
         # Hook attributes are None when no plugin implements them: free on the hot path.
         self.hooks = HookRelay(plugin_manager)

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .errors import ModelFormatError, RequestError
 from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
                       drop_file_cache, madvise, proc_memory, proc_read_bytes)
-from .residency import BudgetPlan, Residency
+from .residency import BudgetPlan, Residency, model_file_sizes, plan_budget
 from .modelfile import expert_name
 from .weights import ModelExpert, ModelWeights, expert_ffn
 
@@ -521,3 +521,17 @@ def _fix_malloc() -> None:
         lib.mallopt(M_TRIM_THRESHOLD, 1 << 20)
     except (AttributeError, OSError):
         pass
+
+
+# ----------------------------------------------------------------------------- choice
+
+def make_residency(weights: ModelWeights, engine: EngineConfig, advice: Optional[int]) -> Residency:
+    """The engine's residency: the free default (residency.Residency), or under
+    max_resident_mb this module's budgeted expert cache."""
+    if engine.max_resident_mb is None:
+        res = Residency(weights, advice)
+        if engine.preload != "none" and engine.load_mode == "mmap":
+            res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
+        return res
+    plan = plan_budget(weights.cfg, engine, model_file_sizes(weights.path, weights.cfg))
+    return BudgetResidency(weights, engine, plan)

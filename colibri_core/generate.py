@@ -9,18 +9,29 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
+from .config import ModelConfig
 from .errors import ModelFormatError
+from .model import Model
 from .sampler import Sampler
-from .tokenizer import StreamDecoder
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
+
+
+class Host(Protocol):
+    """What a Generation uses of its engine (engine.Engine is the one host)."""
+    model_cfg: ModelConfig
+    model: Model
+    model_dir: Path
+    tokenizer: Optional[Tokenizer]
+    hooks: Any                      # plugins.HookRelay
+
+    def apply_expert_changes(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class TokenEvent:
 class Generation:
     """Iterate to stream tokens; afterwards `stop_reason`, `token_ids`, `text` are set."""
 
-    engine: "Engine"
+    engine: Host
     prompt_ids: list[int]
     k: int
     k_source: str

@@ -10,22 +10,22 @@ dim, E experts, K experts per token, V vocab, S cached positions of one sequence
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional, Sequence
 
 import numpy as np
 
-from . import kernels
+from . import kernels, mla, ops
 from .config import EngineConfig, ModelConfig
+from .decode import DecodePlan, Unsupported
 from .errors import ExpertError, RequestError
-from . import mla, ops
-from .quant import Q4Tensor, Q8Tensor
-from .routing import LayerTrace, Routing, route
+from .expertcache import make_residency
 from .expertset import ExpertSet
 from .memstat import MADV_POPULATE_READ, MADV_WILLNEED
+from .quant import Q4Tensor, Q8Tensor
+from .routing import LayerTrace, Routing, route
 from .weights import FFNWeights, LayerWeights, ModelWeights
-
-import logging
 
 log = logging.getLogger("colibri")
 
@@ -60,8 +60,7 @@ class Model:
         self._last_routing: list[LayerTrace] = []
         self._fast_trace = None              # the DecodePlan whose last step is the latest
         # What stays resident: the madvise prefetch alone, or the memory budget's expert
-        # cache (residency.py); Model._moe acquires a layer's routed experts through it.
-        from .residency import make_residency
+        # cache (expertcache.py); Model._moe acquires a layer's routed experts through it.
         self.residency = make_residency(weights, engine, self._prefetch)
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
@@ -324,7 +323,6 @@ class Model:
             return "a plugin implements a per-layer hook"
         plan = self._plans.get(es.version)
         if plan is None:
-            from .decode import DecodePlan, Unsupported
             try:
                 plan = DecodePlan(self, es)
             except Unsupported as e:

@@ -44,6 +44,7 @@ __all__ = [
     "ColibriPluginManager",
     "HookRelay",
     "build_plugin_manager",
+    "register_builtin_plugin",
     "load_plugins_dir",
     "load_entrypoint_plugins",
     "hookimpl",
@@ -246,18 +247,32 @@ def _exec_module_file(path: Path) -> ModuleType:
     return module
 
 
+def register_builtin_plugin(pm: pluggy.PluginManager, module: str, name: str, **options: Any) -> Any:
+    """Register the plugin made by ``make_plugin(**options)`` of the built-in module
+    ``colibri_core.builtin_plugins.<module>`` under ``name``, and return it. The engine
+    names built-ins this way: no core module imports the plugin package
+    (tests/test_layering.py)."""
+    plugin = _import_builtin(module).make_plugin(**options)
+    pm.register(plugin, name=name)
+    return plugin
+
+
+def _import_builtin(builtin: str) -> ModuleType:
+    module_name = f"{_BUILTIN_PACKAGE}.{builtin}"
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:
+        raise PluginLoadError(f"colibri: cannot import built-in plugin {module_name}: {_one_line(exc)}") from exc
+
+
 def _register_builtin(pm: pluggy.PluginManager, builtin: Any, env: Mapping[str, str]) -> None:
     if not isinstance(builtin, str):
         _register(pm, builtin, None, f"built-in {builtin!r}")
         return
-    module_name = f"{_BUILTIN_PACKAGE}.{builtin}"
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise PluginLoadError(f"colibri: cannot import built-in plugin {module_name}: {_one_line(exc)}") from exc
+    module = _import_builtin(builtin)
     plugin = module.from_env(env) if hasattr(module, "from_env") else module
     if plugin is not None:
-        _register(pm, plugin, f"builtin:{builtin}", f"built-in {module_name}")
+        _register(pm, plugin, f"builtin:{builtin}", f"built-in {module.__name__}")
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str | None, source: str) -> None:

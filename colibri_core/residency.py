@@ -31,7 +31,8 @@ MoE layer's router to the hidden state after this layer and loads its guesses ea
 
 The default (no budget) is `Residency`: the madvise prefetch of EngineConfig.prefetch and
 nothing else, one tuple and two method calls per MoE layer. This module plans the budget
-and holds `Residency`; the cache itself (`BudgetResidency`) is expertcache.py.
+and holds `Residency`; the cache itself (`BudgetResidency`) and the choice between the two
+(`make_residency`) are in expertcache.py.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ import numpy as np
 
 from .config import EngineConfig, ModelConfig, load_model_config
 from .errors import ConfigError
-from .memstat import MADV_POPULATE_READ, MADV_WILLNEED, PAGE
+from .memstat import PAGE
 from .modelfile import expert_file_name
 from .weights import ModelWeights
 
@@ -94,6 +95,8 @@ class BudgetPlan:
     top_k: int
     capacity: int          # expert cache
     minimum: int           # the smallest budget that runs this model
+    n_experts: int = 0     # routed experts in the model (all MoE layers)
+    experts_total: int = 0  # their files' bytes together
 
     @property
     def capacity_experts(self) -> int:
@@ -103,7 +106,7 @@ class BudgetPlan:
         return asdict(self)
 
 
-def _file_sizes(path: Path, cfg: ModelConfig) -> dict[str, int]:
+def model_file_sizes(path: Path, cfg: ModelConfig) -> dict[str, int]:
     if cfg.files:
         return {n: i.size for n, i in cfg.files.items()}
     return {p.name: p.stat().st_size for p in Path(path).glob("*.bin")}
@@ -138,7 +141,9 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int]) -
         chunk = min(2 * chunk, ctx)
     act = activation_bytes(cfg, chunk, ctx)
     capacity = budget - dense - kv - act if cfg.moe_layers else 0
-    return BudgetPlan(budget, dense, kv, kv_tokens, act, chunk, expert_bytes, k, capacity, minimum)
+    return BudgetPlan(budget, dense, kv, kv_tokens, act, chunk, expert_bytes, k, capacity, minimum,
+                      n_experts=len(expert_names),
+                      experts_total=sum(sizes.get(n, 0) for n in expert_names))
 
 
 def check_budget(model_dir, engine: EngineConfig) -> Optional[BudgetPlan]:
@@ -147,7 +152,7 @@ def check_budget(model_dir, engine: EngineConfig) -> Optional[BudgetPlan]:
     if engine.max_resident_mb is None:
         return None
     cfg = load_model_config(Path(model_dir) / "config.json")
-    return plan_budget(cfg, engine, _file_sizes(Path(model_dir), cfg))
+    return plan_budget(cfg, engine, model_file_sizes(Path(model_dir), cfg))
 
 
 # ----------------------------------------------------------------------------- no budget
@@ -244,15 +249,3 @@ class Residency:
 
     def close(self) -> None:
         pass
-
-
-def make_residency(weights: ModelWeights, engine: EngineConfig, advice: Optional[int]) -> Residency:
-    """The engine's residency: the free default, or the budgeted expert cache."""
-    if engine.max_resident_mb is None:
-        res = Residency(weights, advice)
-        if engine.preload != "none" and engine.load_mode == "mmap":
-            res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
-        return res
-    from .expertcache import BudgetResidency      # the cache imports this module
-    plan = plan_budget(weights.cfg, engine, _file_sizes(weights.path, weights.cfg))
-    return BudgetResidency(weights, engine, plan)

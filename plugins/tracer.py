@@ -30,6 +30,7 @@ import numpy as np
 
 from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
+from colibri_core.modelfile import expert_name
 
 KINDS = ("routing", "memory", "timing")
 _ENV_KINDS = "COLIBRI_DEBUG"
@@ -182,11 +183,12 @@ class Tracer:
 
     @staticmethod
     def memory_lines(layer: int, experts: Iterable[tuple[int, int, int]]) -> str:
-        return "".join(f"[MEMORY] expert_{layer}_{e} @ {addr:#x} (size={size})\n" for e, addr, size in experts)
+        return "".join(f"[MEMORY] {expert_name(layer, e)} @ {addr:#x} (size={size})\n"
+                       for e, addr, size in experts)
 
     def time_line(self, layer: int, expert: int, cycles: int) -> str:
         freq = self.freq_hz
-        return f"[TIME] expert_{layer}_{expert} FFN: {cycles} cycles (≈{cycles / freq * 1e6:.1f}us @ {freq / 1e9:.2f}GHz)\n"
+        return f"[TIME] {expert_name(layer, expert)} FFN: {cycles} cycles (≈{cycles / freq * 1e6:.1f}us @ {freq / 1e9:.2f}GHz)\n"
 
 
 # Hook implementations, bound onto a Tracer instance only for its enabled kinds. They
@@ -218,6 +220,11 @@ _IMPLS = {"routing": colibri_routing, "memory": colibri_expert_prefetch, "timing
 _engine_stop_impl = colibri_engine_stop
 # Keep this module from being a plugin itself: registering it would bind ``self``.
 del colibri_routing, colibri_expert_prefetch, colibri_expert_timing, colibri_engine_stop
+
+
+def make_plugin(**options) -> Tracer:
+    """Built-in entry used by plugins.register_builtin_plugin (the engine's `debug` setting)."""
+    return Tracer(**options)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Tracer | None:
