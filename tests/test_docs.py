@@ -13,7 +13,10 @@
   free port of the page.
 - A long-running command (a server) is marked `<!-- background: URL -->` above its block:
   it is started in the background, the page's later blocks run once URL answers, and
-  after the page's last block it gets SIGTERM and must exit within 10 s.
+  after the page's last block it gets SIGTERM and must exit within 10 s. The port in URL
+  (e.g. 8000) is the page's documented port: `--port 8000`, `:8000/` and `:8000` followed
+  by a space or quote in the page's blocks are bound to a free port, so the docs show
+  the usual address and the test never collides with a server already running.
 """
 from __future__ import annotations
 
@@ -87,8 +90,8 @@ def test_every_fence_has_a_language_tag():
     untagged = [b.where for b in BLOCKS if not b.tag]
     assert not untagged, (f"untagged fences (tag them: sh / text / python / ...): "
                           f"{', '.join(untagged)}")
-    misplaced = [b.where for b in BLOCKS if (b.no_run or b.background) and b.tag != "sh"]
-    assert not misplaced, f"no-run/background markers on blocks that are not sh: {misplaced}"
+    misplaced = [b.where for b in BLOCKS if b.background and b.tag != "sh"]
+    assert not misplaced, f"background markers on blocks that are not sh: {misplaced}"
 
 
 def test_parser_on_a_sample(tmp_path):
@@ -145,6 +148,9 @@ class Page:
         for so in (ROOT / "colibri_core").glob("_colibri_kernels*.so"):   # built, not tracked
             shutil.copy2(so, self.dir / "colibri_core" / so.name)
         self.done: set[int] = set()
+        urls = [b.background for b in SH if b.path == path and b.background]
+        ports = {m.group(1) for u in urls if (m := re.search(r":(\d+)(?:/|$)", u))}
+        self.doc_port = ports.pop() if len(ports) == 1 else None
         self.background: list[tuple[Block, subprocess.Popen]] = []
 
     def env(self) -> dict:
@@ -181,8 +187,17 @@ def pages(tmp_path_factory):
         page.stop_background()
 
 
+def bind_port(text: str, page: Page) -> str:
+    text = text.replace("{PORT}", str(page.port))
+    if page.doc_port:
+        p, new = re.escape(page.doc_port), str(page.port)
+        text = re.sub(rf"(--port[ =]){p}\b", rf"\g<1>{new}", text)
+        text = re.sub(rf":{p}(?=[/\s'\"]|$)", f":{new}", text, flags=re.M)
+    return text
+
+
 def bind(block: Block, page: Page, request) -> str:
-    text = block.text.replace("{PORT}", str(page.port))
+    text = bind_port(block.text, page)
     if "path/to/hf_checkpoint" in text:
         text = text.replace("path/to/hf_checkpoint", str(request.getfixturevalue("hf_checkpoint")))
     if "big_moe/" in text:
@@ -208,7 +223,7 @@ def wait_ready(url: str, proc: subprocess.Popen, deadline: float) -> str | None:
 def run_block(block: Block, page: Page, request) -> None:
     script = "set -e -o pipefail\n" + bind(block, page, request)
     if block.background:
-        url = block.background.replace("{PORT}", str(page.port))
+        url = bind_port(block.background, page)
         log = open(page.dir.parent / f"background-{block.line}.log", "w+")
         proc = subprocess.Popen(["bash", "-c", script], cwd=page.dir, env=page.env(),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -252,6 +267,16 @@ def test_sh_block_runs_as_written(block, pages, request):
     if block is same[-1]:
         problems = page.stop_background()
         assert not problems, problems
+
+
+def test_documented_port_is_rebound(tmp_path):
+    page = Page.__new__(Page)
+    page.port, page.doc_port = 41234, "8000"
+    text = ("colibri serve --port 8000   # http://127.0.0.1:8000\n"
+            "curl -s http://127.0.0.1:8000/v1/x -d '{\"n\": 8000}' 'localhost:8000'")
+    assert bind_port(text, page) == (
+        "colibri serve --port 41234   # http://127.0.0.1:41234\n"
+        "curl -s http://127.0.0.1:41234/v1/x -d '{\"n\": 8000}' 'localhost:41234'")
 
 
 def test_background_block_runs_until_ready_then_gets_sigterm(tmp_path, request):
