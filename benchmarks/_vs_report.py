@@ -130,10 +130,7 @@ def plot(res: dict, path: Path) -> str | None:
     try:
         import matplotlib
     except ImportError:
-        p = subprocess.run([sys.executable, "-m", "pip", "install", "matplotlib"], capture_output=True)
-        if p.returncode != 0:
-            return "matplotlib missing and pip install failed"
-        import matplotlib
+        return "matplotlib is not installed; to get it: pip install -e '.[plot]'"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = {"colibri": "tab:blue", "llama.cpp": "tab:orange"}

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import OUT, bench_model  # noqa: E402
+from common import OUT, bench_model, git_commit, machine  # noqa: E402
 
 SHAPE = dict(experts=32)                    # ~1.26 GB: >= 4x the 25% budget's expert cache
 MiB = 1 << 20
@@ -47,7 +46,7 @@ ROWS = [   # (label, budget fraction or None, engine settings)
     ("25%, mmap, lfu", 0.25, {}),
     ("25%, mmap, lru", 0.25, {"residency": {"policy": "lru"}}),
     ("25%, mmap, lfu + speculative", 0.25, {"residency": {"speculative": True}}),
-    ("25%, copy-in slots, lfu + speculative", 0.25,
+    ("25%, copy-in frames, lfu + speculative", 0.25,
      {"load_mode": "copy", "residency": {"speculative": True}}),
 ]
 
@@ -355,19 +354,6 @@ def checks(rows: list[dict]) -> str:
     return "; ".join(lines) + "."
 
 
-def machine() -> str:
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, Linux {platform.release()}"
-
-
 def write_md(text: str) -> None:
     doc = HERE.parent / "docs" / "BENCHMARKS.md"
     begin, end = "<!-- bench_budget:begin -->", "<!-- bench_budget:end -->"
@@ -421,7 +407,9 @@ def main(argv=None):
         rows.append(merge_runs(runs))
     load1 = os.getloadavg()
     cmd = "python benchmarks/bench_budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {"cmd": cmd.strip(), "date": datetime.date.today().isoformat(), "machine": machine(),
+    meta = {"cmd": cmd.strip(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(),
             "load": [load0[0], load1[0]], "size": size, "experts": experts,
             "n_experts": n_experts, "prompt": a.prompt, "tokens": a.tokens,
             "threads": a.threads, "repeat": a.repeat}
@@ -443,7 +431,7 @@ def render(m: dict, rows: list[dict]) -> str:
                 f"prefill chunk" if plan else "the non-expert weights, the KV cache and activations")
     return f"""## Memory budget (`bench_budget.py`)
 
-Command: `{m['cmd']}` — {m['date']}, {m['machine']};
+Command: `{m['cmd']}` — commit {m.get('commit', '?')}, {m['date']}, {m['machine']};
 load average {m['load'][0]:.2f} before, {m['load'][1]:.2f} after (other jobs were running on
 this machine: the tokens/s figures are noisy, the memory and I/O figures are not).
 
@@ -474,12 +462,15 @@ pages were dropped from the page cache ({rows[0].get('cache_drop', '?')}; mincor
 {checks(rows)}
 
 Mechanisms behind the rows: a copy-in load is one O_DIRECT `preadv` into a preallocated
-slot; a mapped load goes through the page cache (allocate, read, map with
+frame; a mapped load goes through the page cache (allocate, read, map with
 `MADV_POPULATE_READ`, later `MADV_DONTNEED` + `POSIX_FADV_DONTNEED` to free), and that
 kernel time competes with the compute kernels on a 2-CPU machine. The unbudgeted copy-in
 row reads the files through the page cache into private memory, so the model is held
 twice until the kernel reclaims the cache (the budgeted copy-in mode drops it and reads
-experts with O_DIRECT).
+experts with O_DIRECT). The unbudgeted mmap row runs with `EngineConfig.preload`'s default,
+`willneed`: every model file is advised once at load, so its reads happen during the
+prompt and decode reads almost nothing (before that default, decode read ~6 MB per token
+here as experts were first routed to).
 """
 
 

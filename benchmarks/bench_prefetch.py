@@ -1,6 +1,7 @@
 """Cold start: how the routed experts' files are brought in (EngineConfig.prefetch).
 
     python benchmarks/bench_prefetch.py [--rounds 3] [--prompt 4] [--tokens 64]
+                                        [--preload none|willneed|populate]
 
 For each mode -- "none" (page faults as the kernels touch the weights), "willneed"
 (MADV_WILLNEED on each routed expert's file as soon as the router has chosen it: the
@@ -9,7 +10,9 @@ kernel starts reading ahead while the layer's attention is done) and "populate"
 -- a fresh process drops the model's files from the page cache (posix_fadvise DONTNEED,
 checked with mincore), opens the engine and times a short prompt and the decode after it,
 when most experts are first used. Modes alternate; medians of the rounds.
-Default model: the one bench_vs_llamacpp.py converts.
+`--preload` is EngineConfig.preload for every run (default: the engine's default,
+`willneed`, which advises every model file at load; `none` isolates the per-expert
+prefetch). Default model: the one bench_vs_llamacpp.py converts.
 """
 from __future__ import annotations
 
@@ -19,9 +22,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import git_commit, machine  # noqa: E402
 
 CHILD = r'''
 import json, sys, time, numpy as np
@@ -30,6 +37,7 @@ from colibri_core.memstat import drop_file_cache, file_cache_bytes
 from colibri_core.engine import Engine
 from colibri_core.config import EngineConfig
 model, mode, n_prompt, n_tok = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+preload = json.loads(sys.argv[5])
 files = sorted(Path(model).glob("*.bin"))
 for f in files:
     drop_file_cache(f, sync=True)
@@ -40,7 +48,7 @@ def read_bytes():
             return int(line.split()[1])
 r0 = read_bytes()
 t0 = time.perf_counter()
-e = Engine(model, EngineConfig(threads=2, prefetch=mode))
+e = Engine(model, EngineConfig(threads=2, prefetch=mode, **preload))
 t_open = time.perf_counter() - t0
 prompt = list(np.random.default_rng(0).integers(1, e.model_cfg.vocab_size - 1, n_prompt))
 t0 = time.perf_counter()
@@ -60,12 +68,18 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--model", default=str(HERE / "out" / "vs_llamacpp" / "colibri_q4"))
+    ap.add_argument("--preload", choices=["none", "willneed", "populate"],
+                    help="EngineConfig.preload for every run (default: the engine's)")
     a = ap.parse_args(argv)
+    preload = json.dumps({"preload": a.preload} if a.preload else {})
+    print(f"commit {git_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{machine()}, load average {os.getloadavg()[0]:.2f}", flush=True)
     modes = ["none", "willneed", "populate"]
     runs = {m: [] for m in modes}
     for r in range(a.rounds):
         for m in (modes if r % 2 == 0 else modes[::-1]):
-            out = subprocess.run([sys.executable, "-c", CHILD, a.model, m, str(a.prompt), str(a.tokens)],
+            out = subprocess.run([sys.executable, "-c", CHILD, a.model, m, str(a.prompt), str(a.tokens),
+                                  preload],
                                  capture_output=True, text=True, check=True, cwd=str(HERE))
             j = json.loads(out.stdout.strip().splitlines()[-1])
             runs[m].append(j)
@@ -75,6 +89,7 @@ def main(argv=None):
     print("|---|" + "---|" * len(keys))
     for m in modes:
         print(f"| {m} | " + " | ".join(f"{statistics.median(x[k] for x in runs[m]):.1f}" for k in keys) + " |")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     (HERE / "out").mkdir(exist_ok=True)
     (HERE / "out" / "prefetch.json").write_text(json.dumps({"args": vars(a), "runs": runs,
                                                             "loadavg": os.getloadavg()}, indent=1))

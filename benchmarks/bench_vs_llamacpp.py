@@ -297,7 +297,9 @@ def main(argv=None):
         res = json.loads(stem.with_suffix(".json").read_text())
         summarize(res)
         stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=float))
-        plot(res, stem.with_name(stem.name + "_latency.png"))
+        err = plot(res, stem.with_name(stem.name + "_latency.png"))
+        if err:
+            print(f"plot skipped: {err}", file=sys.stderr)
         md = markdown(res)
         stem.with_suffix(".md").write_text(md + "\n")
         print(md)
@@ -425,6 +427,7 @@ def _main(a):
     err = plot(res, stem.with_name(stem.name + "_latency.png"))
     if err:
         res["plot_error"] = err
+        print(f"plot skipped: {err}", file=sys.stderr)
     md = markdown(res)
     stem.with_suffix(".md").write_text(md + "\n")
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=float))

@@ -1,8 +1,11 @@
-"""Shared helpers for the benchmarks: the benchmark model, RSS, percentiles."""
+"""Shared helpers for the benchmarks: the benchmark model, RSS, percentiles, and what a
+figure was measured on (commit, machine)."""
 from __future__ import annotations
 
 import os
+import platform
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,3 +48,28 @@ def latency_stats(lat_s: list[float]) -> dict:
     return {"n": len(a), "mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
             "p99_ms": float(np.percentile(a, 99)), "std_ms": float(a.std()),
             "tok_s": float(1000 / a.mean())}
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, Linux {platform.release()}"
+
+
+def git_commit() -> str:
+    """The commit measured (`+dirty` when the work tree has uncommitted changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               text=True, capture_output=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"

@@ -1,6 +1,7 @@
 """`colibri` command line: arguments -> config -> engine -> stream.
 
-    colibri run [--config FILE | --model DIR] [--prompt TEXT] [-n N] [--top-k K] ...
+    colibri run [--config FILE | --model DIR] [--prompt TEXT | --prompt-ids 1,2,3 |
+                --prompt-file PATH] [-n N] [--top-k K] ...
     colibri inspect MODEL_DIR [--verify]
     colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
                     [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--q4-clip mse|minmax]
@@ -8,7 +9,8 @@
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
     colibri serve [--config NAME | --model DIR] [--host H] [--port P] ...  (docs/SERVE.md)
 
-User mistakes print one line `colibri: error: ...` and exit 2; Ctrl-C exits 130.
+User mistakes (bad options included) print one line `colibri: error: ...` and exit 2;
+Ctrl-C exits 130.
 """
 from __future__ import annotations
 
@@ -16,11 +18,113 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from .errors import ColibriError
+
+
+ECHO_MAX_CHARS = 200        # a longer prompt is echoed as "…" + its last this many characters
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors: `colibri: error: ...`, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"colibri: error: {message} (see `{self.prog} --help`)\n")
+
+
+def int_at_least(lo: int, hi: int | None = None):
+    """An argparse type: an integer in lo..hi, with a message naming both."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {want}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {want}")
+        return v
+    conv.__name__ = "integer"
+    return conv
+
+
+def number_in(lo: float, hi: float | None = None, lo_open: bool = False):
+    """An argparse type: a number >= lo (> lo when lo_open) and <= hi."""
+    want = (f"a number {'>' if lo_open else '>='} {lo:g}"
+            + (f" and <= {hi:g}" if hi is not None else ""))
+
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {want}") from None
+        if not (v > lo if lo_open else v >= lo) or (hi is not None and v > hi) or v != v:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {want}")
+        return v
+    conv.__name__ = "number"
+    return conv
+
+
+def token_ids(text: str) -> list[int]:
+    """`--prompt-ids 1,2,3` (commas and/or spaces) -> [1, 2, 3]."""
+    parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    bad = next((t for t in parts if not t.isdigit()), None)
+    if not parts or bad is not None:
+        shown = repr(bad) if bad is not None else "nothing"
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}: expected token ids as integers >= 0 separated by commas "
+            f"(e.g. 1,2,3), got {shown}")
+    return [int(t) for t in parts]
+
+
+def dir_kind(path: Path) -> str:
+    """What a folder holds: "colibri" (a Colibri model: config.json with `format`/`files`),
+    "hf" (a Hugging Face checkpoint: config.json with `model_type`, or *.safetensors),
+    "missing", "file", or "other"."""
+    if not path.exists():
+        return "missing"
+    if not path.is_dir():
+        return "file"
+    cfg = path / "config.json"
+    data = None
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return "colibri"          # a damaged model: let the loader name the problem
+    if isinstance(data, dict) and ("format" in data or "files" in data):
+        return "colibri"
+    if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
+        return "hf"
+    if data is None and any(path.glob("*.safetensors")):
+        return "hf"
+    return "colibri" if data is not None else "other"
+
+
+def require_model_dir(path, what: str = "model directory") -> Path:
+    """A Colibri model directory, or a one-line ColibriError saying what `path` is instead
+    and what to do (convert a checkpoint, or the model folder found inside it)."""
+    path = Path(path)
+    kind = dir_kind(path)
+    if kind == "colibri":
+        return path
+    if kind == "missing":
+        raise ColibriError(f"{path}: {what} not found")
+    if kind == "file":
+        raise ColibriError(f"{path}: is a file; expected a Colibri {what} (a folder with "
+                           f"config.json and the model's .bin files)")
+    if kind == "hf":
+        raise ColibriError(f"{path} is a Hugging Face checkpoint, not a Colibri model "
+                           f"directory; convert it with `colibri convert {path} OUT_DIR`")
+    inside = sorted(str(c.parent) for c in path.glob("*/config.json")
+                    if dir_kind(c.parent) == "colibri")[:3]
+    hint = (f"did you mean {' or '.join(inside)}?" if inside else
+            "convert a Hugging Face checkpoint with `colibri convert HF_DIR OUT_DIR`")
+    raise ColibriError(f"{path} is not a Colibri model directory (no config.json); {hint}")
 
 
 def _engine_from_args(args):
@@ -46,7 +150,7 @@ def _engine_from_args(args):
         overrides["max_resident_mb"] = args.max_resident_mb
     if args.model:
         base = EngineConfig()
-        model_dir = Path(args.model)
+        model_dir = require_model_dir(args.model)
     else:
         cfg, model_dir = load_run_config(find_config(args.config or "builtin"))
         base = cfg.engine
@@ -61,41 +165,99 @@ def _engine_from_args(args):
     return Engine(model_dir, engine_cfg)
 
 
+def _prompt_from_args(args, eng):
+    """-> (prompt for Engine.generate: text or token ids, the text to echo)."""
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+        shown = eng.tokenizer.decode(ids) if eng.tokenizer is not None else " ".join(map(str, ids))
+        return ids, shown
+    if args.prompt_file is not None:
+        src = args.prompt_file
+        try:
+            text = sys.stdin.read() if src == "-" else Path(src).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ColibriError(f"--prompt-file {src}: file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(f"--prompt-file {src}: cannot read it as UTF-8 text: "
+                               f"{str(e).splitlines()[0]}") from None
+        if not text.strip():
+            raise ColibriError(f"--prompt-file {src}: empty; expected the prompt's text")
+        prompt = text
+    else:
+        prompt = "The " if args.prompt is None else args.prompt
+    if eng.tokenizer is None:
+        raise ColibriError(f"{eng.model_dir}: the model has no tokenizer (no tokenizer.json), "
+                           f"so text prompts cannot be encoded; give token ids with "
+                           f"--prompt-ids 1,2,3")
+    shown = prompt.split("|", 1)[1] if prompt.startswith("MODE:") and "|" in prompt else prompt
+    return prompt, shown
+
+
+def _budget_lines(eng) -> list[str]:
+    """The budget's split and what the expert cache holds, from the plan."""
+    plan = eng.model.residency.plan
+    if plan is None:
+        return []
+    from .residency import MiB
+    cap = eng.model.residency.capacity
+    lines = [f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
+             f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} + activations "
+             f"{plan.act / MiB:.1f} (prefill chunks of {plan.chunk_tokens} tokens) + expert "
+             f"cache {cap / MiB:.1f} MB ({eng.config.load_mode})"]
+    if plan.n_experts:
+        each = plan.experts_total / plan.n_experts
+        have = (f"colibri: experts: the model has {plan.n_experts} routed experts, "
+                f"{plan.experts_total / MiB:.1f} MB ({each / MiB:.2f} MB each); ")
+        if cap >= plan.experts_total:
+            have += (f"the cache holds all of them, {(cap - plan.experts_total) / MiB:.1f} MB "
+                     f"of the budget unused")
+        else:
+            fit = cap // max(plan.expert_bytes, 1)
+            have += (f"the cache holds {fit} of them at a time "
+                     f"({100 * fit / plan.n_experts:.0f}%)")
+        lines.append(have)
+    return lines
+
+
 def cmd_run(args) -> int:
     eng = _engine_from_args(args)
     try:
-        prompt = args.prompt
-        if prompt is None:
-            prompt = "The "
+        prompt, shown = _prompt_from_args(args, eng)
         gen = eng.generate(prompt, max_new_tokens=args.n, top_k=args.top_k,
                            temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                            stop=args.stop)
+        ctx = eng.model_cfg.max_position_embeddings
+        room = ctx - len(gen.prompt_ids) + 1        # the last token needs no KV position
+        if args.n > room:
+            print(f"colibri: warning: -n {args.n} is capped at {room} new tokens by the "
+                  f"model's context of {ctx} positions (prompt {len(gen.prompt_ids)} tokens)",
+                  file=sys.stderr)
         out = sys.stdout
         if not args.quiet:
             print(f"colibri: model {eng.model_dir} | {eng.model_cfg.architecture}, "
                   f"{eng.model_cfg.num_layers} layers ({len(eng.model_cfg.moe_layers)} MoE), "
-                  f"k={gen.k} ({gen.k_source}), threads={eng.config.threads}", file=sys.stderr)
-            plan = eng.model.residency.plan
-            if plan is not None:
-                from .residency import MiB
-                cap = eng.model.residency.capacity
-                print(f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
-                      f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} + activations "
-                      f"{plan.act / MiB:.1f} (prefill chunks of {plan.chunk_tokens} tokens) + "
-                      f"expert cache {cap / MiB:.1f} MB ({cap // max(plan.expert_bytes, 1)} "
-                      f"experts of {plan.expert_bytes / MiB:.2f} MB, {eng.config.load_mode})",
-                      file=sys.stderr)
-        shown = prompt.split("|", 1)[1] if prompt.startswith("MODE:") and "|" in prompt else prompt
-        out.write(shown)
-        out.flush()
+                  f"k={gen.k} ({gen.k_source}), threads={eng.config.threads}, "
+                  f"prompt {len(gen.prompt_ids)} tokens", file=sys.stderr)
+            for line in _budget_lines(eng):
+                print(line, file=sys.stderr)
+            # the prompt is echoed before the text it continues, its tail only when long
+            if len(shown) > ECHO_MAX_CHARS:
+                shown = "…" + shown[-ECHO_MAX_CHARS:]
+            out.write(shown)
+            out.flush()
         from .residency import proc_read_bytes
         read0 = proc_read_bytes()
         t0 = time.perf_counter()
         first = None
+        sep = "" if args.quiet else " "
         for ev in gen:
             if first is None:
                 first = time.perf_counter() - t0
-            out.write(ev.text)
+            if eng.tokenizer is not None:
+                out.write(ev.text)
+            else:                       # a model without a tokenizer streams its token ids
+                out.write(f"{sep}{ev.token_id}")
+                sep = " "
             out.flush()
         dt = time.perf_counter() - t0
         out.write("\n")
@@ -140,7 +302,7 @@ def cmd_inspect(args) -> int:
     from .config import load_model_config
     from .modelfile import ContainerFile
     from .weights import load_model, verify_checksums
-    path = Path(args.model_dir)
+    path = require_model_dir(args.model_dir)
     w = load_model(path)          # validates sizes, tables and shapes
     cfg = w.cfg
     total = sum(f.size for f in w.files)
@@ -176,8 +338,12 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert
+    from .convert import TOKENIZER_FILES, convert
     t0 = time.perf_counter()
+    if dir_kind(Path(args.hf_dir)) == "colibri":
+        raise ColibriError(f"{args.hf_dir} is already a Colibri model directory; `colibri "
+                           f"convert` reads a Hugging Face checkpoint (config.json with "
+                           f"model_type, *.safetensors)")
     cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
                   lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
                   kv_bits=args.kv_bits, q4_clip=args.q4_clip,
@@ -187,11 +353,35 @@ def cmd_convert(args) -> int:
     print(f"colibri: converted {args.hf_dir} -> {args.out_dir} ({cfg.architecture}, "
           f"{q.get('method', '?')} {q.get('bits', '?')}-bit, {len(cfg.files)} files) in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    copied = [n for n in TOKENIZER_FILES if n in cfg.files]
+    absent = [n for n in TOKENIZER_FILES if n not in cfg.files]
+    if copied:
+        print(f"colibri: copied {', '.join(copied)}", file=sys.stderr)
+    if absent:
+        print(f"colibri: not in {args.hf_dir}: {', '.join(absent)}"
+              + ("; without tokenizer.json the model runs from token ids only "
+                 "(colibri run --prompt-ids 1,2,3)" if "tokenizer.json" in absent else ""),
+              file=sys.stderr)
     return 0
 
 
 def cmd_verify(args) -> int:
     from .convert.verify import verify
+    hf, model = Path(args.hf_dir), Path(args.model_dir)
+    kinds = dir_kind(hf), dir_kind(model)
+    if kinds == ("colibri", "hf"):
+        raise ColibriError(f"the two folders look swapped: {hf} is a Colibri model and {model} "
+                           f"a Hugging Face checkpoint; expected `colibri verify HF_DIR "
+                           f"MODEL_DIR`, i.e. `colibri verify {model} {hf}`")
+    if kinds[0] == "colibri":
+        raise ColibriError(f"{hf} is a Colibri model directory; expected the Hugging Face "
+                           f"checkpoint it was converted from as the first argument "
+                           f"(`colibri verify HF_DIR MODEL_DIR`)")
+    if kinds[0] in ("missing", "file", "other"):
+        raise ColibriError(f"{hf}: " + {"missing": "not found",
+                                        "file": "is a file"}.get(kinds[0], "no config.json")
+                           + "; expected a Hugging Face checkpoint folder as HF_DIR")
+    require_model_dir(model, "MODEL_DIR (a converted Colibri model)")
     res = verify(args.hf_dir, args.model_dir, args.prompts, n_new=args.n,
                  routing=args.routing, activations=args.activations)
     if args.max_error is not None and any(r.max_rel_err is not None and r.max_rel_err > args.max_error
@@ -202,7 +392,7 @@ def cmd_verify(args) -> int:
 
 def cmd_expert_build(args) -> int:
     from .hotplug.builder import main as build_main
-    return build_main(args.rest)
+    return build_main(args.rest, parser_class=CliParser)
 
 
 def cmd_experts_list(args) -> int:
@@ -232,59 +422,121 @@ def cmd_experts_list(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri", description="CPU-first MoE inference engine")
-    sub = p.add_subparsers(dest="command", required=True)
+def _defaults_help() -> tuple[str, str]:
+    """What applies without --config / with --model: the built-in config's settings and
+    the engine defaults (read from the shipped config and EngineConfig, not repeated here)."""
+    from .config import EngineConfig, find_config, read_mapping
+    d = EngineConfig().sampling
+    engine_defaults = (f"temperature {d.temperature:g}, top-p {d.top_p:g}, "
+                       f"seed {'random' if d.seed is None else d.seed}, threads "
+                       f"{EngineConfig().threads}")
+    try:
+        b = read_mapping(find_config("builtin")).get("engine", {}).get("sampling", {})
+        builtin = (f"temperature {b.get('temperature', d.temperature):g}, top-p "
+                   f"{b.get('top_p', d.top_p):g}, seed {b.get('seed', 'random')}")
+    except Exception:           # the help must print even from a damaged install
+        builtin = "see configs/builtin.yaml"
+    return engine_defaults, builtin
 
-    r = sub.add_parser("run", help="generate text, streaming tokens to the terminal")
-    src = r.add_mutually_exclusive_group()
-    src.add_argument("--config", help="run config file or shipped config name (default: builtin)")
-    src.add_argument("--model", help="model directory (engine defaults)")
-    r.add_argument("--prompt", "-p", help="prompt text; may start with MODE:kN|")
-    r.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
-    r.add_argument("--top-k", type=int, dest="top_k", help="experts per token for this request")
-    r.add_argument("--threads", type=int)
-    r.add_argument("--seed", type=int)
-    r.add_argument("--temperature", type=float)
-    r.add_argument("--top-p", type=float, dest="top_p")
-    r.add_argument("--stop", action="append", help="stop string (repeatable)")
-    r.add_argument("--load-mode", choices=["mmap", "copy"])
-    r.add_argument("--routing", choices=["fixed", "float"])
-    r.add_argument("--activations", choices=["int8", "float"])
-    r.add_argument("--experts-dir", dest="experts_dir", help="watch this folder for hot-plugged experts")
-    r.add_argument("--debug", help="trace lines to stderr: routing,memory,timing (or all)")
-    r.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
-    r.add_argument("--max-resident-mb", type=float, dest="max_resident_mb",
-                   help="hard budget (MiB) for the model's resident memory: weights in RSS "
-                        "and page cache, KV cache, activations (expert cache)")
+
+def _model_options(ap, what: str, engine_defaults: str) -> None:
+    """--config / --model, shared by `run` and `experts list`."""
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="FILE|NAME",
+                     help=f"run config (YAML/JSON: `model:` and `engine:` settings) or the name "
+                          f"of a shipped one: builtin, builtin-dynamic-k, fraud (default: "
+                          f"builtin); {what}")
+    src.add_argument("--model", metavar="DIR",
+                     help=f"a converted model directory, run with the engine defaults "
+                          f"({engine_defaults}), not a config's settings; to give it "
+                          f"settings, write a config with `model: DIR` and use --config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    engine_defaults, builtin = _defaults_help()
+    p = CliParser(prog="colibri", description="CPU-first MoE inference engine")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text, streaming tokens to the terminal",
+                       description="Generate text from a prompt and stream it to stdout; "
+                                   "progress and figures go to stderr.")
+    _model_options(r, "its engine settings apply", engine_defaults)
+    pr = r.add_mutually_exclusive_group()
+    pr.add_argument("--prompt", "-p", metavar="TEXT",
+                    help='prompt text, may start with MODE:kN| (default: "The ")')
+    pr.add_argument("--prompt-ids", type=token_ids, dest="prompt_ids", metavar="IDS",
+                    help="the prompt as token ids, e.g. 1,2,3 (for models without a "
+                         "tokenizer; output is then token ids too)")
+    pr.add_argument("--prompt-file", dest="prompt_file", metavar="PATH",
+                    help="read the prompt text from a UTF-8 file (- for standard input)")
+    r.add_argument("-n", type=int_at_least(0), default=64,
+                   help="max new tokens (default 64; capped by the model's context, with a "
+                        "warning)")
+    r.add_argument("--top-k", type=int_at_least(1), dest="top_k", metavar="K",
+                   help="experts per token for this request (default: MODE: prefix, plugin, "
+                        "length policy, then the model's top_k)")
+    r.add_argument("--threads", type=int_at_least(1, 512), metavar="N",
+                   help="compute threads (default: the config's; engine default 2)")
+    samp = (f"; default: the config's sampling settings (builtin: {builtin}; with --model: "
+            f"{engine_defaults.rsplit(', threads', 1)[0]})")
+    r.add_argument("--seed", type=int_at_least(0), metavar="S",
+                   help="sampling seed, for repeatable output" + samp)
+    r.add_argument("--temperature", type=number_in(0.0), metavar="T",
+                   help="sampling temperature, 0 for greedy" + samp)
+    r.add_argument("--top-p", type=number_in(0.0, 1.0, lo_open=True), dest="top_p", metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this total "
+                        "probability, in (0, 1]" + samp)
+    r.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when the output contains this text (repeatable)")
+    r.add_argument("--load-mode", choices=["mmap", "copy"],
+                   help="mmap the model files (default) or copy them into memory at load")
+    r.add_argument("--routing", choices=["fixed", "float"],
+                   help="expert weights by fixed-point softmax (default) or float softmax")
+    r.add_argument("--activations", choices=["int8", "float"],
+                   help="activations quantized to int8 per group (default) or kept float")
+    r.add_argument("--experts-dir", dest="experts_dir", metavar="DIR",
+                   help="watch this folder for hot-plugged expert .so files (docs/HOTPLUG.md)")
+    r.add_argument("--debug", metavar="KINDS",
+                   help="trace lines to stderr: routing,memory,timing (or all)")
+    r.add_argument("--plugins-dir", dest="plugins_dir", metavar="DIR",
+                   help="load every plugin module of this folder (docs/PLUGINS.md)")
+    r.add_argument("--max-resident-mb", type=number_in(0.0, lo_open=True),
+                   dest="max_resident_mb", metavar="MB",
+                   help="cap (MiB) on the memory the model occupies: weights in RSS and page "
+                        "cache, KV cache and activations, the rest caching experts; the "
+                        "split is printed at start")
     r.add_argument("--expert-cache", choices=["lru", "lfu"], dest="expert_cache",
-                   help="expert cache policy under a budget (default lfu)")
+                   help="expert cache policy under --max-resident-mb (default lfu)")
     r.add_argument("--speculative", action="store_true",
-                   help="under a budget: guess the next layer's experts and load them early")
-    r.add_argument("--quiet", "-q", action="store_true", help="print only the text")
+                   help="under --max-resident-mb: guess the next layer's experts and load "
+                        "them early")
+    r.add_argument("--quiet", "-q", action="store_true",
+                   help="print only the generated text (no prompt echo, no figures)")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="describe (and optionally verify) a model directory")
-    i.add_argument("model_dir")
-    i.add_argument("--verify", action="store_true", help="check every file's sha256")
+    i.add_argument("model_dir", metavar="MODEL_DIR", help="a converted Colibri model directory")
+    i.add_argument("--verify", action="store_true",
+                   help="check every file's sha256 and every section for NaN/Inf")
     i.set_defaults(func=cmd_inspect)
 
     eb = sub.add_parser("expert", help="expert authoring: `colibri expert build ...`")
-    eb_sub = eb.add_subparsers(dest="expert_command", required=True)
-    b = eb_sub.add_parser("build", help="build a hot-pluggable expert .so from an .npz",
-                          add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    eb_sub = eb.add_subparsers(dest="expert_command", required=True, metavar="SUBCOMMAND")
+    b = eb_sub.add_parser("build", help="build a hot-pluggable expert .so from an .npz "
+                                        "(`colibri expert build --help`)", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="the builder's arguments (`colibri expert build --help`)")
     b.set_defaults(func=cmd_expert_build)
 
     el = sub.add_parser("experts", help="hot-plugged experts: `colibri experts list`")
-    el_sub = el.add_subparsers(dest="experts_command", required=True)
+    el_sub = el.add_subparsers(dest="experts_command", required=True, metavar="SUBCOMMAND")
     ls = el_sub.add_parser("list", help="what is live: model experts and hot-plugged ones")
-    src = ls.add_mutually_exclusive_group()
-    src.add_argument("--config")
-    src.add_argument("--model")
-    ls.add_argument("--experts-dir", dest="experts_dir", help="the watched folder")
-    ls.add_argument("--threads", type=int)
-    ls.add_argument("--json", action="store_true")
+    _model_options(ls, "the model whose experts are listed", engine_defaults)
+    ls.add_argument("--experts-dir", dest="experts_dir", metavar="DIR",
+                    help="the watched folder whose experts are checked and listed")
+    ls.add_argument("--threads", type=int_at_least(1, 512), metavar="N",
+                    help="compute threads (default: the config's)")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_experts_list)
 
     from .server import add_arguments as serve_arguments, main as cmd_serve
@@ -294,8 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
-    c.add_argument("hf_dir")
-    c.add_argument("out_dir")
+    c.add_argument("hf_dir", metavar="HF_DIR",
+                   help="Hugging Face checkpoint folder (config.json, *.safetensors)")
+    c.add_argument("out_dir", metavar="OUT_DIR",
+                   help="the Colibri model directory to write (with its tokenizer files)")
     c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
                    help="4: q4 (embedding, lm_head and K/V q8), 8: q8, 16: the checkpoint's "
                         "own bf16/f16, 32: f32")
@@ -319,13 +573,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     v = sub.add_parser("verify", help="compare a converted model with its Hugging Face source")
-    v.add_argument("hf_dir")
-    v.add_argument("model_dir")
+    v.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face checkpoint converted from")
+    v.add_argument("model_dir", metavar="MODEL_DIR", help="the converted Colibri model directory")
     v.add_argument("--prompts", metavar="FILE", help="one prompt per line (text, or token ids)")
-    v.add_argument("-n", type=int, default=16, help="greedy tokens compared per prompt")
-    v.add_argument("--routing", choices=["fixed", "float"], default="fixed")
-    v.add_argument("--activations", choices=["int8", "float"], default="int8")
-    v.add_argument("--max-error", type=float, dest="max_error",
+    v.add_argument("-n", type=int_at_least(0), default=16,
+                   help="greedy tokens compared per prompt (default 16)")
+    v.add_argument("--routing", choices=["fixed", "float"], default="fixed",
+                   help="Colibri's expert weights: fixed-point (default) or float softmax")
+    v.add_argument("--activations", choices=["int8", "float"], default="int8",
+                   help="Colibri's activations: int8 per group (default) or float")
+    v.add_argument("--max-error", type=number_in(0.0), dest="max_error", metavar="X",
                    help="exit non-zero when a prompt's max relative logit error exceeds this")
     v.set_defaults(func=cmd_verify)
     return p

@@ -95,6 +95,8 @@ class BudgetPlan:
     top_k: int
     capacity: int          # expert cache
     minimum: int           # the smallest budget that runs this model
+    n_experts: int = 0     # routed experts in the model (all MoE layers)
+    experts_total: int = 0  # their files' bytes together
 
     @property
     def capacity_experts(self) -> int:
@@ -139,7 +141,9 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int]) -
         chunk = min(2 * chunk, ctx)
     act = activation_bytes(cfg, chunk, ctx)
     capacity = budget - dense - kv - act if cfg.moe_layers else 0
-    return BudgetPlan(budget, dense, kv, kv_tokens, act, chunk, expert_bytes, k, capacity, minimum)
+    return BudgetPlan(budget, dense, kv, kv_tokens, act, chunk, expert_bytes, k, capacity, minimum,
+                      n_experts=len(expert_names),
+                      experts_total=sum(sizes.get(n, 0) for n in expert_names))
 
 
 def check_budget(model_dir, engine: EngineConfig) -> Optional[BudgetPlan]:

@@ -5,9 +5,10 @@
  * device") shows up; this expert is routed to when the token's hidden state points along its
  * router row, and it answers with a gated transform of that state. Build it with
  *
- *     make -C experts_so HIDDEN=64 LAYER=1          # -> experts_so/example_expert.so
+ *     make -C experts_so                  # -> experts_so/example_expert.so (HIDDEN=128 LAYER=1)
  *
- * and it is picked up by a running engine whose model has hidden_size 64 and an MoE layer 1.
+ * and it is picked up by a running engine whose model has hidden_size 128 and an MoE layer
+ * 1, such as the built-in model (MoE layers 1-3); `make HIDDEN=... LAYER=...` for others.
  * Everything the engine needs is below: the metadata record, the router row and
  * ffn_forward. Read colibri_core/include/colibri_expert.h for the contract.
  */
@@ -16,7 +17,7 @@
 #include "colibri_expert.h"
 
 #ifndef COLIBRI_HIDDEN
-#define COLIBRI_HIDDEN 64
+#define COLIBRI_HIDDEN 128
 #endif
 #ifndef COLIBRI_LAYER
 #define COLIBRI_LAYER 1

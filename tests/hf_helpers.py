@@ -433,3 +433,26 @@ def mean_kl(lg, ref):
         return a - np.log(np.exp(a).sum(1, keepdims=True))
     lp, lq = lsm(np.asarray(ref, np.float64)), lsm(np.asarray(lg, np.float64))
     return float((np.exp(lp) * (lp - lq)).sum(1).mean())
+
+
+def write_tiny_checkpoint(path: Path, tokenizer: bool = True) -> Path:
+    """A tiny Qwen2-MoE checkpoint as a user would download it: safetensors, config.json
+    and, with `tokenizer`, the tokenizer and chat-template files that `colibri convert`
+    copies (tokenizer.json, tokenizer_config.json, chat_template.jinja,
+    special_tokens_map.json, generation_config.json)."""
+    path = Path(path)
+    save(make_hf_model("qwen2_moe"), path)
+    if tokenizer:
+        write_tokenizer(path)
+        (path / "tokenizer_config.json").write_text(json.dumps(
+            {"add_bos_token": False, "model_max_length": 256, "eos_token": "!"}))
+        (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "!"}))
+        (path / "chat_template.jinja").write_text(
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+        (path / "generation_config.json").write_text(json.dumps(
+            {"do_sample": True, "temperature": 0.7, "top_p": 0.9}))
+    else:
+        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                  "special_tokens_map.json", "generation_config.json"):
+            (path / n).unlink(missing_ok=True)
+    return path

@@ -58,6 +58,7 @@ def test_metadata_and_symbols(built):
     assert m.has_q4 and m.thread_safe and m.router_bias == pytest.approx(-0.75)
     assert m.target.startswith("x86_64 gcc") or "gcc" in m.target
     assert "-O3" in m.target and "-fPIC" in m.target
+    assert m.target.endswith(" q4-clip=mse")                       # the builder's default
     assert all(p.offset % 64 == 0 for p in info.q4.values())       # .balign 64
     # The data is embedded with .incbin, not compiled from C arrays.
     assert run_probe(str(out), H, 5.0)["ok"]
@@ -127,10 +128,33 @@ def test_cli_main_and_errors(weights, tmp_path, capsys):
     assert ".incbin" in asm and "colibri_w2_zeros" in asm
     np.savez(tmp_path / "bad.npz", w1=np.zeros((4, 8)))
     assert main([str(tmp_path / "bad.npz"), "-o", str(tmp_path / "b.so"), "--layer", "1",
-                 "--name", "b", "--version", "1"]) == 1
-    assert "missing arrays ['w3', 'w2', 'router_row']" in capsys.readouterr().err
+                 "--name", "b", "--version", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("colibri: error: ") and len(err.strip().splitlines()) == 1
+    assert "missing arrays ['w3', 'w2', 'router_row']" in err
     with pytest.raises(ExpertBuildError, match="name 'bad name'"):
         build_expert(npz, tmp_path / "c.so", 1, "bad name", "1")
+
+
+def test_q4_clip_is_the_setting_given_and_recorded(weights, tmp_path):
+    """The rounding is the one asked for (its bytes equal quantize_q4 with that clip, and
+    differ from the other clip's), and the metadata's target records it."""
+    npz, w = weights
+    parts = {}
+    for clip in ("minmax", "mse"):
+        info = build_expert(npz, tmp_path / f"{clip}.so", 1, "c", "1", group_size=G,
+                            q4_clip=clip)
+        assert info.meta.target.endswith(f" q4-clip={clip}")
+        raw = (tmp_path / f"{clip}.so").read_bytes()
+        got = {k: raw[p.offset:p.offset + p.nbytes] for k, p in info.q4.items()}
+        for m in ("w1", "w3", "w2"):
+            ref = quantize_q4(w[m], G, clip=clip)
+            assert got[f"{m}.scales"] == np.ascontiguousarray(ref.scales, "<f4").tobytes()
+            assert got[f"{m}.data"] == np.ascontiguousarray(ref.data, np.uint8).tobytes()
+        parts[clip] = got
+    assert parts["minmax"]["w1.scales"] != parts["mse"]["w1.scales"]
+    with pytest.raises(ExpertBuildError, match="q4 clip 'awq', expected one of mse, minmax"):
+        build_expert(npz, tmp_path / "x.so", 1, "c", "1", q4_clip="awq")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -60,6 +60,13 @@ def _progress(total: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
+# Copied from the checkpoint when present (and listed with their sha256 in config.json):
+# the engine reads tokenizer.json; the others keep the chat template, special tokens and
+# generation settings next to the model for whoever serves it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -242,9 +249,9 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         experts = _experts(wr, cfg, tick)
         n_main = 4 + sum(12 + 2 * n_attn + (8 if cfg.shared_expert_intermediate_size else 6)
                          for _ in cfg.layer_types)
-        tok = hf_dir / "tokenizer.json"
         final = write_model_dir(staging, cfg, main, routing, experts,
-                                extra_files=[tok] if tok.exists() else [],
+                                extra_files=[hf_dir / n for n in TOKENIZER_FILES
+                                             if (hf_dir / n).is_file()],
                                 main_reserve=16 + n_main * 256)
         from ..weights import load_model
         load_model(staging).close()                 # the result must load (shapes, sizes)

@@ -3,7 +3,10 @@
 The .npz holds float arrays `w1` [I, H] (gate), `w3` [I, H] (up), `w2` [H, I] (down),
 `router_row` [H] and optionally `router_bias` (a scalar). The builder
 
-1. quantizes the three matrices with `quant.quantize_q4` (docs/FORMAT.md `q4` layout),
+1. quantizes the three matrices with `quant.quantize_q4` (docs/FORMAT.md `q4` layout) and
+   the clipping given (`q4_clip`: "mse" or "minmax"; an expert is built with the rounding
+   it was trained and validated with, so this is the builder's own setting, recorded in
+   the metadata's `target` text, and never follows the quantizer's default),
 2. writes each part (data, scales, zeros) and the router row to a binary file and embeds
    them with `.incbin` in an assembler file, one exported symbol per part
    (`colibri_w1_data`, ..., `colibri_router_row`), 64-byte aligned, with exact `.size`,
@@ -12,7 +15,8 @@ The .npz holds float arrays `w1` [I, H] (gate), `w3` [I, H] (up), `w2` [H, I] (d
 4. compiles with `gcc -shared -fPIC -O3` to a hidden temporary name and renames it into
    place, so a watching engine never sees a half-written file.
 
-The compiler and flags are recorded in the metadata's `target` field.
+The compiler, its flags and the q4 clipping are recorded in the metadata's `target` field
+(`... -O3 q4-clip=minmax`).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..quant import DEFAULT_GROUP, quantize_q4
+from ..quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
 from .errors import ExpertBuildError, HotplugError
 from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
 
@@ -41,29 +45,35 @@ def include_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "include"
 
 
-def target_string(cc: str, flags: Sequence[str]) -> str:
-    """`<machine> <compiler> <version> <flags>`, truncated to fit the metadata field."""
+BUILD_Q4_CLIP = "mse"      # the builder's default, stated here: see the module docstring
+
+
+def target_string(cc: str, flags: Sequence[str], suffix: str = "") -> str:
+    """`<machine> <compiler> <version> <flags> <suffix>`, the flags truncated so that the
+    whole fits the metadata field with the suffix kept."""
     try:
         ver = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True,
                              timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         ver = "?"
     text = " ".join([platform.machine(), Path(cc).name, ver or "?", *flags])
-    return text.encode()[:TARGET_LEN - 1].decode("utf-8", "ignore")
+    tail = f" {suffix}" if suffix else ""
+    room = TARGET_LEN - 1 - len(tail.encode())
+    return text.encode()[:room].decode("utf-8", "ignore") + tail
 
 
 def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLike, *,
                    cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                    defines: dict[str, str | int] | None = None,
-                   target: str | None = None) -> str:
+                   target: str | None = None, target_suffix: str = "") -> str:
     """Compile C/assembler sources into a shared object, atomically (temp name + rename).
 
-    `defines` become -D options; EXPERT_TARGET (the metadata `target` text) is added unless
-    given. Returns the target string. Raises ExpertBuildError with the compiler's message.
+    `defines` become -D options; EXPERT_TARGET (the metadata `target` text, ending in
+    `target_suffix`) is added unless given. Returns the target string. Raises ExpertBuildError with the compiler's message.
     """
     out_so = Path(out_so)
     flags = [*BASE_FLAGS, *cflags]
-    target = target if target is not None else target_string(cc, flags)
+    target = target if target is not None else target_string(cc, flags, target_suffix)
     defs = {"EXPERT_TARGET": _c_string(target), **(defines or {})}
     tmp = out_so.with_name(f".{out_so.name}.{os.getpid()}.tmp")
     cmd = [cc, *flags, f"-I{include_dir()}", *(f"-D{k}={v}" for k, v in defs.items()),
@@ -87,11 +97,14 @@ def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLi
 def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
                  layer: int | Sequence[int], name: str, version: str, *,
                  group_size: int = DEFAULT_GROUP, router_bias: float | None = None,
+                 q4_clip: str = BUILD_Q4_CLIP,
                  cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                  keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
     """Build a hot-pluggable expert .so from an .npz of float weights; return its checked info.
 
     `layer` is one global layer index or several. `router_bias` overrides the .npz's.
+    `q4_clip` is the q4 rounding ("mse" or "minmax", quant.q4_group_params): pass the one
+    the weights were validated with; it is recorded in the metadata's `target`.
     `keep_sources`, when given, is a folder that receives the generated .c/.S/.bin files.
     """
     npz_path, out_so = Path(npz_path), Path(out_so)
@@ -105,13 +118,16 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
     if len(version.encode()) >= VERSION_LEN or not version.isprintable():
         raise ExpertBuildError(f"{out_so}: version {version!r}, expected printable text of"
                                f" at most {VERSION_LEN - 1} bytes", path=str(out_so))
+    if q4_clip not in Q4_CLIPS:
+        raise ExpertBuildError(f"{out_so}: q4 clip {q4_clip!r}, expected one of"
+                               f" {', '.join(Q4_CLIPS)}", path=str(out_so))
     w1, w3, w2, row, bias = _load_npz(npz_path)
     if router_bias is not None:
         bias = float(router_bias)
     inter, hidden = w1.shape
     try:
-        q = {"w1": quantize_q4(w1, group_size), "w3": quantize_q4(w3, group_size),
-             "w2": quantize_q4(w2, group_size)}
+        q = {m: quantize_q4(w, group_size, clip=q4_clip)
+             for m, w in (("w1", w1), ("w3", w3), ("w2", w2))}
     except ValueError as e:
         raise ExpertBuildError(f"{npz_path}: cannot quantize: {e}", path=str(npz_path)) from None
 
@@ -136,7 +152,7 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
                    "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
         out_so.parent.mkdir(parents=True, exist_ok=True)
         compile_shared([work / "expert.c", work / "expert_data.S"], out_so, cc=cc,
-                       cflags=cflags, defines=defines)
+                       cflags=cflags, defines=defines, target_suffix=f"q4-clip={q4_clip}")
     return read_expert_file(str(out_so), hidden)
 
 
@@ -295,38 +311,54 @@ COLIBRI_EXPORT int ffn_forward(const float *x, float *y, int n_tokens, int hidde
 """
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`colibri expert build WEIGHTS.npz -o OUT.so --layer L --name N --version V`."""
-    ap = argparse.ArgumentParser(prog="colibri expert build",
-                                 description="Build a hot-pluggable expert .so from an .npz"
-                                 " (w1 [I,H], w3 [I,H], w2 [H,I], router_row [H],"
-                                 " optional router_bias).")
-    ap.add_argument("npz")
+def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap = parser_class(prog="colibri expert build",
+                      description="Build a hot-pluggable expert .so from an .npz"
+                      " (w1 [I,H], w3 [I,H], w2 [H,I], router_row [H],"
+                      " optional router_bias).")
+    ap.add_argument("npz", metavar="WEIGHTS.npz",
+                    help="float weights: w1 [I,H], w3 [I,H], w2 [H,I], router_row [H], "
+                         "optional router_bias")
     ap.add_argument("-o", "--output", required=True, help="the .so to write")
     ap.add_argument("--layer", type=int, action="append", required=True,
-                    help="global layer index (repeat for several layers)")
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--version", required=True)
-    ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP)
-    ap.add_argument("--router-bias", type=float, default=None)
-    ap.add_argument("--cc", default=os.environ.get("CC", "gcc"))
+                    help="global layer index, an MoE layer of the model (repeat for several)")
+    ap.add_argument("--name", required=True,
+                    help="the expert's identity, 1-63 characters of [A-Za-z0-9_.-]")
+    ap.add_argument("--version", required=True, help="free printable version text")
+    ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP,
+                    help=f"INT4 group size, a multiple of 64 (default {DEFAULT_GROUP})")
+    ap.add_argument("--q4-clip", choices=Q4_CLIPS, default=BUILD_Q4_CLIP, dest="q4_clip",
+                    help="INT4 rounding per group: mse (min/max or a shrunk range, the "
+                         "smaller squared error) or minmax (plain round-to-nearest); use the "
+                         f"one the weights were validated with (default {BUILD_Q4_CLIP}; "
+                         "recorded in the metadata)")
+    ap.add_argument("--router-bias", type=float, default=None,
+                    help="added to the expert's router logit (overrides the .npz's)")
+    ap.add_argument("--cc", default=os.environ.get("CC", "gcc"),
+                    help="C compiler (default $CC or gcc)")
     ap.add_argument("--cflags", default=" ".join(DEFAULT_CFLAGS),
                     help="compiler flags (recorded in the metadata), default -O3")
     ap.add_argument("--keep-sources", default=None, metavar="DIR",
                     help="also write the generated .c/.S/.bin files to DIR")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, parser_class=argparse.ArgumentParser) -> int:
+    """`colibri expert build WEIGHTS.npz -o OUT.so --layer L --name N --version V`.
+    Errors print one line `colibri: error: ...` and return 2."""
+    args = build_parser(parser_class).parse_args(argv)
     try:
         info = build_expert(args.npz, args.output, args.layer, args.name, args.version,
                             group_size=args.group_size, router_bias=args.router_bias,
-                            cc=args.cc, cflags=shlex.split(args.cflags),
+                            q4_clip=args.q4_clip, cc=args.cc, cflags=shlex.split(args.cflags),
                             keep_sources=args.keep_sources)
     except HotplugError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
     m = info.meta
     print(f"built {args.output}: expert {m.name} {m.version}, layers {list(m.layers)},"
           f" hidden {m.hidden_size}, intermediate {m.intermediate_size}, group"
-          f" {m.group_size}, {info.size} bytes, target {m.target!r}")
+          f" {m.group_size}, q4 clip {args.q4_clip}, {info.size} bytes, target {m.target!r}")
     return 0
 
 

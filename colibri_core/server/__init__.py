@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--experts-dir", dest="experts_dir",
                    help="watched folder of hot-plugged experts (default: the config's "
                         "experts_dir, else ./experts_so when it exists)")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, help="compute threads (default: the config's; engine default 2)")
     p.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
     p.add_argument("--api-key", dest="api_key",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or $COLIBRI_API_KEY)")

@@ -80,20 +80,29 @@ class Server:
         self.template = ChatTemplate.from_model_dir(engine.model_dir)
         self.ready = False
         self.started_at = time.time()
-        self._sampler: Optional[asyncio.Task] = None
+        self._tasks: list = []
 
     # -- life cycle (the app's lifespan) ------------------------------------------------
     async def startup(self) -> None:
         self.runner.start()
-        self._sampler = asyncio.create_task(self._sample_every_second())
+        self._tasks = [asyncio.create_task(self._sample_every_second()),
+                       asyncio.create_task(self._watch_loop_lag())]
         self.ready = True
 
     async def shutdown(self) -> None:
         self.ready = False
-        if self._sampler is not None:
-            self._sampler.cancel()
+        for t in self._tasks:
+            t.cancel()
         await asyncio.to_thread(self.runner.stop, self.settings.shutdown_timeout_s)
         self.engine.close()
+
+    async def _watch_loop_lag(self, period: float = 0.05) -> None:
+        """A blocked event loop delays every stream: measure how late it wakes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - t - period))
 
     async def _sample_every_second(self) -> None:
         while True:

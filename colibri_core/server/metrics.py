@@ -62,6 +62,10 @@ class ServerMetrics:
                                      buckets=LATENCY_BUCKETS, registry=reg)
         self.per_token = Histogram("colibri_token_seconds", "Time between two tokens of a "
                                    "request", buckets=LATENCY_BUCKETS, registry=reg)
+        self.loop_lag = Histogram("colibri_event_loop_lag_seconds", "How late the server's "
+                                  "event loop woke from a 50 ms sleep",
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+                                           0.1, 0.25, 0.5, 1.0), registry=reg)
         self.cancelled = Counter("colibri_requests_cancelled", "Requests stopped early",
                                  ["why"], registry=reg)
         reg.register(_ExpertCollector(server))

@@ -36,6 +36,7 @@ HF_CONFIG = dict(
     router_aux_loss_coef=0.01, bos_token_id=1, eos_token_id=None, pad_token_id=0,
 )
 NEW_EXPERT_LAYER = 3                              # the MoE layer that gets the new expert
+PLOT_INSTALL = "pip install -e '.[plot]'"         # the plotting extra (matplotlib)
 
 
 def encode(txns: Sequence[Txn]) -> np.ndarray:
@@ -57,6 +58,12 @@ def fraud_prob(logits: np.ndarray) -> np.ndarray:
 
 def load_scoring() -> dict:
     return json.loads(SCORING_JSON.read_text())
+
+
+def expert_q4_clip() -> str:
+    """The q4 rounding the committed expert was trained and validated with (recorded by
+    train_new_expert.py in card_testing.json); the demo builds the .so with the same one."""
+    return json.loads(EXPERT_JSON.read_text())["q4_clip"]
 
 
 # ----------------------------------------------------------------------------- statistics

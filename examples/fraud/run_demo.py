@@ -7,7 +7,8 @@ What it does, with the committed model (examples/fraud/model, configs/fraud.yaml
 committed new expert's weights (examples/fraud/new_expert/card_testing.npz):
 
 1. builds the expert into a hot-pluggable .so with the hot-plug builder
-   (`colibri_core.hotplug.builder.build_expert`, INT4);
+   (`colibri_core.hotplug.builder.build_expert`, INT4, with the q4 clipping the expert was
+   trained and validated with, recorded in card_testing.json);
 2. starts an Engine whose `experts_dir` is a fresh watched folder;
 3. measures batched scoring (`Engine.score_batch`, one forward, prefill only) against
    scoring the same transactions one by one (`Engine.next_token_logits`);
@@ -19,7 +20,8 @@ committed new expert's weights (examples/fraud/new_expert/card_testing.npz):
 5. reports, each with a 95 % Wilson interval: recall and precision on the new pattern and
    on the old ones, before and after the expert went live; the moment it went live (wall
    clock and batch index); scoring continuity across the drop (batches per second, the
-   longest pause); and plots recall over time (PNG, when matplotlib is installed).
+   longest pause); and plots recall over time (PNG; needs matplotlib:
+   `pip install -e '.[plot]'`).
 
 Precision per group is one-vs-legit: among the flagged transactions that are legit or of
 that group (the other group's fraud left out). A transaction is flagged when
@@ -43,8 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER,  # noqa: E402
-                    episode_bootstrap, fmt_ci, fraud_prob, group_metrics, load_scoring,
-                    newcombe_diff, wilson)
+                    PLOT_INSTALL, episode_bootstrap, expert_q4_clip, fmt_ci, fraud_prob,
+                    group_metrics, load_scoring, newcombe_diff, wilson)
 from fraud_stream import OLD_PATTERNS, SEQ_LEN, StreamConfig, generate  # noqa: E402
 
 TXNS_PER_CARD = 38.0        # about, over 14 days (used to size the simulated population)
@@ -222,9 +224,10 @@ def main(argv=None) -> dict:
     # 1. build the expert
     t = time.perf_counter()
     so = out / "card_testing.so"
-    info = build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1")
+    clip = expert_q4_clip()
+    info = build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=clip)
     say(f"built {so.name}: layer {list(info.meta.layers)}, hidden {info.meta.hidden_size}, "
-        f"intermediate {info.meta.intermediate_size}, {info.size} bytes "
+        f"intermediate {info.meta.intermediate_size}, q4 clip {clip}, {info.size} bytes "
         f"({time.perf_counter() - t:.1f}s)")
 
     # 2. engine watching an empty folder
@@ -433,8 +436,8 @@ def main(argv=None) -> dict:
         for metric in ("recall", "precision"):
             say(f"  {name + ' ' + metric:38s} {fmt_ci(*c['base'][metric]):>22s} "
                 f"{fmt_ci(*c['with_expert'][metric]):>22s}")
-        say(f"  {'':38s} decisions changed on {c['base']['positives']} txns: "
-            f"{c['gained']} caught, {c['lost']} missed")
+        say(f"  {'':38s} decisions changed on {c['gained'] + c['lost']} of "
+            f"{c['base']['positives']} txns: {c['gained']} now caught, {c['lost']} now missed")
     lg = cf["legit"]
     say(f"  legit: {lg['base_fp']} -> {lg['with_expert_fp']} false positives of {lg['n']} "
         f"({lg['new_fp']} new, {lg['removed_fp']} gone)")
@@ -470,7 +473,7 @@ def main(argv=None) -> dict:
             res["plot"] = str(png)
             say(f"plot: {png}")
         else:
-            say("plot skipped: matplotlib is not installed (pip install matplotlib)")
+            say(f"plot skipped: matplotlib is not installed; to get it: {PLOT_INSTALL}")
     (out / "fraud_demo.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     say(f"results: {out / 'fraud_demo.json'}")
     return res

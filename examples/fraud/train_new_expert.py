@@ -133,6 +133,9 @@ def main() -> int:
     ap.add_argument("--layer", type=int, default=NEW_EXPERT_LAYER)
     ap.add_argument("--out", default=str(EXPERT_NPZ.parent),
                     help="folder for card_testing.npz / .json")
+    ap.add_argument("--q4-clip", choices=["minmax", "mse"], default="minmax", dest="q4_clip",
+                    help="the INT4 rounding the expert is validated with and recorded for the "
+                         "builder (default minmax: the committed expert's)")
     ap.add_argument("--ct-weight", type=float, default=0.7,
                     help="loss weight of card-testing examples (prior correction)")
     a = ap.parse_args()
@@ -235,7 +238,8 @@ def main() -> int:
     w1 = wgu[:I].detach().numpy().astype(np.float32)
     w3 = wgu[I:].detach().numpy().astype(np.float32)
     w2 = wd.detach().numpy().astype(np.float32)
-    rq = lambda w: dequantize_q4(quantize_q4(w)).astype(np.float32)  # noqa: E731
+    # explicit clip: the builder must round the same way (run_demo reads it from the json)
+    rq = lambda w: dequantize_q4(quantize_q4(w, clip=a.q4_clip)).astype(np.float32)  # noqa: E731
     new_q = (torch.from_numpy(np.concatenate([rq(w1), rq(w3)])), torch.from_numpy(rq(w2)),
              row.detach(), bias.detach())
 
@@ -273,6 +277,7 @@ def main() -> int:
              router_bias=np.float32(bias.item()))
     json_path.write_text(json.dumps({
         "name": "card_testing", "layer": L, "hidden": H, "intermediate": I,
+        "group_size": 128, "q4_clip": a.q4_clip,
         "threshold": thr, "router_bias": float(bias.item()),
         "valid_before": before, "valid_after_int4": after,
         "decision_flips": {"old_patterns": flips_old, "legit": flips_legit},

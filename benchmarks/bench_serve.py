@@ -1,0 +1,281 @@
+"""`colibri serve` under load: one asyncio load generator, several client counts.
+
+    python benchmarks/bench_serve.py                       # the benchmark model of issue 4
+    python benchmarks/bench_serve.py --model builtin --requests 16 --tokens 32   # quick
+    python benchmarks/bench_serve.py --clients 1,4,16,64 --requests 64 --tokens 128
+
+For each client count, that many asyncio clients send streaming completions (prompts of
+--prompt random token ids, --tokens new tokens each with ignore_eos, greedy) until
+--requests are done or --time-cap seconds passed. Reported per client count: first-token
+and per-token p50/p99 (client side), aggregate generated tokens/s, errors, the server's
+event-loop lag p99 (from its /metrics histogram: the bucket bound), and the load
+generator's own CPU time (it shares the machine's cores with the server).
+
+Before the server starts, the same prompts run on the engine called directly in this
+process: the per-token time a single client is compared with (target: within 1.1x).
+
+Peers: llama.cpp's `llama-server` (and llama-cpp-python's server) are the reference the
+issue names; neither is built on this machine, so the table has Colibri only. Until the
+continuous-batching scheduler (issue 15) lands, the server runs one sequence at a time:
+aggregate tokens/s does not grow with clients, and first-token time grows with the queue.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT, bench_model, git_commit, machine  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def model_dir(name: str) -> Path:
+    if name == "builtin":
+        from colibri_core.config import builtin_model_dir
+        return builtin_model_dir()
+    if name == "bench":
+        return bench_model()
+    return Path(name)
+
+
+def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def direct_per_token(mdir: Path, ps: list, tokens: int, threads: int) -> dict:
+    """The engine called directly: per-token times of decode (first token excluded)."""
+    from colibri_core.engine import Engine
+    eng = Engine.from_model_dir(mdir, threads=threads)
+    try:
+        eng.generate(ps[0], max_new_tokens=4, temperature=0.0).run()        # warm-up
+        per, first = [], []
+        for p in ps[:4]:
+            t0 = time.perf_counter()
+            last = None
+            for i, ev in enumerate(eng.generate(p, max_new_tokens=tokens, temperature=0.0)):
+                now = time.perf_counter()
+                if i == 0:
+                    first.append(now - t0)
+                else:
+                    per.append(now - last)
+                last = now
+        return {"first_ms_p50": 1000 * float(np.median(first)),
+                "per_token_ms_p50": 1000 * float(np.median(per)),
+                "per_token_ms_p99": 1000 * float(np.percentile(per, 99))}
+    finally:
+        eng.close()
+
+
+class Server:
+    def __init__(self, mdir: Path, threads: int, queue: int):
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
+        experts = Path(self.tmp.name) / "experts"
+        experts.mkdir(mode=0o755)
+        cmd = [sys.executable, "-m", "colibri_core", "serve", "--model", str(mdir), "--port",
+               "0", "--threads", str(threads), "--experts-dir", str(experts),
+               "--queue-size", str(queue)]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.url = None
+        self.log: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                if "colibri: access:" not in line:
+                    self.log.append(line.rstrip())
+                m = re.search(r"serving (http://\S+)", line)
+                if m:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(120) or self.url is None:
+            raise SystemExit("server did not start:\n" + "\n".join(self.log))
+
+    def metrics(self) -> str:
+        import httpx
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        rc = self.proc.wait(60)
+        self.tmp.cleanup()
+        return rc
+
+
+def lag_buckets(text: str) -> dict[float, float]:
+    out = {}
+    for m in re.finditer(r'colibri_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
+        out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def lag_p99(before: dict, after: dict) -> float:
+    """The upper bound of the bucket holding the 99th percentile of the new samples."""
+    les = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in les]
+    total = counts[-1] if counts else 0
+    if total <= 0:
+        return float("nan")
+    for b, c in zip(les, counts):
+        if c >= 0.99 * total:
+            return b
+    return float("inf")
+
+
+async def one_request(client, url: str, prompt: list, tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times, err = [], None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json={
+                "model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return {"error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    err = d["error"]["message"]
+                    break
+                if any(c.get("finish_reason") is None for c in d["choices"]):
+                    times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - counted as an error of the run
+        return {"error": f"{type(e).__name__}: {e}"}
+    if err or len(times) != tokens:
+        return {"error": err or f"{len(times)} tokens instead of {tokens}"}
+    return {"first": times[0] - t0, "gaps": list(np.diff(times))}
+
+
+async def run_level(url: str, clients: int, ps: list, requests: int, tokens: int,
+                    cap_s: float) -> dict:
+    import httpx
+    todo = list(range(requests))
+    results = []
+    deadline = time.monotonic() + cap_s
+    lag_probe = []
+
+    async def probe():                                 # the generator's own loop lag
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.05)
+            lag_probe.append(time.perf_counter() - t - 0.05)
+
+    async def worker(client):
+        while todo and time.monotonic() < deadline:
+            i = todo.pop(0)
+            results.append(await one_request(client, url, ps[i % len(ps)], tokens))
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        pt = asyncio.create_task(probe())
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+        pt.cancel()
+    ok = [r for r in results if "error" not in r]
+    firsts = np.array([r["first"] for r in ok]) * 1000
+    gaps = np.array([g for r in ok for g in r["gaps"]]) * 1000
+    errors = [r["error"] for r in results if "error" in r]
+    return {"clients": clients, "requests": len(results), "errors": len(errors),
+            "error_examples": errors[:3], "wall_s": wall,
+            "tok_s": len(ok) * tokens / wall if wall > 0 else 0.0,
+            "first_ms_p50": float(np.percentile(firsts, 50)) if ok else None,
+            "first_ms_p99": float(np.percentile(firsts, 99)) if ok else None,
+            "per_token_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else None,
+            "per_token_ms_p99": float(np.percentile(gaps, 99)) if gaps.size else None,
+            "generator_lag_ms_p99": 1000 * float(np.percentile(lag_probe, 99))
+            if lag_probe else None}
+
+
+def fmt(v, nd=1):
+    return "–" if v is None else f"{v:.{nd}f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench", help="bench (issue 4's model), builtin, or a "
+                                                    "model directory")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=32, help="requests per client count")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=64, help="prompt length in token ids")
+    ap.add_argument("--time-cap", type=float, default=300.0, help="seconds per client count")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=str(OUT / "serve.json"))
+    args = ap.parse_args(argv)
+    mdir = model_dir(args.model)
+    from colibri_core.config import load_model_config
+    cfg = load_model_config(mdir / "config.json")
+    if args.prompt + args.tokens > cfg.max_position_embeddings:
+        raise SystemExit(f"--prompt {args.prompt} + --tokens {args.tokens} exceed the model's "
+                         f"context of {cfg.max_position_embeddings}")
+    levels = [int(x) for x in args.clients.split(",")]
+    ps = prompts(cfg.vocab_size, max(levels) * 2, args.prompt)
+    load = os.getloadavg()
+    print(f"# bench_serve: {mdir.name}, prompt {args.prompt} ids, {args.tokens} tokens, "
+          f"threads {args.threads}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+          file=sys.stderr)
+    direct = direct_per_token(mdir, ps, args.tokens, args.threads)
+    print(f"# engine direct: per-token p50 {direct['per_token_ms_p50']:.2f} ms", file=sys.stderr)
+    srv = Server(mdir, args.threads, queue=max(64, max(levels)))
+    rows = []
+    try:
+        asyncio.run(run_level(srv.url, 1, ps, 2, min(8, args.tokens), 60))       # warm-up
+        for c in levels:
+            before = lag_buckets(srv.metrics())
+            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+            row = asyncio.run(run_level(srv.url, c, ps, args.requests, args.tokens,
+                                        args.time_cap))
+            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            row["generator_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime -
+                                                                         cpu0.ru_stime)
+            row["server_loop_lag_p99_ms"] = 1000 * lag_p99(before, lag_buckets(srv.metrics()))
+            rows.append(row)
+            print(f"# {c} clients: {row['tok_s']:.1f} tok/s, errors {row['errors']}",
+                  file=sys.stderr)
+    finally:
+        rc = srv.stop()
+    load = os.getloadavg()
+    report = {"model": str(mdir), "prompt": args.prompt, "tokens": args.tokens,
+              "threads": args.threads, "direct": direct, "levels": rows,
+              "server_exit": rc, "machine": machine(), "commit": git_commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load_after": list(load)}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"| clients | requests | errors | tok/s | first-token p50 / p99 ms | per-token p50 / "
+          f"p99 ms | per-token vs direct | server loop lag p99 ms | generator CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = (r["per_token_ms_p50"] / direct["per_token_ms_p50"]
+                 if r["per_token_ms_p50"] else None)
+        print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['tok_s']:.1f} | "
+              f"{fmt(r['first_ms_p50'])} / {fmt(r['first_ms_p99'])} | "
+              f"{fmt(r['per_token_ms_p50'], 2)} / {fmt(r['per_token_ms_p99'], 2)} | "
+              f"{fmt(ratio, 2)}x | ≤ {fmt(r['server_loop_lag_p99_ms'])} | "
+              f"{r['generator_cpu_s']:.1f} |")
+    print(f"\nengine direct: per-token p50 {direct['per_token_ms_p50']:.2f} ms, p99 "
+          f"{direct['per_token_ms_p99']:.2f} ms; first token {direct['first_ms_p50']:.1f} ms; "
+          f"server exit code {rc}; load after {load[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
