@@ -10,6 +10,7 @@ counter.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -343,7 +344,6 @@ def build_app(server: Server) -> Starlette:
         body = await read_json(request, LIMITS["generate"])
         params.check_fields(body, "chat", st.strict_params, rec.rid)
         p = params.sampling(body, eng, "chat")
-        p.max_tokens = p.max_tokens          # None: until the context is full
         messages, prefix_k = params.chat_messages(body)
         if S.template is None or eng.tokenizer is None:
             raise bad_request(f"this model ({eng.model_dir}) has no chat template "
@@ -363,7 +363,7 @@ def build_app(server: Server) -> Starlette:
 
     async def score(request, rec):
         body = await read_json(request, LIMITS["score"])
-        experts = params._int(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
+        experts = params.integer(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
         raw = body.get("items")
         if raw is None:
             raw = [{"prompt": body.get("prompt"), "candidates": body.get("candidates")}]
@@ -421,7 +421,6 @@ def build_app(server: Server) -> Starlette:
             raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
                               f"'-' (1-64, not starting with '.')", param="name")
         data = await read_body(request, LIMITS["upload"])
-        import hashlib
         sha = hashlib.sha256(data).hexdigest()
         allow = st.upload_allowlist
         if not allow or sha not in allow:
