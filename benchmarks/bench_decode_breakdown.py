@@ -31,7 +31,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
-    from colibri_core.kernels import ffi, lib
+    from colibri_core.kernels import lib
 
     eng = Engine(a.model, EngineConfig(threads=a.threads))
     m = eng.model
@@ -54,19 +54,16 @@ def main(argv=None):
         for L in plan.layers:
             kc, vc = caches[L["index"]]
             t0 = pc()
-            lib.ck_decode_attention(L["attn"], plan.eps, plan.inv_freq, plan.rope_factor, plan.p_x,
-                                    kc, vc, pos, L["ffn_norm"], plan.p_xn, s)
+            lib.ck_decode_attention(L["attn"], plan.p_x, kc, vc, pos, plan.p_xn, s)
             t1 = pc()
             if L["moe"]:
-                lib.ck_decode_route(plan.p_xn, L["router"], L["bias"], L["slots"], plan.H, k,
-                                    plan.norm_topk, plan.scaling, plan.exp2, L["p_rl"], L["p_ids"], L["p_w"])
+                lib.ck_decode_route(L["router"], plan.p_xn, k, L["p_rl"], L["p_ids"], L["p_w"])
                 t2 = pc()
-                lib.ck_decode_ffn(L["table"], L["p_ids"], L["p_w"], k, L["shared"], L["shared_gate"],
-                                  plan.p_xn, plan.p_x, plan.H, s)
+                lib.ck_decode_ffn(L["block"], L["p_ids"], L["p_w"], k, plan.p_xn, plan.p_x, s)
             else:
                 t2 = pc()
-                lib.ck_decode_ffn(L["table"], plan.p_dense_ids, plan.p_dense_w, 1, ffi.NULL, ffi.NULL,
-                                  plan.p_xn, plan.p_x, plan.H, s)
+                lib.ck_decode_ffn(L["block"], plan.p_dense_ids, plan.p_dense_w, 1, plan.p_xn,
+                                  plan.p_x, s)
             t3 = pc()
             att, rou, ffn = att + t1 - t0, rou + t2 - t1, ffn + t3 - t2
         cache.length = pos + 1

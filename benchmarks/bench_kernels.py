@@ -139,11 +139,10 @@ def main() -> None:
         for n in ns:
             x = rng.standard_normal((n, cols)).astype(np.float32)
             out = np.empty((n, rows), np.float32)
-            ws = K.Workspace(n, cols, 128)
             for mode, mats in [("hot", [t])] + ([("cold", cold)] if n == 1 else []):
-                def make(mats=mats, x=x, out=out, ws=ws):
+                def make(mats=mats, x=x, out=out):
                     nxt = cycler(mats)
-                    return lambda: mm(nxt(), x, out, "int8", ws)
+                    return lambda: mm(nxt(), x, out, "int8")
                 run.case(name, n, mode, nbytes(t), make)
 
     matvec_cases("q4", 1024, 2816, (1, 8))
@@ -160,11 +159,10 @@ def main() -> None:
         experts = list(zip(copies(w1, k), copies(w3, k), copies(w2, k)))
         x = rng.standard_normal((1, H)).astype(np.float32)
         out = np.empty((1, H), np.float32)
-        ws = K.Workspace(1, I, 128)
         for mode, ex in (("hot", [(w1, w3, w2)]), ("cold", experts)):
             def make(ex=ex):
                 nxt = cycler(ex)
-                return lambda: K.expert_ffn(*nxt(), x, out, "int8", workspace=ws)
+                return lambda: K.expert_ffn(*nxt(), x, out, "int8")
             run.case(f"expert_ffn {H}x{I}", 1, mode, tot, make)
 
     nh, nkv, d, length = 16, 4, 128, 2048

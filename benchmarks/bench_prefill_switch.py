@@ -72,9 +72,9 @@ def pool_bytes(item) -> int:
 class Case:
     """One kernel on a pool of weight sets, n tokens."""
 
-    def __init__(self, kind: str, pool, n: int, ws, rng):
+    def __init__(self, kind: str, pool, n: int, rng):
         from colibri_core import kernels as K
-        self.K, self.kind, self.pool, self.n, self.ws = K, kind, pool, n, ws
+        self.K, self.kind, self.pool, self.n = K, kind, pool, n
         cols = HIDDEN if kind == "ffn" else ATTN
         self.x = rng.standard_normal((n, cols)).astype(np.float32)
         self.out = np.zeros((n, cols), np.float32)
@@ -82,10 +82,9 @@ class Case:
 
     def call(self, item) -> None:
         if self.kind == "ffn":
-            self.K.expert_ffn(*item, self.x, self.out, act="int8", row_weights=self.rw,
-                              workspace=self.ws)
+            self.K.expert_ffn(*item, self.x, self.out, act="int8", row_weights=self.rw)
         else:
-            self.K.q4_matmul(item[0], self.x, self.out, act="int8", scratch=self.ws)
+            self.K.q4_matmul(item[0], self.x, self.out, act="int8")
 
     def time_per_call(self, items) -> float:
         t0 = time.perf_counter()
@@ -194,7 +193,6 @@ def main(argv=None):
     backends = a.backends or [K.backend()]
     old_threads = K.get_threads()
     rng = np.random.default_rng(0)
-    ws = K.Workspace(max(a.ns), max(HIDDEN, INTER, ATTN), GROUP)
     results = []
     for kind in a.kernels:
         one = pool_bytes(make_pool(kind, 1, rng)[0])
@@ -208,7 +206,7 @@ def main(argv=None):
                 K.set_threads(th)
                 for cache in a.cache:
                     for n in a.ns:
-                        case = Case(kind, pool if cache == "cold" else pool[:1], n, ws, rng)
+                        case = Case(kind, pool if cache == "cold" else pool[:1], n, rng)
                         m = measure(case, cache, a.reps, a.hot_ms / 1000)
                         row = {"kernel": kind, "backend": be, "threads": th, "cache": cache,
                                "n": n, **m}

@@ -17,16 +17,15 @@ from cffi import FFI
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _KDIR = "colibri_core/_kernels"  # relative to the repo root, as setuptools wants
 
-_PUBLIC_END = "/* ------------------------------------------------------------------ internals */"
+_CDEF_BEGIN, _CDEF_END = "/* cdef begin */", "/* cdef end */"
 
 
 def public_declarations() -> str:
-    """The public part of _kernels/ck.h (from its enum up to the internals marker) is the
-    cdef: one source of truth for the C API."""
+    """The declarations of _kernels/ck.h between its cdef markers are the cdef: one source
+    of truth for the C API (ck_internal.h holds what only the C sources share)."""
     with open(os.path.join(_REPO, _KDIR, "ck.h")) as f:
         text = f.read()
-    start = text.index("enum { CK_SCALAR")
-    return text[start:text.index(_PUBLIC_END)]
+    return text[text.index(_CDEF_BEGIN) + len(_CDEF_BEGIN):text.index(_CDEF_END)]
 
 
 CDEF = public_declarations()
@@ -42,7 +41,7 @@ def _build_ffi(absolute: bool = False) -> FFI:
         '#include "ck.h"',
         sources=[os.path.join(kdir, os.path.basename(p)) for p in sources],
         include_dirs=[kdir],
-        depends=[os.path.join(kdir, "ck.h"), os.path.join(kdir, "ck_tiles.h")],
+        depends=[os.path.join(kdir, h) for h in ("ck.h", "ck_internal.h", "ck_tiles.h")],
         extra_compile_args=["-O3", "-fopenmp", "-std=gnu11"],
         extra_link_args=["-fopenmp"],
     )

@@ -81,6 +81,21 @@ def token_ids(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
+DEBUG_KINDS = ("routing", "memory", "timing")
+
+
+def debug_kinds(text: str) -> list[str]:
+    """`--debug routing,timing` (or `all`) -> the trace kinds."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if kinds == ["all"]:
+        return list(DEBUG_KINDS)
+    bad = [k for k in kinds if k not in DEBUG_KINDS]
+    if not kinds or bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma-separated list of {', '.join(DEBUG_KINDS)}, or all")
+    return kinds
+
+
 def dir_kind(path: Path) -> str:
     """What a folder holds: "colibri" (a Colibri model: config.json with `format`/`files`),
     "hf" (a Hugging Face checkpoint: config.json with `model_type`, or *.safetensors),
@@ -144,15 +159,25 @@ def _engine_from_args(args):
     if getattr(args, "experts_dir", None):
         overrides["experts_dir"] = args.experts_dir
     if getattr(args, "debug", None):
-        kinds = [k.strip() for k in args.debug.split(",") if k.strip()]
-        overrides["debug"] = ["routing", "memory", "timing"] if kinds == ["all"] else kinds
+        overrides["debug"] = args.debug
     if getattr(args, "max_resident_mb", None) is not None:
         overrides["max_resident_mb"] = args.max_resident_mb
     if args.model:
         base = EngineConfig()
         model_dir = require_model_dir(args.model)
     else:
-        cfg, model_dir = load_run_config(find_config(args.config or "builtin"))
+        path = find_config(args.config or "builtin")
+        if path.is_dir() and dir_kind(path) != "colibri":
+            raise ColibriError(f"--config {args.config}: is a folder; expected a run config "
+                               f"file (YAML/JSON with `model:` and `engine:`) or a shipped "
+                               f"config's name")
+        if path.is_dir() or dir_kind(path.parent) == "colibri" and path.name == "config.json":
+            model = path if path.is_dir() else path.parent
+            raise ColibriError(f"--config {args.config}: this is a model "
+                               f"{'directory' if path.is_dir() else 'config.json'}, not a run "
+                               f"config (YAML/JSON with `model:` and `engine:`); run it with "
+                               f"--model {model}")
+        cfg, model_dir = load_run_config(path)
         base = cfg.engine
     res = {}
     if getattr(args, "expert_cache", None):
@@ -340,10 +365,15 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import TOKENIZER_FILES, convert
     t0 = time.perf_counter()
-    if dir_kind(Path(args.hf_dir)) == "colibri":
+    kind = dir_kind(Path(args.hf_dir))
+    if kind == "colibri":
         raise ColibriError(f"{args.hf_dir} is already a Colibri model directory; `colibri "
                            f"convert` reads a Hugging Face checkpoint (config.json with "
                            f"model_type, *.safetensors)")
+    if kind in ("missing", "file", "other"):
+        raise ColibriError(f"{args.hf_dir}: " + {"missing": "not found", "file": "is a file"}
+                           .get(kind, "no config.json") + "; expected a Hugging Face "
+                           "checkpoint folder (config.json, *.safetensors) as HF_DIR")
     cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
                   lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
                   kv_bits=args.kv_bits, q4_clip=args.q4_clip,
@@ -422,10 +452,11 @@ def cmd_experts_list(args) -> int:
     return 0
 
 
-def _defaults_help() -> tuple[str, str]:
-    """What applies without --config / with --model: the built-in config's settings and
-    the engine defaults (read from the shipped config and EngineConfig, not repeated here)."""
-    from .config import EngineConfig, find_config, read_mapping
+def _defaults_help() -> tuple[str, str, str]:
+    """What applies without --config / with --model: the engine defaults, the built-in
+    config's sampling settings and the shipped configs' names (read from EngineConfig and
+    configs/, not repeated here)."""
+    from .config import EngineConfig, configs_dir, find_config, read_mapping
     d = EngineConfig().sampling
     engine_defaults = (f"temperature {d.temperature:g}, top-p {d.top_p:g}, "
                        f"seed {'random' if d.seed is None else d.seed}, threads "
@@ -436,16 +467,16 @@ def _defaults_help() -> tuple[str, str]:
                    f"{b.get('top_p', d.top_p):g}, seed {b.get('seed', 'random')}")
     except Exception:           # the help must print even from a damaged install
         builtin = "see configs/builtin.yaml"
-    return engine_defaults, builtin
+    shipped = ", ".join(sorted(p.stem for p in configs_dir().glob("*.y*ml"))) or "none"
+    return engine_defaults, builtin, shipped
 
 
-def _model_options(ap, what: str, engine_defaults: str) -> None:
+def _model_options(ap, what: str, engine_defaults: str, shipped: str) -> None:
     """--config / --model, shared by `run` and `experts list`."""
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="FILE|NAME",
                      help=f"run config (YAML/JSON: `model:` and `engine:` settings) or the name "
-                          f"of a shipped one: builtin, builtin-dynamic-k, fraud (default: "
-                          f"builtin); {what}")
+                          f"of a shipped one: {shipped} (default: builtin); {what}")
     src.add_argument("--model", metavar="DIR",
                      help=f"a converted model directory, run with the engine defaults "
                           f"({engine_defaults}), not a config's settings; to give it "
@@ -453,14 +484,14 @@ def _model_options(ap, what: str, engine_defaults: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    engine_defaults, builtin = _defaults_help()
+    engine_defaults, builtin, shipped = _defaults_help()
     p = CliParser(prog="colibri", description="CPU-first MoE inference engine")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="generate text, streaming tokens to the terminal",
                        description="Generate text from a prompt and stream it to stdout; "
                                    "progress and figures go to stderr.")
-    _model_options(r, "its engine settings apply", engine_defaults)
+    _model_options(r, "its engine settings apply", engine_defaults, shipped)
     pr = r.add_mutually_exclusive_group()
     pr.add_argument("--prompt", "-p", metavar="TEXT",
                     help='prompt text, may start with MODE:kN| (default: "The ")')
@@ -496,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations quantized to int8 per group (default) or kept float")
     r.add_argument("--experts-dir", dest="experts_dir", metavar="DIR",
                    help="watch this folder for hot-plugged expert .so files (docs/HOTPLUG.md)")
-    r.add_argument("--debug", metavar="KINDS",
+    r.add_argument("--debug", metavar="KINDS", type=debug_kinds,
                    help="trace lines to stderr: routing,memory,timing (or all)")
     r.add_argument("--plugins-dir", dest="plugins_dir", metavar="DIR",
                    help="load every plugin module of this folder (docs/PLUGINS.md)")
@@ -531,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     el = sub.add_parser("experts", help="hot-plugged experts: `colibri experts list`")
     el_sub = el.add_subparsers(dest="experts_command", required=True, metavar="SUBCOMMAND")
     ls = el_sub.add_parser("list", help="what is live: model experts and hot-plugged ones")
-    _model_options(ls, "the model whose experts are listed", engine_defaults)
+    _model_options(ls, "its model's experts are listed", engine_defaults, shipped)
     ls.add_argument("--experts-dir", dest="experts_dir", metavar="DIR",
                     help="the watched folder whose experts are checked and listed")
     ls.add_argument("--threads", type=int_at_least(1, 512), metavar="N",
@@ -599,6 +630,7 @@ def main(argv=None) -> int:
         return args.func(args)
     except ColibriError as e:
         for line in str(e).splitlines():
+            line = line.removeprefix("colibri: ")      # some messages already carry it
             print(f"colibri: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

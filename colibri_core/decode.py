@@ -163,11 +163,9 @@ class DecodePlan:
         inv_freq, factor = model._inv_freq, model._rope_factor
         if len(inv_freq) * 2 != D:
             raise Unsupported("partial rotary embedding")
-        self.inv_freq = _buf(keep, np.asarray(inv_freq, np.float64), "double *")
-        self.rope_factor = float(factor)
+        p_inv_freq = _buf(keep, np.asarray(inv_freq, np.float64), "double *")
         self.eps = float(cfg.rms_norm_eps)
-        self.norm_topk = bool(cfg.norm_topk_prob)
-        self.scaling = float(cfg.routed_scaling_factor)
+        exp2 = _buf(keep, _EXP2_TABLE.astype(np.int64), "int64_t *")
         self.layers = []
         groups, hld, hcp = set(), 64, 64
         # the C calls quantize one activation vector for at most two group sizes
@@ -186,10 +184,13 @@ class DecodePlan:
                 setattr(al, name, m[0])
                 groups.add(m.group)
             al.bq, al.bk, al.bv = _f32(keep, a.bq), _f32(keep, a.bk), _f32(keep, a.bv)
-            al.norm = _f32(keep, lw.attn_norm)
+            al.norm, al.ffn_norm = _f32(keep, lw.attn_norm), _f32(keep, lw.ffn_norm)
             al.hidden, al.nh, al.nkv, al.d = H, NH, NKV, D
-            entry = {"attn": al, "ffn_norm": _f32(keep, lw.ffn_norm), "index": lw.index,
-                     "moe": lw.kind == "moe"}
+            al.eps, al.inv_freq, al.rope_factor = self.eps, p_inv_freq, float(factor)
+            block = ffi.new("ck_ffn_block *")
+            keep.append(block)
+            block.hidden = H
+            entry = {"attn": al, "block": block, "index": lw.index, "moe": lw.kind == "moe"}
             ffns = []
             if lw.kind == "dense":
                 table = ffi.new("ck_ffn[1]")
@@ -214,24 +215,30 @@ class DecodePlan:
                 entry["custom"] = frozenset(custom)
                 entry["experts"] = experts
                 router = np.ascontiguousarray(es.routers[lw.index], np.float32)
-                entry["router"] = _buf(keep, router, "float *")
+                rt = ffi.new("ck_router *")
+                keep.append(rt)
+                rt.weight = _buf(keep, router, "float *")
+                rt.bias = _f32(keep, es.logit_bias[lw.index])
+                rt.e, rt.h = router.shape[0], H
+                rt.norm_topk = bool(cfg.norm_topk_prob)
+                rt.scaling = float(cfg.routed_scaling_factor)
+                rt.exp2_q30 = exp2
+                entry["router"] = rt
                 entry["slots"] = router.shape[0]
-                entry["bias"] = _f32(keep, es.logit_bias[lw.index])
                 if lw.shared is not None:
                     sh = ffi.new("ck_ffn *")
                     _set_ffn(keep, sh, lw.shared, f"layer {lw.index} shared expert")
                     keep.append(sh)
-                    entry["shared"] = sh
+                    block.shared = sh
                     ffns.append(lw.shared)
-                    entry["shared_gate"] = _f32(keep, lw.shared_gate)
+                    block.shared_gate = _f32(keep, lw.shared_gate)
             if len({f.w1.group for f in ffns}) > 2:
                 raise Unsupported(f"layer {lw.index}: experts with more than two group sizes")
             for f in ffns:
                 groups.update((f.w1.group, f.w2.group))
                 hld = max(hld, -(-f.w1.rows // 64) * 64)
                 hcp = max(hcp, padded_cols(f.w2.cols, f.w2.group))
-            entry.setdefault("shared", ffi.NULL)
-            entry.setdefault("shared_gate", ffi.NULL)
+            block.table = entry["table"]
             self.layers.append(entry)
         self.head = _mat(keep, w.lm_head, "lm_head")
         groups.add(self.head.group)
@@ -252,7 +259,6 @@ class DecodePlan:
         self.route_w = np.zeros((nl, 256), np.float32)
         self.last_k = 0
         self.ids = np.zeros(256, np.int64)          # custom experts taken out (_run_custom)
-        self.exp2 = _buf(keep, _EXP2_TABLE.astype(np.int64), "int64_t *")
         max_ffns = min(E, 256) + 1
         s = ffi.new("ck_dscratch *")
         keep.append(s)
@@ -329,16 +335,12 @@ class DecodePlan:
         routing_hook = hooks.routing if hooks is not None else None
         for i, L in enumerate(self.layers):
             kc, vc = caches[L["index"]]
-            self._check(lib.ck_decode_attention(L["attn"], self.eps, self.inv_freq,
-                                                self.rope_factor, self.p_x, kc, vc, pos,
-                                                L["ffn_norm"], self.p_xn, s))
+            self._check(lib.ck_decode_attention(L["attn"], self.p_x, kc, vc, pos, self.p_xn, s))
             if not L["moe"]:
-                self._check(lib.ck_decode_ffn(L["table"], self.p_dense_ids, self.p_dense_w, 1,
-                                              ffi.NULL, ffi.NULL, self.p_xn, self.p_x, self.H, s))
+                self._check(lib.ck_decode_ffn(L["block"], self.p_dense_ids, self.p_dense_w, 1,
+                                              self.p_xn, self.p_x, s))
                 continue
-            rc = lib.ck_decode_route(self.p_xn, L["router"], L["bias"], L["slots"], self.H, k,
-                                     self.norm_topk, self.scaling, self.exp2,
-                                     L["p_rl"], L["p_ids"], L["p_w"])
+            rc = lib.ck_decode_route(L["router"], self.p_xn, k, L["p_rl"], L["p_ids"], L["p_w"])
             if rc == 3:
                 self._route_nonfinite(L, k)
             else:
@@ -350,8 +352,7 @@ class DecodePlan:
             ids = L["p_ids"]
             if L["custom"]:
                 ids = self._run_custom(L, k)
-            self._check(lib.ck_decode_ffn(L["table"], ids, L["p_w"], k, L["shared"],
-                                          L["shared_gate"], self.p_xn, self.p_x, self.H, s))
+            self._check(lib.ck_decode_ffn(L["block"], ids, L["p_w"], k, self.p_xn, self.p_x, s))
         self.last_k = k
         cache.length = pos + 1
         self._check(lib.ck_decode_head(self.head, self.final_norm, self.eps, self.p_x,
@@ -413,7 +414,7 @@ class DecodePlan:
         return self.p_ids
 
     def traces(self) -> list:
-        """The last step's routing as the general path records it (model.LayerTrace)."""
+        """The last step's routing as the general path records it (routing.LayerTrace)."""
         out, k = [], self.last_k
         for L in self.layers:
             if not L["moe"]:

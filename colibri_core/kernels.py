@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from .quant import NIBBLE_BLOCK, Q4Tensor, Q8Tensor, check_group, padded_cols
+from .quant import Q4Tensor, Q8Tensor, check_group, padded_cols
 
 # libgomp reads its settings when it is loaded (with the extension, just below). Its
 # default lets idle workers spin ~300K iterations; on a machine busy with other jobs the
@@ -45,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "backend", "available_backends", "set_backend", "set_threads", "get_threads",
-    "rdtsc", "cycle_counter_name", "Workspace", "act_quantize_q8", "q4_matmul",
+    "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul",
     "q8_matmul", "expert_ffn", "attention_decode",
 ]
 
@@ -137,26 +137,34 @@ def _arr(name: str, a, dtype: np.dtype, shape: tuple, writable: bool = False) ->
     return a
 
 
-def _q4_parts(name: str, w) -> tuple:
-    """Validated cffi pointers of a Q4Tensor's parts, cached on the tensor (its fields
-    are frozen, so the check holds for its lifetime; ~3 us saved per call)."""
-    parts = w.__dict__.get("_ck_parts") if type(w) is Q4Tensor else None
-    if parts is not None:
-        return parts
-    if not isinstance(w, Q4Tensor):
-        raise ValueError(f"{name}: expected a Q4Tensor, got {type(w).__name__}")
+def _ck_mat(name: str, w, kind: type):
+    """The validated C descriptor (ck_mat) of a Q4Tensor / Q8Tensor, cached on the tensor
+    (its fields are frozen, so the check holds for its lifetime; ~3 us saved per call)."""
+    got = w.__dict__.get("_ck_mat") if type(w) is kind else None
+    if got is not None:
+        return got[0]
+    if not isinstance(w, kind):
+        raise ValueError(f"{name}: expected a {kind.__name__}, got {type(w).__name__}")
     check_group(w.group, name)
     cp = padded_cols(w.cols, w.group)
     ng = cp // w.group
-    _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
-    _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
-    _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
-    parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
+    if kind is Q4Tensor:
+        _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
+        _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
+        _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
+        parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
+    else:
+        _arr(f"{name}.data", w.data, _i8, (w.rows, cp))
+        _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
+        parts = (_ptr(w.data), _ptr(w.scales), _NULL)
+    m = ffi.new("ck_mat *", {"kind": lib.CK_W_Q4 if kind is Q4Tensor else lib.CK_W_Q8,
+                             "data": parts[0], "scales": parts[1], "zeros": parts[2],
+                             "rows": w.rows, "cols": w.cols, "group": w.group})
     try:
-        object.__setattr__(w, "_ck_parts", parts)
-    except AttributeError:  # a slotted Q4Tensor: no cache, still correct
+        object.__setattr__(w, "_ck_mat", (m, parts))   # the parts keep the buffers alive
+    except AttributeError:  # a slotted tensor: no cache, still correct
         pass
-    return parts
+    return m
 
 
 def _f32_ptr(name: str, a, shape: tuple, writable: bool = False):
@@ -194,55 +202,6 @@ def _rc(rc: int) -> None:
         raise MemoryError("colibri kernels: could not allocate scratch buffers")
 
 
-# ----------------------------------------------------------------------------- workspace
-
-class Workspace:
-    """Preallocated int8 activation buffers, so that the decode path allocates nothing.
-
-    Fits any call with at most `max_tokens` tokens, `max_cols` input columns (for
-    expert_ffn: max(hidden, intermediate)) and a group size of at most `group`
-    (64 and 128 both fit group=128). Not thread-safe: one Workspace per thread.
-    """
-
-    def __init__(self, max_tokens: int, max_cols: int, group: int = 128):
-        check_group(group, "Workspace")
-        if max_tokens < 1 or max_cols < 1:
-            raise ValueError("Workspace: max_tokens and max_cols must be >= 1")
-        self.max_tokens, self.max_cols, self.group = int(max_tokens), int(max_cols), int(group)
-        cp = padded_cols(self.max_cols, self.group)
-        ng = -(-self.max_cols // NIBBLE_BLOCK)  # most groups any group size >= 64 needs
-        self._qsize, self._gsize = cp, ng
-        t = self.max_tokens
-        # x side and h side (expert_ffn quantizes its hidden activation h too)
-        self.xq, self.hq = np.zeros(t * cp, np.int8), np.zeros(t * cp, np.int8)
-        self.xs, self.hs = np.zeros(t * ng, np.float32), np.zeros(t * ng, np.float32)
-        self.xsum, self.hsum = np.zeros(t * ng, np.int32), np.zeros(t * ng, np.int32)
-        self.h = np.zeros(t * padded_cols(self.max_cols, NIBBLE_BLOCK), np.float32)
-        self._x = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum))
-        self._h = (_ptr(self.h), _ptr(self.hq), _ptr(self.hs), _ptr(self.hsum))
-
-    def _fits(self, n: int, cols: int, group: int) -> None:
-        cp = padded_cols(cols, group)
-        if n > self.max_tokens or n * cp > self.max_tokens * self._qsize or \
-                n * (cp // group) > self.max_tokens * self._gsize or \
-                n * padded_cols(cols, NIBBLE_BLOCK) > self.h.size:
-            raise ValueError(
-                f"Workspace(max_tokens={self.max_tokens}, max_cols={self.max_cols}, "
-                f"group={self.group}) is too small for {n} tokens x {cols} cols, group {group}")
-
-    def __repr__(self) -> str:
-        return f"Workspace(max_tokens={self.max_tokens}, max_cols={self.max_cols}, group={self.group})"
-
-
-def _scratch(ws: Optional[Workspace], n: int, cols: int, group: int) -> tuple:
-    if ws is None:
-        return _NULL, _NULL, _NULL
-    if not isinstance(ws, Workspace):
-        raise ValueError(f"scratch: expected a kernels.Workspace, got {type(ws).__name__}")
-    ws._fits(n, cols, group)
-    return ws._x
-
-
 # ----------------------------------------------------------------------------- kernels
 
 def act_quantize_q8(x: np.ndarray, group: int, xq: Optional[np.ndarray] = None,
@@ -267,43 +226,31 @@ def act_quantize_q8(x: np.ndarray, group: int, xq: Optional[np.ndarray] = None,
     return xq, xs, xsum
 
 
-def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
-              scratch: Optional[Workspace] = None) -> np.ndarray:
+def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:
     """out = x @ W^T for a q4 matrix W [R, C]: x f32 [N, C] -> out f32 [N, R]
     (or x [C] -> out [R]). act="int8" quantizes x per group of W and uses integer dot
     products; act="float" dequantizes W on the fly (parity path). Returns out."""
-    mode = _act(act)
-    d, s, z = _q4_parts("w", w)
-    n, xp, op = _x_out(w, x, out)
-    if n == 0 or w.rows == 0:
-        return out
-    xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
-    _rc(lib.ck_q4_matmul(d, s, z, w.rows, w.cols, w.group, xp, n, op, mode, xq, xs, xsum))
-    return out
+    return _matmul(w, Q4Tensor, x, out, act)
 
 
-def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8",
-              scratch: Optional[Workspace] = None) -> np.ndarray:
+def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:
     """As q4_matmul for a q8 matrix (int8 [R, Cp] data, f32 [R, NG] scales)."""
+    return _matmul(w, Q8Tensor, x, out, act)
+
+
+def _matmul(w, kind: type, x: np.ndarray, out: np.ndarray, act: str) -> np.ndarray:
     mode = _act(act)
-    if not isinstance(w, Q8Tensor):
-        raise ValueError(f"w: expected a Q8Tensor, got {type(w).__name__}")
-    check_group(w.group, "w")
-    cp = padded_cols(w.cols, w.group)
-    _arr("w.data", w.data, _i8, (w.rows, cp))
-    _arr("w.scales", w.scales, _f32, (w.rows, cp // w.group))
+    m = _ck_mat("w", w, kind)
     n, xp, op = _x_out(w, x, out)
     if n == 0 or w.rows == 0:
         return out
-    xq, xs, xsum = _scratch(scratch, n, w.cols, w.group) if mode else (_NULL,) * 3
-    _rc(lib.ck_q8_matmul(_ptr(w.data), _ptr(w.scales), w.rows, w.cols, w.group, xp, n, op,
-                         mode, xq, xs, xsum))
+    _rc(lib.ck_matmul(m, xp, n, op, mode))
     return out
 
 
 def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.ndarray,
                act: str = "int8", row_weights: Optional[np.ndarray] = None,
-               accumulate: bool = False, workspace: Optional[Workspace] = None) -> np.ndarray:
+               accumulate: bool = False) -> np.ndarray:
     """One routed (or shared/dense) expert in one call:
         h = silu(x @ W1^T) * (x @ W3^T);  y = h @ W2^T
         out = y * row_weights[:, None]   (out += ... when accumulate)
@@ -311,7 +258,7 @@ def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.
     row_weights: [N] (any float dtype, converted; None = 1). Gate and up share one
     activation quantization and one pass over the rows. Returns out."""
     mode = _act(act)
-    p1, p3, p2 = _q4_parts("w1", w1), _q4_parts("w3", w3), _q4_parts("w2", w2)
+    m1, m3, m2 = _ck_mat("w1", w1, Q4Tensor), _ck_mat("w3", w3, Q4Tensor), _ck_mat("w2", w2, Q4Tensor)
     hidden, inter = w1.cols, w1.rows
     if (w3.rows, w3.cols) != (inter, hidden) or w3.group != w1.group:
         raise ValueError(f"w3: shape {(w3.rows, w3.cols)} / group {w3.group} must equal "
@@ -331,18 +278,9 @@ def expert_ffn(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray, out: np.
         if not accumulate:
             out[...] = 0
         return out
-    if workspace is not None:
-        if not isinstance(workspace, Workspace):
-            raise ValueError(f"workspace: expected a kernels.Workspace, got {type(workspace).__name__}")
-        workspace._fits(n, hidden, w1.group)
-        workspace._fits(n, inter, w2.group)
-        (xq, xs, xsum), (h, hq, hs, hsum) = workspace._x, workspace._h
-    else:
-        xq = xs = xsum = h = hq = hs = hsum = _NULL
     rw = _NULL if row_weights is None else _ptr(row_weights)
-    _rc(lib.ck_expert_ffn(*p1, *p3, w1.group, *p2, w2.group, hidden, inter, xp, n,
-                          op, rw, int(bool(accumulate)), mode,
-                          xq, xs, xsum, h, hq, hs, hsum))
+    _rc(lib.ck_expert_ffn(ffi.new("ck_ffn *", (m1[0], m3[0], m2[0])), xp, n, op, rw,
+                          int(bool(accumulate)), mode))
     return out
 
 
@@ -372,5 +310,5 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, le
     vp = _f32_ptr("v_cache", v_cache, (cap, nkv, d))
     op = _f32_ptr("out", out, (nh, d), True)
     sc = 1.0 / float(np.sqrt(d)) if scale is None else float(scale)
-    _rc(lib.ck_attention_decode(qp, nh, d, kp, vp, nkv, length, sc, op, _NULL))
+    _rc(lib.ck_attention_decode(qp, nh, d, kp, vp, nkv, length, sc, op))
     return out

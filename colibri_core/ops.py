@@ -40,6 +40,13 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return z
 
 
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """log(softmax(x)) along `axis`, in float64 (log-probabilities of tokens)."""
+    z = np.asarray(x, np.float64)
+    z = z - z.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
 def bf16_to_f32(a: np.ndarray) -> np.ndarray:
     """bf16 values stored as uint16 -> float32 (the upper half of a float32)."""
     return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)

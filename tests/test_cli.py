@@ -145,6 +145,15 @@ def test_inspect_verify():
     (("run", "--prompt-file", "/nonexistent"), "--prompt-file /nonexistent: file not found"),
     (("run", "--prompt", "a", "--prompt-ids", "1"), "not allowed with argument"),
     (("run", "--bogus"), "unrecognized arguments: --bogus"),
+    (("run", "--debug", "routing,foo"), "argument --debug: 'routing,foo': expected a "
+                                        "comma-separated list of routing, memory, timing, or all"),
+    (("run", "--plugins-dir", "/nonexistent"), "error: plugins folder '/nonexistent' does not"),
+    (("run", "--config", str(builtin_model_dir() / "config.json")),
+     f"this is a model config.json, not a run config (YAML/JSON with `model:` and `engine:`); "
+     f"run it with --model {builtin_model_dir()}"),
+    (("run", "--config", "/dev"), "--config /dev: is a folder; expected a run config file"),
+    (("convert", "/dev", "/tmp/never"), "/dev: no config.json; expected a Hugging Face "
+                                        "checkpoint folder"),
     (("run", "--model", "/nonexistent"), "/nonexistent: model directory not found"),
     (("run", "--config", "nope"), "config 'nope': no such file"),
     (("run", "--prompt", ""), "empty prompt"),

@@ -222,9 +222,10 @@ def _route_c(logits, k, norm, scaling, bias=None):
     w = np.zeros(k, np.float32)
     b = ffi.NULL if bias is None else ffi.cast("float *", ffi.from_buffer(bias))
     exp2 = np.ascontiguousarray(_EXP2_TABLE, np.int64)
-    rc = lib.ck_decode_route(ffi.cast("float *", ffi.from_buffer(xn)),
-                             ffi.cast("float *", ffi.from_buffer(router)), b, E, H, k, norm,
-                             scaling, ffi.cast("int64_t *", ffi.from_buffer(exp2)),
+    r = ffi.new("ck_router *", {"weight": ffi.cast("float *", ffi.from_buffer(router)), "bias": b,
+                                "e": E, "h": H, "norm_topk": norm, "scaling": scaling,
+                                "exp2_q30": ffi.cast("int64_t *", ffi.from_buffer(exp2))})
+    rc = lib.ck_decode_route(r, ffi.cast("float *", ffi.from_buffer(xn)), k,
                              ffi.cast("float *", ffi.from_buffer(out_l)),
                              ffi.cast("int64_t *", ffi.from_buffer(ids)),
                              ffi.cast("float *", ffi.from_buffer(w)))

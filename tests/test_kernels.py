@@ -136,23 +136,19 @@ def test_q4_matmul_unaligned(backend, threads, group, n):
     out = unaligned_f32(np.zeros((n, t.rows), np.float32))
     K.q4_matmul(tu, xu, out, act="float")
     assert rel(out, ref_f) < FLOAT_TOL
-    K.q4_matmul(tu, xu, out, act="int8", scratch=K.Workspace(n, 300, group))
+    K.q4_matmul(tu, xu, out, act="int8")
     assert rel(out, ref_i) < INT8_TOL
 
 
-def test_q4_matmul_vector_and_workspace(backend):
+def test_q4_matmul_vector(backend):
     t, x, ref_f, ref_i = case(259, 1000, 128, 1)
-    ws = K.Workspace(4, 1024, 128)
     out = np.empty(t.rows, np.float32)
-    for _ in range(2):                            # reused scratch gives the same answer
-        K.q4_matmul(t, x[0], out, act="int8", scratch=ws)
+    for _ in range(2):                            # a repeated call gives the same answer
+        K.q4_matmul(t, x[0], out, act="int8")
         assert rel(out, ref_i[0]) < INT8_TOL
-    out2 = np.empty(t.rows, np.float32)
-    K.q4_matmul(t, x[0], out2)                   # internal scratch: identical
-    np.testing.assert_array_equal(out, out2)
-    with pytest.raises(ValueError, match="too small"):
-        K.q4_matmul(t, np.zeros((5, 1000), np.float32), np.empty((5, 259), np.float32),
-                    scratch=ws)
+    out2 = np.empty((1, t.rows), np.float32)
+    K.q4_matmul(t, x, out2)                       # the same row as a batch of one: identical
+    np.testing.assert_array_equal(out, out2[0])
 
 
 @pytest.mark.parametrize("act", ["int8", "float"])
@@ -279,14 +275,13 @@ def test_expert_ffn(backend, threads, dims, n):
     K.expert_ffn(w1, w3, w2, x, out, act="int8")
     assert rel(out, ref_i) < FFN_INT8_TOL
     assert rel(out, ref_f) < 5e-2                # int8 activations vs float: a sanity bound
-    # routing weights, accumulate, workspace and unaligned views all at once
+    # routing weights, accumulate and unaligned views all at once
     base = np.random.default_rng(n).standard_normal(x.shape).astype(np.float32)
     acc = unaligned_f32(base)
-    ws = K.Workspace(n, max(dims[:2]), 128)
     K.expert_ffn(unaligned_q4(w1), unaligned_q4(w3), unaligned_q4(w2), unaligned_f32(x), acc,
-                 act="float", row_weights=rw, accumulate=True, workspace=ws)
+                 act="float", row_weights=rw, accumulate=True)
     assert rel(acc - base, ref_f * rw[:, None]) < FLOAT_TOL
-    K.expert_ffn(w1, w3, w2, x, acc, act="int8", row_weights=rw, workspace=ws)
+    K.expert_ffn(w1, w3, w2, x, acc, act="int8", row_weights=rw)
     assert rel(acc, ref_i * rw[:, None]) < FFN_INT8_TOL
 
 
@@ -382,8 +377,6 @@ def test_rejects_bad_arguments():
         K.expert_ffn(w1, w3, w2, xf, o, row_weights=np.ones(3, np.float32))
     with pytest.raises(ValueError, match="x: shape"):
         K.expert_ffn(w1, w3, w2, xf[:, :32].copy(), o)
-    with pytest.raises(ValueError, match="Workspace"):
-        K.expert_ffn(w1, w3, w2, xf, o, workspace=object())
     with pytest.raises(ValueError):
         K.set_threads(0)
     with pytest.raises(ValueError, match="not available"):

@@ -13,7 +13,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #include <math.h>
-#include "ck.h"
+#include "ck_internal.h"
 #include "ck_tiles.h"
 
 #define AVX2_FN static __attribute__((target("avx2,fma")))

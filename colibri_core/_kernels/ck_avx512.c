@@ -15,7 +15,7 @@
  * same order. Keep them in step with ck_avx2.c. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include "ck.h"
+#include "ck_internal.h"
 #include "ck_tiles.h"
 
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"

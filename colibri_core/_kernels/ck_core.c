@@ -14,7 +14,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
 #endif
-#include "ck.h"
+#include "ck_internal.h"
 
 /* Below this many multiply-adds (rows * cp * n) a call stays on one thread. Measured on
  * 2 cores (AVX2, int8, hot cache): waking the OpenMP team costs 2-4 us; a 256x1024
@@ -155,11 +155,15 @@ static inline int tile_tokens(int ntp, int64_t left) {
     return left < g_matmul_min_tokens ? 1 : (int)left;
 }
 
-static ck_q4 mk_q4(const uint8_t *d, const float *s, const uint8_t *z,
-                   int64_t rows, int64_t cols, int64_t group) {
-    ck_q4 w = {d, s, z, rows, cols, group, round_up(cols, group), 0};
-    w.ng = w.cp / group;
-    return w;
+/* the backends' tile views of a matrix descriptor (ck.h) */
+static ck_q4 q4_of(const ck_mat *m) {
+    int64_t cp = round_up(m->cols, m->group);
+    return (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
+}
+
+static ck_q8 q8_of(const ck_mat *m) {
+    int64_t cp = round_up(m->cols, m->group);
+    return (ck_q8){m->data, m->scales, m->rows, m->cols, m->group, cp, cp / m->group};
 }
 
 /* zero-padded copies of each row's partial last 64-block (NULL when cols % 64 == 0) */
@@ -173,22 +177,17 @@ static float *make_tail(const float *x, int64_t n, int64_t cols) {
     return tail;
 }
 
-/* one group-quantized activation buffer, owned or borrowed */
-typedef struct { int8_t *q; float *s; int32_t *sum; int owned; } act_buf;
+/* one group-quantized activation buffer of n rows */
+typedef struct { int8_t *q; float *s; int32_t *sum; } act_buf;
 
-static int act_buf_get(act_buf *b, int8_t *q, float *s, int32_t *sum, int64_t n, int64_t cp,
-                       int64_t ng) {
-    b->owned = !(q && s && sum);
-    if (!b->owned) { b->q = q; b->s = s; b->sum = sum; return 0; }
+static int act_buf_get(act_buf *b, int64_t n, int64_t cp, int64_t ng) {
     b->q = malloc((size_t)(n * cp));
     b->s = malloc((size_t)(n * ng) * sizeof(float));
     b->sum = malloc((size_t)(n * ng) * sizeof(int32_t));
     return (b->q && b->s && b->sum) ? 0 : -1;
 }
 
-static void act_buf_free(act_buf *b) {
-    if (b->owned) { free(b->q); free(b->s); free(b->sum); }
-}
+static void act_buf_free(act_buf *b) { free(b->q); free(b->s); free(b->sum); }
 
 /* Runs fn(ctx) on nth threads; fn splits its loops with orphaned `omp for`s, which run
  * serially outside a parallel region. A single thread never enters one: even an
@@ -273,16 +272,19 @@ static void matmul_body(void *p) {
     rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
 }
 
-static int matmul(const void *w, int is_q4, int64_t rows, int64_t cols, int64_t group,
-                  const float *x, int64_t n, float *out, int act_int8,
-                  int8_t *xq, float *xs, int32_t *xsum) {
+int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_int8) {
     ck_init();
+    const int is_q4 = m->kind == CK_W_Q4;
+    const int64_t rows = m->rows, cols = m->cols, group = m->group;
+    const ck_q4 w4 = is_q4 ? q4_of(m) : (ck_q4){0};
+    const ck_q8 w8 = is_q4 ? (ck_q8){0} : q8_of(m);
+    const void *w = is_q4 ? (const void *)&w4 : (const void *)&w8;
     int64_t cp = round_up(cols, group), ng = cp / group;
     int nth = nthreads_for(rows * cp * n), rc = 0;
     matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out};
     if (act_int8) {
         act_buf b;
-        if (act_buf_get(&b, xq, xs, xsum, n, cp, ng) == 0) {
+        if (act_buf_get(&b, n, cp, ng) == 0) {
             ck_act a = {b.q, b.s, b.sum, cp, ng};
             c.q.xq = b.q; c.q.xs = b.s; c.q.xsum = b.sum;
             c.kind = is_q4 ? K_Q4_I8 : K_Q8_I8;
@@ -307,21 +309,6 @@ static int matmul(const void *w, int is_q4, int64_t rows, int64_t cols, int64_t 
     return rc;
 }
 
-int ck_q4_matmul(const uint8_t *wd, const float *ws, const uint8_t *wz,
-                 int64_t rows, int64_t cols, int64_t group,
-                 const float *x, int64_t n, float *out, int act_int8,
-                 int8_t *xq, float *xs, int32_t *xsum) {
-    ck_q4 w = mk_q4(wd, ws, wz, rows, cols, group);
-    return matmul(&w, 1, rows, cols, group, x, n, out, act_int8, xq, xs, xsum);
-}
-
-int ck_q8_matmul(const int8_t *wd, const float *ws,
-                 int64_t rows, int64_t cols, int64_t group,
-                 const float *x, int64_t n, float *out, int act_int8,
-                 int8_t *xq, float *xs, int32_t *xsum) {
-    ck_q8 w = {wd, ws, rows, cols, group, round_up(cols, group), round_up(cols, group) / group};
-    return matmul(&w, 0, rows, cols, group, x, n, out, act_int8, xq, xs, xsum);
-}
 
 /* ------------------------------------------------------------------ expert FFN */
 
@@ -402,35 +389,29 @@ static void ffn_body(void *p) {
     }
 }
 
-int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
-                  const uint8_t *w3d, const float *w3s, const uint8_t *w3z, int64_t g13,
-                  const uint8_t *w2d, const float *w2s, const uint8_t *w2z, int64_t g2,
-                  int64_t hidden, int64_t inter,
-                  const float *x, int64_t n, float *out, const float *rw,
-                  int accumulate, int act_int8,
-                  int8_t *xq, float *xs, int32_t *xsum,
-                  float *h, int8_t *hq, float *hs, int32_t *hsum) {
+int ck_expert_ffn(const ck_ffn *f, const float *x, int64_t n, float *out, const float *rw,
+                  int accumulate, int act_int8) {
     ck_init();
+    const int64_t hidden = f->w1.cols, inter = f->w1.rows;
     ffn_ctx c;
     memset(&c, 0, sizeof c);
     c.be = g_be;
-    c.w1 = mk_q4(w1d, w1s, w1z, inter, hidden, g13);
-    c.w3 = mk_q4(w3d, w3s, w3z, inter, hidden, g13);
-    c.w2 = mk_q4(w2d, w2s, w2z, hidden, inter, g2);
+    c.w1 = q4_of(&f->w1);
+    c.w3 = q4_of(&f->w3);
+    c.w2 = q4_of(&f->w2);
     c.x = x; c.rw = rw; c.out = out;
     c.n = n; c.hidden = hidden; c.inter = inter;
     c.hld = round_up(inter, 64);   /* h rows padded with zeros to whole 64-blocks */
     c.accumulate = accumulate; c.act_int8 = act_int8;
 
     act_buf xb = {0}, hb = {0};
-    int h_owned = h == NULL, ok = 1;
-    float *tail = NULL;
-    if (h_owned) h = malloc((size_t)(n * c.hld) * sizeof(float));
+    int ok = 1;
+    float *tail = NULL, *h = malloc((size_t)(n * c.hld) * sizeof(float));
     if (!h) return -1;
     c.h = h;
     if (act_int8) {
-        ok = act_buf_get(&xb, xq, xs, xsum, n, c.w1.cp, c.w1.ng) == 0 &&
-             act_buf_get(&hb, hq, hs, hsum, n, c.w2.cp, c.w2.ng) == 0;
+        ok = act_buf_get(&xb, n, c.w1.cp, c.w1.ng) == 0 &&
+             act_buf_get(&hb, n, c.w2.cp, c.w2.ng) == 0;
         c.xa = (ck_act){xb.q, xb.s, xb.sum, c.w1.cp, c.w1.ng};
         c.ha = (ck_act){hb.q, hb.s, hb.sum, c.w2.cp, c.w2.ng};
     } else {
@@ -440,7 +421,7 @@ int ck_expert_ffn(const uint8_t *w1d, const float *w1s, const uint8_t *w1z,
         c.hf = (ck_xf){h, c.hld, inter, NULL};
     }
     if (ok) run_parallel(ffn_body, &c, nthreads_for((2 * c.w1.cp + c.w2.cp) * inter * n));
-    if (h_owned) free(h);
+    free(h);
     act_buf_free(&xb);
     act_buf_free(&hb);
     free(tail);
@@ -468,14 +449,14 @@ static void attn_body(void *p) {
 }
 
 int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
-                        int64_t nkv, int64_t len, float scale, float *out, float *scores) {
+                        int64_t nkv, int64_t len, float scale, float *out) {
     ck_init();
-    float *s = scores ? scores : malloc((size_t)(nh * len) * sizeof(float));
+    float *s = malloc((size_t)(nh * len) * sizeof(float));
     if (!s) return -1;
     attn_ctx c = {g_be, q, k, v, out, s, nh, d, nkv, len, scale};
     int nth = nthreads_for(2 * nh * len * d);
     run_parallel(attn_body, &c, nth < nkv ? nth : (int)nkv);
-    if (!scores) free(s);
+    free(s);
     return 0;
 }
 

@@ -14,7 +14,7 @@
  * it up to float rounding of the norms and router dot products. */
 #include <math.h>
 #include <stdlib.h>
-#include "ck.h"
+#include "ck_internal.h"
 
 static inline int64_t rup(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -194,9 +194,8 @@ static void o_chunk(void *p, int64_t ch) {
     }
 }
 
-int ck_decode_attention(const ck_attn_layer *a, float eps, const double *inv_freq,
-                        double rope_factor, float *x, float *kc, float *vc, int64_t pos,
-                        const float *ffn_norm, float *xn_out, ck_dscratch *s) {
+int ck_decode_attention(const ck_attn_layer *a, float *x, float *kc, float *vc, int64_t pos,
+                        float *xn_out, ck_dscratch *s) {
     const ck_backend_t *be = ck_active_backend();
     attn_ctx c;
     int err = 0;
@@ -206,15 +205,15 @@ int ck_decode_attention(const ck_attn_layer *a, float eps, const double *inv_fre
     c.scale = (float)(1.0 / sqrt((double)a->d));
     c.w[0] = to_w(&a->wq); c.w[1] = to_w(&a->wk); c.w[2] = to_w(&a->wv); c.w[3] = to_w(&a->wo);
     if (rup(c.w[3].cols, c.w[3].group) > s->cp_max) return CK_E_SCRATCH;
-    rmsnorm(x, a->norm, a->hidden, eps, s->xn);
+    rmsnorm(x, a->norm, a->hidden, a->eps, s->xn);
     act_set A = {0};
     for (int m = 0; m < 3 && !err; m++)
         c.act[m] = act_for(&A, s, be, s->xn, a->hidden, c.w[m].group, &err);
     if (err) return err;
     for (int64_t i = 0; i < a->d / 2; i++) {
-        double ang = (double)pos * inv_freq[i];
-        s->cos[i] = (float)(cos(ang) * rope_factor);
-        s->sin[i] = (float)(sin(ang) * rope_factor);
+        double ang = (double)pos * a->inv_freq[i];
+        s->cos[i] = (float)(cos(ang) * a->rope_factor);
+        s->sin[i] = (float)(sin(ang) * a->rope_factor);
     }
     const int rtp = be->rt;
     for (int m = 0; m < 3; m++) c.nt[m] = ntiles(&c.w[m], rtp);
@@ -231,15 +230,17 @@ int ck_decode_attention(const ck_attn_layer *a, float eps, const double *inv_fre
     be->act_quant(s->att, wo->cols, wo->group, s->aq, s->as, s->asum);
     c.ao = (ck_act){s->aq, s->as, s->asum, cpo, cpo / wo->group};
     ck_pool_for(o_chunk, &c, nchunks(c.o), nth);
-    rmsnorm(x, ffn_norm, a->hidden, eps, xn_out);
+    rmsnorm(x, a->ffn_norm, a->hidden, a->eps, xn_out);
     return 0;
 }
 
 /* ------------------------------------------------------------------ routing */
 
-int ck_decode_route(const float *xn, const float *router, const float *bias, int64_t e,
-                    int64_t h, int k, int norm_topk, float scaling, const int64_t *exp2_q30,
-                    float *logits, int64_t *ids, float *weights) {
+int ck_decode_route(const ck_router *r, const float *xn, int k, float *logits, int64_t *ids,
+                    float *weights) {
+    const float *router = r->weight, *bias = r->bias;
+    const int64_t e = r->e, h = r->h;
+    const int64_t *exp2_q30 = r->exp2_q30;
     float m = -INFINITY;
     if (k < 1 || k > e || k > 256) return CK_E_SCRATCH;
     for (int64_t i = 0; i < e; i++) {
@@ -249,7 +250,7 @@ int ck_decode_route(const float *xn, const float *router, const float *bias, int
         logits[i] = v;
         m = v > m ? v : m;
     }
-    /* top k, largest first, ties to the lower index (routing.top_k_by_value) */
+    /* top k, largest first, ties to the lower index (ops.top_k) */
     for (int j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t i = 0; i < e; i++) {
@@ -278,8 +279,8 @@ int ck_decode_route(const float *xn, const float *router, const float *bias, int
         sum += w[j];
     }
     for (int j = 0; j < k; j++) {
-        double v = norm_topk ? w[j] / (sum > 1e-20 ? sum : 1e-20) : w[j];
-        weights[j] = (float)(v * (double)scaling);
+        double v = r->norm_topk ? w[j] / (sum > 1e-20 ? sum : 1e-20) : w[j];
+        weights[j] = (float)(v * (double)r->scaling);
     }
     return 0;
 }
@@ -360,10 +361,12 @@ static void down_chunk(void *p, int64_t ch) {
     }
 }
 
-int ck_decode_ffn(const ck_ffn *table, const int64_t *ids, const float *weights, int k,
-                  const ck_ffn *shared, const float *shared_gate, const float *xn,
-                  float *x, int64_t hidden, ck_dscratch *s) {
+int ck_decode_ffn(const ck_ffn_block *b, const int64_t *ids, const float *weights, int k,
+                  const float *xn, float *x, ck_dscratch *s) {
     const ck_backend_t *be = ck_active_backend();
+    const ck_ffn *table = b->table, *shared = b->shared;
+    const float *shared_gate = b->shared_gate;
+    const int64_t hidden = b->hidden;
     int64_t order[k > 0 ? k : 1];
     int n = 0, err = 0;
     for (int j = 0; j < k; j++) {          /* ascending expert id, as the general path */

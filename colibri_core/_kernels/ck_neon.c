@@ -5,7 +5,7 @@
  * compiler, not run in CI (no ARM machine). */
 #if defined(__aarch64__)
 #include <arm_neon.h>
-#include "ck.h"
+#include "ck_internal.h"
 
 /* Per block: nibbles (0..15, fit s8) times s8 activations with vmull/vmlal into i16
  * (8 products per lane <= 8*15*127 = 15240 < 2^15), then pairwise-widened to i32. */

@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include "ck.h"
+#include "ck_internal.h"
 
 #define MAX_THREADS 64
 #define SPIN_ROUNDS 40000          /* ~100-200 us of pause instructions */

@@ -4,7 +4,7 @@
  * same exact integer group dot products as matvec_q4_q8_ref); only the float
  * summation order differs. Every other backend is tested against these. */
 #include <math.h>
-#include "ck.h"
+#include "ck_internal.h"
 
 /* Per-group symmetric int8 quantization of one activation row; must equal
  * quant.quantize_act_q8 bit for bit: float32 arithmetic, rint (half-even), clamp ±127. */

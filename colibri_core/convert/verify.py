@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from ..ops import log_softmax
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -33,12 +34,6 @@ class PromptResult:
     greedy_total: int
     ppl_colibri: float
     ppl_ref: Optional[float]
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def perplexity(logits: np.ndarray, ids: Sequence[int]) -> float:

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import numpy as np
 
 from ..errors import RequestError
+from ..ops import log_softmax, softmax
 from ..sampler import Sampler
 
 Prompt = Union[str, list]
@@ -67,12 +68,6 @@ class End:
 
 
 FINISH = {"length": "length", "context": "length", "eos": "stop", "stop": "stop"}
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 class TokenTexts:
@@ -286,8 +281,7 @@ def run_score(ctx, items: list, experts: Optional[int], book, max_batch_tokens: 
     results = []
     for ii, it in enumerate(items):
         tot = np.array([sums[ii, ci] for ci in range(len(it.candidates))])
-        norm = np.exp(tot - tot.max())
-        norm /= norm.sum()
+        norm = softmax(tot)
         results.append({"index": ii, "prompt_tokens": len(it.prompt_ids), "candidates": [
             {"index": ci, "candidate": it.labels[ci], "tokens": list(map(int, cand)),
              "token_logprobs": per_tok[ii, ci], "logprob": sums[ii, ci],

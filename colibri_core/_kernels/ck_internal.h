@@ -1,0 +1,110 @@
+/* ck_internal.h -- what the kernel sources share beyond the public API (ck.h): the
+ * backends' tile types and function table, the scalar pieces other backends reuse, the
+ * thread helpers and the unaligned-access helpers. Not seen by cffi. */
+#ifndef COLIBRI_CK_INTERNAL_H
+#define COLIBRI_CK_INTERNAL_H
+
+#include <math.h>
+#include <string.h>
+#include "ck.h"
+
+#define CK_MAX_RT 4   /* rows per tile, at most */
+#define CK_MAX_NT 4   /* tokens per tile, at most */
+
+typedef struct {               /* a q4 matrix */
+    const uint8_t *data;       /* [rows, cp/2] */
+    const float *scales;       /* [rows, ng]   */
+    const uint8_t *zeros;      /* [rows, ng]   */
+    int64_t rows, cols, group, cp, ng;
+} ck_q4;
+
+typedef struct {               /* a q8 matrix */
+    const int8_t *data;        /* [rows, cp] */
+    const float *scales;       /* [rows, ng] */
+    int64_t rows, cols, group, cp, ng;
+} ck_q8;
+
+typedef struct {               /* int8 activations, as quant.quantize_act_q8 */
+    const int8_t *q;           /* [n, cp] */
+    const float *s;            /* [n, ng] */
+    const int32_t *sum;        /* [n, ng] */
+    int64_t cp, ng;
+} ck_act;
+
+typedef struct {               /* float activations */
+    const float *x;            /* row t at x + t*ld, `cols` real values */
+    int64_t ld, cols;
+    /* tail: [n, 64] zero-padded copy of each row's last partial 64-block, or NULL when
+     * the rows are readable and finite up to round_up(cols, 64). */
+    const float *tail;
+} ck_xf;
+
+/* A tile computes res[r*nt + t] = dot(W row r0+r, activation row t0+t), r < rt, t < nt,
+ * with rt <= CK_MAX_RT, nt <= CK_MAX_NT. */
+typedef struct {
+    const char *name;
+    void (*act_quant)(const float *x, int64_t cols, int64_t group,
+                      int8_t *xq, float *xs, int32_t *xsum);   /* one row */
+    void (*q4_i8)(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res);
+    void (*q4_f32)(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                   float *res);
+    void (*q8_i8)(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res);
+    void (*q8_f32)(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                   float *res);
+    /* attention of g query heads sharing one kv head: q, out [g, d]; key/value row p at
+     * k + p*ld, v + p*ld; s: [g, len] scratch */
+    void (*attn)(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                 int64_t len, float scale, float *s, float *out);
+    int rt;       /* preferred rows per tile */
+    int nt_many;  /* tokens per tile for batches (n >= ck_core.c's switch point) */
+} ck_backend_t;
+
+extern const ck_backend_t ck_backend_scalar;
+const ck_backend_t *ck_active_backend(void);   /* ck_core.c */
+int ck_threads_for(int64_t work);              /* threads for a call of `work` MACs */
+/* ck_pool.c: fn(ctx, c) for every c in [0, n) on up to nth threads (the caller is one of
+ * them); returns when all are done, without waiting for a thread that never started */
+typedef void (*ck_chunk_fn)(void *ctx, int64_t chunk);
+void ck_pool_for(ck_chunk_fn fn, void *ctx, int64_t n, int nth);
+#if defined(__x86_64__) || defined(__i386__)
+extern const ck_backend_t ck_backend_avx2;
+extern const ck_backend_t ck_backend_avx512vnni;
+/* AVX2 entries the AVX-512 VNNI backend reuses (target avx2,fma) */
+void ck_avx2_act_quant(const float *x, int64_t cols, int64_t group,
+                       int8_t *xq, float *xs, int32_t *xsum);
+void ck_avx2_q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                    float *res);
+void ck_avx2_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                    float *res);
+void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                  int64_t len, float scale, float *s, float *out);
+#endif
+#if defined(__aarch64__)
+extern const ck_backend_t ck_backend_neon;
+#endif
+
+/* scalar pieces reused by other backends */
+void ck_scalar_act_quant(const float *x, int64_t cols, int64_t group,
+                         int8_t *xq, float *xs, int32_t *xsum);
+void ck_scalar_q4_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res);
+void ck_scalar_q8_i8(const ck_q8 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                     float *res);
+void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
+                    int64_t len, float scale, float *s, float *out);
+void ck_softmax_rows(float *s, int g, int64_t len);
+void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res);
+
+/* the expert FFN's activation: silu(v) = v * sigmoid(v) */
+static inline float ck_silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* unaligned scalar access to user memory (compiles to a plain mov) */
+static inline float ck_ldf(const float *p) { float v; memcpy(&v, p, 4); return v; }
+static inline void ck_stf(float *p, float v) { memcpy(p, &v, 4); }
+static inline int32_t ck_ldi(const int32_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline void ck_sti(int32_t *p, int32_t v) { memcpy(p, &v, 4); }
+
+#endif
