@@ -107,13 +107,13 @@ def paired(direct: Direct, url: str, ps: list, tokens: int, pairs: int) -> dict:
 
 
 class Server:
-    def __init__(self, mdir: Path, threads: int, queue: int):
+    def __init__(self, mdir: Path, threads: int, queue: int, extra: list):
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
         experts = Path(self.tmp.name) / "experts"
         experts.mkdir(mode=0o755)
         cmd = [sys.executable, "-m", "colibri_core", "serve", "--model", str(mdir), "--port",
                "0", "--threads", str(threads), "--experts-dir", str(experts),
-               "--queue-size", str(queue)]
+               "--queue-size", str(queue), *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.url = None
@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt length in token ids")
     ap.add_argument("--time-cap", type=float, default=300.0, help="seconds per client count")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
+                    help="serve with --no-routing-stats (no routing hook on the decode path)")
     ap.add_argument("--pairs", type=int, default=6, help="side-by-side requests, 1 client")
     ap.add_argument("--json", default=str(OUT / "serve.json"))
     args = ap.parse_args(argv)
@@ -257,11 +259,13 @@ def main(argv=None) -> int:
     ps = prompts(cfg.vocab_size, max(levels) * 2, args.prompt)
     load = os.getloadavg()
     print(f"# bench_serve: {mdir.name}, prompt {args.prompt} ids, {args.tokens} tokens, "
-          f"threads {args.threads}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+          f"threads {args.threads}, routing stats {'on' if args.routing_stats else 'off'}; "
+          f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
           file=sys.stderr)
     direct = Direct(mdir, args.threads)
     direct.request(ps[0], 4)                                                    # warm-up
-    srv = Server(mdir, args.threads, queue=max(64, max(levels)))
+    srv = Server(mdir, args.threads, queue=max(64, max(levels)),
+                 extra=[] if args.routing_stats else ["--no-routing-stats"])
     rows = []
     try:
         asyncio.run(run_level(srv.url, 1, ps, 2, min(8, args.tokens), 60))       # warm-up
@@ -285,6 +289,7 @@ def main(argv=None) -> int:
         direct.close()
     load = os.getloadavg()
     report = {"model": str(mdir), "prompt": args.prompt, "tokens": args.tokens,
+              "routing_stats": args.routing_stats,
               "threads": args.threads, "side_by_side": side, "levels": rows,
               "server_exit": rc, "machine": machine(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -32,7 +32,8 @@ def test_api_key_strict_params_and_upload(experts_dir, tmp_path):
     allow = tmp_path / "allow.txt"
     allow.write_text(hashlib.sha256(data).hexdigest() + "\n")
     srv = LiveServer("--strict-params", "--allow-expert-upload", "--expert-allowlist",
-                     str(allow), experts_dir=experts_dir, env={"COLIBRI_API_KEY": KEY})
+                     str(allow), "--no-routing-stats", experts_dir=experts_dir,
+                     env={"COLIBRI_API_KEY": KEY})
     try:
         u = srv.url
         auth = {"Authorization": f"Bearer {KEY}"}
@@ -45,6 +46,10 @@ def test_api_key_strict_params_and_upload(experts_dir, tmp_path):
         r = httpx.post(u + "/v1/completions", headers=auth,
                        json={"prompt": "x", "max_tokens": 1, "frobnicate": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+        r = httpx.post(u + "/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200
+        assert httpx.get(u + "/status.json").json()["routing_stats"] is False
+        assert "colibri_routed_tokens_total{" not in httpx.get(u + "/metrics").text
         assert httpx.put(u + "/v1/experts/uploaded", content=data).status_code == 401
         wrong = httpx.put(u + "/v1/experts/uploaded", content=data + b"\0", headers=auth)
         assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "allowlist"

@@ -64,6 +64,7 @@ class Settings:
     shutdown_timeout_s: float = 10.0
     model_id: str = "colibri"
     score_batch_tokens: int = 4096
+    routing_stats: bool = True          # count routed tokens per expert (a routing hook)
 
 
 class Server:
@@ -73,7 +74,10 @@ class Server:
         self.engine = engine
         self.settings = settings
         self.book = book or ExpertBook(engine)
-        engine.register_plugin(self.book, name="colibri-server-book")
+        if settings.routing_stats:
+            # The routing hook costs the decode path ~30-60 us per MoE layer and token
+            # (docs/BENCHMARKS.md); --no-routing-stats leaves it out.
+            engine.register_plugin(self.book, name="colibri-server-book")
         if engine.hotplug is not None:
             self.book.attach(engine.hotplug)
         self.runner = EngineRunner(engine, settings.queue_size)
@@ -457,6 +461,7 @@ def build_app(server: Server) -> Starlette:
                              "expert_set_id": listing["expert_set_id"],
                              "experts": listing["data"], "refusals": listing["refusals"][:10],
                              "watched_folder": listing["watched_folder"],
+                             "routing_stats": st.routing_stats,
                              "window": S.metrics.window(60.0)})
 
     async def index(request, rec):
