@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from .errors import bad_request
 from .generation import GenParams
