@@ -22,7 +22,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 CHILD = r'''
-import json, sys, numpy as np
+import importlib.util, json, sys, numpy as np
+# the side's own built-in plugins: the editable install maps colibri_core.builtin_plugins
+# to this checkout's plugins/ whatever PYTHONPATH says
+spec = importlib.util.spec_from_file_location("colibri_core.builtin_plugins",
+    sys.argv[3] + "/plugins/__init__.py", submodule_search_locations=[sys.argv[3] + "/plugins"])
+sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules[spec.name])
 from colibri_core.engine import Engine
 from colibri_core.config import EngineConfig
 e = Engine(sys.argv[1], EngineConfig(threads=int(sys.argv[2])))
@@ -47,8 +53,10 @@ def checkout(ref: str) -> Path:
 
 def run(tree: Path, model: str, threads: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", CHILD, model, str(threads)], env=env, cwd="/",
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), str(tree)], env=env, cwd="/",
+                         capture_output=True, text=True)
+    if out.returncode != 0:                 # the child's own error, not just its exit status
+        raise SystemExit(f"ab_decode: the run in {tree} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -11,8 +11,10 @@ and per-token p50/p99 (client side), aggregate generated tokens/s, errors, the s
 event-loop lag p99 (from its /metrics histogram: the bucket bound), and the load
 generator's own CPU time (it shares the machine's cores with the server).
 
-Before the server starts, the same prompts run on the engine called directly in this
-process: the per-token time a single client is compared with (target: within 1.1x).
+One client is also compared side by side with the engine called directly in this process
+(target: per-token time within 1.1x): --pairs times a request on the engine, then the
+same prompt through the idle server, alternating, so that a change of the machine's load
+hits both alike.
 
 Peers: llama.cpp's `llama-server` (and llama-cpp-python's server) are the reference the
 issue names; neither is built on this machine, so the table has Colibri only. Until the
@@ -56,38 +58,62 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
 
 
-def direct_per_token(mdir: Path, ps: list, tokens: int, threads: int) -> dict:
-    """The engine called directly: per-token times of decode (first token excluded)."""
-    from colibri_core.engine import Engine
-    eng = Engine.from_model_dir(mdir, threads=threads)
-    try:
-        eng.generate(ps[0], max_new_tokens=4, temperature=0.0).run()        # warm-up
-        per, first = [], []
-        for p in ps[:4]:
-            t0 = time.perf_counter()
-            last = None
-            for i, ev in enumerate(eng.generate(p, max_new_tokens=tokens, temperature=0.0)):
-                now = time.perf_counter()
-                if i == 0:
-                    first.append(now - t0)
-                else:
-                    per.append(now - last)
-                last = now
-        return {"first_ms_p50": 1000 * float(np.median(first)),
-                "per_token_ms_p50": 1000 * float(np.median(per)),
-                "per_token_ms_p99": 1000 * float(np.percentile(per, 99))}
-    finally:
-        eng.close()
+class Direct:
+    """The engine called directly in this process: per-token times of one request."""
+
+    def __init__(self, mdir: Path, threads: int):
+        from colibri_core.engine import Engine
+        self.eng = Engine.from_model_dir(mdir, threads=threads)
+
+    def request(self, prompt: list, tokens: int) -> dict:
+        t0 = time.perf_counter()
+        times = [time.perf_counter() for _ in self.eng.generate(
+            prompt, max_new_tokens=tokens, temperature=0.0)]
+        return {"first": times[0] - t0, "gaps": list(np.diff(times))}
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+def paired(direct: Direct, url: str, ps: list, tokens: int, pairs: int) -> dict:
+    """One client, side by side: a request on the engine directly, then the same prompt
+    through the idle server, `pairs` times (ABAB: load changes hit both alike)."""
+    import httpx
+    d_gaps, s_gaps, d_first, s_first, d_mean, s_mean = [], [], [], [], [], []
+
+    async def one(p):
+        async with httpx.AsyncClient(timeout=600) as c:
+            return await one_request(c, url, p, tokens)
+    for i in range(pairs):
+        p = ps[i % len(ps)]
+        a = direct.request(p, tokens)
+        b = asyncio.run(one(p))
+        if "error" in b:
+            raise SystemExit(f"server request failed: {b['error']}")
+        d_gaps += a["gaps"]
+        s_gaps += b["gaps"]
+        d_mean.append(float(np.mean(a["gaps"])))      # a stream's chunks may arrive in
+        s_mean.append(float(np.mean(b["gaps"])))      # bursts: its mean gap is the rate
+        d_first.append(a["first"])
+        s_first.append(b["first"])
+    ms = lambda xs, q: 1000 * float(np.percentile(xs, q))  # noqa: E731
+    return {"pairs": pairs, "direct_per_token_ms_p50": ms(d_gaps, 50),
+            "direct_per_token_ms_p99": ms(d_gaps, 99), "server_per_token_ms_p50": ms(s_gaps, 50),
+            "server_per_token_ms_p99": ms(s_gaps, 99), "direct_first_ms_p50": ms(d_first, 50),
+            "server_first_ms_p50": ms(s_first, 50),
+            "direct_mean_ms": 1000 * float(np.median(d_mean)),
+            "server_mean_ms": 1000 * float(np.median(s_mean)),
+            "ratio": float(np.median(s_mean) / np.median(d_mean))}
 
 
 class Server:
-    def __init__(self, mdir: Path, threads: int, queue: int):
+    def __init__(self, mdir: Path, threads: int, queue: int, extra: list):
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
         experts = Path(self.tmp.name) / "experts"
         experts.mkdir(mode=0o755)
         cmd = [sys.executable, "-m", "colibri_core", "serve", "--model", str(mdir), "--port",
                "0", "--threads", str(threads), "--experts-dir", str(experts),
-               "--queue-size", str(queue)]
+               "--queue-size", str(queue), *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.url = None
@@ -218,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt length in token ids")
     ap.add_argument("--time-cap", type=float, default=300.0, help="seconds per client count")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
+                    help="serve with --no-routing-stats (no routing hook on the decode path)")
+    ap.add_argument("--pairs", type=int, default=6, help="side-by-side requests, 1 client")
     ap.add_argument("--json", default=str(OUT / "serve.json"))
     args = ap.parse_args(argv)
     mdir = model_dir(args.model)
@@ -230,14 +259,19 @@ def main(argv=None) -> int:
     ps = prompts(cfg.vocab_size, max(levels) * 2, args.prompt)
     load = os.getloadavg()
     print(f"# bench_serve: {mdir.name}, prompt {args.prompt} ids, {args.tokens} tokens, "
-          f"threads {args.threads}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+          f"threads {args.threads}, routing stats {'on' if args.routing_stats else 'off'}; "
+          f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
           file=sys.stderr)
-    direct = direct_per_token(mdir, ps, args.tokens, args.threads)
-    print(f"# engine direct: per-token p50 {direct['per_token_ms_p50']:.2f} ms", file=sys.stderr)
-    srv = Server(mdir, args.threads, queue=max(64, max(levels)))
+    direct = Direct(mdir, args.threads)
+    direct.request(ps[0], 4)                                                    # warm-up
+    srv = Server(mdir, args.threads, queue=max(64, max(levels)),
+                 extra=[] if args.routing_stats else ["--no-routing-stats"])
     rows = []
     try:
         asyncio.run(run_level(srv.url, 1, ps, 2, min(8, args.tokens), 60))       # warm-up
+        side = paired(direct, srv.url, ps, args.tokens, args.pairs)
+        print(f"# 1 client side by side: server {side['server_mean_ms']:.2f} ms/token, direct "
+              f"{side['direct_mean_ms']:.2f} ({side['ratio']:.2f}x)", file=sys.stderr)
         for c in levels:
             before = lag_buckets(srv.metrics())
             cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -252,28 +286,30 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     finally:
         rc = srv.stop()
+        direct.close()
     load = os.getloadavg()
     report = {"model": str(mdir), "prompt": args.prompt, "tokens": args.tokens,
-              "threads": args.threads, "direct": direct, "levels": rows,
+              "routing_stats": args.routing_stats,
+              "threads": args.threads, "side_by_side": side, "levels": rows,
               "server_exit": rc, "machine": machine(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_after": list(load)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"| clients | requests | errors | tok/s | first-token p50 / p99 ms | per-token p50 / "
-          f"p99 ms | per-token vs direct | server loop lag p99 ms | generator CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"p99 ms | server loop lag p99 ms | generator CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = (r["per_token_ms_p50"] / direct["per_token_ms_p50"]
-                 if r["per_token_ms_p50"] else None)
         print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['tok_s']:.1f} | "
               f"{fmt(r['first_ms_p50'])} / {fmt(r['first_ms_p99'])} | "
               f"{fmt(r['per_token_ms_p50'], 2)} / {fmt(r['per_token_ms_p99'], 2)} | "
-              f"{fmt(ratio, 2)}x | ≤ {fmt(r['server_loop_lag_p99_ms'])} | "
-              f"{r['generator_cpu_s']:.1f} |")
-    print(f"\nengine direct: per-token p50 {direct['per_token_ms_p50']:.2f} ms, p99 "
-          f"{direct['per_token_ms_p99']:.2f} ms; first token {direct['first_ms_p50']:.1f} ms; "
-          f"server exit code {rc}; load after {load[0]:.2f}")
+              f"≤ {fmt(r['server_loop_lag_p99_ms'])} | {r['generator_cpu_s']:.1f} |")
+    print(f"\n1 client side by side ({side['pairs']} pairs): per-token time (median over "
+          f"requests of each one's mean) server {side['server_mean_ms']:.2f} ms vs engine "
+          f"direct {side['direct_mean_ms']:.2f} ms = {side['ratio']:.2f}x (gap p99 "
+          f"{side['server_per_token_ms_p99']:.1f} vs {side['direct_per_token_ms_p99']:.1f}); "
+          f"first token {side['server_first_ms_p50']:.0f} vs {side['direct_first_ms_p50']:.0f} "
+          f"ms; server exit code {rc}; load after {load[0]:.2f}")
     return 0
 
 

@@ -414,7 +414,7 @@ class DecodePlan:
         return self.p_ids
 
     def traces(self) -> list:
-        """The last step's routing as the general path records it (model.LayerTrace)."""
+        """The last step's routing as the general path records it (routing.LayerTrace)."""
         out, k = [], self.last_k
         for L in self.layers:
             if not L["moe"]:

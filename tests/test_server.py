@@ -268,8 +268,9 @@ def test_unknown_fields_ignored_request_id_echoed(server):
 # ----------------------------------------------------------------------------- other routes
 
 def test_models_health_ready_metrics(server):
-    m = httpx.get(server.url + "/v1/models").json()
-    assert m["data"][0]["id"] == "builtin"
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://ops.example"})
+    assert r.json()["data"][0]["id"] == "builtin"
+    assert "access-control-allow-origin" not in r.headers       # CORS off by default
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").json()["ready"] is True
     httpx.post(server.url + "/v1/completions", json={"prompt": "The", "max_tokens": 3})

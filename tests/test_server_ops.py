@@ -32,7 +32,8 @@ def test_api_key_strict_params_and_upload(experts_dir, tmp_path):
     allow = tmp_path / "allow.txt"
     allow.write_text(hashlib.sha256(data).hexdigest() + "\n")
     srv = LiveServer("--strict-params", "--allow-expert-upload", "--expert-allowlist",
-                     str(allow), experts_dir=experts_dir, env={"COLIBRI_API_KEY": KEY})
+                     str(allow), "--no-routing-stats", experts_dir=experts_dir,
+                     env={"COLIBRI_API_KEY": KEY})
     try:
         u = srv.url
         auth = {"Authorization": f"Bearer {KEY}"}
@@ -45,6 +46,10 @@ def test_api_key_strict_params_and_upload(experts_dir, tmp_path):
         r = httpx.post(u + "/v1/completions", headers=auth,
                        json={"prompt": "x", "max_tokens": 1, "frobnicate": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+        r = httpx.post(u + "/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200
+        assert httpx.get(u + "/status.json").json()["routing_stats"] is False
+        assert "colibri_routed_tokens_total{" not in httpx.get(u + "/metrics").text
         assert httpx.put(u + "/v1/experts/uploaded", content=data).status_code == 401
         wrong = httpx.put(u + "/v1/experts/uploaded", content=data + b"\0", headers=auth)
         assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "allowlist"
@@ -137,3 +142,29 @@ def test_queue_full_is_429_disconnect_frees_place_sigterm_exits_0(experts_dir):
         assert "colibri: server stopped" in srv.log()
     finally:
         srv.stop()
+
+
+def test_request_timeout_and_cors(experts_dir):
+    srv = LiveServer("--request-timeout", "1", "--cors-origin", "http://ops.example",
+                     experts_dir=experts_dir)
+    try:
+        u = srv.url
+        # 64 prompts x 16 choices x 250 tokens: far more than one second of work
+        big = {**LONG, "prompt": ["The assert statement"] * 64, "n": 16}
+        r = httpx.post(u + "/v1/completions", json=big, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", u + "/v1/completions", json={**big, "stream": True}) as s:
+                lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+        assert '"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+        ok = httpx.post(u + "/v1/completions", json={"prompt": "The", "max_tokens": 4})
+        assert ok.status_code == 200                 # the engine is free again
+        pre = httpx.options(u + "/v1/completions", headers={
+            "Origin": "http://ops.example", "Access-Control-Request-Method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "http://ops.example"
+        other = httpx.options(u + "/v1/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert other.headers.get("access-control-allow-origin") is None
+    finally:
+        srv.stop()
+

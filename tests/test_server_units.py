@@ -156,3 +156,23 @@ def test_stop_strings_never_leak_across_tokens():
     c = StopCutter(["xyz"])
     assert c.push("aaxy")[0] == "aa"
     assert c.finish("") == "xy"                # the end came first: held text is sent
+
+
+def test_engine_errors_map_to_openai_errors():
+    from colibri_core.errors import ModelFormatError, RequestError
+    from colibri_core.hotplug.errors import ExpertSecurityError, RollbackError
+    from colibri_core.server.errors import from_exception
+    cases = [(RequestError("token id 5000 out of range 0..1023"), 400, "invalid_request_error"),
+             (RollbackError("expert 'x' is not active: nothing to roll back"), 404, None),
+             (RollbackError("expert 'x' has no previous version to roll back to"), 409, None),
+             (ExpertSecurityError("f.so: sha256 ab is not on the allowlist",
+                                  reason="allowlist"), 400, None),
+             (ModelFormatError("m: the model produced no finite logit"), 500, "server_error"),
+             (KeyError("boom"), 500, "server_error")]
+    for exc, status, kind in cases:
+        err = from_exception(exc, "req-1")
+        assert err.status == status, exc
+        assert kind is None or err.type == kind
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    internal = from_exception(KeyError("secret detail"), "req-9")
+    assert "req-9" in internal.message and "secret detail" not in internal.message

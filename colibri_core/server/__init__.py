@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
                    help="enable PUT /v1/experts/NAME (needs an API key and an allowlist)")
     p.add_argument("--expert-allowlist", dest="expert_allowlist", metavar="FILE",
                    help="sha256 digests (one per line) an uploaded expert may have")
+    p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
+                   help="do not count routed tokens per expert (saves the decode path's "
+                        "routing hook; /metrics and the status page then show no shares)")
     p.add_argument("--queue-size", dest="queue_size", type=int, default=64,
                    help="requests that may wait for the engine before 429 (default 64)")
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,

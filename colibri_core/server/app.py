@@ -10,6 +10,7 @@ counter.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -63,6 +64,7 @@ class Settings:
     shutdown_timeout_s: float = 10.0
     model_id: str = "colibri"
     score_batch_tokens: int = 4096
+    routing_stats: bool = True          # count routed tokens per expert (a routing hook)
 
 
 class Server:
@@ -72,7 +74,10 @@ class Server:
         self.engine = engine
         self.settings = settings
         self.book = book or ExpertBook(engine)
-        engine.register_plugin(self.book, name="colibri-server-book")
+        if settings.routing_stats:
+            # The routing hook costs the decode path ~30-60 us per MoE layer and token
+            # (docs/BENCHMARKS.md); --no-routing-stats leaves it out.
+            engine.register_plugin(self.book, name="colibri-server-book")
         if engine.hotplug is not None:
             self.book.attach(engine.hotplug)
         self.runner = EngineRunner(engine, settings.queue_size)
@@ -343,7 +348,6 @@ def build_app(server: Server) -> Starlette:
         body = await read_json(request, LIMITS["generate"])
         params.check_fields(body, "chat", st.strict_params, rec.rid)
         p = params.sampling(body, eng, "chat")
-        p.max_tokens = p.max_tokens          # None: until the context is full
         messages, prefix_k = params.chat_messages(body)
         if S.template is None or eng.tokenizer is None:
             raise bad_request(f"this model ({eng.model_dir}) has no chat template "
@@ -363,7 +367,7 @@ def build_app(server: Server) -> Starlette:
 
     async def score(request, rec):
         body = await read_json(request, LIMITS["score"])
-        experts = params._int(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
+        experts = params.integer(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
         raw = body.get("items")
         if raw is None:
             raw = [{"prompt": body.get("prompt"), "candidates": body.get("candidates")}]
@@ -421,7 +425,6 @@ def build_app(server: Server) -> Starlette:
             raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
                               f"'-' (1-64, not starting with '.')", param="name")
         data = await read_body(request, LIMITS["upload"])
-        import hashlib
         sha = hashlib.sha256(data).hexdigest()
         allow = st.upload_allowlist
         if not allow or sha not in allow:
@@ -458,6 +461,7 @@ def build_app(server: Server) -> Starlette:
                              "expert_set_id": listing["expert_set_id"],
                              "experts": listing["data"], "refusals": listing["refusals"][:10],
                              "watched_folder": listing["watched_folder"],
+                             "routing_stats": st.routing_stats,
                              "window": S.metrics.window(60.0)})
 
     async def index(request, rec):

@@ -9,7 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from .. import errors as _errors
 from ..errors import ColibriError, ConfigError, ModelFormatError, RequestError
+
+# Errors the engine may raise when it cannot take a request now (some engine versions
+# lack them): a 503 with Retry-After, not the client's fault.
+_UNAVAILABLE = tuple(getattr(_errors, n) for n in
+                     ("EngineBusyError", "EngineClosedError", "InsufficientMemoryError")
+                     if hasattr(_errors, n))
 
 log = logging.getLogger("colibri.server")
 
@@ -67,6 +74,9 @@ def from_exception(exc: BaseException, request_id: str) -> ApiError:
         # Late import: the hot-plug package is only loaded when hot-plug is in use.
         from ..hotplug.errors import ExpertRejected, RollbackError
         msg = str(exc).splitlines()[0] if str(exc) else name
+        if _UNAVAILABLE and isinstance(exc, _UNAVAILABLE):
+            return ApiError(503, msg, type="server_error", code="engine_unavailable",
+                            headers={"Retry-After": "1"})
         if isinstance(exc, RollbackError):
             status = 404 if "not active" in msg else 409
             return ApiError(status, msg, code="rollback")
@@ -74,9 +84,6 @@ def from_exception(exc: BaseException, request_id: str) -> ApiError:
             return ApiError(400, msg, code=getattr(exc, "reason", "rejected"))
         if isinstance(exc, (RequestError, ConfigError)):
             return ApiError(400, msg, code="invalid_value")
-        if "busy" in name.lower() or "concurrent" in name.lower():   # one-request guard
-            return ApiError(503, msg, type="server_error", code="engine_busy",
-                            headers={"Retry-After": "1"})
         if isinstance(exc, ModelFormatError):
             return ApiError(500, msg, type="server_error", code="model_error")
         return ApiError(500, msg, type="server_error", code=name)

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..hookspecs import hookimpl
+from ..modelfile import expert_name
 
 log = logging.getLogger("colibri.server")
 
@@ -147,7 +148,7 @@ class ExpertBook:
 
     def slot_name(self, layer: int, slot: int) -> str:
         if slot < self.engine.model_cfg.num_experts:
-            return f"expert_{layer}_{slot}"
+            return expert_name(layer, slot)
         name = self._slot_names.get(slot)
         if name is None and self.engine.hotplug is not None:
             self._slot_names = {r["slot"]: r["name"] for r in self.engine.hotplug.list()}

@@ -106,13 +106,15 @@ class RecordingSampler:
         self.records: list[tuple] = []
 
     def __call__(self, logits: np.ndarray) -> int:
-        raw = logits
-        if self.mask is not None:
-            logits = np.array(logits, dtype=np.float64)
-            logits[self.mask] = -np.inf
-        tok = self.inner(logits)
+        tok = self.inner(logits) if self.mask is None or self.inner.temperature == 0.0 \
+            else None
+        if tok is None or (self.mask is not None and tok in self.mask):
+            masked = np.array(logits, dtype=np.float64)    # copied only when it matters
+            masked[self.mask] = -np.inf
+            tok = self.inner(masked)
         if self.top_n is not None:
-            self.records.append(_entry(log_softmax(raw), tok, self.top_n, self.texts))
+            self.records.append(_entry(log_softmax(logits), tok,
+                                       self.top_n, self.texts))
         return tok
 
 

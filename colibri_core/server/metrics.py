@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter,
                                Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

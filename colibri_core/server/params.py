@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from .errors import bad_request
 from .generation import GenParams
@@ -74,7 +74,7 @@ def check_fields(body: dict, route: str, strict: bool, request_id: str) -> None:
 
 # ----------------------------------------------------------------------------- values
 
-def _int(body, name, default=None, lo=None, hi=None):
+def integer(body, name, default=None, lo=None, hi=None):
     v = body.get(name, default)
     if v is None:
         return default
@@ -180,30 +180,30 @@ def sampling(body: dict, engine, route: str) -> GenParams:
     """The fields both routes share -> GenParams (prompts filled in by the caller)."""
     V = engine.model_cfg.vocab_size
     E = engine.num_experts
-    max_tokens = _int(body, "max_tokens", None, lo=0)
+    max_tokens = integer(body, "max_tokens", None, lo=0)
     if route == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", None, lo=0)
+        max_tokens = integer(body, "max_completion_tokens", None, lo=0)
     if route == "completions" and "max_tokens" not in body:
         max_tokens = 16                                   # OpenAI's default for completions
-    top_k = _int(body, "top_k", 0, lo=-1)
-    seed = _int(body, "seed", None)
+    top_k = integer(body, "top_k", 0, lo=-1)
+    seed = integer(body, "seed", None)
     if seed is not None and seed < 0:
         seed &= (1 << 64) - 1                           # numpy's generator takes seeds >= 0
     p = GenParams(
-        prompts=[], n=_int(body, "n", 1, lo=1, hi=MAX_N), max_tokens=max_tokens,
+        prompts=[], n=integer(body, "n", 1, lo=1, hi=MAX_N), max_tokens=max_tokens,
         temperature=_num(body, "temperature", 1.0, lo=0.0, hi=100.0),
         top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=max(top_k, 0), seed=seed, stop=_stop(body),
         logit_bias=_logit_bias(body, V), ignore_eos=_bool(body, "ignore_eos"),
-        experts=_int(body, "experts_per_token", None, lo=1, hi=E))
+        experts=integer(body, "experts_per_token", None, lo=1, hi=E))
     if route == "completions":
         lp = body.get("logprobs")
         if lp is not None:
-            p.logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+            p.logprobs = integer(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
         p.echo = _bool(body, "echo")
     else:
         if _bool(body, "logprobs"):
-            p.logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+            p.logprobs = integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
         elif body.get("top_logprobs") is not None:
             raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
     return p

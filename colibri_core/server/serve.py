@@ -146,6 +146,7 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     strict_params=args.strict_params,
                     allow_expert_upload=args.allow_expert_upload, upload_allowlist=allow,
                     queue_size=args.queue_size, request_timeout_s=args.request_timeout,
+                    routing_stats=args.routing_stats,
                     model_id=args.model_id)
 
 
