@@ -311,7 +311,33 @@ def test_score_matches_engine_logprobs(server, ref):
     assert bad.status_code == 400
 
 
+def test_lm_eval_harness_loglikelihood_payload(server, ref):
+    """The request lm-eval-harness's local-completions sends for loglikelihood: token-id
+    prompts (context + continuation) in a batch, echo, max_tokens 1, logprobs 1; it reads
+    token_logprobs[ctxlen:-1] and checks greediness against top_logprobs."""
+    ctx = ref.encode("The assert statement")
+    conts = [ref.encode("The assert statement is used")[len(ctx):],
+             ref.encode("The assert statement was")[len(ctx):]]
+    body = {"model": "builtin", "prompt": [ctx + c for c in conts], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    for choice, cont in zip(sorted(out["choices"], key=lambda c: c["index"]), conts):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1
+        got = lp["token_logprobs"][len(ctx):-1]
+        full = ctx + cont
+        want = log_softmax(ref.next_token_logits(full, all_positions=True))
+        assert got == pytest.approx([want[len(ctx) - 1 + j, t] for j, t in enumerate(cont)],
+                                    abs=1e-6)
+        tops = lp["top_logprobs"][len(ctx):-1]
+        for j, (tok, top) in enumerate(zip(lp["tokens"][len(ctx):-1], tops)):
+            greedy = cont[j] == int(np.argmax(want[len(ctx) - 1 + j]))
+            assert (tok == max(top, key=top.get)) == greedy
+
+
 # ----------------------------------------------------------------------------- experts live
+# From here on the module's server has hot-plugged experts: the tests above compare with
+# an engine without them, so they must stay above (pytest runs a file in order).
 
 def _experts(server):
     return httpx.get(server.url + "/v1/experts").json()
@@ -407,26 +433,3 @@ def test_rollback_and_refusals(server):
     text = httpx.get(server.url + "/metrics").text
     assert "colibri_expert_refusals_total{" in text
 
-
-def test_lm_eval_harness_loglikelihood_payload(server, ref):
-    """The request lm-eval-harness's local-completions sends for loglikelihood: token-id
-    prompts (context + continuation) in a batch, echo, max_tokens 1, logprobs 1; it reads
-    token_logprobs[ctxlen:-1] and checks greediness against top_logprobs."""
-    ctx = ref.encode("The assert statement")
-    conts = [ref.encode("The assert statement is used")[len(ctx):],
-             ref.encode("The assert statement was")[len(ctx):]]
-    body = {"model": "builtin", "prompt": [ctx + c for c in conts], "temperature": 0,
-            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
-    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    for choice, cont in zip(sorted(out["choices"], key=lambda c: c["index"]), conts):
-        lp = choice["logprobs"]
-        assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1
-        got = lp["token_logprobs"][len(ctx):-1]
-        full = ctx + cont
-        want = log_softmax(ref.next_token_logits(full, all_positions=True))
-        assert got == pytest.approx([want[len(ctx) - 1 + j, t] for j, t in enumerate(cont)],
-                                    abs=1e-6)
-        tops = lp["top_logprobs"][len(ctx):-1]
-        for j, (tok, top) in enumerate(zip(lp["tokens"][len(ctx):-1], tops)):
-            greedy = cont[j] == int(np.argmax(want[len(ctx) - 1 + j]))
-            assert (tok == max(top, key=top.get)) == greedy
