@@ -160,9 +160,12 @@ def test_fused_sharded_and_per_expert_checkpoints_give_identical_files(built, tm
     model, hf, out = built("deepseek_v3", 4)
     save(model, tmp_path / "fused", fused=True, shards=3)
     convert(tmp_path / "fused", tmp_path / "out", bits=4)
+    from colibri_core.convert import TOKENIZER_FILES
     a = json.loads((out / "config.json").read_text())
     b = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert a["files"] == b["files"]
+    # the weights' files; save_pretrained also writes generation_config.json, copied as is
+    weights = lambda c: {n: f for n, f in c["files"].items() if n not in TOKENIZER_FILES}  # noqa: E731
+    assert weights(a) == weights(b) and len(weights(a)) > 10
 
 
 def test_conversion_is_deterministic(built, tmp_path):

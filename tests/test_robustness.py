@@ -321,7 +321,7 @@ def test_cli_every_mistake_is_one_line_exit_2(tmp_path, tiny_model_dir, tok_mode
         "nan config": (colibri_cmd("run", "--config", bad_cfg), "field 'engine.sampling.temperature'"),
         "policy k": (colibri_cmd("run", "--config", policy, "-p", "hi"), "length_policy.0.k': value 12"),
         "list config": (colibri_cmd("run", "--config", bomb), "expected a mapping at the top level"),
-        "threads": (colibri_cmd("run", "--model", tm, "--threads", "0"), "field 'threads'"),
+        "threads": (colibri_cmd("run", "--model", tm, "--threads", "0"), "argument --threads: '0': expected an integer from 1"),
         "experts dir": (colibri_cmd("run", "--model", tm, "--experts-dir", tmp_path / "nope"), "no such folder"),
         # model directories
         "truncated": (colibri_cmd("run", "--model", model_with("truncated")), "size 5000 bytes"),
@@ -329,18 +329,18 @@ def test_cli_every_mistake_is_one_line_exit_2(tmp_path, tiny_model_dir, tok_mode
         "missing": (colibri_cmd("run", "--model", model_with("expert file missing")), "missing (listed"),
         "bad magic": (colibri_cmd("inspect", model_with("bad magic")), "not a Colibri file"),
         "garbage table": (colibri_cmd("run", "--model", model_with("garbage table")), "unreadable section table"),
-        "no config": (colibri_cmd("run", "--model", model_with("no config.json")), "file not found"),
+        "no config": (colibri_cmd("run", "--model", model_with("no config.json")), "is not a Colibri model directory (no config.json)"),
         "top_k model": (colibri_cmd("run", "--model", top_k), "FATAL: expert index out of bounds"),
         "tokenizer": (colibri_cmd("run", "--model", tmp_path / "tokbad", "-p", "hi"), "largest id 300"),
         # requests
-        "top-k 0": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "0"), "top_k=0"),
+        "top-k 0": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "0"), "argument --top-k: '0': expected an integer >= 1"),
         "top-k 5": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "5"), "allowed 1..4"),
         "empty": (colibri_cmd("run", "--model", tm, "-p", ""), "empty prompt"),
         "mode only": (colibri_cmd("run", "--model", tm, "-p", "MODE:k1|"), "empty prompt"),
         "mode bad": (colibri_cmd("run", "--model", tm, "-p", "MODE:k|x"), "malformed MODE: prefix"),
         "mode k0": (colibri_cmd("run", "--model", tm, "-p", "MODE:k0|x"), "k must be at least 1"),
-        "n negative": (colibri_cmd("run", "--model", tm, "-p", "x", "-n", "-1"), "max_new_tokens=-1"),
-        "temperature": (colibri_cmd("run", "--model", tm, "-p", "x", "--temperature", "nan"), "temperature=nan"),
+        "n negative": (colibri_cmd("run", "--model", tm, "-p", "x", "-n", "-1"), "argument -n: '-1': expected an integer >= 0"),
+        "temperature": (colibri_cmd("run", "--model", tm, "-p", "x", "--temperature", "nan"), "argument --temperature: 'nan': expected a number >= 0"),
         "no tokenizer": (colibri_cmd("run", "--model", tiny_model_dir, "-p", "x"), "no tokenizer.json"),
     }
     results = run_many({k: c for k, (c, _) in cases.items()})
