@@ -354,7 +354,7 @@ def _wait(pred, what, timeout=30.0):
 
 
 async def _stream(url, prompt, n):
-    """One streaming completion: (text, [generation of each token])."""
+    """One streaming completion: ([text of each token], [generation of each token])."""
     async with httpx.AsyncClient(timeout=120) as c:
         async with c.stream("POST", url + "/v1/completions", json={
                 "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
@@ -371,7 +371,7 @@ async def _stream(url, prompt, n):
                     if ch["text"]:
                         text.append(ch["text"])
                         gens.append(gen)
-            return "".join(text), gens
+            return text, gens
 
 
 def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, ref):
@@ -381,12 +381,22 @@ def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, re
     N = 24
     before = {p: solo(ref, p, N).text for p in set(prompts)}
 
+    so = compile_test_expert(server.experts_dir.parent / "srv_live.so", hidden=128,
+                             layer=2, name="srv_live", version="1.0", scale=0.5)
+
     async def load():
-        tasks = [asyncio.create_task(_stream(server.url, p, N)) for p in prompts]
-        await asyncio.sleep(0.3)                # some streams are running: drop the expert
-        compile_test_expert(server.experts_dir / "srv_live.so", hidden=128, layer=2,
-                            name="srv_live", version="1.0", scale=0.5)
-        return await asyncio.gather(*tasks)
+        """Waves of 32 concurrent streams; the expert is dropped during the first, and
+        waves go on until one stream has run with the new set (deadline 60 s)."""
+        done, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline:
+            tasks = [asyncio.create_task(_stream(server.url, p, N)) for p in prompts]
+            if not done:
+                await asyncio.sleep(0.2)        # streams are running: drop the expert
+                so.rename(server.experts_dir / "srv_live.so")
+            done += list(zip(prompts, await asyncio.gather(*tasks)))
+            if any(g[-1] > base_gen for _, (_, g) in done):
+                return done
+        raise AssertionError("no stream ran with the dropped expert within 60 s")
     results = asyncio.run(load())
     listing = _wait(lambda: (lambda x: x if any(e["name"] == "srv_live" and
                                                  e["status"] == "active"
@@ -399,12 +409,16 @@ def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, re
     after = {p: httpx.post(server.url + "/v1/completions", json={
         "prompt": p, "max_tokens": N, "temperature": 0, "ignore_eos": True},
         timeout=60).json()["choices"][0]["text"] for p in set(prompts)}
-    for p, (text, gens) in zip(prompts, results):
+    for p, (pieces, gens) in results:
         assert gens == sorted(gens), "generations go up within a stream"
+        text = "".join(pieces)
         if gens[-1] == base_gen:
             assert text == before[p]
         elif gens[0] == new_gen:
             assert text == after[p]
+        else:                       # the switch came mid-stream: the old set's part is solo
+            j = gens.index(gens[-1])
+            assert before[p].startswith("".join(pieces[:j]))
     metrics = httpx.get(server.url + "/metrics").text
     assert metric(metrics, "colibri_expert_adoptions_total") >= 1
     assert metric(metrics, "colibri_expert_set_generation") == new_gen
