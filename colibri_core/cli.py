@@ -15,6 +15,7 @@ Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -621,13 +622,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     logging.basicConfig(format="colibri: warning: %(message)s", level=logging.WARNING)
+    # Generated text may hold characters a non-UTF-8 terminal cannot show: replaced, not a
+    # UnicodeEncodeError in the middle of a run.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
+            stream.reconfigure(errors="replace")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["expert", "build"]:          # its own parser, options and all
         args = argparse.Namespace(func=cmd_expert_build, rest=argv[2:])
     else:
         args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()                  # a full disk is reported here, not at exit
+        return rc
     except ColibriError as e:
         for line in str(e).splitlines():
             line = line.removeprefix("colibri: ")      # some messages already carry it
@@ -639,6 +647,13 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EBADF):
+            raise
+        # stdout could not be written (a full disk, /dev/full): nothing more goes there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"colibri: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -244,6 +244,11 @@ class EngineConfig(BaseModel):
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
     residency: ResidencyConfig = ResidencyConfig()
+    # score_batch / next_token_logits: at most this many tokens per forward pass (a larger
+    # call runs in several; results equal up to float32 rounding, since a kernel's tiling
+    # follows the batch); a call of more than `max_call_tokens` tokens is refused
+    max_batch_tokens: int = Field(default=65536, ge=1)
+    max_call_tokens: int = Field(default=1 << 20, ge=1)
 
 
 class RunConfig(BaseModel):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import weakref
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -20,9 +22,10 @@ import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
-from .errors import ConfigError, RequestError
+from .errors import (ConfigError, EngineBusyError, EngineClosedError, RequestError,
+                     RequestTooLarge)
 from .generate import Generation
-from .model import Model
+from .model import Model, check_memory
 from .kselect import check_k, split_mode_prefix
 from .sampler import Sampler
 from .tokenizer import Tokenizer
@@ -43,6 +46,15 @@ class Engine:
         self.hotplug = None
         self.hooks = None
         self._closed = False
+        # One request at a time (a scheduler that batches many is issue 15): `_active` is
+        # the request holding the engine, from its first token to its end, close or
+        # finalization; the model itself runs under `_step_lock`, which close() takes so
+        # that nothing is unmapped under a running kernel.
+        self._active: Optional[str] = None
+        self._active_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._step_thread: Optional[int] = None
+        self._released = False
         if config.experts_dir is not None and not Path(config.experts_dir).is_dir():
             raise ConfigError(f"experts_dir {config.experts_dir!r}: no such folder; create it "
                               f"(the hot-plug folder is watched, never created)")
@@ -104,6 +116,8 @@ class Engine:
     def memory_report(self, page_cache: bool = True) -> dict:
         """Resident memory, the expert cache and disk reads (bytes; residency.py).
         Hot-plugged experts' INT4 weights are outside the budget: `hot_plugged_bytes`."""
+        if self._closed:
+            raise self._closed_error()
         r = self.model.residency.report(page_cache)
         from .expertset import HotSlot
         seen = {}
@@ -147,19 +161,81 @@ class Engine:
 
     def close(self) -> None:
         """Stop hot-plug, unmap the model files and close their descriptors (now, not at
-        the next garbage collection). Idempotent; a closed engine refuses requests."""
+        the next garbage collection). Idempotent; a closed engine refuses requests.
+
+        From another thread while a request computes, close() waits for its current step
+        (the request then ends with EngineClosedError); from inside a step (a plugin
+        hook), the release happens when that step ends."""
         if self._closed:
             return
         self._closed = True
-        if self.hooks is not None and self.hooks.engine_stop is not None:
-            self.hooks.engine_stop(engine=self)
-        if self.hotplug is not None:
-            self.hotplug.close()
-            self.hotplug = None
-        self._close_residency()
-        self.model.expert_set = None        # its experts hold views into the mapped files
-        self.model.drop_decode_plans()      # so do the decode path's C structs
-        self.weights.close()
+        if self._step_thread == threading.get_ident():
+            return                              # inside a step: _step() finishes the close
+        with self._step_lock:
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            if self.hooks is not None and self.hooks.engine_stop is not None:
+                self.hooks.engine_stop(engine=self)
+        finally:
+            if self.hotplug is not None:
+                self.hotplug.close()
+                self.hotplug = None
+            self._close_residency()
+            self.model.expert_set = None        # its experts hold views into the mapped files
+            self.model.drop_decode_plans()      # so do the decode path's C structs
+            self.weights.close()
+
+    # ------------------------------------------------------------------ one request at a time
+    def _closed_error(self) -> EngineClosedError:
+        return EngineClosedError(f"{self.model_dir}: this engine is closed; create a new one")
+
+    def claim(self, request_id: str) -> None:
+        """Make `request_id` the engine's active request, or refuse: an Engine serves one
+        request at a time, whatever thread or event loop drives it."""
+        with self._active_lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._active is not None and self._active != request_id:
+                raise EngineBusyError(
+                    f"engine busy: request {self._active!r} is active on this Engine, which "
+                    f"serves one request at a time; finish or close that Generation first, "
+                    f"use one Engine per thread, or `colibri serve` for concurrent clients")
+            self._active = request_id
+
+    def release(self, request_id: str) -> None:
+        with self._active_lock:
+            if self._active == request_id:
+                self._active = None
+
+    @contextmanager
+    def step(self):
+        """Around every computation of the model (a prefill, a decode step, an expert
+        change): close() waits for it rather than unmapping under it."""
+        with self._step_lock:
+            if self._closed:
+                raise self._closed_error()
+            self._step_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._step_thread = None
+                if self._closed:                # closed from inside this step
+                    self._release_resources()
+
+    @contextmanager
+    def _request(self, request_id: str):
+        """A whole call (score_batch, next_token_logits) as one active request, one step."""
+        self.claim(request_id)
+        try:
+            with self.step():
+                yield
+        finally:
+            self.release(request_id)
 
     def __enter__(self):
         return self
@@ -209,13 +285,23 @@ class Engine:
     def prepare_ids(self, prompt: Union[str, Sequence[int]], reserve: int = 1) -> tuple[list[int], Optional[int], Optional[int]]:
         """-> (token ids, k from a MODE: prefix, original length if truncated)."""
         if self._closed:
-            raise RequestError(f"{self.model_dir}: this engine is closed; create a new one")
+            raise self._closed_error()
         prefix_k = None
+        ctx = self.model_cfg.max_position_embeddings
         if isinstance(prompt, str):
             prefix_k, text = split_mode_prefix(prompt)
             if not text:
                 raise RequestError("empty prompt: give at least one character of text "
                                    "(after any MODE: prefix)")
+            # Only the end of a long prompt can stay: tokenize no more text than the context
+            # can hold (a few tokens spare, so the cut's edge falls outside what is kept).
+            if self.tokenizer is not None:
+                limit = (ctx + 16) * self.tokenizer.max_token_chars
+                if len(text) > limit:
+                    log.warning("prompt of %d characters is longer than a context of %d "
+                                "tokens can hold; tokenizing its last %d characters",
+                                len(text), ctx, limit)
+                    text = text[-limit:]
             ids = self.encode(text)
         else:
             ids = _token_ids(prompt)
@@ -225,7 +311,6 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise RequestError(f"token id {bad[0]} out of range 0..{V - 1}")
-        ctx = self.model_cfg.max_position_embeddings
         keep = max(1, ctx - reserve)
         truncated = None
         if len(ids) > keep:
@@ -248,7 +333,14 @@ class Engine:
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
             raise RequestError(f"max_new_tokens={n_new!r}: must be an integer >= 0")
         n_new = int(n_new)
-        stop = list(s.stop if stop is None else ([stop] if isinstance(stop, str) else stop))
+        if stop is None:
+            stop = list(s.stop)
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise RequestError(f"stop={stop!r:.60}: expected a string or a list of strings")
         if not all(isinstance(x, str) and x for x in stop):
             raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
         ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
@@ -267,23 +359,48 @@ class Engine:
     def next_token_logits(self, token_ids: Sequence[int], top_k: Optional[int] = None,
                           all_positions: bool = False) -> np.ndarray:
         """Logits [V] after `token_ids` (or [n, V] for every position)."""
-        ids, _, _ = self.prepare_ids(list(token_ids), reserve=0)
-        k, _ = self.choose_k(len(ids), top_k, None, {})
-        self.apply_expert_changes()
-        cache = self.model.new_cache(len(ids))
-        return self.model.forward([np.asarray(ids)], [cache], [k], all_logits=all_positions)[0]
+        return self.score_batch([token_ids], top_k=top_k, all_positions=all_positions)[0]
 
     def score_batch(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
                     all_positions: bool = False) -> list[np.ndarray]:
-        """One batched forward over many (short) sequences: prefill only, no decode."""
-        if not sequences:
+        """Batched forward passes over many (short) sequences: prefill only, no decode.
+        -> one float32 [V] array of next-token logits per sequence ([len, V] each with
+        all_positions=True). Sequences are run at most `max_batch_tokens` tokens per
+        forward (the same results up to float32 rounding); a call of more than
+        `max_call_tokens` tokens is refused."""
+        if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
+            raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
+                               f"of token-id lists")
+        if not len(sequences):
             return []
-        prepared = [self.prepare_ids(list(s), reserve=0)[0] for s in sequences]
+        prepared = []
+        for i, seq in enumerate(sequences):
+            if isinstance(seq, str):
+                raise RequestError(f"sequence {i} is text: score_batch takes token ids "
+                                   f"(engine.encode(text) gives them)")
+            try:
+                prepared.append(self.prepare_ids(seq, reserve=0)[0])
+            except RequestError as e:
+                raise RequestError(f"sequence {i}: {e}") from None
+        total = sum(len(p) for p in prepared)
+        cfg = self.config
+        if total > cfg.max_call_tokens:
+            raise RequestTooLarge(f"score_batch of {total} tokens: more than max_call_tokens="
+                                  f"{cfg.max_call_tokens} (engine config); split the call")
+        V = self.model_cfg.vocab_size
+        out_rows = total if all_positions else len(prepared)
+        check_memory(4 * V * out_rows, f"logits of {out_rows} positions")
         k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {})
-        self.apply_expert_changes()
-        caches = [self.model.new_cache(len(p)) for p in prepared]
-        return self.model.forward([np.asarray(p) for p in prepared], caches, [k] * len(prepared),
-                                  all_logits=all_positions)
+        results: list[np.ndarray] = []
+        with self._request(f"score-{next(_request_ids)}"):
+            self._apply_expert_changes()
+            es = self.model.expert_set
+            for chunk in _chunks(prepared, cfg.max_batch_tokens):
+                caches = [self.model.new_cache(len(p)) for p in chunk]
+                results += self.model.forward([np.asarray(p) for p in chunk], caches,
+                                              [k] * len(chunk), all_logits=all_positions,
+                                              expert_set=es)
+        return results
 
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:
@@ -311,7 +428,17 @@ class Engine:
         self._pending_changes.append(change)
 
     def apply_expert_changes(self) -> None:
-        """On the engine's thread, between two tokens: adopt queued expert changes.
+        """Adopt queued expert changes now (between two steps; a no-op once closed)."""
+        if self._closed:
+            return
+        if self._step_thread == threading.get_ident():
+            self._apply_expert_changes()
+            return
+        with self.step():
+            self._apply_expert_changes()
+
+    def _apply_expert_changes(self) -> None:
+        """Inside a step, between two tokens: adopt queued expert changes.
 
         Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
         and removed experts are released (their library unloaded) once no snapshot that
@@ -377,6 +504,20 @@ def _token_ids(prompt) -> list[int]:
             raise RequestError(f"token id at position {i} is {t!r:.40} "
                                f"({type(t).__name__}): token ids are integers")
     return [int(t) for t in items]
+
+
+def _chunks(seqs: list, max_tokens: int):
+    """Consecutive groups of sequences of at most max_tokens tokens (one sequence alone
+    may be longer: it is bounded by the context)."""
+    group, n = [], 0
+    for p in seqs:
+        if group and n + len(p) > max_tokens:
+            yield group
+            group, n = [], 0
+        group.append(p)
+        n += len(p)
+    if group:
+        yield group
 
 
 def _release_all(manager, experts) -> None:

@@ -1,19 +1,29 @@
 """Typed errors. Each message is one line naming the thing (file, field, value) and the fix.
 
 The CLI prints `str(error)` and exits non-zero; it never shows a traceback for these.
+Each class also says how a server answers it: `http_status`, `error_type` (OpenAI's
+`type` field) and `code`, so `colibri serve` (server/errors.py) maps an error by class,
+never by its message.
 """
 
 
 class ColibriError(Exception):
     """Base class of every error a user can cause."""
+    http_status = 500
+    error_type = "server_error"
+    code = "colibri_error"
 
 
 class ConfigError(ColibriError, ValueError):
     """A model or engine configuration is invalid (one line per problem)."""
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_config"
 
 
 class ModelFormatError(ColibriError, ValueError):
     """A model directory or one of its files is missing, truncated or malformed."""
+    code = "model_error"
 
 
 class ExpertIndexError(ModelFormatError):
@@ -25,12 +35,44 @@ class ExpertIndexError(ModelFormatError):
 
 class RequestError(ColibriError, ValueError):
     """A request is invalid: bad token ids, bad k, empty prompt, malformed MODE: prefix."""
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class RequestTooLarge(RequestError):
+    """A request asks for more than a configured limit (tokens per call, memory)."""
+    http_status = 413
+    code = "request_too_large"
+
+
+class EngineUnavailable(ColibriError, RuntimeError):
+    """The engine cannot take the request now; retrying later (or elsewhere) can work."""
+    http_status = 503
+    code = "engine_unavailable"
+
+
+class EngineBusyError(EngineUnavailable):
+    """Another request is active on this Engine (an Engine serves one at a time)."""
+    code = "engine_busy"
+
+
+class EngineClosedError(EngineUnavailable):
+    """The engine was closed (before or during the request)."""
+    code = "engine_closed"
+
+
+class InsufficientMemoryError(EngineUnavailable):
+    """What a request needs (KV cache, activations) exceeds the memory available now."""
+    code = "insufficient_memory"
 
 
 class ExpertError(ColibriError):
     """An expert was refused or failed: the base of the hot-plug errors (hotplug/errors.py).
     The model catches it around an expert's own code, which then contributes nothing."""
+    code = "expert_error"
 
 
 class KernelError(ColibriError, RuntimeError):
     """The compiled kernels are missing or were called with bad arguments."""
+    code = "kernel_error"

@@ -33,6 +33,12 @@ class Host(Protocol):
 
     def apply_expert_changes(self) -> Any: ...
 
+    def claim(self, request_id: str) -> None: ...      # one active request (or refuse)
+
+    def release(self, request_id: str) -> None: ...
+
+    def step(self) -> Any: ...                          # context manager around compute
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -75,21 +81,31 @@ class Generation:
         eng = self.engine
         cfg = eng.model_cfg
         ctx = cfg.max_position_embeddings
+        eng.claim(self.request_id)       # one active request per engine: refused, not mixed
+        try:
+            yield from self._steps(eng, cfg, ctx)
+        finally:
+            eng.release(self.request_id)
+
+    def _steps(self, eng, cfg, ctx) -> Iterator[TokenEvent]:
         capacity = min(ctx, len(self.prompt_ids) + self.max_new_tokens)
         cache = eng.model.new_cache(max(capacity, len(self.prompt_ids)))
         decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
         hooks = eng.hooks
         if hooks is not None and hooks.request_start is not None:
             hooks.request_start(request_id=self.request_id, prompt_tokens=len(self.prompt_ids), k=self.k)
+        # No collector pauses inside a token; the caller's own code between two tokens runs
+        # with the collector as it was.
         gc_was_enabled = gc.isenabled()
-        gc.disable()                       # no collector pauses inside a token
         try:
             t_prev = time.perf_counter()
-            eng.apply_expert_changes()
-            es = eng.model.expert_set        # a pinned request keeps this snapshot
-            version = es.version
-            logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k],
-                                       expert_set=es)[0]
+            gc.disable()
+            with eng.step():
+                eng.apply_expert_changes()
+                es = eng.model.expert_set        # a pinned request keeps this snapshot
+                version = es.version
+                logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k],
+                                           expert_set=es)[0]
             eos = set(cfg.eos_token_ids)
             step = 0
             while True:
@@ -111,7 +127,10 @@ class Generation:
                 if hooks is not None and hooks.token is not None:
                     hooks.token(request_id=self.request_id, step=step, token_id=tok, text=piece,
                                 expert_set_version=version)
+                if gc_was_enabled:
+                    gc.enable()
                 yield ev
+                gc.disable()
                 step += 1
                 if stop_hit:
                     self.stop_reason = "stop"
@@ -122,11 +141,12 @@ class Generation:
                 if cache.length >= cache.capacity:
                     self.stop_reason = "context"
                     break
-                if not self.pin_experts:
-                    eng.apply_expert_changes()          # between two tokens, on this thread
-                    es = eng.model.expert_set
-                    version = es.version
-                logits = eng.model.decode_step(tok, cache, self.k, expert_set=es)
+                with eng.step():                        # close() waits for this, not longer
+                    if not self.pin_experts:
+                        eng.apply_expert_changes()      # between two tokens, on this thread
+                        es = eng.model.expert_set
+                        version = es.version
+                    logits = eng.model.decode_step(tok, cache, self.k, expert_set=es)
             if decoder is not None and self.stop_reason != "stop":
                 tail = decoder.flush()
                 self.text += tail

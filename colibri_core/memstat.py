@@ -127,3 +127,61 @@ def proc_memory() -> dict:
     except OSError:
         pass
     return out
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None          # "max": no limit
+
+
+def _cgroup_dir() -> Optional[str]:
+    """This process's cgroup v2 folder (None on v1 or outside a cgroup)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return "/sys/fs/cgroup" + line[3:].strip()
+    except OSError:
+        pass
+    return None
+
+
+def available_bytes() -> Optional[int]:
+    """Memory a new allocation can count on now: MemAvailable, lowered to the cgroup's
+    limit minus its anonymous memory (v2 `memory.max` / `memory.stat`, v1
+    `memory.limit_in_bytes` / `memory.stat` rss). None where the kernel says nothing."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    limits = []
+    cg = _cgroup_dir()
+    if cg is not None:
+        limits.append((_read_int(cg + "/memory.max"), cg + "/memory.stat", "anon"))
+    limits.append((_read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                   "/sys/fs/cgroup/memory/memory.stat", "rss"))
+    for limit, stat, key in limits:
+        if limit is None or limit >= 1 << 60:             # v1 says "no limit" this way
+            continue
+        used = 0
+        try:
+            with open(stat) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == key:
+                        used = int(value)
+                        break
+        except (OSError, ValueError):
+            pass
+        room = max(0, limit - used)
+        avail = room if avail is None else min(avail, room)
+    return avail

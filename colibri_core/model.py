@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import kernels, mla, ops
+from . import kernels, memstat, mla, ops
 from .config import EngineConfig, ModelConfig
 from .decode import DecodePlan, Unsupported
-from .errors import ExpertError, RequestError
+from .errors import ExpertError, InsufficientMemoryError, RequestError
 from .expertcache import make_residency
 from .expertset import ExpertSet
 from .memstat import MADV_POPULATE_READ, MADV_WILLNEED
@@ -28,6 +28,16 @@ from .routing import LayerTrace, Routing, route
 from .weights import FFNWeights, LayerWeights, ModelWeights
 
 log = logging.getLogger("colibri")
+
+
+def check_memory(need: int, what: str) -> None:
+    """Refuse an allocation the machine (or this cgroup) cannot hold, before making it."""
+    avail = memstat.available_bytes()
+    if avail is not None and need > avail:
+        raise InsufficientMemoryError(
+            f"{what} needs {need / 2**20:,.0f} MiB but {avail / 2**20:,.0f} MiB are available "
+            f"(MemAvailable / cgroup limit); ask for fewer tokens (max_new_tokens, -n) or "
+            f"fewer sequences per call")
 
 
 class KVCache:
@@ -79,7 +89,15 @@ class Model:
         self._last_routing, self._fast_trace = value, None
 
     # ------------------------------------------------------------------ small blocks
+    def cache_bytes(self, capacity: int) -> int:
+        """What new_cache(capacity) allocates (keys and values, every layer)."""
+        c = self.cfg
+        per_pos = c.kv_lora_rank + c.qk_rope_head_dim if c.attention == "mla" \
+            else 2 * c.num_kv_heads * c.head_size
+        return 4 * c.num_layers * int(capacity) * per_pos
+
     def new_cache(self, capacity: int) -> KVCache:
+        check_memory(self.cache_bytes(capacity), f"a KV cache of {capacity} positions")
         if self.cfg.attention == "mla":
             return mla.MLACache(self.cfg, capacity)
         return KVCache(self.cfg, capacity)

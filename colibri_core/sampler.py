@@ -14,6 +14,9 @@ class Sampler:
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  top_k: int = 0, logit_bias: dict[int, float] | None = None):
+        for name, v in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise ValueError(f"{name}={v!r:.40}: must be a number")
         if not (math.isfinite(temperature) and temperature >= 0):   # NaN fails too
             raise ValueError(f"temperature={temperature}: must be a finite number >= 0")
         if not 0 < top_p <= 1:
@@ -37,7 +40,10 @@ class Sampler:
         if self.temperature == 0.0:      # on the logits as they are: no float64 copy
             return int(np.argmax(logits))
         logits = np.asarray(logits, dtype=np.float64)
-        z = logits / self.temperature
+        # Shifted so the largest is 0 before dividing: a tiny temperature (1e-308) sends
+        # the others to -inf (greedy in effect) instead of overflowing to +inf.
+        with np.errstate(over="ignore"):
+            z = (logits - logits.max()) / self.temperature
         if 0 < self.top_k < z.size:      # ties at the k-th value are kept
             z = np.where(z >= np.partition(z, -self.top_k)[-self.top_k], z, -np.inf)
         p = ops.softmax(z)

@@ -20,6 +20,11 @@ class Tokenizer:
         # whatever the file says), and get_vocab_size() counts entries.
         top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         # A model vocabulary padded above the tokenizer's size is normal; the reverse is not.
+        # An upper bound on the characters one token stands for (its string in the
+        # vocabulary is at least as long in UTF-8 bytes): what a long prompt is cut to.
+        self.max_token_chars = max((len(t.encode("utf-8"))
+                                    for t in self._tok.get_vocab(with_added_tokens=True)),
+                                   default=1)
         if max(n, top + 1) > vocab_size:
             raise ModelFormatError(f"{path}: tokenizer has {n} tokens (largest id {top}) but "
                                    f"the model's vocab_size is {vocab_size}; ids >= "
@@ -32,10 +37,24 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise RequestError(f"prompt is not valid Unicode text: {e.reason} at character "
                                f"{e.start} ({text[e.start]!r})") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except BaseException as e:      # a panic in the Rust library is a BaseException
+            raise self._library_error(e, "encoding the prompt") from None
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        try:
+            return self._tok.decode(list(ids), skip_special_tokens=True)
+        except BaseException as e:
+            raise self._library_error(e, "decoding tokens") from None
+
+    def _library_error(self, e: BaseException, doing: str) -> BaseException:
+        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)) or \
+                type(e).__name__ != "PanicException" and not isinstance(e, Exception):
+            return e
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return ModelFormatError(f"{self.path}: the tokenizer failed {doing} ({first}); "
+                                f"check this tokenizer.json (its regex or normalizer)")
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (log-prob listings)."""
@@ -47,24 +66,30 @@ class Tokenizer:
 
 class StreamDecoder:
     """Emits text as tokens arrive, never splitting a UTF-8 character: text that ends in
-    an incomplete byte sequence (decoded as U+FFFD) is held back until it completes."""
+    an incomplete byte sequence (decoded as U+FFFD) is held back until it completes.
+
+    Only a short window of the latest tokens is decoded at each step (constant work per
+    token, not the whole text again): the tokens from `prefix` to `read` were emitted
+    already, and decoding them together with the new ones, then dropping their text,
+    keeps whatever the decoder does at a sequence's start (a leading space) out of it."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.ids: list[int] = []
-        self.emitted = 0        # characters of the decoded text already emitted
+        self.prefix = 0         # the window's start: context for decoding what follows
+        self.read = 0           # tokens up to here are emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new = text[self.emitted:]
-        self.emitted = len(text)
-        return new
+        return self._take(final=False)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        new = text[self.emitted:]
-        self.emitted = len(text)
-        return new
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(done)):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]

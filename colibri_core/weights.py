@@ -158,6 +158,23 @@ def _check_files(cfg: ModelConfig, path: Path) -> None:
                                    f"the file was truncated or replaced — re-convert or restore it")
 
 
+def check_gate_up(path, w: FFNWeights) -> FFNWeights:
+    """Gate (w1) and up (w3) read the same input, quantized once for both: they must share
+    a number type and a group size (a mismatch would fail inside the kernels, mid-request)."""
+    a, b = w.w1, w.w3
+    if _describe(a) != _describe(b):
+        raise ModelFormatError(
+            f"{path}: gate (w1) is {_describe(a)} but up (w3) is {_describe(b)}; both must "
+            f"have the same number type and group size (re-convert the model)")
+    return w
+
+
+def _describe(t) -> str:
+    if isinstance(t, (Q4Tensor, Q8Tensor)):
+        return f"{'q4' if isinstance(t, Q4Tensor) else 'q8'} with group size {t.group}"
+    return str(getattr(t, "dtype", type(t).__name__))
+
+
 def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarray] = None,
                base: int = 0) -> Optional[FFNWeights]:
     """An expert file's FFN: its sections' shapes checked against the config, then views
@@ -177,7 +194,7 @@ def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarr
                                    f"expected {list(shape)} from config.json")
     if buf is None and f.buf is None:
         return None
-    w = FFNWeights(*(f.tensor(n, buf, base) for n in ("w1", "w3", "w2")))
+    w = check_gate_up(f.path, FFNWeights(*(f.tensor(n, buf, base) for n in ("w1", "w3", "w2"))))
     for m in ("w1", "w3", "w2"):              # equal AWQ scales share one array (as at load)
         if m + ".act_scale" in f:
             a = f.tensor(m + ".act_scale", buf, base)
@@ -232,8 +249,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
         def ffn(f: ContainerFile, prefix: str, names, I: int) -> FFNWeights:
             """names: section names of (gate, up, down) under `prefix`."""
             n1, n3, n2 = names
-            w = FFNWeights(get(f, prefix + n1, (I, H)), get(f, prefix + n3, (I, H)),
-                           get(f, prefix + n2, (H, I)))
+            w = check_gate_up(f.path, FFNWeights(get(f, prefix + n1, (I, H)),
+                                                 get(f, prefix + n3, (I, H)),
+                                                 get(f, prefix + n2, (H, I))))
             sc = act_scales(f, prefix, ((n1, H), (n3, H), (n2, I)))
             w.act_scales = {k: sc[n] for k, n in zip(("w1", "w3", "w2"), names) if n in sc}
             return w

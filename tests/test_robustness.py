@@ -20,7 +20,7 @@ import pytest
 from colibri_core.config import (EngineConfig, LengthRule, ModelConfig, load_model_config,
                                  load_run_config, parse, read_mapping)
 from colibri_core.engine import Engine
-from colibri_core.errors import (ColibriError, ConfigError, ExpertIndexError, ModelFormatError,
+from colibri_core.errors import (ColibriError, EngineClosedError, ConfigError, ExpertIndexError, ModelFormatError,
                                  RequestError)
 from colibri_core.testing import write_random_model
 from colibri_core.weights import load_model
@@ -187,7 +187,7 @@ def test_close_unmaps_and_closes_files_at_once(tok_model):
         e.close()
         assert (fd_count(), maps_of(tok_model)) == (fds, maps)
         e.close()                                        # idempotent
-        with pytest.raises(RequestError, match="engine is closed"):
+        with pytest.raises(EngineClosedError, match="engine is closed"):
             e.generate([1, 2])
     finally:
         if was:

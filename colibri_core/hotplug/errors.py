@@ -10,9 +10,14 @@ from colibri_core.errors import ExpertError
 
 
 class HotplugError(ExpertError):
-    """Base class of the hot-plug errors."""
+    """Base class of the hot-plug errors. A server answers a refusal with 400 and its
+    `reason` as the code (`code` below follows `reason`)."""
 
     reason = "error"
+
+    @property
+    def code(self) -> str:          # the server's error code is the refusal's reason
+        return self.reason
 
     def __init__(self, message: str, *, reason: str | None = None, path: str | None = None):
         super().__init__(message)
@@ -27,6 +32,8 @@ class ExpertRejected(HotplugError, ValueError):
     """An expert file was refused before loading (base class of every check failure)."""
 
     reason = "rejected"
+    http_status = 400
+    error_type = "invalid_request_error"
 
 
 class ElfFormatError(ExpertRejected):
@@ -101,6 +108,8 @@ class RollbackError(HotplugError, ValueError):
     """rollback() asked for an expert that is not active or has no previous version."""
 
     reason = "rollback"
+    http_status = 409
+    error_type = "invalid_request_error"
 
 
 class HotplugStateError(HotplugError, ValueError):

@@ -9,14 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from .. import errors as _errors
-from ..errors import ColibriError, ConfigError, ModelFormatError, RequestError
-
-# Errors the engine may raise when it cannot take a request now (some engine versions
-# lack them): a 503 with Retry-After, not the client's fault.
-_UNAVAILABLE = tuple(getattr(_errors, n) for n in
-                     ("EngineBusyError", "EngineClosedError", "InsufficientMemoryError")
-                     if hasattr(_errors, n))
+from ..errors import ColibriError
 
 log = logging.getLogger("colibri.server")
 
@@ -71,22 +64,13 @@ def from_exception(exc: BaseException, request_id: str) -> ApiError:
         return exc
     name = type(exc).__name__
     if isinstance(exc, ColibriError):
-        # Late import: the hot-plug package is only loaded when hot-plug is in use.
-        from ..hotplug.errors import ExpertRejected, RollbackError
+        # Each error class says how it is answered (errors.py): status, type and code.
         msg = str(exc).splitlines()[0] if str(exc) else name
-        if _UNAVAILABLE and isinstance(exc, _UNAVAILABLE):
-            return ApiError(503, msg, type="server_error", code="engine_unavailable",
-                            headers={"Retry-After": "1"})
-        if isinstance(exc, RollbackError):
-            status = 404 if "not active" in msg else 409
-            return ApiError(status, msg, code="rollback")
-        if isinstance(exc, ExpertRejected):
-            return ApiError(400, msg, code=getattr(exc, "reason", "rejected"))
-        if isinstance(exc, (RequestError, ConfigError)):
-            return ApiError(400, msg, code="invalid_value")
-        if isinstance(exc, ModelFormatError):
-            return ApiError(500, msg, type="server_error", code="model_error")
-        return ApiError(500, msg, type="server_error", code=name)
+        status = exc.http_status
+        if status == 409 and "not active" in msg:       # rollback of an unknown expert
+            status = 404
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return ApiError(status, msg, type=exc.error_type, code=exc.code, headers=headers)
     log.error("request %s failed with an internal error", request_id, exc_info=exc)
     return ApiError(500, f"internal error while serving request {request_id} ({name}); the "
                          f"server log has the details", type="server_error",
