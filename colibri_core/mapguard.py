@@ -53,7 +53,7 @@ class Watched:
     def close(self) -> None:
         """Stop watching (before the unmap); `damaged` keeps its last answer."""
         if self.slot >= 0:
-            self.damaged
+            self._damaged = self._damaged or kernels.guard_damaged(self.slot)  # kept
             kernels.guard_unregister(self.slot)
             self.slot = -1
 

@@ -60,7 +60,7 @@ static guard_slot slots[GUARD_SLOTS];
 static atomic_int n_used;          /* slots [0, n_used) have been handed out at least once */
 static int free_list[GUARD_SLOTS]; /* unregistered slots, reused first (under `lock`) */
 static int n_free;
-static _Atomic uint64_t faults;    /* repaired faults, ever: what the per-step check reads */
+static _Atomic uint64_t faults;    /* damage seen, ever (faults + marks): the per-step check */
 static struct sigaction previous;  /* the SIGBUS handler before ours */
 static int installed;
 static uintptr_t page_size;
