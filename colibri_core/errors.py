@@ -5,6 +5,7 @@ Each class also says how a server answers it: `http_status`, `error_type` (OpenA
 `type` field) and `code`, so `colibri serve` (server/errors.py) maps an error by class,
 never by its message.
 """
+from pathlib import Path
 
 
 class ColibriError(Exception):
@@ -24,6 +25,19 @@ class ConfigError(ColibriError, ValueError):
 class ModelFormatError(ColibriError, ValueError):
     """A model directory or one of its files is missing, truncated or malformed."""
     code = "model_error"
+
+
+class ModelFileDamaged(ModelFormatError):
+    """A mapped model file was truncated in place while the engine was using it: the pages
+    it lost read as zeros (mapguard.py), so the model gives no more results until it is
+    reloaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        super().__init__(
+            f"{path}: the file was truncated while the model was using it; restore or "
+            f"re-convert it (`colibri inspect {Path(path).parent} --verify` "
+            f"names the damaged files), then reload the model")
 
 
 class ExpertIndexError(ModelFormatError):

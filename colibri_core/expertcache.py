@@ -21,7 +21,7 @@ import numpy as np
 
 from . import ops
 from .config import EngineConfig
-from .errors import ModelFormatError, RequestError
+from .errors import ModelFileDamaged, ModelFormatError, RequestError
 from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
                       drop_file_cache, madvise, proc_memory, proc_read_bytes)
 from .residency import BudgetPlan, Residency, model_file_sizes, plan_budget
@@ -113,9 +113,11 @@ class _Entry:
         self.drops: list = []     # evicted experts whose pages its load job drops first
 
 
-def _populate(addr: int, size: int, path: Path):
-    """Read a mapped expert in and map it (MADV_POPULATE_READ); on kernels without it,
-    read the file once (into the page cache) and let the kernels fault it in."""
+def _populate(f):
+    """Read a mapped expert file `f` (a ContainerFile) in and map it (MADV_POPULATE_READ);
+    on kernels without it, read the file once (into the page cache) and let the kernels
+    fault it in. EFAULT means the file is shorter than its mapping: truncated in place."""
+    addr, size, path = f.base_address, f.size, f.path
     err = madvise(addr, size, MADV_POPULATE_READ)
     if err in (_errno.EINVAL, _errno.ENOSYS, _errno.EOPNOTSUPP):
         fd = os.open(path, os.O_RDONLY)
@@ -127,6 +129,10 @@ def _populate(addr: int, size: int, path: Path):
         finally:
             os.close(fd)
         madvise(addr, size, MADV_WILLNEED)
+    elif err == _errno.EFAULT:
+        if f.guard is not None:
+            f.guard.mark_damaged()          # every later use fails the same way
+        raise ModelFileDamaged(path)
     elif err:
         raise ModelFormatError(f"{path}: cannot read expert ({os.strerror(err)})")
 
@@ -356,7 +362,7 @@ class BudgetResidency(Residency):
         if ex is None:
             return None
         f = ex.file
-        _populate(f.base_address, f.size, f.path)
+        _populate(f)
         return ex
 
     def _load_frame(self, ex, frame: int):            # on an I/O thread

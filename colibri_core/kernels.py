@@ -117,6 +117,33 @@ def cycle_counter_name() -> str:
     return ffi.string(lib.ck_cycle_counter_name()).decode()
 
 
+# ----------------------------------------------------------------------------- mapped-file guard
+
+def guard_register(address: int, size: int) -> int:
+    """Watch the mapping [address, address + size) for SIGBUS (ck_guard.c); the slot, or
+    -1 when it cannot be watched. mapguard.py is the one caller."""
+    return lib.ck_guard_register(int(address), int(size))
+
+
+def guard_unregister(slot: int) -> None:
+    """Stop watching a slot (before its mapping is unmapped)."""
+    lib.ck_guard_unregister(int(slot))
+
+
+def guard_damaged(slot: int) -> bool:
+    return bool(lib.ck_guard_damaged(int(slot)))
+
+
+def guard_mark_damaged(slot: int) -> None:
+    lib.ck_guard_mark_damaged(int(slot))
+
+
+def guard_counter():
+    """A cffi pointer to the count of repaired faults: `p[0]` reads it (no call, no
+    allocation while it is below 257)."""
+    return lib.ck_guard_counter()
+
+
 # ----------------------------------------------------------------------------- checks
 
 def _ptr(a: np.ndarray):

@@ -22,6 +22,7 @@ from .decode import DecodePlan, Unsupported
 from .errors import ExpertError, InsufficientMemoryError, RequestError
 from .expertcache import make_residency
 from .expertset import ExpertSet
+from .mapguard import FileCheck
 from .memstat import MADV_POPULATE_READ, MADV_WILLNEED
 from .quant import Q4Tensor, Q8Tensor
 from .routing import LayerTrace, Routing, route
@@ -71,6 +72,9 @@ class Model:
         self._fast_trace = None              # the DecodePlan whose last step is the latest
         # What stays resident: the madvise prefetch alone, or the memory budget's expert
         # cache (expertcache.py); Model._moe acquires a layer's routed experts through it.
+        # A model file truncated while mapped (mapguard.py): checked before and after each
+        # forward and decode step, one integer read each; raises ModelFileDamaged.
+        self.file_check = FileCheck(weights.files)
         self.residency = make_residency(weights, engine, self._prefetch)
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
@@ -291,6 +295,7 @@ class Model:
             spans.append((t, t + n, cache))
             t += n
         ids, pos, kt = np.concatenate(ids), np.concatenate(pos), np.concatenate(kt)
+        self.file_check.check()                  # a damaged model computes nothing more
         if res.active:
             res.begin_forward(len(ids), caches)
         self.last_routing = []
@@ -323,6 +328,7 @@ class Model:
             rows = x[t0:t1] if all_logits else x[t1 - 1:t1]
             logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
             results.append(logits if all_logits else logits[0])
+        self.file_check.check()                  # a fault during this step: not a result
         return results
 
     # ------------------------------------------------------------------ decode
@@ -369,9 +375,11 @@ class Model:
             raise RequestError(f"token id {token} out of range 0..{cfg.vocab_size - 1}")
         if cfg.moe_layers and not 1 <= k <= min(cfg.num_experts, 256):
             raise RequestError(f"top_k={k} out of range 1..{cfg.num_experts}")
+        self.file_check.check()
         self._last_routing = []
         logits = plan.step(token, cache, k)
         self._fast_trace = plan
+        self.file_check.check()                  # a fault during this step: not a result
         return logits
 
     def _forward_chunked(self, tokens, caches, ks, all_logits: bool, es, chunk: int) -> list:

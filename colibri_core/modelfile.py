@@ -323,6 +323,20 @@ def _read_header(fd: int, size: int, path: Path) -> bytes:
                 pass
 
 
+# A mapped file truncated in place loses the pages past its new end, and reading one
+# raises SIGBUS. mapguard.py (listed after the compiled kernels it needs, so this module
+# cannot import it) installs a watcher here when it is imported: watcher(path, address,
+# size) registers a new mapping with the C SIGBUS handler and returns a handle
+# (`.damaged`, `.close()`), or None. Every ContainerFile mapping is registered before
+# any of its bytes are read and unregistered before it is unmapped.
+_map_watcher = None
+
+
+def set_map_watcher(watcher) -> None:
+    global _map_watcher
+    _map_watcher = watcher
+
+
 class ContainerFile:
     """One mapped (or copied-in) container file; hands out zero-copy views.
 
@@ -339,6 +353,8 @@ class ContainerFile:
         except OSError as e:
             raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
         head = None
+        self._mm = None
+        self.guard = None           # the map watcher's handle (mapguard.Watched), if any
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -356,12 +372,11 @@ class ContainerFile:
                     raise ModelFormatError(f"{self.path}: cannot map: {e.strerror}; try "
                                            f"load_mode 'copy'") from None
                 self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+                self.watch()
             elif load_mode == "header":   # the table only, read with pread (no mapping)
-                self._mm = None
                 self.buf = None
                 head = _read_header(fd, self.size, self.path)
             else:  # copy-in: one read into private memory, for file systems without mmap
-                self._mm = None
                 self.buf = np.empty(self.size, dtype=np.uint8)
                 view = memoryview(self.buf)
                 got = 0
@@ -419,6 +434,17 @@ class ContainerFile:
         return min((off for s in self.sections.values() for off, _ in s.parts.values()),
                    default=self.size), self.size
 
+    def watch(self) -> None:
+        """Register the mapping with the map watcher (when one is installed; idempotent)."""
+        if (self.guard is None and self._mm is not None and self.buf is not None
+                and _map_watcher is not None):
+            self.guard = _map_watcher(self.path, int(self.buf.ctypes.data), self.size)
+
+    @property
+    def damaged(self) -> bool:
+        """True once a read of the mapping found the file truncated (mapguard.py)."""
+        return self.guard is not None and self.guard.damaged
+
     def madvise(self, advice: int) -> None:
         """One call for the whole file (prefetch a whole expert in one batch)."""
         if self._mm is not None:
@@ -430,9 +456,13 @@ class ContainerFile:
     def close(self) -> None:
         self.sections = {}
         self.buf = None
+        if self.guard is not None:
+            self.guard.close()      # before the unmap: the range may be reused by others
         if self._mm is not None:
             try:
                 self._mm.close()
             except BufferError:
-                pass  # views still alive somewhere; the mapping goes when they do
+                # views still alive somewhere; the mapping goes when they do (unwatched
+                # from now on: the guard never holds a range that may be unmapped)
+                pass
             self._mm = None

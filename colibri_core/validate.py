@@ -145,6 +145,8 @@ def scan_model_dir(path: Union[str, Path]) -> list[str]:
         try:
             for s in list(f.sections):
                 problems += [f"{f.path}: {p}" for p in tensor_problems(s, f.tensor(s))]
+            if f.damaged:                 # truncated during the scan: zeros were read
+                problems.append(f"{f.path}: truncated while being checked")
         finally:
             f.close()
     return problems

@@ -159,6 +159,21 @@ void ck_pool_stats(int64_t *out);
  * returns how many chunk counts were not exactly one per loop (0), or -1 (memory). */
 int64_t ck_pool_check(int64_t n, int nth, int rounds);
 
+/* ------------------------------------------------------------------ mapped-file guard */
+
+/* ck_guard.c: a process-wide SIGBUS handler for model files truncated while mapped (see
+ * that file). register: watch [addr, addr+len) (installs the handler on first use; returns
+ * a slot >= 0, or -1: table full or sigaction failed); unregister before the unmap. A
+ * fault in a watched range makes its pages read as zeros, sets the slot's damaged flag and
+ * adds 1 to the counter (read it after each step: one load). mark_damaged: the same, for
+ * damage found another way (MADV_POPULATE_READ's EFAULT). */
+int ck_guard_install(void);          /* 0, or -1 if sigaction failed; idempotent */
+int ck_guard_register(uintptr_t addr, uint64_t len);
+void ck_guard_unregister(int slot);
+int ck_guard_damaged(int slot);
+void ck_guard_mark_damaged(int slot);
+const uint64_t *ck_guard_counter(void);
+
 /* cdef end */
 
 #endif

@@ -2,7 +2,8 @@
 
 Parent (`IsolatedRunner`, in the engine) and helper (`python -m colibri_core.hotplug.isolated`)
 share one anonymous memory file (memfd) holding two float32 buffers, x [capacity, hidden]
-and y [capacity, hidden], and talk over two pipes:
+and y [capacity, hidden], sealed against resizing (a helper cannot shrink it under the
+engine's mapping), and talk over two pipes:
 
     parent -> helper   int32 n_tokens   (1..capacity: run ffn_forward on x[:n] into y[:n];
                                           0: exit)
@@ -81,9 +82,7 @@ class IsolatedRunner:
         self.call_timeout_s = call_timeout_s
         self.dead_reason: str | None = None
         nbytes = 2 * capacity * hidden * 4
-        shm_fd = os.memfd_create("colibri-expert", 0) if hasattr(os, "memfd_create") \
-            else _unlinked_tmp()
-        os.ftruncate(shm_fd, nbytes)
+        shm_fd = _sealed_memfd(nbytes)
         self._mm = mmap.mmap(shm_fd, nbytes)
         self._x = np.frombuffer(self._mm, np.float32, capacity * hidden, 0).reshape(
             capacity, hidden)
@@ -207,6 +206,28 @@ class IsolatedRunner:
             self._mm.close()
         except BufferError:
             pass
+
+
+def _sealed_memfd(nbytes: int) -> int:
+    """The shared buffer's file, `nbytes` long, sealed against any size change before the
+    helper sees it: a helper that ftruncates it gets EPERM. Unsealed, a shrink would make
+    the engine's next read or write of x/y a SIGBUS that kills the engine (the helper
+    runs the expert's code, which the isolation is there to survive)."""
+    import fcntl
+
+    if not hasattr(os, "memfd_create"):            # not Linux: cannot be sealed
+        fd = _unlinked_tmp()
+        os.ftruncate(fd, nbytes)
+        return fd
+    fd = os.memfd_create("colibri-expert", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _unlinked_tmp() -> int:

@@ -25,12 +25,16 @@ FAULTS = {
     "partial": 5,     # writes only the first row of y
     "crash_on_magic": 6,  # segfaults when x[0][0] == MAGIC_INPUT, healthy otherwise
     "abort_on_load": 7,   # a constructor that aborts when the library is loaded
+    "shrink_shm": 8,      # computes y, then ftruncates every memfd it can reach to 0 bytes
+                          # (the isolated helper's shared buffer); returns 9 if one shrank
 }
 MAGIC_INPUT = 12345.0
 
 TEST_EXPERT_C = r"""
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "colibri_expert.h"
@@ -61,6 +65,23 @@ __attribute__((constructor)) static void on_load(void) { abort(); }
 #if FAULT == 1 || FAULT == 6
 static int *volatile null_ptr;      /* read at run time: the store is not optimized away */
 #endif
+#if FAULT == 8
+static int shrink_memfds(void)      /* 1 if a memfd of this process could be shrunk */
+{
+    int shrank = 0;
+    for (int fd = 3; fd < 1024; fd++) {
+        char link[64], target[256];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0)
+            continue;
+        target[n] = 0;
+        if (strncmp(target, "/memfd:", 7) == 0 && ftruncate(fd, 0) == 0)
+            shrank = 1;
+    }
+    return shrank;
+}
+#endif
 
 int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
 {
@@ -80,6 +101,10 @@ int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
     int rows = FAULT == 5 ? 1 : n_tokens;
     for (long i = 0; i < (long)rows * hidden; i++)
         y[i] = FAULT == 3 ? NAN : (float)(SCALE) * tanhf(x[i]);
+#if FAULT == 8
+    if (shrink_memfds())
+        return 9;
+#endif
     return 0;
 }
 """
