@@ -74,6 +74,9 @@ class Engine:
         self.pm = plugin_manager
         # Hook attributes are None when no plugin implements them: free on the hot path.
         self.hooks = HookRelay(plugin_manager)
+        # What a failing plugin costs (pluginguard.py): counted, logged, disabled after N.
+        self.hooks.guard.configure(max_failures=config.plugin_max_failures,
+                                   slow_ms=config.plugin_slow_ms, strict=config.plugin_strict)
         self.model = Model(self.weights, config, self.hooks)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
@@ -145,21 +148,29 @@ class Engine:
         """Register a plugin object (its hooks take effect at the next call site)."""
         self.pm.register(plugin, name=name)
 
+    def plugin_failures(self) -> dict:
+        """Plugins that failed or were slow, by name: ``{"failures": {hook: n}, "slow":
+        {hook: n}, "slowest_ms": {hook: ms}, "disabled": bool, "last_error": str | None}``
+        (docs/PLUGINS.md, "When a plugin fails"). Empty while every plugin behaves."""
+        return self.hooks.guard.report() if self.hooks is not None else {}
+
     def close(self) -> None:
         """Stop hot-plug, unmap the model files and close their descriptors (now, not at
         the next garbage collection). Idempotent; a closed engine refuses requests."""
         if self._closed:
             return
         self._closed = True
-        if self.hooks is not None and self.hooks.engine_stop is not None:
-            self.hooks.engine_stop(engine=self)
-        if self.hotplug is not None:
-            self.hotplug.close()
-            self.hotplug = None
-        self._close_residency()
-        self.model.expert_set = None        # its experts hold views into the mapped files
-        self.model.drop_decode_plans()      # so do the decode path's C structs
-        self.weights.close()
+        try:                                # strict mode re-raises a plugin's error here
+            if self.hooks is not None and self.hooks.engine_stop is not None:
+                self.hooks.engine_stop(engine=self)
+        finally:
+            if self.hotplug is not None:
+                self.hotplug.close()
+                self.hotplug = None
+            self._close_residency()
+            self.model.expert_set = None        # its experts hold views into the mapped files
+            self.model.drop_decode_plans()      # so do the decode path's C structs
+            self.weights.close()
 
     def __enter__(self):
         return self
@@ -200,7 +211,7 @@ class Engine:
             got = self.hooks.choose_k(prompt_tokens=prompt_tokens, request=request,
                                       default_k=cfg.top_k)
             if got is not None:
-                return check_k(int(got), n, "a colibri_choose_k plugin"), "plugin"
+                return self.hooks.guard.check_choose_k(got, n), "plugin"
         for rule in self.config.length_policy:
             if rule.matches(prompt_tokens):
                 return check_k(rule.k, n, "the engine config's length_policy"), "policy"
