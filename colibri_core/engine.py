@@ -279,7 +279,7 @@ class Engine:
                           all_positions: bool = False) -> np.ndarray:
         """Logits [V] after `token_ids` (or [n, V] for every position)."""
         ids, _, _ = self.prepare_ids(list(token_ids), reserve=0)
-        k, _ = self.choose_k(len(ids), top_k, None, {})
+        k, _ = self.choose_k(len(ids), top_k, None, {"id": f"req-{next(_request_ids)}"})
         self.apply_expert_changes()
         cache = self.model.new_cache(len(ids))
         return self.model.forward([np.asarray(ids)], [cache], [k], all_logits=all_positions)[0]
@@ -290,7 +290,8 @@ class Engine:
         if not sequences:
             return []
         prepared = [self.prepare_ids(list(s), reserve=0)[0] for s in sequences]
-        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {})
+        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None,
+                             {"id": f"req-{next(_request_ids)}"})
         self.apply_expert_changes()
         caches = [self.model.new_cache(len(p)) for p in prepared]
         return self.model.forward([np.asarray(p) for p in prepared], caches, [k] * len(prepared),
@@ -366,7 +367,16 @@ class Engine:
                 hook(path=str(info.get("path", "")),
                      reason=str(info.get("message") or info.get("reason", "")))
             else:
-                hook(info={**info, "expert_set_version": self.expert_set_version})
+                hook(info=_expert_info(info, self.expert_set_version))
+
+
+def _expert_info(info: dict, expert_set_version: int) -> dict:
+    """The ``info`` of colibri_expert_loaded / colibri_expert_unloaded: the hot-plug
+    manager's event plus the keys hookspecs.py documents (``expert`` and ``layer`` next
+    to the manager's ``slot`` and ``layers``)."""
+    layers = [int(L) for L in info.get("layers", ())]
+    return {**info, "layers": layers, "expert": info.get("slot"),
+            "layer": layers[0] if layers else None, "expert_set_version": expert_set_version}
 
 
 def _token_ids(prompt) -> list[int]:
