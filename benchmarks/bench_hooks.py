@@ -4,9 +4,13 @@
 
 Measures, in ns per call site:
   pluggy, no plugin     pm.hook.colibri_routing(...) with nothing registered
-  pluggy, 1 empty impl  the same with one plugin whose impl does nothing
+  pluggy, 1 empty impl  the same with one plugin whose impl does nothing (called
+                        through the PluginGuard's closure, as in the engine)
   relay, no plugin      `if relay.routing is not None: ...` (what the engine does)
   relay, 1 empty impl   the test plus the call
+  relay, 1 impl, timed  the same with plugin_slow_ms set (two perf_counter calls)
+  override + check      a plugin returning (ids, weights), checked by
+                        PluginGuard.check_routing as both forward paths do
 then multiplies by the call sites per generated token of an L-layer MoE model:
 per layer before_layer, choose_k_token, routing, expert_prefetch, k x expert_timing,
 after_layer; per token sample and token.
@@ -37,6 +41,12 @@ class Empty:
         return None
 
 
+class Override:
+    @hookimpl
+    def colibri_routing(self, expert_ids, weights):
+        return expert_ids, weights
+
+
 def ns_per_call(stmt, env, repeat=7, number=200_000) -> float:
     times = timeit.repeat(stmt, globals=env, repeat=repeat, number=number)
     return statistics.median(times) / number * 1e9
@@ -45,17 +55,25 @@ def ns_per_call(stmt, env, repeat=7, number=200_000) -> float:
 def measure() -> dict[str, float]:
     bare = build_plugin_manager(load_entrypoints=False, builtins=(), environ={})
     busy = build_plugin_manager(load_entrypoints=False, builtins=(Empty(),), environ={})
+    timed = build_plugin_manager(load_entrypoints=False, builtins=(Empty(),), environ={})
+    over = build_plugin_manager(load_entrypoints=False, builtins=(Override(),), environ={})
     env = dict(
         bare_hook=bare.hook.colibri_routing, busy_hook=busy.hook.colibri_routing,
-        bare_relay=HookRelay(bare), busy_relay=HookRelay(busy), IDS=IDS, W=W, Z=Z,
+        bare_relay=HookRelay(bare), busy_relay=HookRelay(busy), timed_relay=HookRelay(timed),
+        over_relay=HookRelay(over), EXPERTS=(object(),) * Z.shape[1], IDS=IDS, W=W, Z=Z,
     )
+    timed.guard.configure(slow_ms=1000.0)
     call = "(layer=0, expert_ids=IDS, weights=W, scores=W, logits=Z)"
+    check = "over_relay.guard.check_routing(got, 0, 1, 2, EXPERTS, 8)"
     return {
         "loop overhead (pass)": ns_per_call("pass", env),
         "pluggy, no plugin": ns_per_call("bare_hook" + call, env),
         "pluggy, 1 empty impl": ns_per_call("busy_hook" + call, env),
         "relay, no plugin": ns_per_call(f"if bare_relay.routing is not None: bare_relay.routing{call}", env),
         "relay, 1 empty impl": ns_per_call(f"if busy_relay.routing is not None: busy_relay.routing{call}", env),
+        "relay, 1 impl, timed": ns_per_call(f"if timed_relay.routing is not None: timed_relay.routing{call}", env),
+        "override + check": ns_per_call(f"got = over_relay.routing{call}\nif got is not None: {check}",
+                                        env, number=50_000),
     }
 
 

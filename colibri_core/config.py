@@ -241,6 +241,10 @@ class EngineConfig(BaseModel):
     experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
     hotplug: HotplugConfig = HotplugConfig()
     plugins_dir: Optional[str] = None
+    # when a plugin fails (pluginguard.py, docs/PLUGINS.md "When a plugin fails"):
+    plugin_max_failures: int = Field(default=3, ge=1)  # failures, every hook, before it is unregistered
+    plugin_slow_ms: Optional[float] = Field(default=None, gt=0)   # log slower hook calls (None: untimed)
+    plugin_strict: bool = False        # re-raise plugins' exceptions (also COLIBRI_PLUGIN_STRICT=1)
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
     residency: ResidencyConfig = ResidencyConfig()

@@ -375,7 +375,8 @@ class DecodePlan:
 
     def _routing_hook(self, hook, L, k: int) -> None:
         """colibri_routing on this layer's choice, as the general path calls it (observers
-        see the plan's buffers; an override of the same shape replaces the choice)."""
+        see the plan's buffers; an override, checked by the same PluginGuard.check_routing
+        as there, replaces the choice; a narrower one leaves the other slots unused)."""
         i = L["row"]
         ids, w = self.route_ids[i:i + 1, :k], self.route_w[i:i + 1, :k]
         logits = self.router_logits[i:i + 1, :L["slots"]]
@@ -383,18 +384,14 @@ class DecodePlan:
         scores = np.take_along_axis(p, ids, 1).astype(np.float32)
         override = hook(layer=L["index"], expert_ids=ids, weights=w, scores=scores, logits=logits)
         if override is not None:
-            new_ids = np.asarray(override[0], np.int64).reshape(-1)
-            new_w = np.asarray(override[1], np.float32).reshape(-1)
-            if new_ids.shape != (k,) or new_w.shape != (k,):
-                raise ValueError(f"colibri_routing override for layer {L['index']}: expected "
-                                 f"arrays of shape (1, {k}), got {np.shape(override[0])} and "
-                                 f"{np.shape(override[1])}")
-            bad = (new_ids < -1) | (new_ids >= L["slots"])
-            if bad.any():
-                raise ValueError(f"colibri_routing override for layer {L['index']}: expert id "
-                                 f"{int(new_ids[bad][0])} out of range -1..{L['slots'] - 1}")
-            self.route_ids[i, :k] = new_ids
-            self.route_w[i, :k] = new_w
+            model = self.model
+            new_ids, new_w = model.hooks.guard.check_routing(
+                override, L["index"], 1, k, L["experts"], model.cfg.num_experts)
+            n = new_ids.shape[1]
+            self.route_ids[i, :n] = new_ids[0]
+            self.route_w[i, :n] = new_w[0]
+            self.route_ids[i, n:k] = -1
+            self.route_w[i, n:k] = 0.0
 
     def _run_custom(self, L, k: int):
         """Hot-plugged experts without INT4 weights run their own ffn_forward (through the
@@ -423,9 +420,10 @@ class DecodePlan:
             logits = self.router_logits[i:i + 1, :L["slots"]].copy()
             p = ops.softmax(logits.astype(np.float64))
             ids = self.route_ids[i:i + 1, :k].copy()
+            scores = np.take_along_axis(p, np.maximum(ids, 0), 1).astype(np.float32)
+            scores[ids < 0] = 0.0                  # slots a routing override left unused
             out.append(LayerTrace(L["index"], Routing(ids, self.route_w[i:i + 1, :k].copy(),
-                                                      np.take_along_axis(p, ids, 1).astype(np.float32)),
-                                  logits))
+                                                      scores), logits))
         return out
 
     @staticmethod

@@ -86,6 +86,9 @@ class Engine:
         self.pm = plugin_manager
         # Hook attributes are None when no plugin implements them: free on the hot path.
         self.hooks = HookRelay(plugin_manager)
+        # What a failing plugin costs (pluginguard.py): counted, logged, disabled after N.
+        self.hooks.guard.configure(max_failures=config.plugin_max_failures,
+                                   slow_ms=config.plugin_slow_ms, strict=config.plugin_strict)
         self.model = Model(self.weights, config, self.hooks)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
@@ -158,6 +161,12 @@ class Engine:
     def register_plugin(self, plugin, name: Optional[str] = None) -> None:
         """Register a plugin object (its hooks take effect at the next call site)."""
         self.pm.register(plugin, name=name)
+
+    def plugin_failures(self) -> dict:
+        """Plugins that failed or were slow, by name: ``{"failures": {hook: n}, "slow":
+        {hook: n}, "slowest_ms": {hook: ms}, "disabled": bool, "last_error": str | None}``
+        (docs/PLUGINS.md, "When a plugin fails"). Empty while every plugin behaves."""
+        return self.hooks.guard.report() if self.hooks is not None else {}
 
     def close(self) -> None:
         """Stop hot-plug, unmap the model files and close their descriptors (now, not at
@@ -276,7 +285,7 @@ class Engine:
             got = self.hooks.choose_k(prompt_tokens=prompt_tokens, request=request,
                                       default_k=cfg.top_k)
             if got is not None:
-                return check_k(int(got), n, "a colibri_choose_k plugin"), "plugin"
+                return self.hooks.guard.check_choose_k(got, n), "plugin"
         for rule in self.config.length_policy:
             if rule.matches(prompt_tokens):
                 return check_k(rule.k, n, "the engine config's length_policy"), "policy"
@@ -390,9 +399,10 @@ class Engine:
         V = self.model_cfg.vocab_size
         out_rows = total if all_positions else len(prepared)
         check_memory(4 * V * out_rows, f"logits of {out_rows} positions")
-        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {})
+        rid = f"req-{next(_request_ids)}"
+        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {"id": rid})
         results: list[np.ndarray] = []
-        with self._request(f"score-{next(_request_ids)}"):
+        with self._request(rid):
             self._apply_expert_changes()
             es = self.model.expert_set
             for chunk in _chunks(prepared, cfg.max_batch_tokens):
@@ -482,7 +492,16 @@ class Engine:
                 hook(path=str(info.get("path", "")),
                      reason=str(info.get("message") or info.get("reason", "")))
             else:
-                hook(info={**info, "expert_set_version": self.expert_set_version})
+                hook(info=_expert_info(info, self.expert_set_version))
+
+
+def _expert_info(info: dict, expert_set_version: int) -> dict:
+    """The ``info`` of colibri_expert_loaded / colibri_expert_unloaded: the hot-plug
+    manager's event plus the keys hookspecs.py documents (``expert`` and ``layer`` next
+    to the manager's ``slot`` and ``layers``)."""
+    layers = [int(L) for L in info.get("layers", ())]
+    return {**info, "layers": layers, "expert": info.get("slot"),
+            "layer": layers[0] if layers else None, "expert_set_version": expert_set_version}
 
 
 def _token_ids(prompt) -> list[int]:

@@ -90,3 +90,16 @@ class ExpertError(ColibriError):
 class KernelError(ColibriError, RuntimeError):
     """The compiled kernels are missing or were called with bad arguments."""
     code = "kernel_error"
+
+
+class PluginError(ColibriError, RuntimeError):
+    """A plugin's decision hook raised, or returned a value the engine cannot use: the
+    request fails with one line naming the plugin, the hook, the value and what was
+    expected; the engine goes on (pluginguard.py, docs/PLUGINS.md "When a plugin fails")."""
+
+    def __init__(self, message: str, plugin: str = "", hook: str = ""):
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+    code = "plugin_error"

@@ -63,7 +63,7 @@ class Generation:
     pin_experts: bool = False
     request_id: str = ""
     truncated_from: Optional[int] = None
-    stop_reason: Optional[str] = None      # "length" | "eos" | "stop" | "context"
+    stop_reason: Optional[str] = None      # "length" | "eos" | "stop" | "context" | "error"
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: list[TokenEvent] = field(default_factory=list)
@@ -150,6 +150,9 @@ class Generation:
             if decoder is not None and self.stop_reason != "stop":
                 tail = decoder.flush()
                 self.text += tail
+        except Exception:
+            self.stop_reason = "error"         # what colibri_request_end reports
+            raise
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -162,7 +165,7 @@ class Generation:
         if hooks is not None and hooks.sample is not None:
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
-                return int(got)
+                return hooks.guard.check_sample(got, self.engine.model_cfg.vocab_size)
         if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
             logits = self._finite_logits(logits)
         return self.sampler(logits)

@@ -20,6 +20,19 @@ hook's arguments, in any order.
 than None, and the engine uses that value; plugins that only observe return None.
 Implementations run last-registered first (pluggy's LIFO order), so a plugin from a
 plugins folder overrides a built-in, which overrides an entry-point plugin.
+
+When a plugin fails (colibri_core/pluginguard.py; docs/PLUGINS.md, "When a plugin
+fails"): an exception in a hook whose result the engine ignores is logged once and
+counted, and the request goes on; an exception in a firstresult hook, or an answer that
+breaks its "Returns:" contract, fails that request with ``errors.PluginError`` naming
+the plugin. A plugin that failed ``EngineConfig.plugin_max_failures`` times is
+unregistered.
+
+Dict arguments: a docstring lists the keys the engine always passes in a section
+``Keys of ``ARG``:``, one key per line as ``name (type): description`` (type one of
+``str``, ``int``, ``bool``, ``float``, ``list[int]``), continuation lines indented
+further. tests/test_hardening_plugins.py reads these sections and checks every key and
+type against what a real generation (with hot-plugged experts) passes.
 """
 from __future__ import annotations
 
@@ -74,8 +87,12 @@ def colibri_choose_k(prompt_tokens: int, request: dict, default_k: int) -> int |
 
     Arguments:
         prompt_tokens: number of prompt tokens (after any truncation).
-        request: the request's options as a dict (read only).
+        request: the request as a dict (read only).
         default_k: the k the engine would use without this hook.
+
+    Keys of ``request``:
+        id (str): the request's id (the one ``colibri_request_start`` gets for a
+            generation; scoring calls get an id of their own).
 
     Returns: an int k (1 <= k <= E) or None to keep ``default_k``.
     First result wins.
@@ -103,7 +120,9 @@ def colibri_request_end(request_id: str, n_tokens: int, stop_reason: str) -> Non
     Arguments:
         request_id: the id given to ``colibri_request_start``.
         n_tokens: number of tokens generated.
-        stop_reason: why generation stopped, e.g. "eos", "max_tokens", "stop", "error".
+        stop_reason: why generation stopped: "eos", "length" (max_new_tokens), "stop" (a
+            stop string), "context" (the context is full), "error" (an exception ended
+            it, e.g. a PluginError), or None (the caller stopped iterating early).
 
     Returns: nothing; every implementation is called.
     """
@@ -160,8 +179,11 @@ def colibri_routing(
         logits: float32 [N, E] raw router logits.
         All arrays are the engine's buffers: read, do not keep or modify them.
 
-    Returns: a tuple ``(expert_ids, weights)`` of new arrays with the same shapes to
-    replace the choice, or None (observers must return None). First result wins.
+    Returns: a tuple ``(expert_ids, weights)`` of new arrays to replace the choice:
+    integer ids [N, k'] with 1 <= k' <= k (a narrower choice leaves the other slots
+    unused), each -1 (unused) or an expert of the layer (not a vacant hot-plug slot), and
+    finite float weights of the same shape; or None (observers must return None).
+    First result wins.
     """
 
 
@@ -214,9 +236,13 @@ def colibri_sample(logits: np.ndarray, request: dict) -> int | None:
 
     Arguments:
         logits: float32 [V] logits of the last position (read only).
-        request: the request's options as a dict (temperature, top_p, seed, ...).
+        request: the request as a dict (read only).
 
-    Returns: a token id (0 <= id < V), or None to let the next implementation or
+    Keys of ``request``:
+        id (str): the request's id (as in ``colibri_request_start``).
+        k (int): the request's experts per token.
+
+    Returns: an int token id (0 <= id < V), or None to let the next implementation or
     the built-in sampler decide. First result wins.
     """
 
@@ -247,9 +273,20 @@ def colibri_expert_loaded(info: dict) -> None:
     """A hot-plugged expert has been adopted; it is routable from the next token.
 
     Arguments:
-        info: a dict describing it, with at least ``path`` (str), ``layer`` (int),
-            ``expert`` (int, its expert index in that layer) and
-            ``expert_set_version`` (int, the version that includes it).
+        info: a dict describing it (the keys below, and possibly others).
+
+    Keys of ``info``:
+        path (str): the expert's file in the watched folder.
+        name (str): the expert's name (from its metadata).
+        version (str): the expert's version (from its metadata).
+        kind (str): "add" (a new name) or "replace" (a new version of an active one,
+            a rollback included).
+        layers (list[int]): the global layers it serves.
+        layer (int): the first of ``layers`` (most experts serve one layer).
+        expert (int): its expert index (router slot) in each of ``layers``.
+        slot (int): the same as ``expert`` (the hot-plug manager's name for it).
+        sha256 (str): the file's sha256.
+        expert_set_version (int): the version of the expert set that includes it.
 
     Returns: nothing; every implementation is called.
     """
@@ -272,7 +309,20 @@ def colibri_expert_unloaded(info: dict) -> None:
     """A hot-plugged expert has been removed (file deleted, replaced, or disabled).
 
     Arguments:
-        info: the same keys as in ``colibri_expert_loaded``, plus ``reason`` (str).
+        info: a dict describing it (the keys below, and possibly others).
+
+    Keys of ``info``:
+        path (str): the expert's file in the watched folder.
+        name (str): the expert's name.
+        version (str): the removed version.
+        reason (str): why, e.g. "deleted", "renamed" (another file now provides it),
+            "crashed" (its isolated helper died).
+        layers (list[int]): the global layers it served.
+        layer (int): the first of ``layers``.
+        expert (int): its expert index (router slot) in each of ``layers``.
+        slot (int): the same as ``expert``.
+        sha256 (str): the removed file's sha256.
+        expert_set_version (int): the version of the expert set without it.
 
     Returns: nothing; every implementation is called.
     """

@@ -198,14 +198,16 @@ class Model:
         if hooks is not None and hooks.routing is not None:
             override = hooks.routing(layer=L, expert_ids=r.ids, weights=r.weights,
                                      scores=r.scores, logits=logits)
-            if override is not None:
-                r = Routing(np.asarray(override[0], np.int64), np.asarray(override[1], np.float32),
-                            r.scores)
+            if override is not None:             # checked as on the decode fast path
+                ids, w = hooks.guard.check_routing(override, L, r.ids.shape[0], r.ids.shape[1],
+                                                   es.experts[L], cfg.num_experts)
+                r = Routing(ids, w, r.scores)
         self.last_routing.append(LayerTrace(L, r, logits))
         experts = es.experts[L]
         out = np.zeros_like(xn)
         used = np.unique(r.ids[r.ids >= 0])
-        timing = hooks is not None and hooks.expert_timing is not None
+        # the caller itself, not a flag: a plugin disabled mid-layer leaves it callable
+        timing = hooks.expert_timing if hooks is not None else None
         T = xn.shape[0]
         res = self.residency
         for wave in res.waves(used):               # one wave unless a budget forces more
@@ -217,7 +219,7 @@ class Model:
                 for e in wave:
                     rows, slot = np.nonzero(r.ids == e)
                     ex = run[e]
-                    if timing:
+                    if timing is not None:
                         c0, t0 = kernels.rdtsc(), _perf()
                     if T == 1:
                         self._run_expert(ex, xn, out, r.weights[0, slot])
@@ -225,9 +227,9 @@ class Model:
                         buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
                         self._run_expert(ex, np.ascontiguousarray(xn[rows]), buf, r.weights[rows, slot])
                         out[rows] += buf
-                    if timing:
-                        hooks.expert_timing(layer=L, expert=int(e), cycles=kernels.rdtsc() - c0,
-                                            seconds=_perf() - t0)
+                    if timing is not None:
+                        timing(layer=L, expert=int(e), cycles=kernels.rdtsc() - c0,
+                               seconds=_perf() - t0)
             finally:
                 res.release(L, wave)               # views of `run` end here
         if lw.shared is not None:
@@ -315,7 +317,7 @@ class Model:
                     probs = ops.softmax(ops.router_logits(xn, es.routers[lw.index]))
                     got = hooks.choose_k_token(layer=lw.index, probs=probs, default_k=kt)
                     if got is not None:
-                        kk = np.clip(np.asarray(got, np.int64), 1, cfg.num_experts)
+                        kk = hooks.guard.check_choose_k_token(got, len(kt), cfg.num_experts)
                 y = self._moe(lw, xn, kk, es)
             x = x + y
             if res.speculative:                    # guess the next MoE layer's experts

@@ -15,6 +15,10 @@ source overrides an earlier one for firstresult hooks):
 
 ``COLIBRI_TRACE_HOOKS=1`` prints every hook call and its result to stderr.
 
+Every implementation is called through the manager's PluginGuard (pluginguard.py,
+``plugin_guard(pm)``, ``relay.guard``): a plugin's exception or bad answer is contained
+there, and a plugin that keeps failing is unregistered.
+
 The built-in plugin modules live in the top-level ``plugins/`` folder, installed as
 the package ``colibri_core.builtin_plugins`` (setup.py maps the folder).
 """
@@ -35,6 +39,7 @@ import pluggy
 from colibri_core import hookspecs
 from colibri_core.errors import ColibriError
 from colibri_core.hookspecs import PROJECT_NAME, hookimpl
+from colibri_core.pluginguard import PluginGuard, env_flag
 
 __all__ = [
     "ENTRYPOINT_GROUP",
@@ -43,6 +48,8 @@ __all__ = [
     "PluginLoadError",
     "ColibriPluginManager",
     "HookRelay",
+    "PluginGuard",
+    "plugin_guard",
     "build_plugin_manager",
     "register_builtin_plugin",
     "load_plugins_dir",
@@ -74,6 +81,11 @@ class ColibriPluginManager(pluggy.PluginManager):
         super().__init__(project_name)
         self._relays: weakref.WeakSet[HookRelay] = weakref.WeakSet()
 
+    @property
+    def guard(self) -> PluginGuard:
+        """The failure policy and counts of this manager's plugins (pluginguard.py)."""
+        return plugin_guard(self)
+
     def register(self, plugin: Any, name: str | None = None) -> str | None:
         try:
             return super().register(plugin, name)
@@ -99,12 +111,16 @@ class HookRelay:
     HookCaller (call it with keyword arguments). The attributes are recomputed when
     plugins are registered or unregistered, so the engine pays one ``is None`` test
     per call site while nothing listens.
+
+    ``relay.guard`` is the manager's PluginGuard: every implementation is called through
+    it, and the engine checks decision hooks' answers with its ``check_<hook>`` methods.
     """
 
-    __slots__ = tuple(n[len(PROJECT_NAME) + 1 :] for n in HOOK_NAMES) + ("pm", "__weakref__")
+    __slots__ = tuple(n[len(PROJECT_NAME) + 1 :] for n in HOOK_NAMES) + ("pm", "guard", "__weakref__")
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self.pm = pm
+        self.guard = plugin_guard(pm)
         if isinstance(pm, ColibriPluginManager):
             pm._relays.add(self)
         else:
@@ -112,11 +128,14 @@ class HookRelay:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute every attribute from the plugin manager's current plugins."""
+        """Recompute every attribute from the plugin manager's current plugins (and call
+        new implementations through the guard)."""
         hooks = self.pm.hook
         for name in HOOK_NAMES:
             caller = getattr(hooks, name, None)
             active = caller is not None and bool(caller.get_hookimpls())
+            if active:
+                self.guard.watch(caller)
             setattr(self, name[len(PROJECT_NAME) + 1 :], caller if active else None)
 
     def active(self) -> list[str]:
@@ -125,6 +144,15 @@ class HookRelay:
 
     def __repr__(self) -> str:
         return f"<HookRelay active={self.active()}>"
+
+
+def plugin_guard(pm: pluggy.PluginManager) -> PluginGuard:
+    """The PluginGuard of ``pm`` (one per manager, made on first use; a plain pluggy
+    manager gets one too)."""
+    guard = getattr(pm, "_colibri_guard", None)
+    if guard is None:
+        guard = pm._colibri_guard = PluginGuard(pm)  # type: ignore[attr-defined]
+    return guard
 
 
 def _watch_plain_manager(pm: pluggy.PluginManager, relay: HookRelay) -> None:
@@ -167,13 +195,15 @@ def build_plugin_manager(
             ``colibri_core.builtin_plugins`` whose ``from_env(environ)`` returns a plugin or None.
             The default registers the tracer when ``COLIBRI_DEBUG`` is set.
         trace_hooks: print every hook call to stderr; None reads ``COLIBRI_TRACE_HOOKS``.
-        environ: environment used by built-ins and ``trace_hooks`` (default os.environ).
+        environ: environment used by built-ins, ``trace_hooks`` and the guard's
+            ``COLIBRI_PLUGIN_STRICT`` (default os.environ).
 
     Raises PluginLoadError (one line naming the plugin's file or entry point) when a
     plugin fails to import or implements a hook that does not exist.
     """
     env = os.environ if environ is None else environ
     pm = ColibriPluginManager(PROJECT_NAME)
+    pm.guard.configure(environ=env)                # COLIBRI_PLUGIN_STRICT
     pm.add_hookspecs(hookspecs)
     if load_entrypoints:
         load_entrypoint_plugins(pm)
@@ -182,7 +212,7 @@ def build_plugin_manager(
     if plugins_dir is not None:
         load_plugins_dir(pm, plugins_dir)
     if trace_hooks is None:
-        trace_hooks = env.get(_TRACE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+        trace_hooks = env_flag(env, _TRACE_ENV)
     if trace_hooks:
         _trace_hook_calls(pm)
     return pm

@@ -151,13 +151,11 @@ class Metrics:
 
     @hookimpl
     def colibri_expert_loaded(self, info: dict) -> None:
-        if "layer" in info and "expert" in info:
-            self.hot_experts.add((int(info["layer"]), int(info["expert"])))
+        self.hot_experts.update(_layer_expert_pairs(info))
 
     @hookimpl
     def colibri_expert_unloaded(self, info: dict) -> None:
-        if "layer" in info and "expert" in info:
-            self.hot_experts.discard((int(info["layer"]), int(info["expert"])))
+        self.hot_experts.difference_update(_layer_expert_pairs(info))
 
     # -- export ---------------------------------------------------------------------------
 
@@ -193,3 +191,12 @@ class Metrics:
 def from_env(environ: Mapping[str, str] | None = None) -> Metrics:
     """Built-in entry used by build_plugin_manager(builtins=("metrics",)): defaults."""
     return Metrics()
+
+
+def _layer_expert_pairs(info: dict) -> list[tuple[int, int]]:
+    """(layer, expert) for each layer a hot-plugged expert serves (``info["layers"]``;
+    a dict with only ``layer`` counts for that one layer)."""
+    if info.get("expert") is None:
+        return []
+    layers = info.get("layers") or ([info["layer"]] if info.get("layer") is not None else [])
+    return [(int(layer), int(info["expert"])) for layer in layers]

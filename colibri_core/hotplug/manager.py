@@ -360,7 +360,8 @@ class HotplugManager:
             version = self._version
         expert.status = "crashed" if reason == "crashed" else "removed"
         self._emit("unloaded", {"name": expert.name, "version": expert.version,
-                                "slot": expert.slot, "sha256": expert.sha256,
+                                "slot": expert.slot, "layers": list(expert.layers),
+                                "sha256": expert.sha256,
                                 "path": expert.source_path, "reason": reason,
                                 "message": message, "set_version": version})
         return ExpertChange("remove", expert, None, version, reason)
