@@ -1,5 +1,6 @@
-"""Hardening of the Engine's own API: one request at a time, lifetimes, unchecked values,
-bounded memory and time (docs/ROBUSTNESS.md, "Callers and lifetimes")."""
+"""Two callers, one Engine, and its lifetimes: one active request at a time, close()
+during a request, use after close, abandoned generations, no leaks (docs/ROBUSTNESS.md,
+"Callers and lifetimes")."""
 from __future__ import annotations
 
 import gc
@@ -10,18 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from colibri_core import modelfile
 from colibri_core.engine import Engine
 from colibri_core.errors import (EngineBusyError, EngineClosedError, InsufficientMemoryError,
-                                 ModelFormatError, RequestError, RequestTooLarge)
-from colibri_core.modelfile import sha256_file
-from colibri_core.quant import quantize_q4
+                                 ModelFormatError, RequestError)
 from colibri_core.server.errors import from_exception
-from colibri_core.testing import write_random_model
-from colibri_core.tokenizer import StreamDecoder
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,6 @@ def _solo(e, prompt, n=12):
     return e.generate(prompt, max_new_tokens=n, temperature=0).run().token_ids
 
 
-# ------------------------------------------------------------------ one request at a time
 def test_a_second_request_is_refused_while_one_is_active(eng):
     g = iter(eng.generate("The with statement", max_new_tokens=8, temperature=0))
     next(g)                                           # active from its first token
@@ -151,114 +145,6 @@ def test_close_inside_a_hook_releases_at_the_end_of_the_step():
     with pytest.raises(EngineClosedError):
         list(e.generate("The with statement", max_new_tokens=20))
     assert e.model.expert_set is None
-
-
-# ------------------------------------------------------------------ unchecked values
-def test_bad_request_values_are_typed_errors(eng):
-    with pytest.raises(RequestError, match="stop"):
-        eng.generate("x", stop=123)
-    with pytest.raises(RequestError, match="list of token-id lists"):
-        eng.score_batch(5)
-    with pytest.raises(RequestError, match="sequence 1"):
-        eng.score_batch([[1, 2], 7])
-    with pytest.raises(RequestError, match="sequence 0 is text"):
-        eng.score_batch(["ab"])
-    with pytest.raises(RequestError, match="temperature"):
-        eng.generate("x", temperature="hot")
-
-
-def test_a_tiny_temperature_is_greedy(eng):
-    greedy = _solo(eng, "The with statement", 10)
-    tiny = eng.generate("The with statement", max_new_tokens=10, temperature=1e-308,
-                        seed=3).run().token_ids
-    assert tiny == greedy
-
-
-def test_gate_and_up_with_different_groups_are_refused_at_load(tmp_path):
-    d = tmp_path / "m"
-    write_random_model(d, layers=("moe",))
-    rng = np.random.default_rng(0)
-    mats = [("w1", quantize_q4(rng.standard_normal((128, 128)), 64)),
-            ("w3", quantize_q4(rng.standard_normal((128, 128)), 128)),
-            ("w2", quantize_q4(rng.standard_normal((128, 128)), 128))]
-    modelfile.write_container(d / "expert_0_0.bin", mats)
-    _refresh_manifest(d)
-    with pytest.raises(ModelFormatError, match="same number type and group size"):
-        Engine.from_model_dir(d)
-
-
-def _refresh_manifest(d):
-    """Record the rewritten file's size and hash in config.json, as a conversion would."""
-    cfg = json.loads((d / "config.json").read_text())
-    for name, info in cfg.get("files", {}).items():
-        info["size"] = (d / name).stat().st_size
-        if "sha256" in info:
-            info["sha256"] = sha256_file(d / name)
-    (d / "config.json").write_text(json.dumps(cfg))
-
-
-# ------------------------------------------------------------------ memory and time bounds
-def test_a_kv_cache_larger_than_memory_is_refused(tmp_path):
-    d = tmp_path / "m"
-    write_random_model(d, context=2**40)
-    with Engine.from_model_dir(d, threads=1) as e:
-        with pytest.raises(InsufficientMemoryError, match="KV cache"):
-            e.generate([1, 2, 3], max_new_tokens=2**39).run()
-        assert e.generate([1, 2, 3], max_new_tokens=3).run().token_ids   # still serves
-
-
-def test_score_batch_is_chunked_and_capped(tmp_path):
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(1, 1000, rng.integers(3, 40)).tolist() for _ in range(30)]
-    with Engine.from_config("builtin", threads=1) as whole:
-        ref = whole.score_batch(seqs, all_positions=True)
-    with Engine.from_config("builtin", threads=1, max_batch_tokens=50,
-                            max_call_tokens=2000) as chunked:
-        got = chunked.score_batch(seqs, all_positions=True)
-        for a, b in zip(ref, got):            # kernels tile by batch: float32 rounding
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-        with pytest.raises(RequestTooLarge, match="max_call_tokens=2000"):
-            chunked.score_batch([list(range(1, 200))] * 11)
-        assert from_exception(RequestTooLarge("x"), "r").status == 413
-
-
-def test_a_huge_prompt_is_cut_before_tokenizing(eng, monkeypatch):
-    seen = []
-    real = eng.tokenizer.encode
-    monkeypatch.setattr(eng.tokenizer, "encode", lambda t: seen.append(len(t)) or real(t))
-    ids, _, truncated = eng.prepare_ids("word " * 4_000_000)
-    ctx = eng.model_cfg.max_position_embeddings
-    assert len(ids) == ctx - 1 and truncated
-    assert seen and seen[0] <= (ctx + 16) * eng.tokenizer.max_token_chars
-
-
-def test_stream_decoding_is_incremental_and_exact(eng):
-    tok = eng.tokenizer
-    rng = np.random.default_rng(2)
-    widths = []
-    real = tok.decode
-    tok.decode = lambda ids: widths.append(len(ids)) or real(ids)
-    try:
-        for _ in range(50):
-            ids = rng.integers(0, 1024, rng.integers(1, 300)).tolist()
-            d = StreamDecoder(tok)
-            assert "".join(d.push(i) for i in ids) + d.flush() == real(ids)
-    finally:
-        del tok.decode
-    assert max(widths) < 16                           # a window, never the whole text
-
-
-def test_a_tokenizer_library_panic_is_a_typed_error(eng, monkeypatch):
-    class PanicException(BaseException):             # what pyo3 raises on a Rust panic
-        pass
-
-    class Panicking:
-        def encode(self, *a, **k):
-            raise PanicException("regex engine panicked")
-
-    monkeypatch.setattr(eng.tokenizer, "_tok", Panicking())
-    with pytest.raises(ModelFormatError, match="tokenizer failed encoding"):
-        eng.generate("x")
 
 
 def test_errors_carry_their_http_answer():
