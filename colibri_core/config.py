@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError, ExpertIndexError
+from .files import read_text
 
 # allow_inf_nan=False: a NaN or infinite float in a config file (YAML `.nan`, `.inf`, JSON
 # `NaN`, `Infinity`) is refused with the field's name instead of poisoning the arithmetic.
@@ -293,13 +294,10 @@ def format_validation_error(source: str, err: ValidationError) -> str:
 
 
 def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a dict, with one-line errors."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
+    """Read a YAML or JSON file into a dict, with one-line errors. Only a regular file is
+    read (a FIFO or device is refused at once, files.py)."""
+    path = Path(path)
+    text = read_text(path, ConfigError)
     try:
         if path.suffix == ".json":
             data = json.loads(text)

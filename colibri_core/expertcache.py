@@ -22,6 +22,7 @@ import numpy as np
 from . import ops
 from .config import EngineConfig
 from .errors import ModelFormatError, RequestError
+from .files import open_regular
 from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
                       drop_file_cache, madvise, proc_memory, proc_read_bytes)
 from .residency import BudgetPlan, Residency, model_file_sizes, plan_budget
@@ -118,7 +119,7 @@ def _populate(addr: int, size: int, path: Path):
     read the file once (into the page cache) and let the kernels fault it in."""
     err = madvise(addr, size, MADV_POPULATE_READ)
     if err in (_errno.EINVAL, _errno.ENOSYS, _errno.EOPNOTSUPP):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             buf = bytearray(1 << 20)
             off = 0
@@ -134,8 +135,7 @@ def _populate(addr: int, size: int, path: Path):
 def _read_into(path: Path, view: memoryview, offset: int, direct: bool) -> None:
     """Fill `view` with the file's bytes from `offset` (os.preadv). O_DIRECT bypasses the
     page cache; without it the range is dropped from the cache after the read."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    fd = os.open(path, flags)
+    fd = open_regular(path, flags=getattr(os, "O_DIRECT", 0) if direct else 0)
     try:
         got, n = 0, len(view)
         while got < n:
@@ -231,8 +231,8 @@ class BudgetResidency(Residency):
         raw = np.empty(2 * PAGE, np.uint8)
         off = (-raw.ctypes.data) % PAGE
         try:
-            fd = os.open(ex.file.path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
+            fd = open_regular(ex.file.path, flags=os.O_DIRECT)
+        except ModelFormatError:          # O_DIRECT refused (EINVAL), or not a regular file
             return False
         try:
             os.preadv(fd, [memoryview(raw[off:off + PAGE])], a)

@@ -8,7 +8,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from .errors import ModelFormatError
+from .files import open_regular
 from .quant import Q4Tensor, Q8Tensor, padded_cols
 
 MAGIC = b"COLIBRI\x00"
@@ -184,7 +184,7 @@ def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:
 def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file's bytes (model checksums, hot-plug allowlists)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while True:
             b = f.read(chunk)
             if not b:
@@ -332,18 +332,10 @@ class ContainerFile:
 
     def __init__(self, path: Path, load_mode: str = "mmap"):
         self.path = Path(path)
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ModelFormatError(f"{self.path}: file not found") from None
-        except OSError as e:
-            raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
+        fd = open_regular(self.path)           # a FIFO or device is refused, never waited on
         head = None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ModelFormatError(f"{self.path}: not a regular file")
-            self.size = st.st_size
+            self.size = os.fstat(fd).st_size
             if self.size == 0:
                 raise ModelFormatError(f"{self.path}: file is empty")
             if load_mode == "mmap":

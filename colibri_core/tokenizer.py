@@ -1,18 +1,32 @@
 """Text <-> token ids, with UTF-8-safe incremental decoding for streaming."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .errors import ModelFormatError, RequestError
+from .files import read_text
+
+
+def library_message(e: BaseException) -> str:
+    """The first line of a parsing library's error with every quoted value blanked out:
+    the tokenizers library quotes the file's strings ("invalid type: string \"...\""),
+    and tokenizer.json may be a symlink to some other file whose content must not reach
+    a message. Positions and the library's own words stay."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r'"[^"]*"|\'[^\']*\'', '"…"', first)[:160]
 
 
 class Tokenizer:
     def __init__(self, path: Path, vocab_size: int):
         from tokenizers import Tokenizer as HFTokenizer
+        # Read here (a regular file only), not by the library: a FIFO would block it
+        # forever, deaf to Ctrl-C.
+        text = read_text(path)
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(text)
         except Exception as e:
-            raise ModelFormatError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
+            raise ModelFormatError(f"{path}: unreadable tokenizer ({library_message(e)})") from None
         self.path = Path(path)
         self.vocab_size = vocab_size
         n = self._tok.get_vocab_size(with_added_tokens=True)

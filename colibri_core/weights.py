@@ -13,6 +13,7 @@ import numpy as np
 
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
+from .files import check_regular, read_bytes
 from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, ContainerFile, Tensor, expert_file_name,
                         expert_name, sha256_file, write_container)
 from .quant import Q4Tensor, Q8Tensor
@@ -148,11 +149,13 @@ def _check_files(cfg: ModelConfig, path: Path) -> None:
         if not _plain_name(name):
             raise ModelFormatError(f"{path / 'config.json'}: file name {name!r} is not a plain name")
         try:
-            size = f.stat().st_size
+            st = f.stat()
         except FileNotFoundError:
             raise ModelFormatError(f"{f}: missing (listed in config.json)") from None
         except OSError as e:
             raise ModelFormatError(f"{f}: cannot read ({e.strerror}; listed in config.json)") from None
+        check_regular(f, st)                 # a FIFO would otherwise read as "size 0"
+        size = st.st_size
         if size != info.size:
             raise ModelFormatError(f"{f}: size {size} bytes, config.json records {info.size}; "
                                    f"the file was truncated or replaced — re-convert or restore it")
@@ -337,7 +340,7 @@ def write_model_dir(out: Path, cfg: ModelConfig,
     for extra in extra_files:
         target = out / Path(extra).name
         if Path(extra).resolve() != target.resolve():
-            target.write_bytes(Path(extra).read_bytes())
+            target.write_bytes(read_bytes(extra))
         names.append(target.name)
     files = {n: {"size": (out / n).stat().st_size, "sha256": sha256_file(out / n)} for n in names}
     data = cfg.model_dump(exclude={"format", "files"})
@@ -360,13 +363,16 @@ def verify_checksums(path: Path) -> list[str]:
             problems.append(f"{Path(path) / 'config.json'}: file name {name!r} is not a plain name")
             continue
         try:
-            size = f.stat().st_size
-            if size != info.size:
-                problems.append(f"{f}: size {size}, expected {info.size}")
+            st = f.stat()
+            check_regular(f, st)
+            if st.st_size != info.size:
+                problems.append(f"{f}: size {st.st_size}, expected {info.size}")
             elif sha256_file(f) != info.sha256:
                 problems.append(f"{f}: sha256 mismatch (file corrupted or modified)")
         except FileNotFoundError:
             problems.append(f"{f}: missing")
         except OSError as e:
             problems.append(f"{f}: cannot read ({e.strerror})")
+        except ModelFormatError as e:        # not a regular file (sha256_file, check_regular)
+            problems.append(str(e))
     return problems

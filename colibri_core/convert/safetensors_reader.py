@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelFormatError
+from ..files import open_regular
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_,
@@ -40,19 +41,28 @@ def f32_to_bf16(a: np.ndarray) -> np.ndarray:
 class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            head = f.read(8)
+        self._fd = -1
+        fd = open_regular(self.path)           # a FIFO or device is refused, never waited on
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
             if len(head) < 8:
                 raise ModelFormatError(f"{self.path}: too short for a safetensors file")
             (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise ModelFormatError(f"{self.path}: header of {n} bytes is implausible")
+            if n > 100 << 20 or 8 + n > size:
+                raise ModelFormatError(f"{self.path}: header of {n} bytes is implausible "
+                                       f"(file of {size} bytes)")
             try:
-                self.header = json.loads(f.read(n))
+                self.header = json.loads(os.pread(fd, n, 8))
+                if not isinstance(self.header, dict):
+                    raise TypeError("not a JSON object")
             except Exception as e:
-                raise ModelFormatError(f"{self.path}: unreadable safetensors header ({e})") from None
-            size = f.seek(0, 2)
-        self._fd = os.open(self.path, os.O_RDONLY)
+                raise ModelFormatError(f"{self.path}: unreadable safetensors header "
+                                       f"({type(e).__name__}: {str(e)[:80]})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.data_start = 8 + n
         self.header.pop("__metadata__", None)
         for name, e in self.header.items():

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..files import open_regular
 from ..quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
 from .errors import ExpertBuildError, HotplugError
 from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
@@ -157,9 +158,15 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
 
 
 def _load_npz(path: Path):
+    fd = open_regular(path, lambda msg: ExpertBuildError(      # a FIFO is refused, not waited on
+        f"{path}: cannot read the .npz: {msg.removeprefix(f'{path}: ')}", path=str(path)))
     try:
-        with np.load(path) as z:
-            arrays = {k: np.asarray(z[k]) for k in z.files}
+        with os.fdopen(fd, "rb") as f:
+            z = np.load(f)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive (a single array?)")
+            with z:
+                arrays = {k: np.asarray(z[k]) for k in z.files}
     except (OSError, ValueError) as e:
         raise ExpertBuildError(f"{path}: cannot read the .npz: {e}", path=str(path)) from None
     missing = [k for k in ("w1", "w3", "w2", "router_row") if k not in arrays]
