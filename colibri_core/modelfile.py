@@ -24,10 +24,16 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
-MAX_TABLE_BYTES = 64 << 20          # a section table larger than this is corrupt
+# The largest section table a reader parses (docs/FORMAT.md): a parsed table costs about
+# 18 times its size in memory for the file's life. The biggest supported model's model.bin
+# (DeepSeek-V3: 61 layers, up to 20 sections each) needs an estimated 0.25 MiB; an expert
+# file holds at most six sections (under 1 KiB), and a model has thousands of them.
+MAX_TABLE_BYTES = 1 << 20
+MAX_EXPERT_TABLE_BYTES = 64 << 10
 
 PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 ALL_DTYPES = set(PLAIN_DTYPES) | {"q4", "q8"}
+_DTYPE_NAMES = {d: d for d in ALL_DTYPES}   # one shared string per dtype, not one per section
 
 Tensor = Union[np.ndarray, Q4Tensor, Q8Tensor]
 
@@ -96,6 +102,9 @@ def _fit_header(entries: list[dict], sizes: list[list[int]], header: int):
     while True:
         offs, end = _layout(sizes, header)
         table = _table(entries, offs)
+        if len(table) > MAX_TABLE_BYTES:            # readers would refuse the file
+            raise ValueError(f"section table of {len(table)} bytes ({len(entries)} sections) "
+                             f"exceeds the format's cap of {MAX_TABLE_BYTES} bytes")
         need = _align(_PREFIX.size + len(table))
         if need <= header:
             return header, table, end
@@ -195,7 +204,7 @@ def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
 
 # ----------------------------------------------------------------------------- reader
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)      # slots: a table's sections live as long as the file
 class Section:
     name: str
     dtype: str
@@ -225,7 +234,8 @@ def _table_int(v) -> int:
     return v
 
 
-def parse_table(buf, file_size: int, source: str) -> list[Section]:
+def parse_table(buf, file_size: int, source: str,
+                max_table: int = MAX_TABLE_BYTES) -> list[Section]:
     """Validate the prefix and section table of a container held in `buf`."""
     if file_size < _PREFIX.size:
         raise ModelFormatError(f"{source}: file is {file_size} bytes, too short for a header")
@@ -235,7 +245,10 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
     if major != FORMAT_MAJOR:
         raise ModelFormatError(f"{source}: format version {major}.{minor} is not readable by "
                                f"this Colibri (reads {FORMAT_MAJOR}.x); re-convert the model")
-    if tlen > MAX_TABLE_BYTES or _PREFIX.size + tlen > file_size:
+    if tlen > max_table:
+        raise ModelFormatError(f"{source}: section table of {tlen} bytes exceeds the cap of "
+                               f"{max_table} bytes (docs/FORMAT.md); the file is corrupt")
+    if _PREFIX.size + tlen > file_size:
         raise ModelFormatError(f"{source}: section table length {tlen} exceeds the file "
                                f"({file_size} bytes); the file is truncated or corrupt")
     try:
@@ -289,7 +302,7 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
                 raise ModelFormatError(f"{where}: part '{p}' ends at {off + n}, past the end of "
                                        f"the file ({file_size} bytes): the file is truncated")
             spans.append((off, off + n, name))
-        sections.append(Section(name, dtype, shape, group, parts))
+        sections.append(Section(name, _DTYPE_NAMES[dtype], shape, group, parts))
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
@@ -297,7 +310,7 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
     return sections
 
 
-def _read_header(fd: int, size: int, path: Path) -> bytes:
+def _read_header(fd: int, size: int, path: Path, max_table: int) -> bytes:
     """The prefix and section table, read with pread and no readahead (only the pages
     holding them enter the page cache)."""
     advise = getattr(os, "posix_fadvise", None)
@@ -310,7 +323,7 @@ def _read_header(fd: int, size: int, path: Path) -> bytes:
         head = os.pread(fd, _PREFIX.size, 0)
         if len(head) == _PREFIX.size:
             tlen = _PREFIX.unpack_from(head, 0)[3]
-            if tlen <= MAX_TABLE_BYTES:
+            if tlen <= max_table:
                 head += os.pread(fd, min(tlen, size - _PREFIX.size), _PREFIX.size)
         return head
     except OSError as e:
@@ -328,9 +341,10 @@ class ContainerFile:
 
     load_mode "header" reads only the section table: the data is read later by the caller
     into buffers of its own (the memory budget's copy-in expert slots, expertcache.py), and
-    `tensor(name, buf, base)` hands out views into such a buffer."""
+    `tensor(name, buf, base)` hands out views into such a buffer. A section table longer
+    than `max_table` bytes is refused before it is read."""
 
-    def __init__(self, path: Path, load_mode: str = "mmap"):
+    def __init__(self, path: Path, load_mode: str = "mmap", max_table: int = MAX_TABLE_BYTES):
         self.path = Path(path)
         fd = open_regular(self.path)           # a FIFO or device is refused, never waited on
         head = None
@@ -341,7 +355,7 @@ class ContainerFile:
             if load_mode == "mmap":
                 # The table is read with pread, not through the mapping: a fault there
                 # would read around it (read_ahead_kb, often MBs: a whole expert file).
-                head = _read_header(fd, self.size, self.path)
+                head = _read_header(fd, self.size, self.path, max_table)
                 try:
                     self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
                 except OSError as e:
@@ -351,7 +365,7 @@ class ContainerFile:
             elif load_mode == "header":   # the table only, read with pread (no mapping)
                 self._mm = None
                 self.buf = None
-                head = _read_header(fd, self.size, self.path)
+                head = _read_header(fd, self.size, self.path, max_table)
             else:  # copy-in: one read into private memory, for file systems without mmap
                 self._mm = None
                 self.buf = np.empty(self.size, dtype=np.uint8)
@@ -369,7 +383,7 @@ class ContainerFile:
             os.close(fd)
         try:
             self.sections = {s.name: s for s in parse_table(
-                head if head is not None else self.buf, self.size, str(self.path))}
+                head if head is not None else self.buf, self.size, str(self.path), max_table)}
         except BaseException:
             self.close()                   # a refused file leaves no mapping behind
             raise

@@ -14,8 +14,9 @@ import numpy as np
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
 from .files import check_regular, read_bytes
-from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, ContainerFile, Tensor, expert_file_name,
-                        expert_name, sha256_file, write_container)
+from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
+                        ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
+                        write_container)
 from .quant import Q4Tensor, Q8Tensor
 
 Matrix = Union[np.ndarray, Q4Tensor, Q8Tensor]
@@ -201,8 +202,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
     _check_files(cfg, path)
     files: list[ContainerFile] = []
 
-    def open_file(name: str, mode: str = load_mode) -> ContainerFile:
-        f = ContainerFile(path / name, mode)
+    def open_file(name: str, mode: str = load_mode,
+                  max_table: int = MAX_TABLE_BYTES) -> ContainerFile:
+        f = ContainerFile(path / name, mode, max_table)
         files.append(f)
         return f
 
@@ -270,10 +272,10 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                 lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
                 for e in range(E):
                     if lazy_experts:
-                        f = open_file(expert_file_name(L, e), "header")
+                        f = open_file(expert_file_name(L, e), "header", MAX_EXPERT_TABLE_BYTES)
                         lw.experts.append(ModelExpert(L, e, expert_ffn(f, H, I), f))
                         continue
-                    f = open_file(expert_file_name(L, e))
+                    f = open_file(expert_file_name(L, e), max_table=MAX_EXPERT_TABLE_BYTES)
                     lw.experts.append(ModelExpert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
                 if cfg.shared_expert_intermediate_size:
                     lw.shared = ffn(main, p, ("shared_w1", "shared_w3", "shared_w2"),
