@@ -285,8 +285,12 @@ def format_validation_error(source: str, err: ValidationError) -> str:
             shown = shown[:57] + "..."
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (not allowed; check the spelling)"
-        elif e["type"] == "missing":
+            # no value: a file that is not a config at all (config.json a symlink to some
+            # other JSON file) would have its content quoted here
+            lines.append(f"{source}: field '{loc}': unknown field (not allowed; check the "
+                         f"spelling)")
+            continue
+        if e["type"] == "missing":
             lines.append(f"{source}: field '{loc}': missing (required)")
             continue
         lines.append(f"{source}: field '{loc}': value {shown}: {msg}")

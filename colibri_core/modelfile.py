@@ -234,14 +234,25 @@ def _table_int(v) -> int:
     return v
 
 
+def _shown(name: str) -> str:
+    """A section name for a message: quoted when not printable, cut when long."""
+    text = name if name.isprintable() else repr(name)[1:-1]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def parse_table(buf, file_size: int, source: str,
                 max_table: int = MAX_TABLE_BYTES) -> list[Section]:
-    """Validate the prefix and section table of a container held in `buf`."""
+    """Validate the prefix and section table of a container held in `buf`.
+
+    Messages never quote the bytes of a file that is not a Colibri container (a model file
+    may be a symlink to anything): a bad magic is reported without the bytes found. Once
+    the magic matched, the table's own fields (section names, dtypes) may be named."""
     if file_size < _PREFIX.size:
         raise ModelFormatError(f"{source}: file is {file_size} bytes, too short for a header")
     magic, major, minor, tlen = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
-        raise ModelFormatError(f"{source}: not a Colibri file (magic {magic!r}, expected {MAGIC!r})")
+        raise ModelFormatError(f"{source}: not a Colibri file (bad magic: its first 8 bytes "
+                               f"are not {MAGIC!r}); expected a container file (docs/FORMAT.md)")
     if major != FORMAT_MAJOR:
         raise ModelFormatError(f"{source}: format version {major}.{minor} is not readable by "
                                f"this Colibri (reads {FORMAT_MAJOR}.x); re-convert the model")
@@ -252,12 +263,15 @@ def parse_table(buf, file_size: int, source: str,
         raise ModelFormatError(f"{source}: section table length {tlen} exceeds the file "
                                f"({file_size} bytes); the file is truncated or corrupt")
     try:
-        table = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))
-        raw = table["sections"]
+        raw = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))["sections"]
         if not isinstance(raw, list):
             raise TypeError("'sections' is not a list")
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(f"{source}: unreadable section table (not UTF-8 at byte "
+                               f"{_PREFIX.size + e.start})") from None
     except Exception as e:
-        raise ModelFormatError(f"{source}: unreadable section table ({e})") from None
+        raise ModelFormatError(f"{source}: unreadable section table ({type(e).__name__}: "
+                               f"{str(e)[:80]})") from None
     sections, spans, names = [], [], set()
     for i, e in enumerate(raw):
         where = f"{source}: section {i}"
@@ -273,13 +287,14 @@ def parse_table(buf, file_size: int, source: str,
                     raise TypeError(f"part {k!r} must be [offset, nbytes]")
                 parts[str(k)] = (_table_int(v[0]), _table_int(v[1]))
         except Exception as ex:
-            raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: {ex})") from None
-        where = f"{source}: section '{name}'" if name.isprintable() else f"{source}: section {name!r}"
+            raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: "
+                                   f"{str(ex)[:80]})") from None
+        where = f"{source}: section '{_shown(name)}'"
         if name in names:
             raise ModelFormatError(f"{where}: duplicate name")
         names.add(name)
         if dtype not in ALL_DTYPES:
-            raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (expected one of "
+            raise ModelFormatError(f"{where}: unknown dtype {dtype!r:.40} (expected one of "
                                    f"{sorted(ALL_DTYPES)})")
         if not 1 <= len(shape) <= 4 or any(s <= 0 or s > 1 << 40 for s in shape):
             raise ModelFormatError(f"{where}: invalid shape {list(shape)}")
@@ -306,7 +321,7 @@ def parse_table(buf, file_size: int, source: str,
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ModelFormatError(f"{source}: sections '{an}' and '{bn}' overlap")
+            raise ModelFormatError(f"{source}: sections '{_shown(an)}' and '{_shown(bn)}' overlap")
     return sections
 
 
