@@ -195,7 +195,7 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
         raise
     cfg.check_experts()
-    ck = Checkpoint(hf_dir)
+    ck = Checkpoint(hf_dir, hf.get("transformers_weights"))
 
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a directory")
