@@ -297,6 +297,14 @@ def format_validation_error(source: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, on libyaml's C parser when PyYAML was built with it (several
+    times faster on a large file; docs/ROBUSTNESS.md). Either way aliases stay shared
+    objects, and an alias bomb is defused by the bounded repr above."""
+    import yaml
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON file into a dict, with one-line errors. Only a regular file is
     read (a FIFO or device is refused at once, files.py)."""
@@ -307,7 +315,7 @@ def read_mapping(path: Path) -> dict[str, Any]:
             data = json.loads(text)
         else:
             import yaml
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())
     except Exception as e:  # json/yaml syntax errors carry line numbers in their text
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
