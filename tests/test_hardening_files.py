@@ -200,18 +200,20 @@ def test_fifo_in_a_checkpoint_folder(hf_checkpoint, tmp_path):
 
 # ============================================================================ 2. table cap
 
+def _prefix(tlen: int) -> bytes:
+    return struct.pack("<8sHHI", MAGIC, 1, 0, tlen)
+
+
 def _container(path: Path, table: bytes) -> Path:
-    """A container whose table is `table` (padded with JSON whitespace), one f32 section."""
-    body = _PREFIX_PACK(len(table)) + table
+    """A container file holding `table`, then zeros up to a page past it (the data)."""
+    body = _prefix(len(table)) + table
     path.write_bytes(body + b"\0" * (-len(body) % 4096 + 4096))
     return path
 
 
-def _PREFIX_PACK(tlen):
-    return struct.pack("<8sHHI", MAGIC, 1, 0, tlen)
-
-
 def _table(n_bytes: int, data_at: int) -> bytes:
+    """A legal table of `n_bytes` (JSON whitespace at the end): one f32 [1] section whose
+    data is at `data_at`."""
     t = json.dumps({"sections": [{"name": "v", "dtype": "f32", "shape": [1],
                                   "parts": {"data": [data_at, 4]}}]}).encode()
     return t + b" " * (n_bytes - len(t))
@@ -245,7 +247,7 @@ def test_expert_file_table_has_its_own_smaller_cap(damaged):
             p[0] += header - first
     t = json.dumps({"sections": sections}, separators=(",", ":")).encode()
     t += b" " * (MAX_EXPERT_TABLE_BYTES + 1 - len(t))
-    out = _PREFIX_PACK(len(t)) + t
+    out = _prefix(len(t)) + t
     (damaged / name).write_bytes(out + b"\0" * (header - len(out)) + raw[first:])
     refresh_files(damaged)
     assert ContainerFile(damaged / name).sections      # fine under the general cap ...
@@ -353,6 +355,8 @@ def test_refused_expert_build_leaves_nothing_at_output(tmp_path, how, rc, match)
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """A tiny random Mixtral checkpoint (model.safetensors) with a tokenizer."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from hf_helpers import make_hf_model, save, write_tokenizer
     d = save(make_hf_model("mixtral", num_hidden_layers=2), tmp_path_factory.mktemp("hf") / "m")
     write_tokenizer(d)
@@ -393,6 +397,7 @@ def test_extra_safetensors_files_are_not_read(hf_checkpoint, converted, tmp_path
 
 
 def test_checkpoint_file_rule_follows_transformers(tmp_path):
+    pytest.importorskip("safetensors")
     from colibri_core.convert.safetensors_reader import checkpoint_files
     d = tmp_path / "ck"
     d.mkdir()
