@@ -100,17 +100,21 @@ def debug_kinds(text: str) -> list[str]:
 def dir_kind(path: Path) -> str:
     """What a folder holds: "colibri" (a Colibri model: config.json with `format`/`files`),
     "hf" (a Hugging Face checkpoint: config.json with `model_type`, or *.safetensors),
-    "missing", "file", or "other"."""
+    "missing", "file", or "other". A config.json that is there but not a regular file
+    (a FIFO, a device, a folder) raises ConfigError naming it: it is never waited on."""
+    from .errors import ConfigError
+    from .files import check_regular, read_text
     if not path.exists():
         return "missing"
     if not path.is_dir():
         return "file"
     cfg = path / "config.json"
     data = None
-    if cfg.is_file():
+    if cfg.exists():
+        check_regular(cfg, cfg.stat(), ConfigError)
         try:
-            data = json.loads(cfg.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = json.loads(read_text(cfg, ConfigError))
+        except (ColibriError, ValueError):
             return "colibri"          # a damaged model: let the loader name the problem
     if isinstance(data, dict) and ("format" in data or "files" in data):
         return "colibri"
@@ -172,7 +176,7 @@ def _engine_from_args(args):
             raise ColibriError(f"--config {args.config}: is a folder; expected a run config "
                                f"file (YAML/JSON with `model:` and `engine:`) or a shipped "
                                f"config's name")
-        if path.is_dir() or dir_kind(path.parent) == "colibri" and path.name == "config.json":
+        if path.is_dir() or path.name == "config.json" and dir_kind(path.parent) == "colibri":
             model = path if path.is_dir() else path.parent
             raise ColibriError(f"--config {args.config}: this is a model "
                                f"{'directory' if path.is_dir() else 'config.json'}, not a run "

@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError, ExpertIndexError
+from .files import read_text
 
 # allow_inf_nan=False: a NaN or infinite float in a config file (YAML `.nan`, `.inf`, JSON
 # `NaN`, `Infinity`) is refused with the field's name instead of poisoning the arithmetic.
@@ -293,28 +294,37 @@ def format_validation_error(source: str, err: ValidationError) -> str:
             shown = shown[:57] + "..."
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (not allowed; check the spelling)"
-        elif e["type"] == "missing":
+            # no value: a file that is not a config at all (config.json a symlink to some
+            # other JSON file) would have its content quoted here
+            lines.append(f"{source}: field '{loc}': unknown field (not allowed; check the "
+                         f"spelling)")
+            continue
+        if e["type"] == "missing":
             lines.append(f"{source}: field '{loc}': missing (required)")
             continue
         lines.append(f"{source}: field '{loc}': value {shown}: {msg}")
     return "\n".join(lines)
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, on libyaml's C parser when PyYAML was built with it (several
+    times faster on a large file; docs/ROBUSTNESS.md). Either way aliases stay shared
+    objects, and an alias bomb is defused by the bounded repr above."""
+    import yaml
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a dict, with one-line errors."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
+    """Read a YAML or JSON file into a dict, with one-line errors. Only a regular file is
+    read (a FIFO or device is refused at once, files.py)."""
+    path = Path(path)
+    text = read_text(path, ConfigError)
     try:
         if path.suffix == ".json":
             data = json.loads(text)
         else:
             import yaml
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())
     except Exception as e:  # json/yaml syntax errors carry line numbers in their text
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None

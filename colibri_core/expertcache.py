@@ -22,6 +22,7 @@ import numpy as np
 from . import ops
 from .config import EngineConfig
 from .errors import ModelFileDamaged, ModelFormatError, RequestError
+from .files import open_regular
 from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
                       drop_file_cache, madvise, proc_memory, proc_read_bytes)
 from .residency import BudgetPlan, Residency, model_file_sizes, plan_budget
@@ -120,7 +121,7 @@ def _populate(f):
     addr, size, path = f.base_address, f.size, f.path
     err = madvise(addr, size, MADV_POPULATE_READ)
     if err in (_errno.EINVAL, _errno.ENOSYS, _errno.EOPNOTSUPP):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             buf = bytearray(1 << 20)
             off = 0
@@ -140,8 +141,7 @@ def _populate(f):
 def _read_into(path: Path, view: memoryview, offset: int, direct: bool) -> None:
     """Fill `view` with the file's bytes from `offset` (os.preadv). O_DIRECT bypasses the
     page cache; without it the range is dropped from the cache after the read."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    fd = os.open(path, flags)
+    fd = open_regular(path, flags=getattr(os, "O_DIRECT", 0) if direct else 0)
     try:
         got, n = 0, len(view)
         while got < n:
@@ -237,8 +237,8 @@ class BudgetResidency(Residency):
         raw = np.empty(2 * PAGE, np.uint8)
         off = (-raw.ctypes.data) % PAGE
         try:
-            fd = os.open(ex.file.path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
+            fd = open_regular(ex.file.path, flags=os.O_DIRECT)
+        except ModelFormatError:          # O_DIRECT refused (EINVAL), or not a regular file
             return False
         try:
             os.preadv(fd, [memoryview(raw[off:off + PAGE])], a)

@@ -63,7 +63,7 @@ def resident_bytes(addr: int, length: int) -> int:
 def file_cache_bytes(path) -> int:
     """Page-cache residency of a whole file (mapped briefly; mapping reads nothing)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO: no wait
     except OSError:
         return 0
     try:
@@ -89,7 +89,7 @@ def drop_file_cache(path, offset: int = 0, length: int = 0, sync: bool = False) 
     sync: write dirty pages first (a model written moments ago is still dirty, and dirty
     pages are not dropped)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO: no wait
     except OSError:
         return
     try:

@@ -8,7 +8,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from .errors import ModelFormatError
+from .files import open_regular
 from .quant import Q4Tensor, Q8Tensor, padded_cols
 
 MAGIC = b"COLIBRI\x00"
@@ -24,10 +24,16 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
-MAX_TABLE_BYTES = 64 << 20          # a section table larger than this is corrupt
+# The largest section table a reader parses (docs/FORMAT.md): a parsed table costs about
+# 18 times its size in memory for the file's life. The biggest supported model's model.bin
+# (DeepSeek-V3: 61 layers, up to 20 sections each) needs an estimated 0.25 MiB; an expert
+# file holds at most six sections (under 1 KiB), and a model has thousands of them.
+MAX_TABLE_BYTES = 1 << 20
+MAX_EXPERT_TABLE_BYTES = 64 << 10
 
 PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 ALL_DTYPES = set(PLAIN_DTYPES) | {"q4", "q8"}
+_DTYPE_NAMES = {d: d for d in ALL_DTYPES}   # one shared string per dtype, not one per section
 
 Tensor = Union[np.ndarray, Q4Tensor, Q8Tensor]
 
@@ -96,6 +102,9 @@ def _fit_header(entries: list[dict], sizes: list[list[int]], header: int):
     while True:
         offs, end = _layout(sizes, header)
         table = _table(entries, offs)
+        if len(table) > MAX_TABLE_BYTES:            # readers would refuse the file
+            raise ValueError(f"section table of {len(table)} bytes ({len(entries)} sections) "
+                             f"exceeds the format's cap of {MAX_TABLE_BYTES} bytes")
         need = _align(_PREFIX.size + len(table))
         if need <= header:
             return header, table, end
@@ -184,7 +193,7 @@ def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:
 def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file's bytes (model checksums, hot-plug allowlists)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while True:
             b = f.read(chunk)
             if not b:
@@ -195,7 +204,7 @@ def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
 
 # ----------------------------------------------------------------------------- reader
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)      # slots: a table's sections live as long as the file
 class Section:
     name: str
     dtype: str
@@ -225,26 +234,44 @@ def _table_int(v) -> int:
     return v
 
 
-def parse_table(buf, file_size: int, source: str) -> list[Section]:
-    """Validate the prefix and section table of a container held in `buf`."""
+def _shown(name: str) -> str:
+    """A section name for a message: quoted when not printable, cut when long."""
+    text = name if name.isprintable() else repr(name)[1:-1]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_table(buf, file_size: int, source: str,
+                max_table: int = MAX_TABLE_BYTES) -> list[Section]:
+    """Validate the prefix and section table of a container held in `buf`.
+
+    Messages never quote the bytes of a file that is not a Colibri container (a model file
+    may be a symlink to anything): a bad magic is reported without the bytes found. Once
+    the magic matched, the table's own fields (section names, dtypes) may be named."""
     if file_size < _PREFIX.size:
         raise ModelFormatError(f"{source}: file is {file_size} bytes, too short for a header")
     magic, major, minor, tlen = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
-        raise ModelFormatError(f"{source}: not a Colibri file (magic {magic!r}, expected {MAGIC!r})")
+        raise ModelFormatError(f"{source}: not a Colibri file (bad magic: its first 8 bytes "
+                               f"are not {MAGIC!r}); expected a container file (docs/FORMAT.md)")
     if major != FORMAT_MAJOR:
         raise ModelFormatError(f"{source}: format version {major}.{minor} is not readable by "
                                f"this Colibri (reads {FORMAT_MAJOR}.x); re-convert the model")
-    if tlen > MAX_TABLE_BYTES or _PREFIX.size + tlen > file_size:
+    if tlen > max_table:
+        raise ModelFormatError(f"{source}: section table of {tlen} bytes exceeds the cap of "
+                               f"{max_table} bytes (docs/FORMAT.md); the file is corrupt")
+    if _PREFIX.size + tlen > file_size:
         raise ModelFormatError(f"{source}: section table length {tlen} exceeds the file "
                                f"({file_size} bytes); the file is truncated or corrupt")
     try:
-        table = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))
-        raw = table["sections"]
+        raw = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))["sections"]
         if not isinstance(raw, list):
             raise TypeError("'sections' is not a list")
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(f"{source}: unreadable section table (not UTF-8 at byte "
+                               f"{_PREFIX.size + e.start})") from None
     except Exception as e:
-        raise ModelFormatError(f"{source}: unreadable section table ({e})") from None
+        raise ModelFormatError(f"{source}: unreadable section table ({type(e).__name__}: "
+                               f"{str(e)[:80]})") from None
     sections, spans, names = [], [], set()
     for i, e in enumerate(raw):
         where = f"{source}: section {i}"
@@ -260,13 +287,14 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
                     raise TypeError(f"part {k!r} must be [offset, nbytes]")
                 parts[str(k)] = (_table_int(v[0]), _table_int(v[1]))
         except Exception as ex:
-            raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: {ex})") from None
-        where = f"{source}: section '{name}'" if name.isprintable() else f"{source}: section {name!r}"
+            raise ModelFormatError(f"{where}: malformed entry ({type(ex).__name__}: "
+                                   f"{str(ex)[:80]})") from None
+        where = f"{source}: section '{_shown(name)}'"
         if name in names:
             raise ModelFormatError(f"{where}: duplicate name")
         names.add(name)
         if dtype not in ALL_DTYPES:
-            raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (expected one of "
+            raise ModelFormatError(f"{where}: unknown dtype {dtype!r:.40} (expected one of "
                                    f"{sorted(ALL_DTYPES)})")
         if not 1 <= len(shape) <= 4 or any(s <= 0 or s > 1 << 40 for s in shape):
             raise ModelFormatError(f"{where}: invalid shape {list(shape)}")
@@ -289,15 +317,15 @@ def parse_table(buf, file_size: int, source: str) -> list[Section]:
                 raise ModelFormatError(f"{where}: part '{p}' ends at {off + n}, past the end of "
                                        f"the file ({file_size} bytes): the file is truncated")
             spans.append((off, off + n, name))
-        sections.append(Section(name, dtype, shape, group, parts))
+        sections.append(Section(name, _DTYPE_NAMES[dtype], shape, group, parts))
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ModelFormatError(f"{source}: sections '{an}' and '{bn}' overlap")
+            raise ModelFormatError(f"{source}: sections '{_shown(an)}' and '{_shown(bn)}' overlap")
     return sections
 
 
-def _read_header(fd: int, size: int, path: Path) -> bytes:
+def _read_header(fd: int, size: int, path: Path, max_table: int) -> bytes:
     """The prefix and section table, read with pread and no readahead (only the pages
     holding them enter the page cache)."""
     advise = getattr(os, "posix_fadvise", None)
@@ -310,7 +338,7 @@ def _read_header(fd: int, size: int, path: Path) -> bytes:
         head = os.pread(fd, _PREFIX.size, 0)
         if len(head) == _PREFIX.size:
             tlen = _PREFIX.unpack_from(head, 0)[3]
-            if tlen <= MAX_TABLE_BYTES:
+            if tlen <= max_table:
                 head += os.pread(fd, min(tlen, size - _PREFIX.size), _PREFIX.size)
         return head
     except OSError as e:
@@ -342,30 +370,23 @@ class ContainerFile:
 
     load_mode "header" reads only the section table: the data is read later by the caller
     into buffers of its own (the memory budget's copy-in expert slots, expertcache.py), and
-    `tensor(name, buf, base)` hands out views into such a buffer."""
+    `tensor(name, buf, base)` hands out views into such a buffer. A section table longer
+    than `max_table` bytes is refused before it is read."""
 
-    def __init__(self, path: Path, load_mode: str = "mmap"):
+    def __init__(self, path: Path, load_mode: str = "mmap", max_table: int = MAX_TABLE_BYTES):
         self.path = Path(path)
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ModelFormatError(f"{self.path}: file not found") from None
-        except OSError as e:
-            raise ModelFormatError(f"{self.path}: cannot open: {e.strerror}") from None
+        fd = open_regular(self.path)           # a FIFO or device is refused, never waited on
         head = None
         self._mm = None
         self.guard = None           # the map watcher's handle (mapguard.Watched), if any
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ModelFormatError(f"{self.path}: not a regular file")
-            self.size = st.st_size
+            self.size = os.fstat(fd).st_size
             if self.size == 0:
                 raise ModelFormatError(f"{self.path}: file is empty")
             if load_mode == "mmap":
                 # The table is read with pread, not through the mapping: a fault there
                 # would read around it (read_ahead_kb, often MBs: a whole expert file).
-                head = _read_header(fd, self.size, self.path)
+                head = _read_header(fd, self.size, self.path, max_table)
                 try:
                     self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
                 except OSError as e:
@@ -375,7 +396,7 @@ class ContainerFile:
                 self.watch()
             elif load_mode == "header":   # the table only, read with pread (no mapping)
                 self.buf = None
-                head = _read_header(fd, self.size, self.path)
+                head = _read_header(fd, self.size, self.path, max_table)
             else:  # copy-in: one read into private memory, for file systems without mmap
                 self.buf = np.empty(self.size, dtype=np.uint8)
                 view = memoryview(self.buf)
@@ -392,7 +413,7 @@ class ContainerFile:
             os.close(fd)
         try:
             self.sections = {s.name: s for s in parse_table(
-                head if head is not None else self.buf, self.size, str(self.path))}
+                head if head is not None else self.buf, self.size, str(self.path), max_table)}
         except BaseException:
             self.close()                   # a refused file leaves no mapping behind
             raise

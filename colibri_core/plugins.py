@@ -25,6 +25,7 @@ the package ``colibri_core.builtin_plugins`` (setup.py maps the folder).
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
@@ -38,6 +39,7 @@ import pluggy
 
 from colibri_core import hookspecs
 from colibri_core.errors import ColibriError
+from colibri_core.files import read_bytes
 from colibri_core.hookspecs import PROJECT_NAME, hookimpl
 from colibri_core.pluginguard import PluginGuard, env_flag
 
@@ -261,14 +263,17 @@ def load_plugins_dir(pm: pluggy.PluginManager, plugins_dir: str | os.PathLike) -
 
 
 def _exec_module_file(path: Path) -> ModuleType:
+    """Run the module file `path`. Its source is read by files.read_bytes (a regular file
+    only: a FIFO named `x.py` would block the import system's own open() forever) and
+    compiled here; no bytecode cache is written into the plugins folder."""
     module_name = f"{_DIR_MODULE_PREFIX}_{path.stem}_{abs(hash(str(path))):x}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise PluginLoadError(f"colibri: cannot import plugin file {path}: not a Python module")
+    source = read_bytes(path, lambda msg: PluginLoadError(f"colibri: cannot import plugin file {msg}"))
+    spec = importlib.machinery.ModuleSpec(module_name, None, origin=str(path))
+    spec.has_location = True                    # sets the module's __file__
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
     except BaseException as exc:
         del sys.modules[module_name]
         if not isinstance(exc, Exception):

@@ -1,30 +1,44 @@
 """Text <-> token ids, with UTF-8-safe incremental decoding for streaming."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .errors import ModelFormatError, RequestError
+from .files import read_text
+
+
+def library_message(e: BaseException) -> str:
+    """The first line of a parsing library's error with every quoted value blanked out:
+    the tokenizers library quotes the file's strings ("invalid type: string \"...\""),
+    and tokenizer.json may be a symlink to some other file whose content must not reach
+    a message. Positions and the library's own words stay."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r'"[^"]*"|\'[^\']*\'', '"…"', first)[:160]
 
 
 class Tokenizer:
     def __init__(self, path: Path, vocab_size: int):
         from tokenizers import Tokenizer as HFTokenizer
+        # Read here (a regular file only), not by the library: a FIFO would block it
+        # forever, deaf to Ctrl-C.
+        text = read_text(path)
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(text)
         except Exception as e:
-            raise ModelFormatError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
+            raise ModelFormatError(f"{path}: unreadable tokenizer ({library_message(e)})") from None
         self.path = Path(path)
         self.vocab_size = vocab_size
         n = self._tok.get_vocab_size(with_added_tokens=True)
         # The largest id it can emit, not its count: a vocabulary may have holes (ids are
         # whatever the file says), and get_vocab_size() counts entries.
         top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        # A model vocabulary padded above the tokenizer's size is normal; the reverse is not.
         # An upper bound on the characters one token stands for (its string in the
         # vocabulary is at least as long in UTF-8 bytes): what a long prompt is cut to.
         self.max_token_chars = max((len(t.encode("utf-8"))
                                     for t in self._tok.get_vocab(with_added_tokens=True)),
                                    default=1)
+        # A model vocabulary padded above the tokenizer's size is normal; the reverse is not.
         if max(n, top + 1) > vocab_size:
             raise ModelFormatError(f"{path}: tokenizer has {n} tokens (largest id {top}) but "
                                    f"the model's vocab_size is {vocab_size}; ids >= "
@@ -52,8 +66,8 @@ class Tokenizer:
         if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)) or \
                 type(e).__name__ != "PanicException" and not isinstance(e, Exception):
             return e
-        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        return ModelFormatError(f"{self.path}: the tokenizer failed {doing} ({first}); "
+        return ModelFormatError(f"{self.path}: the tokenizer failed {doing} "
+                                f"({library_message(e)}); "
                                 f"check this tokenizer.json (its regex or normalizer)")
 
     def token_text(self, token_id: int) -> str:

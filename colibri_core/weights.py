@@ -13,8 +13,10 @@ import numpy as np
 
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
-from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, ContainerFile, Tensor, expert_file_name,
-                        expert_name, sha256_file, write_container)
+from .files import check_regular, read_bytes
+from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
+                        ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
+                        write_container)
 from .quant import Q4Tensor, Q8Tensor
 
 Matrix = Union[np.ndarray, Q4Tensor, Q8Tensor]
@@ -148,11 +150,13 @@ def _check_files(cfg: ModelConfig, path: Path) -> None:
         if not _plain_name(name):
             raise ModelFormatError(f"{path / 'config.json'}: file name {name!r} is not a plain name")
         try:
-            size = f.stat().st_size
+            st = f.stat()
         except FileNotFoundError:
             raise ModelFormatError(f"{f}: missing (listed in config.json)") from None
         except OSError as e:
             raise ModelFormatError(f"{f}: cannot read ({e.strerror}; listed in config.json)") from None
+        check_regular(f, st)                 # a FIFO would otherwise read as "size 0"
+        size = st.st_size
         if size != info.size:
             raise ModelFormatError(f"{f}: size {size} bytes, config.json records {info.size}; "
                                    f"the file was truncated or replaced — re-convert or restore it")
@@ -215,8 +219,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
     _check_files(cfg, path)
     files: list[ContainerFile] = []
 
-    def open_file(name: str, mode: str = load_mode) -> ContainerFile:
-        f = ContainerFile(path / name, mode)
+    def open_file(name: str, mode: str = load_mode,
+                  max_table: int = MAX_TABLE_BYTES) -> ContainerFile:
+        f = ContainerFile(path / name, mode, max_table)
         files.append(f)
         return f
 
@@ -285,10 +290,10 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                 lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
                 for e in range(E):
                     if lazy_experts:
-                        f = open_file(expert_file_name(L, e), "header")
+                        f = open_file(expert_file_name(L, e), "header", MAX_EXPERT_TABLE_BYTES)
                         lw.experts.append(ModelExpert(L, e, expert_ffn(f, H, I), f))
                         continue
-                    f = open_file(expert_file_name(L, e))
+                    f = open_file(expert_file_name(L, e), max_table=MAX_EXPERT_TABLE_BYTES)
                     lw.experts.append(ModelExpert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
                 if cfg.shared_expert_intermediate_size:
                     lw.shared = ffn(main, p, ("shared_w1", "shared_w3", "shared_w2"),
@@ -355,7 +360,7 @@ def write_model_dir(out: Path, cfg: ModelConfig,
     for extra in extra_files:
         target = out / Path(extra).name
         if Path(extra).resolve() != target.resolve():
-            target.write_bytes(Path(extra).read_bytes())
+            target.write_bytes(read_bytes(extra))
         names.append(target.name)
     files = {n: {"size": (out / n).stat().st_size, "sha256": sha256_file(out / n)} for n in names}
     data = cfg.model_dump(exclude={"format", "files"})
@@ -378,13 +383,16 @@ def verify_checksums(path: Path) -> list[str]:
             problems.append(f"{Path(path) / 'config.json'}: file name {name!r} is not a plain name")
             continue
         try:
-            size = f.stat().st_size
-            if size != info.size:
-                problems.append(f"{f}: size {size}, expected {info.size}")
+            st = f.stat()
+            check_regular(f, st)
+            if st.st_size != info.size:
+                problems.append(f"{f}: size {st.st_size}, expected {info.size}")
             elif sha256_file(f) != info.sha256:
                 problems.append(f"{f}: sha256 mismatch (file corrupted or modified)")
         except FileNotFoundError:
             problems.append(f"{f}: missing")
         except OSError as e:
             problems.append(f"{f}: cannot read ({e.strerror})")
+        except ModelFormatError as e:        # not a regular file (sha256_file, check_regular)
+            problems.append(str(e))
     return problems

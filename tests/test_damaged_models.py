@@ -38,7 +38,7 @@ DAMAGE = {
     "table offset past end": (ModelFormatError, "expert_1_1.bin: section 'w1'"),
     "file name escapes": (ModelFormatError, "is not a plain name"),
     "file name with NUL": (ModelFormatError, "is not a plain name"),
-    "model.bin is a folder": (ModelFormatError, "model.bin: not a regular file"),
+    "model.bin is a folder": (ModelFormatError, "model.bin: is a directory, expected a regular file"),
     "no format field": (ModelFormatError, "no 'format' field"),
     "format 2.0": (ModelFormatError, "format 2.0, this Colibri reads 1.x"),
     "hidden_size changed": (ModelFormatError, "expected [64, 64] from config.json"),

@@ -74,7 +74,7 @@ def test_unreadable_config_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         read_mapping(tmp_path / "bin.yaml")
     (tmp_path / "dir.yaml").mkdir()
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="is a directory, expected a regular file"):
         read_mapping(tmp_path / "dir.yaml")
     with pytest.raises(ConfigError, match="file not found"):
         read_mapping(tmp_path / "nope.yaml")

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
+from ..files import read_bytes, read_text
 from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q8
 from ..weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
@@ -68,11 +69,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _read_json(path: Path) -> dict:
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path}: not found (is {path.parent} a Hugging Face model directory?)")
+    text = read_text(path, ConfigError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (is {path.parent} a Hugging Face model directory?)") from None
-    except (OSError, ValueError) as e:
+        data = json.loads(text)
+    except ValueError as e:
         raise ConfigError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
@@ -84,7 +86,7 @@ def _add_bos(hf_dir: Path) -> Optional[bool]:
     if not p.is_file():
         return None
     try:
-        v = json.loads(p.read_text(encoding="utf-8")).get("add_bos_token")
+        v = json.loads(read_text(p, ConfigError)).get("add_bos_token")
     except Exception:
         return None
     return None if v is None else bool(v)
@@ -142,7 +144,7 @@ class _Writer:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(read_bytes(path, ConfigError)).hexdigest()
 
 
 def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
@@ -193,7 +195,7 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
         raise
     cfg.check_experts()
-    ck = Checkpoint(hf_dir)
+    ck = Checkpoint(hf_dir, hf.get("transformers_weights"))
 
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a directory")
@@ -251,7 +253,7 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                          for _ in cfg.layer_types)
         final = write_model_dir(staging, cfg, main, routing, experts,
                                 extra_files=[hf_dir / n for n in TOKENIZER_FILES
-                                             if (hf_dir / n).is_file()],
+                                             if os.path.lexists(hf_dir / n)],
                                 main_reserve=16 + n_main * 256)
         from ..weights import load_model
         load_model(staging).close()                 # the result must load (shapes, sizes)

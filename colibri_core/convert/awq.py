@@ -28,6 +28,7 @@ Two things live here:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,7 +36,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError
+from ..errors import ColibriError, ConfigError
+from ..files import read_text
+from ..tokenizer import library_message
 from ..quant import DEFAULT_Q4_CLIP, Q4Tensor, fake_quant_q4, pack_nibbles, padded_cols
 from .families import Src
 from .safetensors_reader import Checkpoint
@@ -284,14 +287,17 @@ def _subsample(x: np.ndarray, n: int = MAX_SEARCH_ROWS) -> np.ndarray:
 def calibration_tokens(hf_dir: Path, text_file: Path, cfg, max_tokens: int) -> list[list[int]]:
     """The calibration text as token sequences (chunks of at most 128 tokens)."""
     tok = Path(hf_dir) / "tokenizer.json"
-    if not tok.is_file():
+    if not os.path.lexists(tok):
         raise ConfigError(f"--calibration needs {tok} to tokenize {text_file}")
-    try:
-        text = Path(text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--calibration {text_file}: cannot read ({e})") from None
+    text = read_text(text_file, lambda msg: ConfigError(f"--calibration {msg}"))
     from tokenizers import Tokenizer
-    ids = Tokenizer.from_file(str(tok)).encode(text, add_special_tokens=False).ids
+    try:                    # read through files.py, not by the library: no FIFO waits
+        hf_tok = Tokenizer.from_str(read_text(tok, ConfigError))
+    except ColibriError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{tok}: unreadable tokenizer ({library_message(e)})") from None
+    ids = hf_tok.encode(text, add_special_tokens=False).ids
     ids = [i for i in ids if i < cfg.vocab_size][:max_tokens]
     if len(ids) < 16:
         raise ConfigError(f"--calibration {text_file}: only {len(ids)} tokens; give at least "

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelFormatError
+from ..files import open_regular, read_text
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_,
@@ -40,19 +41,28 @@ def f32_to_bf16(a: np.ndarray) -> np.ndarray:
 class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            head = f.read(8)
+        self._fd = -1
+        fd = open_regular(self.path)           # a FIFO or device is refused, never waited on
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
             if len(head) < 8:
                 raise ModelFormatError(f"{self.path}: too short for a safetensors file")
             (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise ModelFormatError(f"{self.path}: header of {n} bytes is implausible")
+            if n > 100 << 20 or 8 + n > size:
+                raise ModelFormatError(f"{self.path}: header of {n} bytes is implausible "
+                                       f"(file of {size} bytes)")
             try:
-                self.header = json.loads(f.read(n))
+                self.header = json.loads(os.pread(fd, n, 8))
+                if not isinstance(self.header, dict):
+                    raise TypeError("not a JSON object")
             except Exception as e:
-                raise ModelFormatError(f"{self.path}: unreadable safetensors header ({e})") from None
-            size = f.seek(0, 2)
-        self._fd = os.open(self.path, os.O_RDONLY)
+                raise ModelFormatError(f"{self.path}: unreadable safetensors header "
+                                       f"({type(e).__name__}: {str(e)[:80]})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.data_start = 8 + n
         self.header.pop("__metadata__", None)
         for name, e in self.header.items():
@@ -117,34 +127,82 @@ class SafetensorsFile:
         return a.astype(np.float32, copy=False)
 
 
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _inside(folder: Path, name, what: str) -> Path:
+    """`folder / name` for a relative file name that stays inside the folder."""
+    p = Path(name) if isinstance(name, str) and name else None
+    if p is None or p.is_absolute() or ".." in p.parts:
+        raise ModelFormatError(f"{what}: file name {str(name)[:80]!r} is not a file inside "
+                               f"{folder}")
+    return folder / p
+
+
+def checkpoint_files(hf_dir: Path, explicit: str | None = None) -> list[Path]:
+    """The safetensors files of a checkpoint folder, chosen by transformers' rule for a
+    local folder (`from_pretrained`), first match wins:
+
+    1. `explicit`: config.json's `transformers_weights`, a *.safetensors file or a
+       *.safetensors.index.json index inside the folder;
+    2. `model.safetensors`;
+    3. `model.safetensors.index.json`: exactly the shards its `weight_map` names (all must
+       be there).
+
+    No other file is read: consolidated copies, adapters or reference outputs beside the
+    weights are ignored, as transformers ignores them. A name that exists but is not a
+    regular file is refused when opened, never skipped."""
+    hf_dir = Path(hf_dir)
+    if explicit is not None:
+        where = f"{hf_dir / 'config.json'}: transformers_weights"
+        if not isinstance(explicit, str) or not explicit.endswith((".safetensors",
+                                                                    ".safetensors.index.json")):
+            raise ConfigError(f"{where} {str(explicit)[:80]!r}: expected a *.safetensors file "
+                              f"or a *.safetensors.index.json index")
+        chosen = _inside(hf_dir, explicit, where)
+        if not os.path.lexists(chosen):
+            raise ModelFormatError(f"{where} names {explicit}, which is not in {hf_dir}")
+    elif os.path.lexists(hf_dir / WEIGHTS_NAME):
+        chosen = hf_dir / WEIGHTS_NAME
+    elif os.path.lexists(hf_dir / INDEX_NAME):
+        chosen = hf_dir / INDEX_NAME
+    else:
+        others = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+        pt = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt*"))
+        hint = (f"; the other safetensors files here ({', '.join(others[:3])}) are not "
+                f"weights transformers would load" if others else
+                f"; found {', '.join(pt[:3])}: only safetensors checkpoints are supported "
+                f"(re-save with safe_serialization=True)" if pt else "")
+        raise ModelFormatError(f"{hf_dir}: no {WEIGHTS_NAME} and no {INDEX_NAME} (the "
+                               f"checkpoint files transformers reads){hint}")
+    if not chosen.name.endswith(".index.json"):
+        return [chosen]
+    try:
+        wm = json.loads(read_text(chosen))["weight_map"]
+        if not isinstance(wm, dict) or not wm:
+            raise TypeError("'weight_map' is not a non-empty object")
+    except ModelFormatError:
+        raise
+    except Exception as e:
+        raise ModelFormatError(f"{chosen}: unreadable shard index ({type(e).__name__}: "
+                               f"{str(e)[:80]})") from None
+    names = sorted({v for v in wm.values()}, key=str)
+    files = [_inside(hf_dir, n, str(chosen)) for n in names]
+    missing = [f.name for f in files if not os.path.lexists(f)]
+    if missing:
+        raise ModelFormatError(f"{chosen}: shard(s) {', '.join(missing[:3])} missing from "
+                               f"{hf_dir} (incomplete download?)")
+    return files
+
+
 class Checkpoint:
-    """All safetensors shards of a Hugging Face model directory, by tensor name.
+    """The safetensors files of a Hugging Face model folder (checkpoint_files: the ones
+    transformers reads), by tensor name."""
 
-    With `model.safetensors.index.json` only the shards it names are read (and all must be
-    present); otherwise every `*.safetensors` file in the directory."""
-
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, explicit: str | None = None):
         self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except Exception as e:
-                raise ModelFormatError(f"{index}: unreadable shard index ({e})") from None
-            files = [self.dir / f for f in sorted(set(wm.values()))]
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise ModelFormatError(f"{index}: shard(s) {', '.join(missing)} missing from "
-                                       f"{self.dir} (incomplete download?)")
-        else:
-            files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            other = sorted(p.name for p in self.dir.glob("*.bin")) + sorted(p.name for p in self.dir.glob("*.pt*"))
-            raise ModelFormatError(f"{self.dir}: no *.safetensors files"
-                                   + (f" (found {', '.join(other[:3])}: only safetensors checkpoints "
-                                      f"are supported; re-save with safe_serialization=True)" if other
-                                      else ""))
-        self.files = [SafetensorsFile(f) for f in files]
+        self.files = [SafetensorsFile(f) for f in checkpoint_files(self.dir, explicit)]
         self.where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for n in f.names():

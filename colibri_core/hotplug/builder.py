@@ -12,8 +12,10 @@ The .npz holds float arrays `w1` [I, H] (gate), `w3` [I, H] (up), `w2` [H, I] (d
    (`colibri_w1_data`, ..., `colibri_router_row`), 64-byte aligned, with exact `.size`,
 3. generates a C file with the metadata record and a plain C `ffn_forward` that runs the
    same INT4 weights (the fallback; the engine prefers its own kernels on the q4 symbols),
-4. compiles with `gcc -shared -fPIC -O3` to a hidden temporary name and renames it into
-   place, so a watching engine never sees a half-written file.
+4. compiles with `gcc -shared -fPIC -O3` to a hidden temporary name beside the output,
+   checks that file as the engine would (`meta.read_expert_file`) and only then renames
+   it into place: a watching engine never sees a half-written file, and a refused build
+   leaves nothing at the output path (a file already there is left as it was).
 
 The compiler, its flags and the q4 clipping are recorded in the metadata's `target` field
 (`... -O3 q4-clip=minmax`).
@@ -28,12 +30,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..files import open_regular
 from ..quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
-from .errors import ExpertBuildError, HotplugError
+from .errors import ExpertBuildError, ExpertRejected, HotplugError
 from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
 
 DEFAULT_CFLAGS = ("-O3",)
@@ -65,11 +68,16 @@ def target_string(cc: str, flags: Sequence[str], suffix: str = "") -> str:
 def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLike, *,
                    cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                    defines: dict[str, str | int] | None = None,
-                   target: str | None = None, target_suffix: str = "") -> str:
-    """Compile C/assembler sources into a shared object, atomically (temp name + rename).
+                   target: str | None = None, target_suffix: str = "",
+                   check: Optional[Callable[[Path], object]] = None) -> str:
+    """Compile C/assembler sources into a shared object, atomically.
 
-    `defines` become -D options; EXPERT_TARGET (the metadata `target` text, ending in
-    `target_suffix`) is added unless given. Returns the target string. Raises ExpertBuildError with the compiler's message.
+    The compiler writes a hidden temporary file beside `out_so`; `check(tmp)`, when given,
+    inspects it (raising an ExpertRejected refuses it); only then is it renamed to
+    `out_so`. On any failure, interrupts included, the temporary file is removed and
+    `out_so` is not touched. `defines` become -D options; EXPERT_TARGET (the metadata
+    `target` text, ending in `target_suffix`) is added unless given. Returns the target
+    string. Raises ExpertBuildError with the compiler's or the check's message.
     """
     out_so = Path(out_so)
     flags = [*BASE_FLAGS, *cflags]
@@ -79,18 +87,31 @@ def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLi
     cmd = [cc, *flags, f"-I{include_dir()}", *(f"-D{k}={v}" for k, v in defs.items()),
            "-o", str(tmp), *map(str, sources), "-lm"]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ExpertBuildError(f"{out_so}: cannot run the compiler {cc!r}: {e}",
-                               path=str(out_so)) from None
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        first = (res.stderr.strip().splitlines() or ["(no output)"])
-        errs = [line for line in first if "error" in line] or first
-        raise ExpertBuildError(f"{out_so}: compiler failed ({shlex.join(cmd[:1])}): "
-                               f"{errs[0]}", path=str(out_so))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out_so)
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ExpertBuildError(f"{out_so}: cannot run the compiler {cc!r}: {e}",
+                                   path=str(out_so)) from None
+        if res.returncode != 0:
+            first = (res.stderr.strip().splitlines() or ["(no output)"])
+            errs = [line for line in first if "error" in line] or first
+            raise ExpertBuildError(f"{out_so}: compiler failed ({shlex.join(cmd[:1])}): "
+                                   f"{errs[0]}", path=str(out_so))
+        if check is not None:
+            try:
+                check(tmp)
+            except ExpertRejected as e:          # its message names the temporary file
+                detail = str(e).replace(f"{tmp}: ", "").replace(str(tmp), out_so.name)
+                raise ExpertBuildError(f"{out_so}: the built file fails the expert checks, "
+                                       f"not written: {detail}", path=str(out_so)) from None
+        try:
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out_so)
+        except OSError as e:
+            raise ExpertBuildError(f"{out_so}: cannot write the output: {e.strerror}",
+                                   path=str(out_so)) from None
+    finally:
+        tmp.unlink(missing_ok=True)          # gone already after a successful rename
     return target
 
 
@@ -152,14 +173,21 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
                    "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
         out_so.parent.mkdir(parents=True, exist_ok=True)
         compile_shared([work / "expert.c", work / "expert_data.S"], out_so, cc=cc,
-                       cflags=cflags, defines=defines, target_suffix=f"q4-clip={q4_clip}")
+                       cflags=cflags, defines=defines, target_suffix=f"q4-clip={q4_clip}",
+                       check=lambda tmp: read_expert_file(str(tmp), hidden))
     return read_expert_file(str(out_so), hidden)
 
 
 def _load_npz(path: Path):
+    fd = open_regular(path, lambda msg: ExpertBuildError(      # a FIFO is refused, not waited on
+        f"{path}: cannot read the .npz: {msg.removeprefix(f'{path}: ')}", path=str(path)))
     try:
-        with np.load(path) as z:
-            arrays = {k: np.asarray(z[k]) for k in z.files}
+        with os.fdopen(fd, "rb") as f:
+            z = np.load(f)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive (a single array?)")
+            with z:
+                arrays = {k: np.asarray(z[k]) for k in z.files}
     except (OSError, ValueError) as e:
         raise ExpertBuildError(f"{path}: cannot read the .npz: {e}", path=str(path)) from None
     missing = [k for k in ("w1", "w3", "w2", "router_row") if k not in arrays]

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+from ..files import read_text
 from .errors import ApiError, bad_request
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
@@ -62,7 +63,7 @@ class ChatTemplate:
         tc = d / "tokenizer_config.json"
         if tc.is_file():
             try:
-                cfg = json.loads(tc.read_text(encoding="utf-8"))
+                cfg = json.loads(read_text(tc))
             except (OSError, ValueError):
                 cfg = {}
         specials = {}
@@ -74,7 +75,7 @@ class ChatTemplate:
                 specials[name] = v
         jf = d / "chat_template.jinja"
         if jf.is_file():
-            return cls(jf.read_text(encoding="utf-8"), specials, str(jf))
+            return cls(read_text(jf), specials, str(jf))
         t = cfg.get("chat_template")
         if isinstance(t, list):
             named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
+from ..files import read_text
 from .app import Server, Settings, build_app
 from .experts import ExpertBook
 
@@ -30,10 +31,7 @@ def default_experts_dir(configured: Optional[str]) -> Optional[str]:
 def load_allowlist(path: Optional[str]) -> Optional[frozenset]:
     if path is None:
         return None
-    try:
-        lines = Path(path).read_text(encoding="utf-8").split()
-    except OSError as e:
-        raise ConfigError(f"--expert-allowlist {path}: cannot read it ({e.strerror})") from None
+    lines = read_text(path, lambda msg: ConfigError(f"--expert-allowlist {msg}")).split()
     bad = [x for x in lines if len(x) != 64 or any(c not in "0123456789abcdef" for c in x.lower())]
     if bad:
         raise ConfigError(f"--expert-allowlist {path}: {bad[0]!r:.70} is not a sha256 hex "
