@@ -6,11 +6,15 @@
   to its end gives its solo greedy tokens, and nothing stays held afterwards;
 - plugin return values: whatever a `colibri_sample` / `colibri_choose_k` plugin returns,
   the request either runs (a valid answer) or fails with PluginError naming the plugin,
-  and the engine then serves a normal request.
+  and the engine then serves a normal request;
+- model files replaced by FIFOs, folders or symlinks, truncated, or truncated while
+  mapped and in use (the SIGBUS guard, mapguard.py): typed errors only, no hang.
 """
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import threading
 
 import pytest
@@ -21,7 +25,8 @@ from colibri_core.engine import Engine
 from colibri_core.errors import ColibriError, PluginError
 from colibri_core.hookspecs import hookimpl
 
-from fuzz_helpers import TRIED, fuzz
+from fuzz_helpers import TRIED, fuzz, guarded
+from fuzz_helpers import scratch  # noqa: F401  (a fixture)
 
 PROMPTS = ["The with statement", "The import system", "A class definition"]
 N_NEW = 6
@@ -131,3 +136,51 @@ def test_fuzz_plugin_return_values(sample, k, solo):
         e.pm.unregister(name="answers")
         assert e.generate(PROMPTS[0], max_new_tokens=N_NEW, temperature=0).run().token_ids \
             == solo[PROMPTS[0]]
+
+
+# ------------------------------------------------------------------ special and shrinking files
+FILE_ACTIONS = st.sampled_from(["fifo", "dir", "symlink_zero", "symlink_other", "truncate",
+                                "truncate_while_mapped"])
+
+
+@fuzz(40)
+@given(action=FILE_ACTIONS, pick=st.integers(0, 10**6), frac=st.floats(0, 0.99))
+def test_fuzz_model_files_replaced_or_shrunk(tiny_model_dir, scratch, action, pick, frac):
+    """Any file of a model directory turned into a FIFO, a folder, a symlink (to
+    /dev/zero or to another of its files), truncated, or truncated while mapped and in
+    use: a typed error within the time limit (never a hang, a crash or a bus error), and
+    an intact copy serves afterwards."""
+    TRIED["model files"] += 1
+    dst = scratch / "files"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(tiny_model_dir, dst)
+    names = sorted(p.name for p in dst.iterdir() if p.is_file())
+    victim = dst / names[pick % len(names)]
+
+    def damage():
+        if action == "truncate" or action == "truncate_while_mapped":
+            os.truncate(victim, int(victim.stat().st_size * frac))
+            return
+        victim.unlink()
+        if action == "fifo":
+            os.mkfifo(victim)
+        elif action == "dir":
+            victim.mkdir()
+        elif action == "symlink_zero":
+            victim.symlink_to("/dev/zero")
+        else:
+            victim.symlink_to(dst / names[(pick + 1) % len(names)])
+
+    def go():
+        if action != "truncate_while_mapped":
+            damage()
+        with Engine.from_model_dir(dst, threads=1) as e:
+            if action == "truncate_while_mapped":
+                e.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
+                damage()
+            e.generate([1, 2, 3], max_new_tokens=3, temperature=0).run()
+
+    guarded(f"model files: {action}", go, (ColibriError,))
+    with Engine.from_model_dir(tiny_model_dir, threads=1) as e:
+        assert len(e.generate([1, 2, 3], max_new_tokens=3, temperature=0).run().token_ids) <= 3
