@@ -7,10 +7,12 @@ never copied. No alignment is required: weight parts may be views at any byte of
 The C calls release the GIL.
 
 Backends: "avx512vnni" (x86-64 with AVX-512 F/BW/VL/VNNI: vpdpbusd int8 dots; otherwise
-the AVX2 code), "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64), "scalar" (portable C, the
-reference). The best one available is picked at import, in that order; `COLIBRI_KERNELS=
-<name>` (e.g. avx2, scalar) forces one if this CPU has it, and `set_backend()` switches at
-run time (tests, benchmarks). avx512vnni and avx2 give bit-identical results.
+the AVX2 code), "avx2" (x86-64 with AVX2+FMA), "neon" (aarch64; int8 dots with sdot where
+the CPU has them), "scalar" (portable C, the reference). The best one available is picked
+at import, in that order; `COLIBRI_KERNELS=<name>` (e.g. avx2, scalar) forces one if this
+CPU has it, and `set_backend()` switches at run time (tests, benchmarks). avx512vnni and
+avx2 give bit-identical results; neon's int8 products and activation quantization are
+bit-identical to scalar's (docs/ARCHITECTURE.md, "The NEON backend").
 Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or all cores).
 Importing this module sets GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
 is already set (see below).

@@ -55,7 +55,8 @@ static const ck_backend_t *backend_ptr(int b) {
         return &ck_backend_avx512vnni;
 #endif
 #if defined(__aarch64__)
-    if (b == CK_NEON) return &ck_backend_neon;
+    /* one backend, two tables: the int8 dots with sdot where the CPU has it */
+    if (b == CK_NEON) return ck_neon_has_dotprod() ? &ck_backend_neon_sdot : &ck_backend_neon;
 #endif
     return NULL;
 }

@@ -82,7 +82,12 @@ void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, const float 
                   int64_t len, float scale, float *s, float *out);
 #endif
 #if defined(__aarch64__)
-extern const ck_backend_t ck_backend_neon;
+extern const ck_backend_t ck_backend_neon;        /* ARMv8.0 NEON */
+extern const ck_backend_t ck_backend_neon_sdot;   /* the same, int8 dots with sdot */
+int ck_neon_has_dotprod(void);    /* the CPU has sdot (HWCAP_ASIMDDP): the sdot table runs */
+/* ck_neon.c's vector exp and softmax, for tests/c/ck_neon_driver.c */
+void ck_neon_exp(const float *x, int64_t n, float *out);
+void ck_neon_softmax_rows(float *s, int g, int64_t len);
 #endif
 
 /* scalar pieces reused by other backends */
