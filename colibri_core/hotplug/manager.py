@@ -15,7 +15,8 @@ probe it in a separate process (skipped for a hash this name already adopted); m
 objects in order, loading in-process experts with dlopen(RTLD_NOW) only there.
 
 An expert's identity is its metadata `name`: a file whose name is already active replaces
-it (same slot); deleting the file an active expert came from removes it.
+it (same slot); deleting the file an active expert came from removes it. A bundle folder
+`NAME.expert/` (bundle.py) is checked, staged and adopted like a file.
 
 One rule for refusals (docs/HOTPLUG.md, "When a file is refused"): a refused file that
 replaces an active expert's file leaves that expert active, and after a restart its last
@@ -27,16 +28,18 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
 from typing import Callable, Iterable
 
+from .bundle import (bundle_sig, is_bundle_name, read_staged, remove_staged, stage_bundle,
+                     staging_entry)
 from .elf import ElfFile
 from .errors import (REFUSED_LOG, ExpertProbeError, ExpertRejected, ExpertSecurityError,
                      HotplugError, HotplugStateError, RollbackError)
 from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
-from .meta import read_expert_file
 from .probe import run_probe
 from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
                       stage_file)
@@ -45,7 +48,7 @@ from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
 log = logging.getLogger("colibri.hotplug")
 LOCK_FILE = "hotplug.lock"
-RECHECK_S = 0.5    # how often the idle worker looks at a refused folder
+RECHECK_S = 0.5    # how often the idle worker looks at a refused folder, and at bundles
 
 EventCallback = Callable[[str, dict], None]
 
@@ -109,6 +112,7 @@ class HotplugManager:
         self._lock_fd: int | None = None
         self._refused: dict[str, dict] = {}   # path -> its refusal, until it passes or goes
         self._folder_refused = False          # a file was refused for the folder's sake
+        self._bundles: set[str] = set()       # bundle folders checked: their files are polled
         # after a restart: path -> [(name, version record)] active when the engine stopped;
         # consumed by the path's first verdict (a refused file keeps that version)
         self._restore: dict[str, list[tuple[str, VersionRecord]]] = {}
@@ -413,7 +417,8 @@ class HotplugManager:
                 while not (self._stopping or self._requests or self._settling or self._dirty):
                     if self._recheck():
                         continue                  # it queued paths
-                    self._cond.wait(RECHECK_S if self._folder_refused else None)
+                    self._cond.wait(RECHECK_S if self._folder_refused or self._bundles
+                                    else None)
                 if self._stopping:
                     return
                 if self._requests:
@@ -447,6 +452,7 @@ class HotplugManager:
                 with self._lock:
                     self._ops.append(("delete", path))
                     self._refused.pop(path, None)
+                    self._bundles.discard(path)
                 self._restored(path, None)
                 continue
             except OSError as e:
@@ -454,7 +460,7 @@ class HotplugManager:
                 self._refuse_file(path, ExpertRejected(f"{path}: cannot stat: {e.strerror}",
                                                        reason="io", path=path))
                 continue
-            new = FileSig.of(st)
+            new = self._signature(path, st)
             if new != sig:
                 with self._lock:
                     if path in self._settling:
@@ -470,11 +476,20 @@ class HotplugManager:
             self._seen[path] = new
             self._check(path, st, new)
 
+    @staticmethod
+    def _signature(path: str, st: os.stat_result):
+        """FileSig of a file; for a bundle folder, its own and its files' (bundle.py)."""
+        if stat.S_ISDIR(st.st_mode) and is_bundle_name(os.path.basename(path)):
+            return bundle_sig(path, st)
+        return FileSig.of(st)
+
     def _recheck(self) -> bool:
         """The idle worker's look, every RECHECK_S, under the lock; True if it queued paths.
 
         A folder refused for its permissions: once it passes again, every file of it is
-        checked again (nobody has to touch them)."""
+        checked again (nobody has to touch them). A bundle folder: the watcher reports the
+        folder, not the files inside it, so a bundle whose files changed since its verdict
+        (written in place, completed) is checked again."""
         queued = False
         if self._folder_refused:
             try:
@@ -487,13 +502,22 @@ class HotplugManager:
                          self.experts_dir)
                 self.rescan()
                 queued = True
+        for path in sorted(self._bundles):
+            try:
+                sig = self._signature(path, os.lstat(path))
+            except OSError:
+                sig = None                    # gone: the check sees it
+            if sig is None or sig != self._seen.get(path, sig):
+                self._bundles.discard(path)   # back once checked again
+                self._request(path)
+                queued = True
         return queued
 
     def _drop_settling(self, path: str) -> None:
         with self._lock:
             self._settling.pop(path, None)
 
-    def _check(self, path: str, st: os.stat_result, sig: FileSig) -> None:
+    def _check(self, path: str, st: os.stat_result, sig) -> None:
         """settled file -> PreparedExpert queued for drain(), or a "rejected" event."""
         sha = staged = None
         try:
@@ -504,14 +528,19 @@ class HotplugManager:
                 raise ExpertSecurityError(f"{path}: refused while its folder is: {e}; checked"
                                           " again once the folder is safe", reason=e.reason,
                                           path=path) from None
-            check_file(path, st)
-            with ElfFile(path):
-                pass                          # complete ELF? (a half-written one is not)
-            sha, staged = stage_file(path, self.staging_dir, expect=sig)
+            if is_bundle_name(os.path.basename(path)):
+                with self._lock:
+                    self._bundles.add(path)
+                sha, staged = stage_bundle(path, self.staging_dir, expect=sig)
+            else:
+                check_file(path, st)
+                with ElfFile(path):
+                    pass                      # complete ELF? (a half-written one is not)
+                sha, staged = stage_file(path, self.staging_dir, expect=sig)
             if self.allowlist is not None and sha not in self.allowlist:
                 raise ExpertSecurityError(f"{path}: sha256 {sha} is not on the allowlist",
                                           reason="allowlist", path=path)
-            info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+            info = read_staged(staged, self.hidden_size, self.moe_layers)
             name = info.meta.name
             with self._lock:
                 rec = self._records.get(name)
@@ -526,7 +555,7 @@ class HotplugManager:
                 log.info("%s: %s %s was rolled back; keeping %s", path, name, sha[:12],
                          pinned.version)
                 sha, staged = pinned.sha256, pinned.staged
-                info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+                info = read_staged(staged, self.hidden_size, self.moe_layers)
             elif sha in (rec.rolled_back if rec else ()):
                 raise ExpertRejected(f"{path}: expert {name} {sha[:12]}… was rolled back:"
                                      " expected a new file version", reason="rolled-back",
@@ -560,9 +589,11 @@ class HotplugManager:
         """Refuse `path` (the one rule: _refuse_file); its staged copy is deleted unless
         still used."""
         if isinstance(e, HotplugError):
-            if staged and str(e).startswith(staged):   # name the file the operator dropped
-                e = type(e)(f"{path} (staged copy sha256 {sha[:12]}…)"
-                            f"{str(e)[len(staged):]}", reason=e.reason, path=path)
+            entry = staging_entry(staged) if staged else None
+            if entry and str(e).startswith(entry):   # name the file the operator dropped
+                inner, sep, rest = str(e)[len(entry):].partition(":")
+                e = type(e)(f"{path}{inner} (staged copy sha256 {sha[:12]}…){sep}{rest}",
+                            reason=e.reason, path=path)
         elif isinstance(e, OSError):
             e = ExpertRejected(f"{path}: I/O error: {e}", reason="io", path=path)
         else:                             # a bug must refuse one file, not stop the worker
@@ -632,7 +663,7 @@ class HotplugManager:
         if self.allowlist is not None and vrec.sha256 not in self.allowlist:
             raise ExpertSecurityError(f"{vrec.staged}: sha256 {vrec.sha256} is not on the"
                                       " allowlist", reason="allowlist", path=vrec.staged)
-        return read_expert_file(vrec.staged, self.hidden_size, self.moe_layers)
+        return read_staged(vrec.staged, self.hidden_size, self.moe_layers)
 
     def _prepare(self, info, sha: str, staged: str, source: str,
                  isolation: str) -> PreparedExpert:
@@ -682,22 +713,18 @@ class HotplugManager:
         return refs
 
     def _forget_staged(self, staged: str | None) -> None:
-        if staged and staged not in self._referenced_staged():
-            try:
-                os.unlink(staged)
-            except OSError:
-                pass
+        if staged and staging_entry(staged) not in self._referenced_entries():
+            remove_staged(staging_entry(staged))
+
+    def _referenced_entries(self) -> set[str]:
+        return {staging_entry(p) for p in self._referenced_staged()}
 
     def _clean_staging(self) -> None:
-        refs = self._referenced_staged()
+        refs = self._referenced_entries()
         for n in os.listdir(self.staging_dir):
             p = os.path.join(self.staging_dir, n)
             if p not in refs:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-
+                remove_staged(p)
 
     def _save_state(self) -> None:
         with self._lock:
