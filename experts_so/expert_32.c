@@ -6,7 +6,9 @@
  *
  * Such a .so has no metadata, so the engine refuses it alone. Drop it as a bundle, a
  * folder expert_32.expert/ holding it, expert.toml and router_row.npy (docs/HOTPLUG.md,
- * "The reference design's way: a bundle").
+ * "A bundle"), or make it a regular expert with
+ *
+ *     colibri expert build --from-c expert_32.c --router-row row.npy --layer 1
  *
  * The contract (docs/HOTPLUG.md): x and y are [n_tokens, hidden] float32 rows; overwrite
  * every value of y, rows independent, return 0 on success. Works for any hidden size.

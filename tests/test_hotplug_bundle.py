@@ -132,8 +132,8 @@ def test_bare_reference_so_is_refused_with_the_fix(make_manager, folder, scratch
     assert mgr.wait_idle(20)
     (rej,) = events.rejected(folder / "expert_32.so")
     assert rej["reason"] == "abi"
-    for words in ("ffn_forward", "colibri_expert_meta", "expert.toml", "router_row.npy",
-                  ".expert/"):
+    for words in ("ffn_forward", "colibri_expert_meta", "colibri expert build --from-c",
+                  "expert.toml", "router_row.npy", ".expert/"):
         assert words in rej["message"], words
 
 
@@ -370,3 +370,62 @@ def test_bundle_through_the_engine(tiny_model_dir, tmp_path):
         routed = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
         assert (routed == slot).any()
 
+
+# -- colibri expert build --from-c: the same source made a regular expert -------------
+
+def test_build_from_c_makes_a_regular_expert(make_manager, folder, tmp_path, capsys):
+    from colibri_core.cli import main as cli_main
+    from colibri_core.hotplug.meta import read_expert_file
+    from colibri_core.hotplug.probe import run_probe
+    from hotplug_helpers import REFERENCE_C
+    src = tmp_path / "ref" / "expert_32.c"
+    src.parent.mkdir()
+    src.write_text(REFERENCE_C.replace("SCALE", "2.5f"))
+    row = np.linspace(-1, 1, H).astype(np.float64)          # any float dtype: made float32
+    np.save(tmp_path / "row.npy", row)
+    rc = cli_main(["expert", "build", "--from-c", str(src), "--router-row",
+                   str(tmp_path / "row.npy"), "--layer", "3", "--router-bias", "0.75"])
+    assert rc == 0, capsys.readouterr().err
+    assert "built" in capsys.readouterr().out
+    out = src.with_suffix(".so")                            # the default output
+    info = read_expert_file(str(out), H, {1, 3})
+    m = info.meta
+    assert (m.name, m.version, m.layers, m.hidden_size) == ("expert_32", "1.0", (3,), H)
+    assert m.router_bias == pytest.approx(0.75) and not m.thread_safe and not m.has_q4
+    assert m.target.endswith("from-c=expert_32.c") and "-fvisibility" not in m.target
+    raw = out.read_bytes()
+    got = np.frombuffer(raw[info.router_row.offset:info.router_row.offset + 4 * H], "<f4")
+    assert np.array_equal(got, row.astype(np.float32))
+    assert run_probe(str(out), H, 5.0)["ok"]
+
+    mgr, events = make_manager(watch=False)
+    shutil.copy(out, folder / "expert_32.so")
+    mgr.start()
+    (add,) = drain_until(mgr, 1)
+    assert add.expert.name == "expert_32" and output_scale(add.expert) == pytest.approx(2.5)
+    assert not events.of("rejected")
+
+
+def test_build_from_c_errors(tmp_path, capsys):
+    from colibri_core.hotplug.builder import main
+    np.save(tmp_path / "row.npy", np.zeros(H, np.float32))
+    hidden = tmp_path / "hidden.c"
+    hidden.write_text("__attribute__((visibility(\"hidden\")))\n"
+                      "int ffn_forward(const float *x, float *y, int n, int h)"
+                      " { (void)x; (void)y; (void)n; (void)h; return 0; }\n")
+    assert main(["--from-c", str(hidden), "--router-row", str(tmp_path / "row.npy"),
+                 "--layer", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("colibri: error: ") and len(err.strip().splitlines()) == 1
+    assert "no exported function 'ffn_forward'" in err
+    np.save(tmp_path / "bad.npy", np.zeros((2, H), np.float32))
+    assert main(["--from-c", str(hidden), "--router-row", str(tmp_path / "bad.npy"),
+                 "--layer", "1"]) == 2
+    assert "expected the router row" in capsys.readouterr().err
+    for argv in (["--from-c", str(hidden), "--layer", "1"],            # no --router-row
+                 [str(tmp_path / "w.npz"), "--layer", "1"],            # npz without -o...
+                 [str(tmp_path / "w.npz"), "--from-c", str(hidden), "--router-row",
+                  str(tmp_path / "row.npy"), "--layer", "1"]):
+        with pytest.raises(SystemExit) as ex:
+            main(argv)
+        assert ex.value.code == 2

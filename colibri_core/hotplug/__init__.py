@@ -31,7 +31,7 @@ _EXPORTS = {
     "read_expert_file": "meta", "ExpertMeta": "meta", "ExpertFileInfo": "meta",
     "ABI_VERSION": "meta",
     "ElfFile": "elf",
-    "bundle_identity": "bundle", "read_bundle": "bundle",
+    "bundle_identity": "bundle", "read_bundle": "bundle", "build_from_c": "builder",
     "run_probe": "probe",
     "HotplugError": "errors", "ExpertRejected": "errors", "ElfFormatError": "errors",
     "ExpertIncomplete": "errors", "ArchitectureMismatch": "errors",

@@ -266,7 +266,8 @@ def _read_toml(path: str) -> dict:
     if toml is None:
         raise BundleRefused(f"{path}: reading {TOML_NAME} needs Python >= 3.11 (tomllib) or"
                             f" the tomli package on Python {sys.version_info[0]}."
-                            f"{sys.version_info[1]}: `pip install tomli`", path=path)
+                            f"{sys.version_info[1]}: `pip install tomli`, or build a regular"
+                            " expert with `colibri expert build --from-c`", path=path)
     with open(path, "rb") as f:
         raw = f.read(MAX_TOML_BYTES + 1)
     if len(raw) > MAX_TOML_BYTES:

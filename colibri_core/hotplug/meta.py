@@ -144,7 +144,9 @@ def _read_meta(elf: ElfFile) -> ExpertMeta:
         if fwd is not None and fwd.dynamic and fwd.type == STT_FUNC:
             raise ExpertAbiError(
                 f"{p}: no {SYM_META!r} symbol (a .so exporting only {SYM_FORWARD}, as the"
-                f" reference design builds it): drop it as a bundle: a folder NAME.expert/"
+                f" reference design builds it): add the metadata with"
+                f" `colibri expert build --from-c SOURCE.c --router-row ROW.npy --layer N`"
+                f" (a regular expert .so), or drop it as a bundle: a folder NAME.expert/"
                 f" holding this .so, expert.toml (name, version, layers, router_bias) and"
                 f" router_row.npy (docs/HOTPLUG.md)", path=p)
         raise ExpertAbiError(f"{p}: no {SYM_META!r} symbol: expected a Colibri expert"
