@@ -439,19 +439,29 @@ def cmd_experts_list(args) -> int:
             for e in eng.weights.layers[L].experts:
                 rows.append({"slot": e.index, "name": e.name, "version": "", "layers": [L],
                              "origin": "model file", "sha256": cfg.files[f"{e.name}.bin"].sha256,
-                             "isolation": "inprocess", "status": "active"})
+                             "isolation": "inprocess", "status": "active", "refused": None})
+        refused = []
         if eng.hotplug is not None:
             rows += eng.hotplug.list()
+            refused = eng.hotplug.refused()
         if args.json:
-            print(json.dumps({"expert_set_version": eng.expert_set_version, "experts": rows}, indent=1))
+            print(json.dumps({"expert_set_version": eng.expert_set_version, "experts": rows,
+                              "refused": refused}, indent=1))
             return 0
         print(f"expert set version {eng.expert_set_version}")
         print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':10s} {'origin':12s} "
               f"{'isolation':10s} {'status':9s} sha256")
         for r in rows:
+            # a refused file beside the version that stays active (docs/HOTPLUG.md)
+            beside = f"  (its file is refused: {r['refused']['reason']})" if r.get("refused") else ""
             print(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
                   f"{','.join(map(str, r['layers'])):10s} {r['origin']:12s} {r['isolation']:10s} "
-                  f"{r['status']:9s} {r['sha256'][:12]}")
+                  f"{r['status']:9s} {r['sha256'][:12]}{beside}")
+        keeps = {r["refused"]["path"]: r for r in rows if r.get("refused") and r["status"] == "active"}
+        for f in refused:
+            kept = keeps.get(f["path"])
+            tail = f" ({kept['name']} {kept['version']} stays active)" if kept else ""
+            print(f"refused {f['path']}: {f['reason']}: {f['message']}{tail}")
     finally:
         eng.close()
     return 0

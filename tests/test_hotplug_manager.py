@@ -187,7 +187,7 @@ def test_add_replace_rollback_remove_through_the_observer(make_manager, folder):
         rows = mgr.list()
         assert rows == [{"slot": FIRST_SLOT, "name": "fraud", "version": "1", "layers": [1],
                          "origin": "hot-plugged", "sha256": back.expert.sha256,
-                         "isolation": "inprocess", "status": "active"}]
+                         "isolation": "inprocess", "status": "active", "refused": None}]
 
         # A touch of the rolled-back-from file does not bring version 2 back.
         os.utime(path)

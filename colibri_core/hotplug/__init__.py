@@ -6,6 +6,7 @@ Modules (each importing only those above it):
     elf.py       ELF64 reader: headers, sections, segments, symbols, vaddr -> file offset
     meta.py      colibri_expert_meta (include/colibri_expert.h) read from the file, checked
     staging.py   ownership/permission checks, private staging copy named by sha256
+    bundle.py    bundle folders NAME.expert/ (ffn_forward-only .so + expert.toml + row)
     state.py     the JSON state file (slots, versions, history), written atomically
     probe.py     out-of-process probe: `python -m colibri_core.hotplug.probe PATH HIDDEN`
     isolated.py  isolated mode: ffn_forward in a helper process over shared memory
@@ -30,6 +31,7 @@ _EXPORTS = {
     "read_expert_file": "meta", "ExpertMeta": "meta", "ExpertFileInfo": "meta",
     "ABI_VERSION": "meta",
     "ElfFile": "elf",
+    "bundle_identity": "bundle", "read_bundle": "bundle", "build_from_c": "builder",
     "run_probe": "probe",
     "HotplugError": "errors", "ExpertRejected": "errors", "ElfFormatError": "errors",
     "ExpertIncomplete": "errors", "ArchitectureMismatch": "errors",

@@ -19,6 +19,13 @@ The .npz holds float arrays `w1` [I, H] (gate), `w3` [I, H] (up), `w2` [H, I] (d
 
 The compiler, its flags and the q4 clipping are recorded in the metadata's `target` field
 (`... -O3 q4-clip=minmax`).
+
+`--from-c SOURCE.c --router-row ROW.npy --layer N` (`build_from_c`) turns a reference-design
+expert -- a plain C file exporting only `ffn_forward`, as `gcc -shared -fPIC` builds it --
+into a regular expert: the same source compiled together with a generated metadata record
+(hidden size = the router row's length, no q4 weights) and the router row embedded with
+`.incbin`. The source keeps its default symbol visibility (no -fvisibility=hidden), so its
+`ffn_forward` is exported as it would be in the reference build.
 """
 from __future__ import annotations
 
@@ -69,18 +76,23 @@ def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLi
                    cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                    defines: dict[str, str | int] | None = None,
                    target: str | None = None, target_suffix: str = "",
-                   check: Optional[Callable[[Path], object]] = None) -> str:
+                   check: Optional[Callable[[Path], object]] = None,
+                   hidden_visibility: bool = True) -> str:
     """Compile C/assembler sources into a shared object, atomically.
 
     The compiler writes a hidden temporary file beside `out_so`; `check(tmp)`, when given,
     inspects it (raising an ExpertRejected refuses it); only then is it renamed to
     `out_so`. On any failure, interrupts included, the temporary file is removed and
     `out_so` is not touched. `defines` become -D options; EXPERT_TARGET (the metadata
-    `target` text, ending in `target_suffix`) is added unless given. Returns the target
-    string. Raises ExpertBuildError with the compiler's or the check's message.
+    `target` text, ending in `target_suffix`) is added unless given.
+    `hidden_visibility=False` leaves out -fvisibility=hidden (a source that exports by
+    default visibility). Returns the target string. Raises ExpertBuildError with the
+    compiler's or the check's message.
     """
     out_so = Path(out_so)
-    flags = [*BASE_FLAGS, *cflags]
+    base = BASE_FLAGS if hidden_visibility else tuple(f for f in BASE_FLAGS
+                                                      if f != "-fvisibility=hidden")
+    flags = [*base, *cflags]
     target = target if target is not None else target_string(cc, flags, target_suffix)
     defs = {"EXPERT_TARGET": _c_string(target), **(defines or {})}
     tmp = out_so.with_name(f".{out_so.name}.{os.getpid()}.tmp")
@@ -129,16 +141,7 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
     `keep_sources`, when given, is a folder that receives the generated .c/.S/.bin files.
     """
     npz_path, out_so = Path(npz_path), Path(out_so)
-    layers = [int(layer)] if isinstance(layer, (int, np.integer)) else [int(v) for v in layer]
-    if not 1 <= len(layers) <= MAX_LAYERS or min(layers) < 0:
-        raise ExpertBuildError(f"{out_so}: layers {layers}, expected 1..{MAX_LAYERS} global"
-                               " layer indices >= 0", path=str(out_so))
-    if not NAME_RE.match(name):
-        raise ExpertBuildError(f"{out_so}: expert name {name!r}, expected 1-63 characters of"
-                               " [A-Za-z0-9_.-]", path=str(out_so))
-    if len(version.encode()) >= VERSION_LEN or not version.isprintable():
-        raise ExpertBuildError(f"{out_so}: version {version!r}, expected printable text of"
-                               f" at most {VERSION_LEN - 1} bytes", path=str(out_so))
+    layers = _check_identity(out_so, layer, name, version)
     if q4_clip not in Q4_CLIPS:
         raise ExpertBuildError(f"{out_so}: q4 clip {q4_clip!r}, expected one of"
                                f" {', '.join(Q4_CLIPS)}", path=str(out_so))
@@ -176,6 +179,72 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
                        cflags=cflags, defines=defines, target_suffix=f"q4-clip={q4_clip}",
                        check=lambda tmp: read_expert_file(str(tmp), hidden))
     return read_expert_file(str(out_so), hidden)
+
+
+def build_from_c(source: str | os.PathLike, out_so: str | os.PathLike,
+                 router_row: str | os.PathLike, layer: int | Sequence[int], name: str,
+                 version: str, *, router_bias: float = 0.0, thread_safe: bool = False,
+                 cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
+                 keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
+    """Build a regular expert .so from a reference-design C source (only `ffn_forward`)
+    and its router row (.npy, [hidden]); return its checked info.
+
+    The hidden size is the router row's length. `thread_safe` sets COLIBRI_FLAG_THREAD_SAFE
+    (default: calls are serialized). Raises ExpertBuildError, or an ExpertRejected subclass
+    when the result is not a valid expert (e.g. the source does not export ffn_forward).
+    """
+    source, out_so, row_path = Path(source), Path(out_so), Path(router_row)
+    layers = _check_identity(out_so, layer, name, version)
+    if not source.is_file():
+        raise ExpertBuildError(f"{source}: no such C source, expected the expert's .c file"
+                               " (exporting ffn_forward)", path=str(source))
+    try:
+        row = np.load(row_path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ExpertBuildError(f"{row_path}: cannot read the router row: {e}",
+                               path=str(row_path)) from None
+    if row.ndim != 1 or row.size < 1 or row.dtype.kind not in "fiu":
+        raise ExpertBuildError(f"{row_path}: array {row.dtype}{list(row.shape)}, expected the"
+                               " router row, numbers [hidden]", path=str(row_path))
+    row = row.astype("<f4")
+    if not np.isfinite(row).all():
+        raise ExpertBuildError(f"{row_path}: non-finite values in the router row",
+                               path=str(row_path))
+    if not np.isfinite(np.float32(router_bias)):
+        raise ExpertBuildError(f"{out_so}: router bias {router_bias}, expected a finite"
+                               " number", path=str(out_so))
+    with tempfile.TemporaryDirectory(prefix="colibri-build-") as tmpdir:
+        work = Path(keep_sources) if keep_sources is not None else Path(tmpdir)
+        work.mkdir(parents=True, exist_ok=True)
+        blob = (work / "colibri_router_row.bin").resolve()
+        blob.write_bytes(row.tobytes())
+        (work / "expert_data.S").write_text(
+            _ASM_HEAD + _ASM_BLOB.format(sym="colibri_router_row", path=_asm_path(blob)))
+        (work / "expert_meta.c").write_text(_META_C_SOURCE)
+        defines = {"H": row.size, "LAYERS": "{" + ",".join(map(str, layers)) + "}",
+                   "N_LAYERS": len(layers), "ROUTER_BIAS": f"{float(router_bias)!r}f",
+                   "FLAGS": "COLIBRI_FLAG_THREAD_SAFE" if thread_safe else "0u",
+                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
+        out_so.parent.mkdir(parents=True, exist_ok=True)
+        compile_shared([source.resolve(), work / "expert_meta.c", work / "expert_data.S"],
+                       out_so, cc=cc, cflags=cflags, defines=defines,
+                       target_suffix=f"from-c={source.name}", hidden_visibility=False,
+                       check=lambda tmp: read_expert_file(str(tmp), int(row.size)))
+    return read_expert_file(str(out_so), int(row.size))
+
+
+def _check_identity(out_so: Path, layer, name: str, version: str) -> list[int]:
+    layers = [int(layer)] if isinstance(layer, (int, np.integer)) else [int(v) for v in layer]
+    if not 1 <= len(layers) <= MAX_LAYERS or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise ExpertBuildError(f"{out_so}: layers {layers}, expected 1..{MAX_LAYERS} distinct"
+                               " global layer indices >= 0", path=str(out_so))
+    if not NAME_RE.match(name):
+        raise ExpertBuildError(f"{out_so}: expert name {name!r}, expected 1-63 characters of"
+                               " [A-Za-z0-9_.-]", path=str(out_so))
+    if len(version.encode()) >= VERSION_LEN or not version.isprintable():
+        raise ExpertBuildError(f"{out_so}: version {version!r}, expected printable text of"
+                               f" at most {VERSION_LEN - 1} bytes", path=str(out_so))
+    return layers
 
 
 def _load_npz(path: Path):
@@ -242,6 +311,25 @@ _ASM_BLOB = """\
 {sym}:
 \t.incbin "{path}"
 \t.size {sym}, . - {sym}
+"""
+
+# --from-c: only the metadata; ffn_forward is the user's source (H, LAYERS, FLAGS... -D).
+_META_C_SOURCE = r"""/* Generated by colibri expert build --from-c. */
+#include "colibri_expert.h"
+
+const colibri_expert_meta_t colibri_expert_meta = {
+    .magic = COLIBRI_EXPERT_MAGIC,
+    .abi_version = COLIBRI_EXPERT_ABI_VERSION,
+    .struct_size = sizeof(colibri_expert_meta_t),
+    .flags = FLAGS,
+    .hidden_size = H,
+    .n_layers = N_LAYERS,
+    .layers = LAYERS,
+    .router_bias = ROUTER_BIAS,
+    .name = EXPERT_NAME,
+    .version = EXPERT_VERSION,
+    .target = EXPERT_TARGET,
+};
 """
 
 # The generated C part: metadata + the INT4 fallback ffn_forward (thread-safe: no globals
@@ -343,16 +431,34 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     ap = parser_class(prog="colibri expert build",
                       description="Build a hot-pluggable expert .so from an .npz"
                       " (w1 [I,H], w3 [I,H], w2 [H,I], router_row [H],"
-                      " optional router_bias).")
-    ap.add_argument("npz", metavar="WEIGHTS.npz",
+                      " optional router_bias), or with --from-c from a C source that"
+                      " exports only ffn_forward and its router row (.npy).")
+    ap.add_argument("npz", metavar="WEIGHTS.npz", nargs="?",
                     help="float weights: w1 [I,H], w3 [I,H], w2 [H,I], router_row [H], "
-                         "optional router_bias")
-    ap.add_argument("-o", "--output", required=True, help="the .so to write")
-    ap.add_argument("--layer", type=int, action="append", required=True,
-                    help="global layer index, an MoE layer of the model (repeat for several)")
-    ap.add_argument("--name", required=True,
-                    help="the expert's identity, 1-63 characters of [A-Za-z0-9_.-]")
-    ap.add_argument("--version", required=True, help="free printable version text")
+                         "optional router_bias (not with --from-c)")
+    ap.add_argument("--from-c", dest="from_c", metavar="SOURCE.c", default=None,
+                    help="build from this C source instead, which exports only "
+                         "`int ffn_forward(const float*, float*, int, int)` (the reference "
+                         "design); needs --router-row")
+    ap.add_argument("--router-row", dest="router_row", metavar="ROW.npy", default=None,
+                    help="with --from-c: the expert's router row, numbers [hidden] (its "
+                         "length is the hidden size)")
+    ap.add_argument("--thread-safe", dest="thread_safe", action="store_true",
+                    help="with --from-c: ffn_forward may run on several threads at once "
+                         "(default: calls are serialized)")
+    ap.add_argument("-o", "--output", default=None,
+                    help="the .so to write (required with an .npz; with --from-c the "
+                         "default is SOURCE with .so for .c)")
+    ap.add_argument("--layer", type=int, action="append",
+                    help="global layer index, an MoE layer of the model (repeat for several;"
+                         " required)")
+    ap.add_argument("--name", default=None,
+                    help="the expert's identity, 1-63 characters of [A-Za-z0-9_.-] "
+                         "(required with an .npz; with --from-c the default is the source's "
+                         "file name without .c)")
+    ap.add_argument("--version", default=None,
+                    help="free printable version text (required with an .npz; with --from-c "
+                         "the default is 1.0)")
     ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP,
                     help=f"INT4 group size, a multiple of 64 (default {DEFAULT_GROUP})")
     ap.add_argument("--q4-clip", choices=Q4_CLIPS, default=BUILD_Q4_CLIP, dest="q4_clip",
@@ -372,19 +478,55 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None, parser_class=argparse.ArgumentParser) -> int:
-    """`colibri expert build WEIGHTS.npz -o OUT.so --layer L --name N --version V`.
+    """`colibri expert build WEIGHTS.npz -o OUT.so --layer L --name N --version V`, or
+    `colibri expert build --from-c SOURCE.c --router-row ROW.npy --layer L [-o OUT.so]`.
     Errors print one line `colibri: error: ...` and return 2."""
-    args = build_parser(parser_class).parse_args(argv)
+    ap = build_parser(parser_class)
+    args = ap.parse_args(argv)
+    if args.from_c is not None:
+        if args.npz is not None:
+            ap.error(f"both WEIGHTS.npz ({args.npz}) and --from-c given: expected one of them")
+        required = (("--router-row", args.router_row), ("--layer", args.layer))
+    else:
+        required = (("WEIGHTS.npz (or --from-c SOURCE.c)", args.npz),
+                    ("-o/--output", args.output), ("--layer", args.layer),
+                    ("--name", args.name), ("--version", args.version))
+    missing = [opt for opt, value in required if value is None]
+    if missing:                           # argparse's own words: one mode or the other
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
+    if args.from_c is not None:
+        src = Path(args.from_c)
+        out = args.output or str(src.with_suffix(".so"))
+        name, version = args.name or src.stem, args.version or "1.0"
+    else:
+        if args.router_row is not None or args.thread_safe:
+            ap.error("--router-row and --thread-safe go with --from-c (an .npz holds its"
+                     " router_row)")
+        out, name, version = args.output, args.name, args.version
     try:
-        info = build_expert(args.npz, args.output, args.layer, args.name, args.version,
-                            group_size=args.group_size, router_bias=args.router_bias,
-                            q4_clip=args.q4_clip, cc=args.cc, cflags=shlex.split(args.cflags),
-                            keep_sources=args.keep_sources)
+        if args.from_c is not None:
+            info = build_from_c(args.from_c, out, args.router_row, args.layer, name, version,
+                                router_bias=args.router_bias or 0.0,
+                                thread_safe=args.thread_safe, cc=args.cc,
+                                cflags=shlex.split(args.cflags),
+                                keep_sources=args.keep_sources)
+        else:
+            info = build_expert(args.npz, out, args.layer, name, version,
+                                group_size=args.group_size, router_bias=args.router_bias,
+                                q4_clip=args.q4_clip, cc=args.cc,
+                                cflags=shlex.split(args.cflags),
+                                keep_sources=args.keep_sources)
     except HotplugError as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2
     m = info.meta
-    print(f"built {args.output}: expert {m.name} {m.version}, layers {list(m.layers)},"
+    if args.from_c is not None:
+        print(f"built {out}: expert {m.name} {m.version} from {args.from_c}, layers"
+              f" {list(m.layers)}, hidden {m.hidden_size}, router bias {m.router_bias:g},"
+              f" {'thread-safe' if m.thread_safe else 'serialized calls'}, {info.size} bytes,"
+              f" target {m.target!r}")
+        return 0
+    print(f"built {out}: expert {m.name} {m.version}, layers {list(m.layers)},"
           f" hidden {m.hidden_size}, intermediate {m.intermediate_size}, group"
           f" {m.group_size}, q4 clip {args.q4_clip}, {info.size} bytes, target {m.target!r}")
     return 0

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from colibri_core.errors import ExpertError
 
+# Every refusal is logged as this one line (logger "colibri.hotplug", level WARNING), with
+# the arguments (path of the refused file, the rule: the error's `reason`, the error).
+REFUSED_LOG = "hot-plug refused %s (rule %s): %s"
+
 
 class HotplugError(ExpertError):
     """Base class of the hot-plug errors. A server answers a refusal with 400 and its

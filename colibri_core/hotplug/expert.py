@@ -195,7 +195,9 @@ class PreparedExpert:
         self.info, self.sha256, self.staged, self.source = info, sha256, staged, source
         self.isolation = isolation
         meta = info.meta
-        with open(staged, "rb") as f:
+        # the router row (and the q4 weights) live in the staged .so, or for a bundle in
+        # its staged router_row.npy (bundle.py; a bundle has no q4 weights)
+        with open(info.router_file or staged, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.router_row = np.frombuffer(self._mm, "<f4", meta.hidden_size,
                                         info.router_row.offset)

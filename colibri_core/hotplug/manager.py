@@ -15,22 +15,31 @@ probe it in a separate process (skipped for a hash this name already adopted); m
 objects in order, loading in-process experts with dlopen(RTLD_NOW) only there.
 
 An expert's identity is its metadata `name`: a file whose name is already active replaces
-it (same slot); deleting the file an active expert came from removes it.
+it (same slot); deleting the file an active expert came from removes it. A bundle folder
+`NAME.expert/` (bundle.py) is checked, staged and adopted like a file.
+
+One rule for refusals (docs/HOTPLUG.md, "When a file is refused"): a refused file that
+replaces an active expert's file leaves that expert active, and after a restart its last
+good version is adopted again from staging; list() shows the refusal beside it; a folder
+refused for its permissions is looked at again until it passes, then rescanned; every
+refusal is one log line `REFUSED_LOG` naming the file and the rule.
 """
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
 from typing import Callable, Iterable
 
+from .bundle import (bundle_sig, is_bundle_name, read_staged, remove_staged, stage_bundle,
+                     staging_entry)
 from .elf import ElfFile
-from .errors import (ExpertProbeError, ExpertRejected, ExpertSecurityError, HotplugError,
-                     HotplugStateError, RollbackError)
+from .errors import (REFUSED_LOG, ExpertProbeError, ExpertRejected, ExpertSecurityError,
+                     HotplugError, HotplugStateError, RollbackError)
 from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
-from .meta import read_expert_file
 from .probe import run_probe
 from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
                       stage_file)
@@ -39,6 +48,7 @@ from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
 log = logging.getLogger("colibri.hotplug")
 LOCK_FILE = "hotplug.lock"
+RECHECK_S = 0.5    # how often the idle worker looks at a refused folder, and at bundles
 
 EventCallback = Callable[[str, dict], None]
 
@@ -100,6 +110,12 @@ class HotplugManager:
         self._worker: threading.Thread | None = None
         self._watcher: FolderWatcher | None = None
         self._lock_fd: int | None = None
+        self._refused: dict[str, dict] = {}   # path -> its refusal, until it passes or goes
+        self._folder_refused = False          # a file was refused for the folder's sake
+        self._bundles: set[str] = set()       # bundle folders checked: their files are polled
+        # after a restart: path -> [(name, version record)] active when the engine stopped;
+        # consumed by the path's first verdict (a refused file keeps that version)
+        self._restore: dict[str, list[tuple[str, VersionRecord]]] = {}
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -138,6 +154,11 @@ class HotplugManager:
         used = [r.slot for r in self._records.values()]
         self._next_slot = max([next_slot or self.first_slot, self.first_slot,
                                *(s + 1 for s in used)])
+        self._restore = {}
+        for name, rec in self._records.items():
+            if rec.current is not None and \
+                    os.path.dirname(rec.current.source) == self.experts_dir:
+                self._restore.setdefault(rec.current.source, []).append((name, rec.current))
         self._clean_staging()
 
     def stop(self) -> None:
@@ -182,7 +203,7 @@ class HotplugManager:
             if is_expert_name(n):
                 self._request(os.path.join(self.experts_dir, n), force=True)
         with self._lock:
-            sources = [e.source_path for e in self._active.values()]
+            sources = [e.source_path for e in self._active.values()] + list(self._restore)
         for src in sources:
             if not os.path.lexists(src):
                 self._request(src, force=True)
@@ -255,10 +276,11 @@ class HotplugManager:
             if not rec.history:
                 raise RollbackError(f"expert {name!r} has no previous version to roll back to")
             target = rec.history[-1]
-        if self.allowlist is not None and target.sha256 not in self.allowlist:
-            raise ExpertSecurityError(f"{target.staged}: sha256 {target.sha256} is not on the"
-                                      " allowlist", reason="allowlist", path=target.staged)
-        info = read_expert_file(target.staged, self.hidden_size, self.moe_layers)
+        try:
+            info = self._recheck_staged(target)
+        except HotplugError as e:
+            log.warning(REFUSED_LOG, target.staged, e.reason, e)
+            raise
         prep = self._prepare(info, target.sha256, target.staged, cur.source_path,
                              cur.isolation)
         with self._lock:
@@ -273,7 +295,8 @@ class HotplugManager:
                              "layers": list(e.layers), "origin": "hot-plugged",
                              "sha256": e.sha256, "isolation": e.isolation,
                              "status": e.status if e.status != "active" or e.alive
-                             else "crashed"})
+                             else "crashed",
+                             "refused": self._refusal_of(e.source_path)})
             for name, rec in sorted(self._records.items(), key=lambda kv: kv[1].slot):
                 if name in self._active:
                     continue
@@ -285,8 +308,19 @@ class HotplugManager:
                              "sha256": last.sha256 if last else "",
                              "isolation": last.isolation if last else "",
                              "status": "disabled" if rec.disabled and rec.current is None
-                             else "removed"})
+                             else "removed",
+                             "refused": self._refusal_of(last.source) if last else None})
         return rows
+
+    def refused(self) -> list[dict]:
+        """The files refused now (path, reason, message, sha256), by path: each stays listed
+        until the file passes the checks or is deleted."""
+        with self._lock:
+            return [dict(r) for _, r in sorted(self._refused.items())]
+
+    def _refusal_of(self, path: str) -> dict | None:
+        r = self._refused.get(path)
+        return dict(r) if r is not None else None
 
     def active(self) -> dict[str, HotExpert]:
         """name -> active HotExpert (a snapshot)."""
@@ -305,9 +339,10 @@ class HotplugManager:
         if rollback and (cur is None or not rec.history
                          or rec.history[-1].sha256 != prep.sha256):
             prep.discard()
-            self._emit("rejected", {"path": prep.staged, "name": name, "reason": "rollback",
-                                    "message": f"rollback of {name} superseded by a newer"
-                                               " change"})
+            self._reject(prep.staged, RollbackError(f"{prep.staged}: rollback of {name}"
+                                                    " superseded by a newer change",
+                                                    path=prep.staged),
+                         prep.sha256, record=False, name=name)
             return []
         try:
             expert = prep.materialize(rec.slot)
@@ -380,7 +415,10 @@ class HotplugManager:
         while True:
             with self._cond:
                 while not (self._stopping or self._requests or self._settling or self._dirty):
-                    self._cond.wait()
+                    if self._recheck():
+                        continue                  # it queued paths
+                    self._cond.wait(RECHECK_S if self._folder_refused or self._bundles
+                                    else None)
                 if self._stopping:
                     return
                 if self._requests:
@@ -413,13 +451,16 @@ class HotplugManager:
                 self._seen.pop(path, None)
                 with self._lock:
                     self._ops.append(("delete", path))
+                    self._refused.pop(path, None)
+                    self._bundles.discard(path)
+                self._restored(path, None)
                 continue
             except OSError as e:
                 self._drop_settling(path)
-                self._reject(path, ExpertRejected(f"{path}: cannot stat: {e.strerror}",
-                                                  reason="io", path=path))
+                self._refuse_file(path, ExpertRejected(f"{path}: cannot stat: {e.strerror}",
+                                                       reason="io", path=path))
                 continue
-            new = FileSig.of(st)
+            new = self._signature(path, st)
             if new != sig:
                 with self._lock:
                     if path in self._settling:
@@ -435,23 +476,71 @@ class HotplugManager:
             self._seen[path] = new
             self._check(path, st, new)
 
+    @staticmethod
+    def _signature(path: str, st: os.stat_result):
+        """FileSig of a file; for a bundle folder, its own and its files' (bundle.py)."""
+        if stat.S_ISDIR(st.st_mode) and is_bundle_name(os.path.basename(path)):
+            return bundle_sig(path, st)
+        return FileSig.of(st)
+
+    def _recheck(self) -> bool:
+        """The idle worker's look, every RECHECK_S, under the lock; True if it queued paths.
+
+        A folder refused for its permissions: once it passes again, every file of it is
+        checked again (nobody has to touch them). A bundle folder: the watcher reports the
+        folder, not the files inside it, so a bundle whose files changed since its verdict
+        (written in place, completed) is checked again."""
+        queued = False
+        if self._folder_refused:
+            try:
+                check_folder(self.experts_dir)
+            except ExpertSecurityError:
+                pass
+            else:
+                self._folder_refused = False
+                log.info("%s: the folder passes its checks again: checking its files again",
+                         self.experts_dir)
+                self.rescan()
+                queued = True
+        for path in sorted(self._bundles):
+            try:
+                sig = self._signature(path, os.lstat(path))
+            except OSError:
+                sig = None                    # gone: the check sees it
+            if sig is None or sig != self._seen.get(path, sig):
+                self._bundles.discard(path)   # back once checked again
+                self._request(path)
+                queued = True
+        return queued
+
     def _drop_settling(self, path: str) -> None:
         with self._lock:
             self._settling.pop(path, None)
 
-    def _check(self, path: str, st: os.stat_result, sig: FileSig) -> None:
+    def _check(self, path: str, st: os.stat_result, sig) -> None:
         """settled file -> PreparedExpert queued for drain(), or a "rejected" event."""
         sha = staged = None
         try:
-            check_folder(self.experts_dir)
-            check_file(path, st)
-            with ElfFile(path):
-                pass                          # complete ELF? (a half-written one is not)
-            sha, staged = stage_file(path, self.staging_dir, expect=sig)
+            try:
+                check_folder(self.experts_dir)
+            except ExpertSecurityError as e:
+                self._folder_refused = True   # looked at again until it passes (_work)
+                raise ExpertSecurityError(f"{path}: refused while its folder is: {e}; checked"
+                                          " again once the folder is safe", reason=e.reason,
+                                          path=path) from None
+            if is_bundle_name(os.path.basename(path)):
+                with self._lock:
+                    self._bundles.add(path)
+                sha, staged = stage_bundle(path, self.staging_dir, expect=sig)
+            else:
+                check_file(path, st)
+                with ElfFile(path):
+                    pass                      # complete ELF? (a half-written one is not)
+                sha, staged = stage_file(path, self.staging_dir, expect=sig)
             if self.allowlist is not None and sha not in self.allowlist:
                 raise ExpertSecurityError(f"{path}: sha256 {sha} is not on the allowlist",
                                           reason="allowlist", path=path)
-            info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+            info = read_staged(staged, self.hidden_size, self.moe_layers)
             name = info.meta.name
             with self._lock:
                 rec = self._records.get(name)
@@ -466,12 +555,13 @@ class HotplugManager:
                 log.info("%s: %s %s was rolled back; keeping %s", path, name, sha[:12],
                          pinned.version)
                 sha, staged = pinned.sha256, pinned.staged
-                info = read_expert_file(staged, self.hidden_size, self.moe_layers)
+                info = read_staged(staged, self.hidden_size, self.moe_layers)
             elif sha in (rec.rolled_back if rec else ()):
                 raise ExpertRejected(f"{path}: expert {name} {sha[:12]}… was rolled back:"
                                      " expected a new file version", reason="rolled-back",
                                      path=path)
             if self._latest_sha(name) == sha:
+                self._passed(path, name)
                 return                        # same bytes as what is (or will be) active
             if sha not in known:
                 run_probe(staged, self.hidden_size, self.probe_timeout_s,
@@ -484,27 +574,96 @@ class HotplugManager:
                     self._next_slot += 1
                     self._dirty = True
                 self._ops.append(("upsert", prep, False))
+            self._passed(path, name)
         except FileChanged:
             self._seen.pop(path, None)
             self._request(path)
         except FileNotFoundError:
             self._seen.pop(path, None)
             self._request(path)
-        except HotplugError as e:
-            if staged and str(e).startswith(staged):   # name the file the operator dropped
-                e = type(e)(f"{path} (staged copy sha256 {sha[:12]}…)"
-                            f"{str(e)[len(staged):]}", reason=e.reason, path=path)
-            self._reject(path, e, sha)
-            self._forget_staged(staged)
-        except OSError as e:
-            self._reject(path, ExpertRejected(f"{path}: I/O error: {e}", reason="io",
-                                              path=path), sha)
-            self._forget_staged(staged)
-        except Exception as e:  # noqa: BLE001 - a bug must refuse one file, not stop the worker
-            log.exception("hot-plug check of %s failed", path)
-            self._reject(path, ExpertRejected(f"{path}: internal error while checking it:"
-                                              f" {e!r}", reason="internal", path=path), sha)
-            self._forget_staged(staged)
+        except Exception as e:  # noqa: BLE001 - refusals (and bugs) refuse one file
+            self._refuse(path, e, sha, staged)
+
+    def _refuse(self, path: str, e: BaseException, sha: str | None,
+                staged: str | None) -> None:
+        """Refuse `path` (the one rule: _refuse_file); its staged copy is deleted unless
+        still used."""
+        if isinstance(e, HotplugError):
+            entry = staging_entry(staged) if staged else None
+            if entry and str(e).startswith(entry):   # name the file the operator dropped
+                inner, sep, rest = str(e)[len(entry):].partition(":")
+                e = type(e)(f"{path}{inner} (staged copy sha256 {sha[:12]}…){sep}{rest}",
+                            reason=e.reason, path=path)
+        elif isinstance(e, OSError):
+            e = ExpertRejected(f"{path}: I/O error: {e}", reason="io", path=path)
+        else:                             # a bug must refuse one file, not stop the worker
+            log.error("hot-plug check of %s failed", path, exc_info=e)
+            e = ExpertRejected(f"{path}: internal error while checking it: {e!r}",
+                               reason="internal", path=path)
+        self._refuse_file(path, e, sha)
+        self._forget_staged(staged)
+
+    # ------------------------------------------------------------------ one rule for refusals
+    def _passed(self, path: str, name: str) -> None:
+        """`path` passed the checks (it provides `name`): its refusal, if any, is over."""
+        with self._lock:
+            self._refused.pop(path, None)
+        self._restored(path, name)
+
+    def _refuse_file(self, path: str, err: HotplugError, sha: str | None = None) -> None:
+        """Refuse `path`. The last good version of the expert it replaced stays active: in a
+        running manager nothing changes; after a restart it is adopted from staging."""
+        self._reject(path, err, sha)
+        for name, vrec in self._restored(path, None, keep=True):
+            try:
+                info = self._recheck_staged(vrec)
+                if info.meta.name != name:
+                    raise ExpertRejected(f"{vrec.staged}: staged copy of {name} now names"
+                                         f" {info.meta.name}", reason="state",
+                                         path=vrec.staged)
+                prep = self._prepare(info, vrec.sha256, vrec.staged, path, vrec.isolation)
+            except (HotplugError, OSError) as e:
+                if not isinstance(e, HotplugError):
+                    e = ExpertRejected(f"{vrec.staged}: cannot read the staged copy of"
+                                       f" {name} {vrec.version}: {e}", reason="io",
+                                       path=vrec.staged)
+                self._reject(vrec.staged, e, vrec.sha256, record=False, name=name)
+                with self._lock:
+                    rec = self._records.get(name)
+                    if rec is not None and rec.current == vrec:
+                        rec.current = None
+                        self._dirty = True
+                continue
+            log.info("%s is refused: %s %s stays active (its staged copy, sha256 %s…)",
+                     path, name, vrec.version, vrec.sha256[:12])
+            with self._lock:
+                self._ops.append(("upsert", prep, False))
+
+    def _restored(self, path: str, name: str | None, keep: bool = False
+                  ) -> list[tuple[str, VersionRecord]]:
+        """The first verdict on `path` after a restart: return the versions it provided
+        when the engine stopped (to keep them, `keep`), or forget those that it no longer
+        provides (deleted, or now another name): they are not active any more."""
+        with self._lock:
+            entries = self._restore.pop(path, [])
+            live = [(n, v) for n, v in entries if n not in self._active
+                    and self._records.get(n) is not None and self._records[n].current == v
+                    and not any(op[0] == "upsert" and op[1].name == n for op in self._ops)]
+            if keep:
+                return live
+            for n, v in live:
+                if n != name:
+                    self._records[n].current = None
+                    self._dirty = True
+        return []
+
+    def _recheck_staged(self, vrec: VersionRecord):
+        """The checks a staged copy gets again when it is adopted without its file (rollback,
+        a restart that keeps it): allowlist, metadata against the model. Not the probe."""
+        if self.allowlist is not None and vrec.sha256 not in self.allowlist:
+            raise ExpertSecurityError(f"{vrec.staged}: sha256 {vrec.sha256} is not on the"
+                                      " allowlist", reason="allowlist", path=vrec.staged)
+        return read_staged(vrec.staged, self.hidden_size, self.moe_layers)
 
     def _prepare(self, info, sha: str, staged: str, source: str,
                  isolation: str) -> PreparedExpert:
@@ -524,10 +683,18 @@ class HotplugManager:
             return cur.sha256 if cur is not None else None
 
     # ------------------------------------------------------------------ helpers
-    def _reject(self, path: str, err: HotplugError, sha: str | None = None) -> None:
-        log.warning("hot-plug refused: %s", err)
-        self._emit("rejected", {"path": path, "reason": err.reason, "message": str(err),
-                                "sha256": sha})
+    def _reject(self, path: str, err: HotplugError, sha: str | None = None, *,
+                record: bool = True, **extra) -> None:
+        """One log line naming the file and the rule, a "rejected" event, and (`record`)
+        the refusal kept for list()/refused() until the file passes or goes."""
+        log.warning(REFUSED_LOG, path, err.reason, err)
+        info = {"path": path, "reason": err.reason, "message": str(err), "sha256": sha,
+                **extra}
+        if record:
+            with self._lock:
+                self._refused[path] = {k: info[k] for k in ("path", "reason", "message",
+                                                            "sha256")}
+        self._emit("rejected", info)
 
     def _emit(self, kind: str, info: dict) -> None:
         if self.on_event is None:
@@ -546,21 +713,18 @@ class HotplugManager:
         return refs
 
     def _forget_staged(self, staged: str | None) -> None:
-        if staged and staged not in self._referenced_staged():
-            try:
-                os.unlink(staged)
-            except OSError:
-                pass
+        if staged and staging_entry(staged) not in self._referenced_entries():
+            remove_staged(staging_entry(staged))
+
+    def _referenced_entries(self) -> set[str]:
+        return {staging_entry(p) for p in self._referenced_staged()}
 
     def _clean_staging(self) -> None:
-        refs = self._referenced_staged()
+        refs = self._referenced_entries()
         for n in os.listdir(self.staging_dir):
             p = os.path.join(self.staging_dir, n)
             if p not in refs:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+                remove_staged(p)
 
     def _save_state(self) -> None:
         with self._lock:

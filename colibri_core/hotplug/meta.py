@@ -87,6 +87,8 @@ class ExpertFileInfo:
     meta: ExpertMeta
     router_row: Part                    # float32 [hidden]
     q4: dict[str, Part] | None          # "w1.data", "w1.scales", ... when meta.has_q4
+    router_file: str | None = None      # the file holding router_row (None: `path`; a
+                                        # bundle's router_row.npy, bundle.py)
 
 
 def q4_part_sizes(hidden: int, inter: int, group: int) -> dict[str, int]:
@@ -114,7 +116,7 @@ def read_expert_file(path: str, hidden_size: int | None = None,
     with ElfFile(path) as elf:
         check_host(elf)
         meta = _read_meta(elf)
-        _check_against_model(path, meta, hidden_size, moe_layers)
+        check_against_model(path, meta, hidden_size, moe_layers)
         fwd = elf.symbol(SYM_FORWARD)
         if fwd is None or not fwd.dynamic or fwd.type != STT_FUNC:
             raise ExpertAbiError(f"{path}: no exported function {SYM_FORWARD!r}: expected"
@@ -138,6 +140,15 @@ def _read_meta(elf: ElfFile) -> ExpertMeta:
     p = elf.path
     sym = elf.symbol(SYM_META)
     if sym is None:
+        fwd = elf.symbol(SYM_FORWARD)
+        if fwd is not None and fwd.dynamic and fwd.type == STT_FUNC:
+            raise ExpertAbiError(
+                f"{p}: no {SYM_META!r} symbol (a .so exporting only {SYM_FORWARD}, as the"
+                f" reference design builds it): add the metadata with"
+                f" `colibri expert build --from-c SOURCE.c --router-row ROW.npy --layer N`"
+                f" (a regular expert .so), or drop it as a bundle: a folder NAME.expert/"
+                f" holding this .so, expert.toml (name, version, layers, router_bias) and"
+                f" router_row.npy (docs/HOTPLUG.md)", path=p)
         raise ExpertAbiError(f"{p}: no {SYM_META!r} symbol: expected a Colibri expert"
                              " (include colibri_expert.h and define colibri_expert_meta)",
                              path=p)
@@ -191,7 +202,7 @@ def _read_meta(elf: ElfFile) -> ExpertMeta:
                       _text(p, target_b, "target"))
 
 
-def _check_against_model(p: str, meta: ExpertMeta, hidden: int | None,
+def check_against_model(p: str, meta: ExpertMeta, hidden: int | None,
                          moe_layers) -> None:
     if hidden is not None and meta.hidden_size != hidden:
         raise ExpertMetadataError(f"{p}: expert hidden_size {meta.hidden_size}, expected the"

@@ -5,7 +5,8 @@ the source name, which is now gone, and the destination name, which is acted on)
 The worker thread looks at the file itself (lstat) to decide what happened, so the event
 kind does not matter and a burst of events for one file is one check.
 
-Names considered: `*.so` files that are not hidden and not temporary. Ignored: dotfiles
+Names considered: `*.so` files that are not hidden and not temporary, and bundle folders
+`*.expert` (bundle.py; the files inside one are looked at by the manager's worker). Ignored: dotfiles
 (`.x.so`, `.x.so.tmp`: the conventional "write here, then rename" names), `*.tmp`, `*~`,
 `*.part`, `*.swp`, and anything not ending in `.so` (the folder also holds C sources and a
 Makefile).
@@ -18,21 +19,24 @@ from typing import Callable
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from .bundle import BUNDLE_SUFFIX, is_bundle_name
+
 IGNORED_SUFFIXES = (".tmp", "~", ".part", ".swp", ".swx", ".crdownload")
 WATCHED_EVENTS = {"created", "modified", "closed", "moved", "deleted", "attrib"}
 
 
 def is_expert_name(name: str) -> bool:
-    """True for a file name the hot-plug folder acts on."""
-    return (name.endswith(".so") and not name.startswith(".")
-            and not name.endswith(IGNORED_SUFFIXES))
+    """True for a file name the hot-plug folder acts on (a `.so`, or a bundle folder)."""
+    return ((name.endswith(".so") and not name.startswith(".")
+             and not name.endswith(IGNORED_SUFFIXES)) or is_bundle_name(name))
 
 
 def isolation_from_name(name: str, default: str) -> str:
-    """Per-file override: `x.isolated.so` -> isolated, `x.inprocess.so` -> in-process."""
-    if name.endswith(".isolated.so"):
+    """Per-file override: `x.isolated.so` -> isolated, `x.inprocess.so` -> in-process (the
+    same for bundles: `x.isolated.expert`, `x.inprocess.expert`)."""
+    if name.endswith((".isolated.so", ".isolated" + BUNDLE_SUFFIX)):
         return "isolated"
-    if name.endswith(".inprocess.so"):
+    if name.endswith((".inprocess.so", ".inprocess" + BUNDLE_SUFFIX)):
         return "inprocess"
     return default
 
@@ -42,14 +46,15 @@ class _Handler(FileSystemEventHandler):
         self._on_path = on_path
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.is_directory or event.event_type not in WATCHED_EVENTS:
+        if event.event_type not in WATCHED_EVENTS:
             return
         paths = [event.src_path]
         if event.event_type == "moved":
             paths.append(event.dest_path)
         for p in paths:
             p = os.fsdecode(p)
-            if is_expert_name(os.path.basename(p)):
+            name = os.path.basename(p)
+            if is_expert_name(name) and (not event.is_directory or is_bundle_name(name)):
                 self._on_path(p)
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..hookspecs import hookimpl
+from ..hotplug.errors import REFUSED_LOG
 from ..modelfile import expert_name
 
 log = logging.getLogger("colibri.server")
@@ -120,10 +121,10 @@ class ExpertBook:
 
         class Handler(logging.Handler):
             def emit(self, record):
-                err = record.args[0] if isinstance(record.args, tuple) and record.args else None
-                if record.msg == "hot-plug refused: %s" and err is not None:
-                    book.add_refusal(str(getattr(err, "path", "") or ""),
-                                     str(getattr(err, "reason", "rejected")), str(err))
+                # the manager's one refusal line: REFUSED_LOG % (path, rule, error)
+                args = record.args if isinstance(record.args, tuple) else ()
+                if record.msg == REFUSED_LOG and len(args) == 3:
+                    book.add_refusal(str(args[0]), str(args[1]), str(args[2]))
         h = Handler()
         logger = logging.getLogger("colibri.hotplug")
         logger.addHandler(h)
@@ -181,7 +182,7 @@ class ExpertBook:
                 rows.append({"name": r["name"], "version": r["version"], "slot": r["slot"],
                              "layers": r["layers"], "origin": r["origin"],
                              "sha256": r["sha256"], "isolation": r["isolation"],
-                             "status": r["status"]})
+                             "status": r["status"], "refused": r.get("refused")})
         with self._lock:
             refusals = list(self.refusals)[::-1]
             adoptions = self.adoptions
