@@ -3,13 +3,14 @@
 
 What it does
 ------------
-1. Builds an English corpus fully offline from the running Python's stdlib:
-   the pydoc documentation topics (``pydoc_data.topics.topics``, ~465 KB) plus
-   module/class/function docstrings parsed (with ``ast``, nothing is imported)
-   from the stdlib ``.py`` sources (tests, idlelib tests, lib2to3 and
-   site-packages are skipped).  Documents are split train/validation with a
-   content hash (crc32 % 20 == 0 -> validation, i.e. ~5% held out), so the
-   split does not depend on the seed.
+1. Builds an English corpus fully offline from the running Python's stdlib
+   (scripts/builtin_corpus.py): the pydoc documentation topics
+   (``pydoc_data.topics.topics``, ~465 KB), one document each, plus every
+   stdlib module's docstrings (parsed with ``ast``, nothing is imported; tests,
+   idlelib tests, lib2to3 and site-packages are skipped) as one document per
+   module, so documents are long enough for a 2,048-token context to matter.
+   Documents are split train/validation with a content hash (crc32 % 20 == 0 ->
+   validation, i.e. ~5% held out), so the split does not depend on the seed.
 2. Trains a byte-level BPE tokenizer (``tokenizers``, vocab 1024) on the
    training split only.  Special token ``<|endoftext|>`` has id 0 and serves as
    bos / eos / pad.  Byte-level pre-tokenizer + ByteLevel decoder, so decoding
@@ -24,7 +25,9 @@ What it does
 
 Rerun
 -----
-    python scripts/train_builtin.py --out build/builtin_hf --minutes 8 --seed 0
+    python scripts/train_builtin.py --out build/builtin_hf --steps 2000 --seed 0
+
+(the committed model: 2,000 steps of 2 x 2,048 tokens; about 13 minutes on 2 idle cores)
 
 ``--minutes`` is a wall-clock budget: the script times a few calibration steps
 and then fixes the total number of optimizer steps (so the LR schedule is
@@ -37,74 +40,31 @@ exactly pass it back with ``--steps N``.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import random
 import sys
-import sysconfig
 import time
-import zlib
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-EOS = "<|endoftext|>"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from builtin_corpus import EOS, build_corpus, encode_stream, split_docs  # noqa: E402
 
-# --------------------------------------------------------------------------------------
-# Corpus
-# --------------------------------------------------------------------------------------
-
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
-
-
-def _clean(text: str) -> str:
-    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
-    return "\n".join(lines).strip("\n")
-
-
-def build_corpus(use_docstrings: bool = True, min_doc_chars: int = 40) -> list[str]:
-    """Deterministic list of documents from the stdlib (pydoc topics + docstrings)."""
-    import pydoc_data.topics as topics
-
-    docs: list[str] = []
-    for key in sorted(topics.topics):
-        docs.append(_clean(topics.topics[key]))
-    if use_docstrings:
-        stdlib = sysconfig.get_paths()["stdlib"]
-        for root, dirs, files in os.walk(stdlib):
-            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("lib2to3"))
-            for fname in sorted(files):
-                if not fname.endswith(".py"):
-                    continue
-                try:
-                    with open(os.path.join(root, fname), encoding="utf-8") as fh:
-                        tree = ast.parse(fh.read())
-                except Exception:
-                    continue
-                for node in ast.walk(tree):
-                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                        doc = ast.get_docstring(node)
-                        if doc and len(doc) >= min_doc_chars:
-                            docs.append(_clean(doc))
-    # drop exact duplicates, keep first occurrence (deterministic order)
-    seen: set[str] = set()
-    out = []
-    for d in docs:
-        if d and d not in seen:
-            seen.add(d)
-            out.append(d)
-    return out
-
-
-def split_docs(docs: list[str], val_mod: int = 20) -> tuple[list[str], list[str]]:
-    train, val = [], []
-    for d in docs:
-        (val if zlib.crc32(d.encode("utf-8")) % val_mod == 0 else train).append(d)
-    return train, val
-
+# The model was trained on plain documentation, not dialogues: the template only lays a
+# conversation out as text (`colibri serve`'s chat route renders it).
+CHAT_TEMPLATE = """{#- The built-in model was trained on plain documentation text, not on dialogues: this
+    template only lays the conversation out as text, one "role: content" line each. -#}
+{% for message in messages %}
+{{ message['role'] }}: {{ message['content'] if message['content'] is string else message['content'] | map(attribute='text') | join('') }}
+{% endfor %}
+{% if add_generation_prompt %}
+assistant:
+{%- endif %}
+"""
 
 # --------------------------------------------------------------------------------------
 # Tokenizer
@@ -128,17 +88,6 @@ def train_tokenizer(train_docs: list[str], vocab_size: int):
     tok.train_from_iterator(train_docs, trainer=trainer, length=len(train_docs))
     assert tok.token_to_id(EOS) == 0
     return tok
-
-
-def encode_stream(tok, docs: list[str], eos_id: int) -> np.ndarray:
-    """Concatenate docs as  <eos> doc <eos> doc ...  (eos doubles as document separator / bos)."""
-    enc = tok.encode_batch(docs, add_special_tokens=False)
-    parts = []
-    for e in enc:
-        parts.append(np.array([eos_id], dtype=np.int32))
-        parts.append(np.asarray(e.ids, dtype=np.int32))
-    parts.append(np.array([eos_id], dtype=np.int32))
-    return np.concatenate(parts)
 
 
 # --------------------------------------------------------------------------------------
@@ -213,6 +162,11 @@ def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
+def with_bos(x: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """[B, T-1] tokens -> [B, T] with bos_id in front of each row."""
+    return torch.cat([torch.full((x.shape[0], 1), bos_id, dtype=x.dtype), x], 1).contiguous()
+
+
 def forward_losses(model, x: torch.Tensor, y: torch.Tensor):
     out = model(input_ids=x, output_router_logits=True, use_cache=False)
     ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
@@ -233,8 +187,8 @@ def evaluate(model, stream: np.ndarray, seq_len: int, batch: int, max_windows: i
     for i in range(0, n, batch):
         idx = torch.arange(i, min(n, i + batch))
         starts = idx * seq_len
-        x = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
-        y = torch.stack([data[s + 1 : s + 1 + seq_len] for s in starts.tolist()])
+        y = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+        x = with_bos(y[:, :-1], model.config.bos_token_id)
         out = model(input_ids=x, output_router_logits=True, use_cache=False)
         ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1), reduction="sum")
         tot += ce.item()
@@ -254,7 +208,7 @@ def generate_samples(model, tok, prompts, max_new_tokens=80, seed=0):
     model.eval()
     res = {}
     for p in prompts:
-        ids = torch.tensor([tok.encode(p, add_special_tokens=False).ids])
+        ids = torch.tensor([[model.config.bos_token_id] + tok.encode(p, add_special_tokens=False).ids])
         with torch.no_grad():
             g = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
             torch.manual_seed(seed)
@@ -289,8 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="exact number of optimizer steps (overrides --minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=1024)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=2048, help="training window = the model's context")
+    ap.add_argument("--batch", type=int, default=2, help="windows per step (2 x 2048 = 4096 tokens)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -367,9 +321,13 @@ def main(argv=None) -> int:
     offs = torch.arange(L + 1)
 
     def get_batch():
-        starts = torch.randint(0, len(data) - L - 1, (B,), generator=gen)
-        w = data[starts[:, None] + offs[None, :]]
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        # Every window starts with <|endoftext|> as BOS, as the engine's prompts do: a token
+        # that is always there at position 0 for attention to rest on when nothing else
+        # in a long context is relevant (without it, the first run's loss rose beyond
+        # ~1,000 positions: docs/BENCHMARKS.md, "The built-in model's context").
+        starts = torch.randint(0, len(data) - L, (B,), generator=gen)
+        w = data[starts[:, None] + offs[None, :L]]
+        return with_bos(w[:, :-1], eos_id), w.contiguous()
 
     # ---- training -------------------------------------------------------------------
     total_steps = args.steps if args.steps > 0 else None
@@ -465,6 +423,14 @@ def main(argv=None) -> int:
         clean_up_tokenization_spaces=False,
     )
     hf_tok.save_pretrained(args.out)
+    tc_path = os.path.join(args.out, "tokenizer_config.json")   # the BOS it was trained with
+    with open(tc_path) as fh:
+        tc = json.load(fh)
+    tc["add_bos_token"] = True
+    with open(tc_path, "w") as fh:
+        json.dump(tc, fh, indent=2)
+    with open(os.path.join(args.out, "chat_template.jinja"), "w") as fh:   # copied by convert
+        fh.write(CHAT_TEMPLATE)
 
     samples = generate_samples(model, tok, ["The assert statement", "The return value"], seed=args.seed)
     for p, s in samples.items():

@@ -243,9 +243,10 @@ def hf_logits(model, ids) -> np.ndarray:
 
 def hf_greedy(model, ids, n: int) -> list[int]:
     torch, _ = _imports()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():     # an explicit mask: a BOS equal to pad_token_id is not padding
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0][len(ids):].tolist()
 
 

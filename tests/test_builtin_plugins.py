@@ -223,3 +223,16 @@ def test_metrics_ignores_routing_outside_requests(pm, relay):
     relay.routing(**ENGINE_CALLS["colibri_routing"][0])
     relay.token(request_id="nobody", step=0, token_id=1, text="", expert_set_version=0)
     assert metrics.to_dict() == {}
+
+
+def test_adaptive_k_figures_on_the_builtin_model():
+    """The floor of docs/BENCHMARKS.md's adaptive-k table (benchmarks/bench_adaptive_k.py):
+    p = 0.5 routes fewer experts than k = 2, at well under fixed k = 1's KL from k = 2."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_adaptive_k import measure
+    rows = {r["setting"]: r for r in measure(ps=(0.5,))}
+    ada, k1 = rows["adaptive p=0.5"], rows["fixed k=1"]
+    assert ada["experts_per_token"] < 2.0
+    assert ada["kl_vs_default"] < 0.6 * k1["kl_vs_default"], rows

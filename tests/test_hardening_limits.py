@@ -38,7 +38,7 @@ def test_score_batch_is_chunked_and_capped(tmp_path):
                             max_call_tokens=2000) as chunked:
         got = chunked.score_batch(seqs, all_positions=True)
         for a, b in zip(ref, got):            # kernels tile by batch: float32 rounding
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
         with pytest.raises(RequestTooLarge, match="max_call_tokens=2000"):
             chunked.score_batch([list(range(1, 200))] * 11)
         assert from_exception(RequestTooLarge("x"), "r").status == 413

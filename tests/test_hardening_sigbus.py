@@ -90,7 +90,7 @@ print(json.dumps(out))
     ("expert_1_3.bin", {}),
     ("model.bin", {"max_resident_mb": 16}),          # a budget holding every expert
     ("expert_2_5.bin", {"max_resident_mb": 16}),
-    ("expert_1_3.bin", {"max_resident_mb": 3}),       # 10 experts cached: reloaded, EFAULT
+    ("expert_1_3.bin", {"max_resident_mb": 6.7}),     # ~11 experts cached: reloaded, EFAULT
 ], ids=["model-mmap", "expert-mmap", "model-budget", "expert-budget", "expert-tight-budget"])
 def test_truncated_while_generating_fails_the_request_not_the_process(two_copies, name,
                                                                       settings):
