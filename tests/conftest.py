@@ -49,3 +49,11 @@ def pipe():
             os.close(fd)
         except OSError:
             pass
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """The built-in model on one thread, shared by a module's tests."""
+    from colibri_core.engine import Engine
+    with Engine.from_config("builtin", threads=1) as e:
+        yield e

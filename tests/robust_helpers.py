@@ -232,3 +232,8 @@ def model_dict(**over):
              num_heads=4, num_kv_heads=2, layer_types=["dense", "moe"], num_experts=4, top_k=2)
     d.update(over)
     return d
+
+
+def solo_tokens(engine, prompt, n: int = 12) -> list:
+    """A request's greedy tokens when it runs alone (the reference for concurrent runs)."""
+    return engine.generate(prompt, max_new_tokens=n, temperature=0).run().token_ids

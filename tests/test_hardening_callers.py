@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 
 from colibri_core.engine import Engine
+
+from robust_helpers import solo_tokens as _solo
 from colibri_core.errors import (EngineBusyError, EngineClosedError, InsufficientMemoryError,
                                  ModelFormatError, RequestError)
 from colibri_core.server.errors import from_exception
-
-
-@pytest.fixture(scope="module")
-def eng():
-    with Engine.from_config("builtin", threads=1) as e:
-        yield e
-
-
-def _solo(e, prompt, n=12):
-    return e.generate(prompt, max_new_tokens=n, temperature=0).run().token_ids
 
 
 def test_a_second_request_is_refused_while_one_is_active(eng):

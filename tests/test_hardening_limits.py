@@ -13,12 +13,6 @@ from colibri_core.testing import write_random_model
 from colibri_core.tokenizer import StreamDecoder
 
 
-@pytest.fixture(scope="module")
-def eng():
-    with Engine.from_config("builtin", threads=1) as e:
-        yield e
-
-
 
 def test_a_kv_cache_larger_than_memory_is_refused(tmp_path):
     d = tmp_path / "m"

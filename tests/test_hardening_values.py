@@ -13,20 +13,12 @@ import pytest
 
 from colibri_core import modelfile
 from colibri_core.engine import Engine
+
+from robust_helpers import solo_tokens as _solo
 from colibri_core.errors import ModelFormatError, RequestError
 from colibri_core.modelfile import sha256_file
 from colibri_core.quant import quantize_q4
 from colibri_core.testing import write_random_model
-
-
-@pytest.fixture(scope="module")
-def eng():
-    with Engine.from_config("builtin", threads=1) as e:
-        yield e
-
-
-def _solo(e, prompt, n=12):
-    return e.generate(prompt, max_new_tokens=n, temperature=0).run().token_ids
 
 
 def test_bad_request_values_are_typed_errors(eng):
