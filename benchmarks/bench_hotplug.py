@@ -14,8 +14,8 @@ built up front (builder.build_expert: random INT4 weights, hidden 128, MoE layer
 in benchmarks/out/hotplug_builds), each a distinct file (a distinct sha256: every drop is
 checked, staged and probed; a hash already adopted would skip the probe). A drop is a
 rename from a scratch folder on the same filesystem into the watched one; "routable" is
-the moment the engine adopts the expert between two tokens (colibri_expert_loaded, fired
-on the engine's thread right after the swap).
+the moment the engine adopts the expert between two tokens: the manager's "loaded" event,
+emitted on the engine's thread by the drain() whose changes are swapped in right after.
 
 1. drops: `--drops` builds, one at a time (each waited for, then 30-80 ms of pause), over
    10 names (the first drop of a name adds it, the next ones replace it).
@@ -116,9 +116,11 @@ class Decoder(threading.Thread):
 
 
 class Events:
-    """colibri_expert_loaded / _rejected, timed on the engine's thread. The hooks only take
-    the time (no thread is woken: that would compete with the very token measured); the
-    benchmark's thread polls every POLL_S."""
+    """The hot-plug manager's events, timed where they happen: "loaded" inside drain() on
+    the engine's thread, between two tokens (a plain function wrapped around the engine's
+    own listener: ~1 µs, no plugin whose hook dispatch would be counted in the token
+    measured); "rejected" on the worker. Nothing wakes a thread (that would compete with
+    the very token measured): the benchmark's thread polls every POLL_S."""
 
     POLL_S = 0.002
 
@@ -126,19 +128,16 @@ class Events:
         self.loaded: dict[tuple, float] = {}
         self.rejected: list[tuple] = []
 
-    def hookimpl(self):
-        from colibri_core.hookspecs import hookimpl
-        ev = self
+    def attach(self, manager) -> None:
+        inner, loaded, rejected = manager.on_event, self.loaded, self.rejected
 
-        class Plugin:
-            @hookimpl
-            def colibri_expert_loaded(self, info):
-                ev.loaded[(info["name"], info["version"])] = time.perf_counter()
-
-            @hookimpl
-            def colibri_expert_rejected(self, path, reason):
-                ev.rejected.append((time.perf_counter(), path, reason))
-        return Plugin()
+        def on_event(kind, info):
+            if kind == "loaded":
+                loaded[(info["name"], info["version"])] = time.perf_counter()
+            elif kind == "rejected":
+                rejected.append((time.perf_counter(), info.get("path"), info.get("message")))
+            inner(kind, info)
+        manager.on_event = on_event
 
     def wait(self, keys, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -185,7 +184,7 @@ def run(args) -> dict:
     cfg = HotplugConfig(**hp)
     eng = Engine.from_config("builtin", experts_dir=str(folder), hotplug=cfg)
     events = Events()
-    eng.register_plugin(events.hookimpl(), name="bench-events")
+    events.attach(eng.hotplug)
     dec = Decoder(eng)
     res: dict = {"settle_s": cfg.settle_s, "probe_timeout_s": cfg.probe_timeout_s,
                  "probe_slots": P_SLOTS if slots else None, "backend": kernels.backend(),
