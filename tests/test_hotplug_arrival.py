@@ -81,6 +81,23 @@ def test_renamed_within_the_folder_the_expert_stays(make_manager, folder):
     assert not events.of("rejected")
 
 
+@pytest.mark.skipif(__import__("sys").version_info < (3, 11), reason="bundles need tomllib")
+def test_a_bundle_renamed_in_is_checked_without_settling(make_manager, folder, tmp_path):
+    from hotplug_helpers import write_bundle
+    bundle = write_bundle(tmp_path / "scratch" / "ref.expert", name="ref", hidden=H)
+    mgr, events = make_manager(settle_s=NEVER)
+    mgr.start()
+    loop = TokenLoop(mgr)
+    loop.start()
+    try:
+        os.rename(bundle, folder / "ref.expert")
+        (add,) = loop.wait_changes(1, DEADLINE)
+        assert (add.kind, add.expert.name) == ("add", "ref")
+    finally:
+        loop.stop()
+    assert not events.of("rejected")
+
+
 def test_copied_in_it_is_checked_when_closed(make_manager, folder, tmp_path):
     """Written in place, in chunks, with pauses: nothing happens while the writer has it
     open (no settle time passes), it is checked once closed."""
