@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import read_bandwidth  # noqa: E402  (shared with the other benchmarks)
 from _vs_models import (  # the model, its conversions, inventories
     HERE, OUT, SHAPE, WORK, build_colibri, build_gguf_f16,
     build_gguf_q4, build_hf, colibri_inventory, gguf_inventory, log)
@@ -86,27 +87,6 @@ def ensure_llama_cpp() -> str | None:
         return f"installed but not importable: {e}"
     return None
 
-
-def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
-    """Best-of-`reps` bytes/s of a `threads`-thread streaming read of a `mib` MiB array
-    (numpy reductions release the GIL): float64 sum and uint64 OR, the faster counts."""
-    from concurrent.futures import ThreadPoolExecutor
-    a = np.ones(mib * 2**20 // 8)
-    chunks = np.array_split(a, threads)
-    res = {}
-    with ThreadPoolExecutor(threads) as ex:
-        for name, fn in (("sum_f64", lambda c: c.sum()),
-                         ("or_u64", lambda c: np.bitwise_or.reduce(c.view(np.uint64)))):
-            got = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                list(ex.map(fn, chunks))
-                got.append(a.nbytes / (time.perf_counter() - t))
-            res[name] = {"best_GBps": max(got) / 1e9, "median_GBps": float(np.median(got)) / 1e9}
-    del a
-    res["GBps"] = max(v["best_GBps"] for v in res.values())
-    res.update(threads=threads, array_mib=mib, reps=reps)
-    return res
 
 
 class Launcher:

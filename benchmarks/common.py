@@ -73,3 +73,26 @@ def git_commit() -> str:
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "?"
+
+
+def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
+    """Best-of-`reps` bytes/s of a `threads`-thread streaming read of a `mib` MiB array
+    (numpy reductions release the GIL): float64 sum and uint64 OR, the faster counts. (The
+    figure the tables of docs/BENCHMARKS.md quote as "read bandwidth".)"""
+    from concurrent.futures import ThreadPoolExecutor
+    a = np.ones(mib * 2**20 // 8)
+    chunks = np.array_split(a, threads)
+    res = {}
+    with ThreadPoolExecutor(threads) as ex:
+        for name, fn in (("sum_f64", lambda c: c.sum()),
+                         ("or_u64", lambda c: np.bitwise_or.reduce(c.view(np.uint64)))):
+            got = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                list(ex.map(fn, chunks))
+                got.append(a.nbytes / (time.perf_counter() - t))
+            res[name] = {"best_GBps": max(got) / 1e9, "median_GBps": float(np.median(got)) / 1e9}
+    del a
+    res["GBps"] = max(v["best_GBps"] for v in res.values())
+    res.update(threads=threads, array_mib=mib, reps=reps)
+    return res

@@ -205,7 +205,8 @@ class HotplugConfig(BaseModel):
     isolation: Literal["inprocess", "isolated"] = "inprocess"   # per-file override by name
     allowlist: Optional[list[str]] = None          # sha256 hex digests; None: no allowlist
     probe_timeout_s: float = Field(default=5.0, gt=0)
-    settle_s: float = Field(default=0.2, ge=0)
+    probe_slots: int = Field(default=2, ge=1, le=64)    # probes at once (warm helper's children)
+    settle_s: float = Field(default=0.2, ge=0)     # files not renamed in / closed after writing
     state_dir: Optional[str] = None                # default: <experts_dir>/.colibri-state
     startup_timeout_s: float = Field(default=30.0, ge=0)  # wait for the folder's first scan
 

@@ -101,6 +101,14 @@ class ThreadControl:
     def read_stats(self) -> None:
         lib.ck_pool_stats(self.p_stats)
 
+    def take_over(self, old: "ThreadControl") -> None:
+        """Continue where `old` (the previous plan's) was: what it measured is about the
+        machine, not about the expert set (a new plan starting over would run its first
+        steps on threads that may not get a CPU)."""
+        self.s.threads = old.s.threads
+        self.bad, self.backoff, self.countdown = old.bad, old.backoff, old.countdown
+        self.steps, self.single_steps = old.steps, old.single_steps
+
     def after_step(self) -> None:
         self.steps += 1
         self.read_stats()
@@ -298,6 +306,15 @@ class DecodePlan:
             L["row"] = i
         self.H = H
         self._cache_ptrs: dict = {}
+
+    def carry_over(self, old: "DecodePlan") -> None:
+        """Take over what `old`, the plan this one replaces, learned: thread control, the
+        attention scratch's size and the current KV cache's pointers (all independent of
+        the expert set), so the first step after an expert-set change runs like the ones
+        before it."""
+        self.control.take_over(old.control)
+        self._scores(old.s.max_len)
+        self._cache_ptrs = old._cache_ptrs
 
     # ------------------------------------------------------------------ per step
     def _scores(self, length: int) -> None:

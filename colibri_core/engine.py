@@ -9,6 +9,7 @@ Small on purpose; no math here. Typical use:
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -92,6 +93,13 @@ class Engine:
         self.model = Model(self.weights, config, self.hooks)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
+        # Expert sets (and their decode plans) built ahead by the hot-plug worker, one per
+        # batch of changes it handed over, each from the one before: _Prepared entries.
+        self._prepared: deque = deque()
+        self._prepared_lock = threading.Lock()
+        self._snapshot_refs: dict = {}        # weakrefs that release experts with a snapshot
+        # Hot-plug changes adopted from a set prepared by the worker / built on this thread.
+        self.expert_change_stats = {"prepared": 0, "built_here": 0}
         if config.experts_dir is not None:
             self._start_hotplug(config)
         if self.hooks.engine_start is not None:
@@ -192,8 +200,10 @@ class Engine:
                 self.hooks.engine_stop(engine=self)
         finally:
             if self.hotplug is not None:
-                self.hotplug.close()
+                self.hotplug.close()            # joins the worker: nothing is prepared after
                 self.hotplug = None
+            with self._prepared_lock:
+                self._prepared.clear()
             self._close_residency()
             self.model.expert_set = None        # its experts hold views into the mapped files
             self.model.drop_decode_plans()      # so do the decode path's C structs
@@ -220,6 +230,9 @@ class Engine:
         with self._active_lock:
             if self._active == request_id:
                 self._active = None
+        hp = self.hotplug
+        if hp is not None:           # a request ended: unload what it stopped using, now
+            hp.flush_releases()
 
     @contextmanager
     def step(self):
@@ -422,7 +435,8 @@ class Engine:
             experts_dir, self.model_cfg.hidden_size, self.model_cfg.moe_layers,
             first_slot=self.model_cfg.num_experts, state_dir=state_dir,
             allowlist=hp.allowlist, isolation_default=hp.isolation,
-            probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event)
+            probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event,
+            probe_slots=hp.probe_slots, prepare=self._prepare_changes)
         self.hotplug.start()
         # The folder's existing experts go through the same checks before the first token.
         self.hotplug.wait_idle(hp.startup_timeout_s)
@@ -431,7 +445,7 @@ class Engine:
     def _on_event(self, kind: str, info: dict) -> None:
         # Called on the hot-plug worker (rejections, already logged there) or inside drain();
         # hooks fire on the engine's thread at the next token boundary.
-        self._events.append((kind, dict(info)))
+        self._events.append((kind, info))    # (each event is a new dict)
 
     def queue_expert_change(self, change) -> None:
         """Queue a callable(ExpertSet) -> ExpertSet; applied between tokens."""
@@ -446,40 +460,109 @@ class Engine:
             return
         with self.step():
             self._apply_expert_changes()
+        if self.hotplug is not None:     # not on a token's path: unload the replaced now
+            self.hotplug.flush_releases()
+
+    def _prepare_changes(self, changes: list) -> None:
+        """On the hot-plug worker, before it hands a batch of changes to drain(): build the
+        expert set they make and its decode plan, so that adopting them between two tokens
+        is a swap (`_apply_expert_changes`). Built on the set the batch before it makes
+        (or the current one); checked against what drain() really returns."""
+        with self._prepared_lock:
+            if self._closed or self.model.expert_set is None:
+                return
+            base = self._prepared[-1].es if self._prepared else self.model.expert_set
+        es = base
+        for kind, expert, previous in changes:
+            es = _with_change(es, kind, expert, previous)
+        plan = self.model.prepare_decode_plan(es) if self.config.fast_decode else None
+        entry = _Prepared(base, changes, es, plan)
+        if entry.gone:       # released once `base` is gone, if this entry is adopted
+            _release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
+        # Tokens run with the collector off (generate.py): the young objects made here
+        # would be collected between two tokens, in the one that adopts them. Now, here.
+        gc.collect(1)
+        with self._prepared_lock:
+            if not self._closed:
+                self._prepared.append(entry)
+
+    def _take_prepared(self, es, changes: list):
+        """(expert set, its plan or _NO_PLAN, how many of `changes` that covers, the entry
+        when one covers them all): the prepared entries that chain from `es` and match
+        `changes` from the start, object for object. Entries that can no longer match are
+        dropped. Under _prepared_lock."""
+        plan, used, first, last = _NO_PLAN, 0, None, None
+        entries = self._prepared                 # (the caller holds _prepared_lock)
+        while entries:
+            p = entries[0]
+            n = len(p.changes)
+            if p.base is not es or not _same_changes(p.changes, changes[used:used + n]):
+                break
+            entries.popleft()
+            first = first or p
+            es, plan, used, last = p.es, p.plan, used + n, p
+        if used < len(changes) or (entries and entries[0].base is not es):
+            entries.clear()                      # built on a set that will never be current
+        whole = None        # the one entry that is the whole change, made on the current set
+        if first is last and first is not None and used == len(changes) \
+                and first.base is self.model.expert_set:
+            whole = first
+        return es, plan, used, whole
 
     def _apply_expert_changes(self) -> None:
         """Inside a step, between two tokens: adopt queued expert changes.
 
         Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
-        and removed experts are released (their library unloaded) once no snapshot that
-        uses them is alive: requests that pinned an older snapshot keep theirs working.
+        and removed experts are released (their library unloaded, by the hot-plug worker)
+        once no snapshot that uses them is alive: requests that pinned an older snapshot
+        keep theirs working. The new snapshot and its decode plan were normally built by
+        the hot-plug worker already (`_prepare_changes`): adopting them is then a swap.
         """
         es = self.model.expert_set
+        plan, whole = _NO_PLAN, None
         seen: dict = {}              # every hot expert of this batch's intermediate snapshots
         if self._pending_changes:
             pending, self._pending_changes = self._pending_changes, []
             for change in pending:
                 es = change(es)
                 seen.update((id(h), h) for h in es.hot_experts())
-        if self.hotplug is not None:
-            for ch in self.hotplug.drain():
-                if ch.previous is not None and set(ch.previous.layers) - set(ch.expert.layers):
-                    es = es.with_expert(ch.previous, remove=True)
-                if ch.kind in ("add", "replace"):
-                    es = es.with_expert(ch.expert)
-                else:
-                    es = es.with_expert(ch.expert, remove=True)
-                seen.update((id(h), h) for h in (ch.expert, ch.previous) if h is not None)
-        if es is not self.model.expert_set:
-            old, self.model.expert_set = self.model.expert_set, es
-            live = {id(h) for h in es.hot_experts()}
-            was = {id(h) for h in old.hot_experts()}
-            gone = [h for h in old.hot_experts() if id(h) not in live]
-            if gone and self.hotplug is not None:
-                weakref.finalize(old, _release_all, self.hotplug, gone)
-            # Adopted and replaced (or removed) within this one batch: no token, no snapshot
-            # anyone can hold ever saw it, so its library is unloaded now.
-            never_used = [h for i, h in seen.items() if i not in live and i not in was]
+        # Under _prepared_lock from drain() to the swap, so that the hot-plug worker builds
+        # its next set on the one this makes.
+        with self._prepared_lock:
+            if self.hotplug is not None:
+                changes = self.hotplug.drain()
+                if changes:
+                    es, plan, used, whole = self._take_prepared(es, changes)
+                    for ch in changes[used:]:              # not prepared: built here
+                        es = _with_change(es, ch.kind, ch.expert, ch.previous)
+                        plan = _NO_PLAN
+                    stats = self.expert_change_stats
+                    stats["prepared"] += used
+                    stats["built_here"] += len(changes) - used
+                    if whole is None:
+                        for ch in changes:
+                            seen.update((id(h), h) for h in (ch.expert, ch.previous)
+                                        if h is not None)
+            old = self.model.expert_set
+            if es is not old:
+                self.model.expert_set = es
+        if es is not old:
+            if plan is not _NO_PLAN:
+                replaced = self.model.adopt_decode_plan(es, plan)
+                if replaced is not None and self.hotplug is not None:
+                    self.hotplug.drop_later(replaced)   # freed on the worker, not here
+            if whole is not None:        # worked out on the worker: arm its release
+                whole.armed[0] = True
+                never_used = whole.never_used
+            else:
+                live = {id(h) for h in es.hot_experts()}
+                was = {id(h) for h in old.hot_experts()}
+                gone = [h for h in old.hot_experts() if id(h) not in live]
+                if gone and self.hotplug is not None:
+                    _release_with(self._snapshot_refs, old, self.hotplug, gone, [True])
+                # Adopted and replaced (or removed) within this one batch: no token, no
+                # snapshot anyone can hold ever saw it, so it is unloaded (by the worker).
+                never_used = [h for i, h in seen.items() if i not in live and i not in was]
             if never_used and self.hotplug is not None:
                 _release_all(self.hotplug, never_used)
         while self._events:
@@ -540,11 +623,60 @@ def _chunks(seqs: list, max_tokens: int):
 
 
 def _release_all(manager, experts) -> None:
+    """Unload experts no snapshot uses any more: queued for the hot-plug worker (this runs
+    between two tokens, or wherever the last snapshot holding them died)."""
     for e in experts:
         try:
-            manager.release(e)
+            manager.release_later(e)
         except Exception as exc:   # never raise from a finalizer
             log.warning("releasing expert %s failed: %s", getattr(e, "name", e), exc)
+
+
+_NO_PLAN = object()       # no prepared decode plan: Model.decode_plan() builds it if needed
+
+
+class _Prepared:
+    """An expert set built ahead (hot-plug worker): `changes` applied to `base` give `es`,
+    whose decode plan is `plan` (a DecodePlan, the reason the fast path does not apply, or
+    None when the fast path is off)."""
+
+    __slots__ = ("base", "changes", "es", "plan", "gone", "never_used", "armed")
+
+    def __init__(self, base, changes, es, plan):
+        self.base, self.changes, self.es = base, list(changes), es
+        self.plan = _NO_PLAN if plan is None else plan
+        # What _apply_expert_changes works out when this entry is the whole change:
+        was = {id(h) for h in base.hot_experts()}
+        live = {id(h) for h in es.hot_experts()}
+        self.gone = [h for h in base.hot_experts() if id(h) not in live]
+        seen = {id(h): h for _, e, p in self.changes for h in (e, p) if h is not None}
+        self.never_used = [h for i, h in seen.items() if i not in live and i not in was]
+        self.armed = [False]     # set when adopted: only then are `gone` released
+
+
+def _release_with(refs: dict, snapshot, manager, experts: list, armed: list) -> None:
+    """Release `experts` once `snapshot` is gone, if `armed[0]` is then set (a weakref
+    callback, kept in `refs`: lighter than weakref.finalize between two tokens)."""
+    def gone(ref, manager=manager, experts=experts, armed=armed, refs=refs):
+        refs.pop(id(ref), None)
+        if armed[0]:
+            _release_all(manager, experts)
+    ref = weakref.ref(snapshot, gone)
+    refs[id(ref)] = ref
+
+
+def _with_change(es, kind: str, expert, previous):
+    """The expert set after one hot-plug change (add | replace | remove)."""
+    if previous is not None and set(previous.layers) - set(expert.layers):
+        es = es.with_expert(previous, remove=True)
+    return es.with_expert(expert, remove=kind == "remove")
+
+
+def _same_changes(expected: list, got: list) -> bool:
+    """Whether drain()'s ExpertChanges `got` are the (kind, expert, previous) `expected`."""
+    return len(expected) == len(got) and all(
+        ch.kind == kind and ch.expert is expert and ch.previous is previous
+        for (kind, expert, previous), ch in zip(expected, got))
 
 
 def _single_threaded_blas() -> None:

@@ -353,11 +353,40 @@ class Model:
                 plan = DecodePlan(self, es)
             except Unsupported as e:
                 plan = str(e)
-            # one plan at a time: a plan keeps its expert set (and so any hot-plugged
-            # expert in it) alive, and a removed expert must be let go of promptly
-            self._plans.clear()
-            self._plans[es.version] = plan
+            self._install_plan(es, plan)
         return plan
+
+    def prepare_decode_plan(self, es: ExpertSet):
+        """Build the decode plan of expert set `es` without installing it: on another
+        thread than the one stepping (the hot-plug worker builds the next set's plan while
+        tokens run). A DecodePlan, or the reason (a string) the fast path does not apply
+        to `es`. adopt_decode_plan() installs it."""
+        try:
+            plan = DecodePlan(self, es)
+        except Unsupported as e:
+            return str(e)
+        cur = next(iter(self._plans.values()), None)
+        if isinstance(cur, DecodePlan):
+            plan._scores(cur.s.max_len)          # grown like the current one (a benign race)
+        return plan
+
+    def adopt_decode_plan(self, es: ExpertSet, plan):
+        """Install a plan made by prepare_decode_plan(es) (between two steps); return the
+        plan it replaces (None if none), for the caller to free elsewhere."""
+        if isinstance(plan, DecodePlan) and plan.es is not es:
+            raise ValueError("adopt_decode_plan: the plan was made for another expert set")
+        return self._install_plan(es, plan)
+
+    def _install_plan(self, es: ExpertSet, plan):
+        # One plan at a time: a plan keeps its expert set (and so any hot-plugged expert
+        # in it) alive, and a removed expert must be let go of promptly. What the previous
+        # plan learned about the machine (thread control, grown scratch) carries over.
+        old = next(iter(self._plans.values()), None)
+        if isinstance(plan, DecodePlan) and isinstance(old, DecodePlan):
+            plan.carry_over(old)
+        self._plans.clear()
+        self._plans[es.version] = plan
+        return old
 
     def drop_decode_plans(self) -> None:
         """Forget the decode plans (they point into the mapped weights)."""

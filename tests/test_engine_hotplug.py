@@ -216,3 +216,68 @@ def test_pinned_request_keeps_its_expert_set(tiny_model_dir, tmp_path):
         assert g.events[0].expert_set_version >= 1
         routed = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
         assert (routed == 4).any()
+
+
+def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
+    """While one thread generates, adds, replaces and removals are adopted between two
+    tokens from expert sets (and decode plans) the hot-plug worker built: no dlopen and no
+    decode plan on the generating thread once it runs. A rollback, which the worker does
+    not prepare, is built on the generating thread and is just as correct."""
+    import threading
+
+    from colibri_core import decode
+    from colibri_core.hotplug.expert import _ffi
+    watched = tmp_path / "experts"
+    watched.mkdir(mode=0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    where: dict[str, list[str]] = {"plan": [], "dlopen": []}
+    real_init, real_dlopen = decode.DecodePlan.__init__, _ffi.dlopen
+
+    def plan_init(self, *a, **k):
+        where["plan"].append(threading.current_thread().name)
+        real_init(self, *a, **k)
+
+    def dlopen(*a, **k):
+        where["dlopen"].append(threading.current_thread().name)
+        return real_dlopen(*a, **k)
+    decode.DecodePlan.__init__, _ffi.dlopen = plan_init, dlopen
+    try:
+        eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                                  hotplug=HotplugConfig(settle_s=0.05)))
+        loop = Looper(eng)
+        loop.name = "generator"
+        loop.start()
+        try:
+            loop.wait_version(lambda t: t[1] >= 2)      # decoding: the first set's plan
+            where["plan"].clear()                       # was built there
+            os.rename(_build(build, "fraud", "1", seed=1), watched / "fraud.so")
+            loop.wait_version(lambda t: t[3])
+            v = eng.expert_set_version
+            os.replace(_build(build, "fraud", "2", seed=2), watched / "fraud.so")
+            loop.wait_version(lambda t: t[2] > v)
+            os.rename(_build(build, "other", "1", seed=3, bias=-50.0), watched / "other.so")
+            loop.wait_version(lambda t: t[2] > v + 1)
+            (watched / "other.so").unlink()
+            loop.wait_version(lambda t: t[2] > v + 2)
+            stats = dict(eng.expert_change_stats)
+            plans = list(where["plan"])
+            v = eng.expert_set_version
+            eng.hotplug.rollback("fraud")
+            loop.wait_version(lambda t: t[2] > v)
+            rolled = dict(eng.expert_change_stats)
+        finally:
+            loop.stop.set()
+            loop.join(10)
+            eng.close()
+    finally:
+        decode.DecodePlan.__init__, _ffi.dlopen = real_init, real_dlopen
+    assert loop.error is None
+    assert stats == {"prepared": 4, "built_here": 0}, stats
+    assert plans and "generator" not in plans, plans
+    assert where["dlopen"] and "generator" not in where["dlopen"], where["dlopen"]
+    assert rolled == {"prepared": 4, "built_here": 1}, rolled
+    assert eng.hotplug is None
+    versions = [v for _, _, v, _ in loop.tokens]
+    assert versions == sorted(versions)
+    assert loop.tokens[-1][3]                   # fraud 1 is back and routed (bias 50)

@@ -261,16 +261,20 @@ def test_refusals_each_with_a_reason(make_manager, folder, tmp_path):
     mgr, events = make_manager(probe_timeout_s=1.0)
     mgr.start()
     os.symlink(good, folder / "link.so")
-    gw = folder / "gw.so"
-    shutil.copy(good, gw)
-    os.chmod(gw, 0o664)
-    ww = folder / "ww.so"
-    shutil.copy(good, ww)
-    os.chmod(ww, 0o646)
+
+    def placed(name, mode, owner=None):
+        """A copy that arrives with its mode and owner already set (renamed in: a file
+        copied in is checked once closed, before a later chmod)."""
+        tmp = tmp_path / name
+        shutil.copy(good, tmp)
+        os.chmod(tmp, mode)
+        if owner is not None:
+            os.chown(tmp, owner, owner)
+        os.replace(tmp, folder / name)
+    placed("gw.so", 0o664)
+    placed("ww.so", 0o646)
     if os.geteuid() == 0:
-        foreign = folder / "foreign.so"
-        shutil.copy(good, foreign)
-        os.chown(foreign, 12345, 12345)
+        placed("foreign.so", 0o644, owner=12345)
     drop(folder, "segv.so", name="segv", fault="segv")
     drop(folder, "hang.so", name="hang", fault="hang")
     drop(folder, "nan.so", name="nan", fault="nan")

@@ -5,19 +5,24 @@ Modules (each importing only those above it):
     errors.py    typed errors (ValueError / RuntimeError subclasses) with a `reason` code
     elf.py       ELF64 reader: headers, sections, segments, symbols, vaddr -> file offset
     meta.py      colibri_expert_meta (include/colibri_expert.h) read from the file, checked
-    staging.py   ownership/permission checks, private staging copy named by sha256
+    staging.py   ownership/permission checks, the first open (O_NOFOLLOW | O_NONBLOCK),
+                 private staging copy named by sha256
     bundle.py    bundle folders NAME.expert/ (ffn_forward-only .so + expert.toml + row)
     state.py     the JSON state file (slots, versions, history), written atomically
-    probe.py     out-of-process probe: `python -m colibri_core.hotplug.probe PATH HIDDEN`
+    probe.py     the probe itself, its verdicts, and the warm helper that forks one child
+                 per probe (`python -m colibri_core.hotplug.probe --serve`)
+    probepool.py ProbePool: the helper seen from the engine, P probes at once, restarts
     isolated.py  isolated mode: ffn_forward in a helper process over shared memory
-    expert.py    HotExpert, ExpertChange, Q4Weights; dlopen happens here (from drain())
-    watcher.py   the watchdog observer: queues paths, nothing else
+    expert.py    HotExpert, ExpertChange, Q4Weights, PreparedExpert (dlopen, on the worker)
+    inotify.py   inotify read directly: the raw masks (IN_MOVED_TO, IN_CLOSE_WRITE...)
+    watcher.py   the folder's watch: queues paths and how they arrived, nothing else
     manager.py   HotplugManager: worker thread + drain()/release()/rollback()/list()
     builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so
     testing.py   a C test expert with switchable faults (segv, hang, nan...), for tests
 
-Names are imported lazily, so that `python -m colibri_core.hotplug.probe` (and the isolated
-helper) start without importing numpy or watchdog. See docs/HOTPLUG.md.
+Names are imported lazily, so that `python -m colibri_core.hotplug.probe` (the probe and
+its helper) and the isolated helper start without importing numpy or watchdog. See
+docs/HOTPLUG.md.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ _EXPORTS = {
     "ABI_VERSION": "meta",
     "ElfFile": "elf",
     "bundle_identity": "bundle", "read_bundle": "bundle", "build_from_c": "builder",
-    "run_probe": "probe",
+    "run_probe": "probe", "ProbePool": "probepool",
     "HotplugError": "errors", "ExpertRejected": "errors", "ElfFormatError": "errors",
     "ExpertIncomplete": "errors", "ArchitectureMismatch": "errors",
     "ExpertAbiError": "errors", "ExpertMetadataError": "errors",

@@ -99,13 +99,20 @@ class Symbol:
 class ElfFile:
     """A parsed ELF64 little-endian shared object, mapped read-only (call close())."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, fd: int | None = None):
+        """`fd`: a descriptor of the file already open for reading (kept open); else the
+        path is opened."""
         self.path = os.fspath(path)
         self._mm: mmap.mmap | None = None
-        with open(self.path, "rb") as f:
-            self.size = os.fstat(f.fileno()).st_size
+        if fd is not None:
+            self.size = os.fstat(fd).st_size
             if self.size:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        else:
+            with open(self.path, "rb") as f:
+                self.size = os.fstat(f.fileno()).st_size
+                if self.size:
+                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse()
         except BaseException:

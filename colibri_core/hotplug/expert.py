@@ -1,10 +1,9 @@
 """HotExpert: one adopted hot-plugged expert, as the engine sees it; ExpertChange.
 
-Two steps, on two threads:
-- `prepare_expert` (manager's worker thread): map the staged file read-only and make the
-  zero-copy views (router row, INT4 weights); for an isolated expert, start its helper.
-- `PreparedExpert.materialize` (engine thread, inside drain()): dlopen() the staged file with
-  RTLD_NOW for an in-process expert, and return the HotExpert.
+Everything an expert needs is made on the manager's worker thread (`PreparedExpert`): the
+staged file mapped read-only, the zero-copy views (router row, INT4 weights), the library
+loaded with dlopen(RTLD_NOW) for an in-process expert or its helper started for an isolated
+one, and the HotExpert itself (`materialize`). drain(), on the engine thread, only adopts it.
 
 Shape legend: N = tokens, H = hidden size, I = intermediate size, Hp/Ip padded to G.
 """
@@ -19,9 +18,10 @@ import numpy as np
 from cffi import FFI
 
 from ..quant import Q4Tensor, padded_cols
-from .errors import ExpertCrashed, ExpertForwardError, ExpertReleased
+from .errors import ExpertCrashed, ExpertForwardError, ExpertProbeError, ExpertReleased
 from .isolated import IsolatedRunner
 from .meta import ExpertFileInfo
+from .state import VersionRecord
 
 INPROCESS, ISOLATED = "inprocess", "isolated"
 ISOLATION_MODES = (INPROCESS, ISOLATED)
@@ -186,7 +186,13 @@ class ExpertChange:
 
 
 class PreparedExpert:
-    """A checked, staged and probed expert, mapped and ready to be loaded by drain()."""
+    """A checked, staged and probed expert, mapped and loaded, ready to be adopted by drain().
+
+    Made on the worker thread (or by rollback()): maps the staged file and builds its views;
+    loads it with dlopen(RTLD_NOW | RTLD_LOCAL) (in-process; a failure is an
+    ExpertProbeError with reason "dlopen") or starts its helper (isolated). materialize()
+    then makes the HotExpert, once.
+    """
 
     def __init__(self, info: ExpertFileInfo, sha256: str, staged: str, source: str,
                  isolation: str, *, call_timeout_s: float, capacity: int):
@@ -207,9 +213,21 @@ class PreparedExpert:
             self.q4 = Q4Weights(*(self._q4(m, rows, cols, g) for m, rows, cols in
                                   (("w1", i, h), ("w3", i, h), ("w2", h, i))))
         self.runner = None
+        self.lib = self._fn = None
+        self.expert: HotExpert | None = None
+        self.record = VersionRecord(sha256, staged, source, meta.version, isolation,
+                                    tuple(meta.layers))     # for the state file
         if isolation == ISOLATED:
             self.runner = IsolatedRunner(staged, meta.hidden_size, capacity=capacity,
                                          call_timeout_s=call_timeout_s)
+        else:
+            try:
+                self.lib = _ffi.dlopen(staged, _ffi.RTLD_NOW | _ffi.RTLD_LOCAL)
+                self._fn = self.lib.ffn_forward
+            except (OSError, AttributeError) as e:
+                self.discard()
+                raise ExpertProbeError(f"{staged}: dlopen failed: {e}", reason="dlopen",
+                                       path=staged) from None
 
     def _q4(self, m: str, rows: int, cols: int, group: int) -> Q4Tensor:
         parts = self.info.q4
@@ -228,23 +246,31 @@ class PreparedExpert:
         return self.info.meta.name
 
     def materialize(self, slot: int) -> HotExpert:
-        """Load it (dlopen, RTLD_NOW, in-process mode). Engine thread only (drain)."""
+        """The HotExpert in `slot` (made once; the library is already loaded)."""
+        if self.expert is not None:
+            if self.expert.slot != slot:
+                raise ValueError(f"expert {self.name} was made for slot {self.expert.slot},"
+                                 f" not {slot}")
+            return self.expert
         meta = self.info.meta
-        lib = fn = None
-        if self.runner is None:
-            lib = _ffi.dlopen(self.staged, _ffi.RTLD_NOW | _ffi.RTLD_LOCAL)
-            fn = lib.ffn_forward
         lock = None if (meta.thread_safe and self.runner is None) else threading.Lock()
-        return HotExpert(slot=slot, name=meta.name, version=meta.version, sha256=self.sha256,
-                         source_path=self.source, staged_path=self.staged,
-                         layers=meta.layers, router_row=self.router_row,
-                         router_bias=meta.router_bias, q4=self.q4,
-                         thread_safe=meta.thread_safe, isolation=self.isolation,
-                         hidden_size=meta.hidden_size, target=meta.target, lib=lib,
-                         _runner=self.runner, _lock=lock, _fn=fn, _mm=self._mm)
+        self.expert = HotExpert(
+            slot=slot, name=meta.name, version=meta.version, sha256=self.sha256,
+            source_path=self.source, staged_path=self.staged, layers=meta.layers,
+            router_row=self.router_row, router_bias=meta.router_bias, q4=self.q4,
+            thread_safe=meta.thread_safe, isolation=self.isolation,
+            hidden_size=meta.hidden_size, target=meta.target, lib=self.lib,
+            _runner=self.runner, _lock=lock, _fn=self._fn, _mm=self._mm)
+        return self.expert
 
     def discard(self) -> None:
-        """Never adopted: stop its helper."""
-        if self.runner is not None:
+        """Never adopted: unload its library or stop its helper."""
+        if self.expert is not None:
+            self.expert._release()
+        elif self.runner is not None:
             self.runner.close()
-            self.runner = None
+        elif self.lib is not None:
+            cache = self.lib.__dict__
+            _ffi.dlclose(self.lib)
+            _forget_library(self.lib, cache)
+        self.runner = self.lib = self._fn = self.expert = None

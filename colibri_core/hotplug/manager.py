@@ -1,18 +1,30 @@
 """HotplugManager: the watched experts folder -> checked, probed experts -> drain().
 
-Three threads, one job each:
+Threads, one job each:
 
-    watchdog observer   queues paths (watcher.py)                 never touches a file
-    worker              settle -> check -> stage -> probe -> map  may take seconds
-    engine (caller)     drain(): dlopen + apply, between 2 tokens microseconds to ~1 ms
+    watch (watcher.py)   queues paths, and whether each arrived complete   never touches a file
+    worker               settle -> check -> stage -> (probe) -> load -> prepare   milliseconds
+    probe pool reader    hands probe results back to the worker (probepool.py)
+    engine (caller)      drain(): swaps prepared changes in, between 2 tokens   microseconds
 
-Per file: wait until size/mtime/ctime/inode are unchanged for `settle_s`; refuse it when it
-is a symlink, group/world-writable, foreign-owned or not a complete ELF; copy it to the
+Per file: a file that arrived by rename or was closed after writing is checked at once when
+it is a complete ELF; any other (and one that is not complete yet) waits until its
+size/mtime/ctime/inode are unchanged for `settle_s`. The checks: refuse it when it is a
+symlink, group/world-writable, foreign-owned, not a regular file (opened O_NOFOLLOW |
+O_NONBLOCK and fstat'ed first: a FIFO never blocks) or not a complete ELF; copy it to the
 private staging folder as `<sha256>.so` (hashing while copying); refuse a hash not on the
 allowlist; read and check the metadata of the staged copy against the host and the model;
-probe it in a separate process (skipped for a hash this name already adopted); map its data
-(and start its helper, isolated mode); queue it. drain() turns the queue into ExpertChange
-objects in order, loading in-process experts with dlopen(RTLD_NOW) only there.
+probe it in a separate process (skipped for a hash this name already adopted): up to
+`probe_slots` probes run at once in children of a warm helper, and the worker goes on with
+other files meanwhile; map its data, load it (dlopen RTLD_NOW, in-process) or start its
+helper (isolated), make its HotExpert. The checked files are then handed to drain() in
+batches: before a batch is handed over, `prepare(changes)` (the engine's) is called on the
+worker with the changes drain() will return for it, so that the new expert set can be built
+off the engine thread. drain() turns the queue into ExpertChange objects in order.
+
+Order: one path is checked at a time (events for a path whose probe runs wait for it), and
+one file per expert name is probed at a time, so the changes of one name come out in the
+order their files were checked; files of other names do not wait for each other.
 
 An expert's identity is its metadata `name`: a file whose name is already active replaces
 it (same slot); deleting the file an active expert came from removes it. A bundle folder
@@ -37,12 +49,13 @@ from typing import Callable, Iterable
 from .bundle import (bundle_sig, is_bundle_name, read_staged, remove_staged, stage_bundle,
                      staging_entry)
 from .elf import ElfFile
-from .errors import (REFUSED_LOG, ExpertProbeError, ExpertRejected, ExpertSecurityError,
+from .errors import (REFUSED_LOG, ExpertIncomplete, ExpertRejected, ExpertSecurityError,
                      HotplugError, HotplugStateError, RollbackError)
 from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
-from .probe import run_probe
+from .probe import interpret
+from .probepool import ProbePool
 from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
-                      stage_file)
+                      open_source, stage_file)
 from .state import NameRecord, VersionRecord, load_state, save_state
 from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
@@ -51,6 +64,20 @@ LOCK_FILE = "hotplug.lock"
 RECHECK_S = 0.5    # how often the idle worker looks at a refused folder, and at bundles
 
 EventCallback = Callable[[str, dict], None]
+PrepareCallback = Callable[[list], None]
+HOUSEKEEPING_DELAY_S = 0.02   # state save and unloads wait this long after a change
+IDLE_WAKE_S = 0.1             # an idle worker looks for such work this often
+PUBLISH_PAUSE_S = 0.002       # between preparing a batch and handing it to drain()
+
+
+class _Probing:
+    """A file whose probe runs: what its check found, for when the verdict comes back."""
+
+    __slots__ = ("path", "sig", "info", "sha", "staged")
+
+    def __init__(self, path, sig, info, sha, staged):
+        self.path, self.sig, self.info, self.sha, self.staged = path, sig, info, sha, staged
+
 
 
 class HotplugManager:
@@ -66,9 +93,18 @@ class HotplugManager:
         isolation_default: "inprocess" or "isolated" for the folder; a file named
             `*.isolated.so` / `*.inprocess.so` overrides it.
         probe_timeout_s: limit of the out-of-process probe, and of one isolated call.
-        settle_s: how long a file must stay unchanged before it is checked.
+        settle_s: how long a file must stay unchanged before it is checked (files that
+            arrived by rename or were closed after writing do not wait).
         on_event: callback(kind, info) with kind "loaded" | "rejected" | "unloaded".
-        watch: False to skip the watchdog observer (then call rescan() yourself).
+        watch: False to skip the watch (then call rescan() yourself).
+        isolated_capacity: rows of an isolated expert's shared buffers.
+        probe_slots: probes run at once (in children of one warm helper process).
+        prepare: callback(changes), called on the worker thread before checked files are
+            handed to drain(), with the [(kind, expert, previous), ...] drain() will return
+            for them (unless another change comes first): the engine builds the next expert
+            set and its decode plan there. It must not call back into drain().
+        polling: watch the folder by polling (every file then waits to settle) instead
+            of inotify, e.g. on a network filesystem.
     """
 
     def __init__(self, experts_dir: str | os.PathLike, hidden_size: int,
@@ -76,10 +112,13 @@ class HotplugManager:
                  allowlist: Iterable[str] | None = None, isolation_default: str = INPROCESS,
                  probe_timeout_s: float = 5.0, settle_s: float = 0.2,
                  on_event: EventCallback | None = None, *, watch: bool = True,
-                 isolated_capacity: int = 64):
+                 isolated_capacity: int = 64, probe_slots: int = 2,
+                 prepare: PrepareCallback | None = None, polling: bool = False):
         if isolation_default not in ISOLATION_MODES:
             raise ValueError(f"isolation_default {isolation_default!r}, expected one of"
                              f" {ISOLATION_MODES}")
+        if int(probe_slots) < 1:
+            raise ValueError(f"probe_slots {probe_slots!r}, expected at least 1")
         self.experts_dir = os.path.abspath(os.fspath(experts_dir))
         self.hidden_size = int(hidden_size)
         self.moe_layers = frozenset(int(v) for v in moe_layers)
@@ -93,13 +132,27 @@ class HotplugManager:
         self.on_event = on_event
         self.watch = watch
         self.isolated_capacity = isolated_capacity
+        self.probe_slots = int(probe_slots)
+        self.prepare = prepare
+        self.polling = polling
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._requests: dict[str, None] = {}          # paths queued by the watcher, in order
+        self._requests: dict[str, bool] = {}   # path -> arrived complete; queued, in order
         self._settling: dict[str, tuple[FileSig, float]] = {}
+        self._arrived: set[str] = set()        # settling paths to check at once if complete
         self._seen: dict[str, FileSig] = {}           # last checked signature per path
         self._busy = False
+        self._probing: dict[str, _Probing] = {}       # path -> its probe (running or queued)
+        self._parked: dict[str, bool] = {}     # events for a path whose probe runs
+        self._name_probing: dict[str, str] = {}       # expert name -> path being probed
+        self._name_waiting: dict[str, list[str]] = {}  # paths waiting for that probe
+        self._probed: deque = deque()          # (_Probing, raw, error) from the pool
+        self._batch: list = []                 # checked ops not yet handed to drain()
+        self._releases: list[HotExpert] = []   # release_later(): unloaded by the worker
+        self._dropped: list = []               # drop_later(): freed by the worker
+        self._housekeep_at: float | None = None
+        self._probes: ProbePool | None = None
         self._ops: deque = deque()     # ("upsert", PreparedExpert, rollback) | ("delete", path)
         self._active: dict[str, HotExpert] = {}       # name -> expert (mutated by drain)
         self._records: dict[str, NameRecord] = {}
@@ -119,7 +172,8 @@ class HotplugManager:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
-        """Load the state, check the folder, start the worker and the watcher, scan the folder.
+        """Load the state, check the folder, start the probe helper, the worker and the
+        watch, scan the folder.
 
         Raises ExpertSecurityError when the folder itself is refused (symlink, writable by
         group/others, foreign owner), HotplugStateError for an unusable state folder.
@@ -141,11 +195,15 @@ class HotplugManager:
             self._lock_fd = None
             raise
         self._stopping = False
+        self._probes = ProbePool(self.probe_slots, cwd=self.staging_dir)
+        self._probes.start()
         self._worker = threading.Thread(target=self._work, name="colibri-hotplug-worker",
                                         daemon=True)
         self._worker.start()
         if self.watch:
-            self._watcher = FolderWatcher(self.experts_dir, self._request)
+            self._watcher = FolderWatcher(
+                self.experts_dir, lambda path, arrived: self._request(path, arrived=arrived),
+                on_overflow=self.rescan, polling=self.polling)
             self._watcher.start()
         self.rescan()
 
@@ -174,11 +232,24 @@ class HotplugManager:
         if self._worker is not None:
             self._worker.join(timeout=30.0)
             self._worker = None
+        if self._probes is not None:
+            self._probes.close()          # kills the helper and any probe still running
+            self._probes = None
         with self._lock:
-            pending = [op[1] for op in self._ops if op[0] == "upsert"]
+            pending = [op[1] for op in list(self._ops) + self._batch if op[0] == "upsert"]
             self._ops.clear()
+            self._batch.clear()
+            probing = list(self._probing.values())
+            self._probing.clear()
+            self._probed.clear()
+            self._parked.clear()
+            self._name_probing.clear()
+            self._name_waiting.clear()
         for prep in pending:
             prep.discard()
+        for p in probing:
+            self._forget_staged(p.staged)
+        self.flush_releases()
         self._save_state()
         os.close(self._lock_fd)
         self._lock_fd = None
@@ -209,10 +280,12 @@ class HotplugManager:
                 self._request(src, force=True)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every queued path was checked (e.g. the initial scan). True if idle."""
+        """Wait until every queued path was checked and probed, and what passed was handed
+        to drain() (e.g. the initial scan). True if idle."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._requests or self._settling or self._busy:
+            while (self._requests or self._settling or self._busy or self._probing
+                   or self._probed or self._batch):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -228,30 +301,66 @@ class HotplugManager:
     def drain(self) -> list[ExpertChange]:
         """Apply queued changes; return them in order. Call on the engine thread between tokens.
 
-        In-process experts are dlopen()ed here and nowhere else. Isolated experts whose
-        helper died are removed here (kind "remove", reason "crashed").
+        Everything the changes need was made on the worker (libraries loaded, helpers
+        started, HotExpert objects made): this only moves them into the active set, counts
+        versions and emits events. Isolated experts whose helper died are removed here
+        (kind "remove", reason "crashed"). The state file is saved by the worker a moment
+        later.
         """
         if not self._ops and not any(e._runner is not None for e in self._active.values()):
             return []
-        with self._lock:
+        changes: list[ExpertChange] = []
+        with self._lock:            # the whole drain: preview() never sees half of one
             ops = list(self._ops)
             self._ops.clear()
-        changes: list[ExpertChange] = []
-        for op in ops:
-            if op[0] == "upsert":
-                changes += self._apply_upsert(op[1], op[2])
-            else:
-                with self._lock:
+            for op in ops:
+                if op[0] == "upsert":
+                    changes += self._apply_upsert(op[1], op[2])
+                else:
                     gone = [e for e in self._active.values() if e.source_path == op[1]]
-                changes += [self._remove(e, "deleted") for e in gone]
-        for e in [e for e in self._active.values() if e._runner is not None]:
-            if not e.alive:
-                changes.append(self._remove(e, "crashed"))
-        if changes:
-            with self._cond:
+                    changes += [self._remove(e, "deleted") for e in gone]
+            for e in [e for e in self._active.values() if e._runner is not None]:
+                if not e.alive:
+                    changes.append(self._remove(e, "crashed"))
+            if changes:
                 self._dirty = True
-                self._cond.notify_all()
+                self._housekeep_soon(wake=False)
         return changes
+
+    def preview(self, ops: list) -> list[tuple] | None:
+        """The changes drain() would return for `ops` queued after what is queued now:
+        [(kind, expert, previous), ...] with the same objects; None when it cannot say
+        (a rollback among them). No side effect."""
+        with self._lock:
+            queued = list(self._ops)
+            active = dict(self._active)
+        out: list[tuple] = []
+        for i, op in enumerate(queued + list(ops)):
+            mine = i >= len(queued)
+            if op[0] == "upsert":
+                prep, rollback = op[1], op[2]
+                if rollback:
+                    return None
+                cur = active.get(prep.name)
+                if cur is not None and cur.sha256 == prep.sha256:
+                    continue
+                expert = prep.expert
+                if expert is None:
+                    return None
+                steps = [("add" if cur is None else "replace", expert, cur)]
+                active[prep.name] = expert
+                for n, e in list(active.items()):
+                    if n != prep.name and e.source_path == expert.source_path:
+                        steps.append(("remove", e, None))
+                        del active[n]
+            else:
+                steps = [("remove", e, None) for e in active.values()
+                         if e.source_path == op[1]]
+                for _, e, _ in steps:
+                    del active[e.name]
+            if mine:
+                out += steps
+        return out
 
     def release(self, expert: HotExpert) -> None:
         """The engine no longer uses `expert` (a replaced or removed one): unload it."""
@@ -260,6 +369,44 @@ class HotplugManager:
                 raise ValueError(f"expert {expert.name} {expert.version} (slot {expert.slot})"
                                  " is still active: release only replaced or removed experts")
         expert._release()
+
+    def release_later(self, expert: HotExpert) -> None:
+        """release(), with the unloading (dlclose, helper stop) done by the worker a moment
+        later, off the caller's thread (the engine's token path); at once when the worker
+        does not run. flush_releases() does the pending ones now."""
+        with self._cond:
+            if self._active.get(expert.name) is expert:
+                raise ValueError(f"expert {expert.name} {expert.version} (slot {expert.slot})"
+                                 " is still active: release only replaced or removed experts")
+            if self._worker is not None and not self._stopping:
+                self._releases.append(expert)
+                self._housekeep_soon(wake=False)
+                return
+        expert._release()
+
+    def drop_later(self, obj) -> None:
+        """Keep `obj` until the worker's next housekeeping, so that freeing it (and what
+        dies with it: an expert-set snapshot and its decode plan, their finalizers) happens
+        on the worker, not between two tokens. Dropped at once when the worker does not
+        run."""
+        with self._cond:
+            if self._worker is not None and not self._stopping:
+                self._dropped.append(obj)
+                self._housekeep_soon(wake=False)
+
+    def flush_releases(self) -> None:
+        """Now, on the caller's thread: free what drop_later() holds, then unload what
+        release_later() queued (including what that freeing released)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        del dropped
+        for e in self._take_releases():
+            e._release()
+
+    def _take_releases(self) -> list[HotExpert]:
+        with self._lock:
+            pending, self._releases = self._releases, []
+        return pending
 
     def rollback(self, name: str) -> None:
         """Queue a replace of active expert `name` by its previous version (next drain()).
@@ -283,6 +430,7 @@ class HotplugManager:
             raise
         prep = self._prepare(info, target.sha256, target.staged, cur.source_path,
                              cur.isolation)
+        prep.materialize(rec.slot)
         with self._lock:
             self._ops.append(("upsert", prep, True))
 
@@ -344,15 +492,8 @@ class HotplugManager:
                                                     path=prep.staged),
                          prep.sha256, record=False, name=name)
             return []
-        try:
-            expert = prep.materialize(rec.slot)
-        except OSError as e:
-            prep.discard()
-            self._reject(prep.source, ExpertProbeError(
-                f"{prep.staged}: dlopen failed: {e}", reason="dlopen", path=prep.staged))
-            return []
-        vrec = VersionRecord(prep.sha256, prep.staged, prep.source, expert.version,
-                             expert.isolation, tuple(expert.layers))
+        expert = prep.materialize(rec.slot)
+        vrec = prep.record                    # made on the worker
         with self._lock:
             self._active[name] = expert
             self._version += 1
@@ -402,42 +543,91 @@ class HotplugManager:
         return ExpertChange("remove", expert, None, version, reason)
 
     # ------------------------------------------------------------------ worker
-    def _request(self, path: str, force: bool = False) -> None:
-        """Called by the watcher thread (and rescan): queue a path, nothing else."""
+    def _request(self, path: str, force: bool = False, arrived: bool = False) -> None:
+        """Called by the watch's thread (and rescan): queue a path, nothing else.
+        `arrived`: it was renamed in or closed after writing (checked at once if complete)."""
         with self._cond:
             if force:
                 self._seen.pop(path, None)
-            self._requests[path] = None
+            self._requests[path] = self._requests.get(path, False) or arrived
             self._cond.notify_all()
+
+    def _housekeep_soon(self, wake: bool = True) -> None:
+        """State save / unloads due: done by the worker HOUSEKEEPING_DELAY_S from now, not
+        during the token that adopted the change (several changes make one save). From the
+        engine's token path (`wake` False) the worker is not woken: it looks every
+        IDLE_WAKE_S."""
+        if self._housekeep_at is None:
+            self._housekeep_at = time.monotonic() + HOUSEKEEPING_DELAY_S
+            if wake:
+                self._cond.notify_all()
 
     def _work(self) -> None:
         tick = max(0.005, min(self.settle_s / 4, 0.05))
+        batch: list = []
+        next_recheck = 0.0
         while True:
             with self._cond:
-                while not (self._stopping or self._requests or self._settling or self._dirty):
-                    if self._recheck():
-                        continue                  # it queued paths
-                    self._cond.wait(RECHECK_S if self._folder_refused or self._bundles
-                                    else None)
+                if batch:      # hand the prepared batch over, then block at once: the
+                    self._ops.extend(batch)       # token that adopts it runs clear of us
+                    batch = []
+                    self._cond.notify_all()
+                self._busy = False
+                if (self._settling and not self._requests and not self._stopping
+                        and not self._probed):
+                    self._cond.wait(tick)
+                while not (self._stopping or self._requests or self._settling
+                           or self._probed or self._housekeeping_due()):
+                    now = time.monotonic()
+                    if (self._folder_refused or self._bundles) and now >= next_recheck:
+                        next_recheck = now + RECHECK_S
+                        if self._recheck():
+                            continue                  # it queued paths
+                    wait = IDLE_WAKE_S
+                    if self._housekeep_at is not None:
+                        wait = max(0.0, min(wait, self._housekeep_at - now))
+                    self._cond.wait(wait)
                 if self._stopping:
                     return
+                self._busy = True
                 if self._requests:
-                    self._busy = True
                     now = time.monotonic()
-                    for path in self._requests:
+                    for path, arrived in self._requests.items():
+                        if path in self._probing:     # its probe runs: wait for the verdict
+                            self._parked[path] = self._parked.get(path, False) or arrived
+                            continue
                         self._settling[path] = (None, now)
+                        if arrived:
+                            self._arrived.add(path)
                     self._requests.clear()
-                dirty, self._dirty = self._dirty, False
-            if dirty:
-                self._save_state()
+                probed = list(self._probed)
+                self._probed.clear()
+                housekeeping = self._housekeeping_due()
+                if housekeeping:
+                    self._housekeep_at = None
+                    dirty, self._dirty = self._dirty, False
+                    releases, self._releases = self._releases, []
+                    dropped, self._dropped = self._dropped, []
+            if housekeeping:
+                del dropped                   # snapshots, plans: freed here, finalizers run
+                releases += self._take_releases()
+                for e in releases:
+                    try:
+                        e._release()
+                    except Exception:  # noqa: BLE001
+                        log.exception("unloading expert %s failed", e.name)
+                if dirty:
+                    self._save_state()
             try:
+                for item in probed:
+                    self._verdict(*item)
                 self._settle_round()
             except Exception:  # noqa: BLE001 - the worker must survive anything
                 log.exception("hot-plug worker error")
-            with self._cond:
-                self._busy = False
-                if self._settling and not self._requests and not self._stopping:
-                    self._cond.wait(tick)
+            batch = self._prepare_batch()     # handed over at the top of the loop
+
+    def _housekeeping_due(self) -> bool:
+        return self._housekeep_at is not None and time.monotonic() >= self._housekeep_at
 
     def _settle_round(self) -> None:
         now = time.monotonic()
@@ -448,25 +638,30 @@ class HotplugManager:
                 st = os.lstat(path)
             except FileNotFoundError:
                 self._drop_settling(path)
+                self._arrived.discard(path)
                 self._seen.pop(path, None)
                 with self._lock:
-                    self._ops.append(("delete", path))
+                    self._batch.append(("delete", path))
                     self._refused.pop(path, None)
                     self._bundles.discard(path)
                 self._restored(path, None)
                 continue
             except OSError as e:
                 self._drop_settling(path)
+                self._arrived.discard(path)
                 self._refuse_file(path, ExpertRejected(f"{path}: cannot stat: {e.strerror}",
                                                        reason="io", path=path))
                 continue
             new = self._signature(path, st)
-            if new != sig:
+            arrived = path in self._arrived
+            if arrived:                       # renamed in / closed after writing: now
+                self._arrived.discard(path)
+            elif new != sig:
                 with self._lock:
                     if path in self._settling:
                         self._settling[path] = (new, now)
                 continue
-            if now - since < self.settle_s:
+            elif now - since < self.settle_s:
                 continue
             with self._lock:                  # one step, so wait_idle() never sees a gap
                 self._settling.pop(path, None)
@@ -474,7 +669,10 @@ class HotplugManager:
             if self._seen.get(path) == new:
                 continue                      # nothing changed since its last verdict
             self._seen[path] = new
-            self._check(path, st, new)
+            if not self._check(path, st, new, arrived=arrived):
+                self._seen.pop(path, None)    # not complete yet: let it settle
+                with self._lock:
+                    self._settling[path] = (new, now)
 
     @staticmethod
     def _signature(path: str, st: os.stat_result):
@@ -517,9 +715,12 @@ class HotplugManager:
         with self._lock:
             self._settling.pop(path, None)
 
-    def _check(self, path: str, st: os.stat_result, sig) -> None:
-        """settled file -> PreparedExpert queued for drain(), or a "rejected" event."""
+    def _check(self, path: str, st: os.stat_result, sig, arrived: bool = False) -> bool:
+        """A settled (or arrived) file -> a probe started, or a PreparedExpert queued, or a
+        "rejected" event. False only for an `arrived` file that is not complete yet (it
+        then settles like any other)."""
         sha = staged = None
+        fd = None
         try:
             try:
                 check_folder(self.experts_dir)
@@ -528,15 +729,21 @@ class HotplugManager:
                 raise ExpertSecurityError(f"{path}: refused while its folder is: {e}; checked"
                                           " again once the folder is safe", reason=e.reason,
                                           path=path) from None
-            if is_bundle_name(os.path.basename(path)):
-                with self._lock:
-                    self._bundles.add(path)
-                sha, staged = stage_bundle(path, self.staging_dir, expect=sig)
-            else:
-                check_file(path, st)
-                with ElfFile(path):
-                    pass                      # complete ELF? (a half-written one is not)
-                sha, staged = stage_file(path, self.staging_dir, expect=sig)
+            try:
+                if is_bundle_name(os.path.basename(path)):
+                    with self._lock:
+                        self._bundles.add(path)
+                    sha, staged = stage_bundle(path, self.staging_dir, expect=sig)
+                else:
+                    check_file(path, st)
+                    fd = open_source(path, expect=sig)   # O_NOFOLLOW | O_NONBLOCK, fstat
+                    with ElfFile(path, fd=fd):
+                        pass                  # complete ELF? (a half-written one is not)
+                    sha, staged = stage_file(path, self.staging_dir, expect=sig, fd=fd)
+            except ExpertIncomplete:
+                if arrived:
+                    return False
+                raise
             if self.allowlist is not None and sha not in self.allowlist:
                 raise ExpertSecurityError(f"{path}: sha256 {sha} is not on the allowlist",
                                           reason="allowlist", path=path)
@@ -560,20 +767,19 @@ class HotplugManager:
                 raise ExpertRejected(f"{path}: expert {name} {sha[:12]}… was rolled back:"
                                      " expected a new file version", reason="rolled-back",
                                      path=path)
+            with self._lock:
+                other = self._name_probing.get(name)
+                if other is not None and other != path:   # after that file's verdict
+                    self._name_waiting.setdefault(name, []).append(path)
+                    self._seen.pop(path, None)
+                    return True
             if self._latest_sha(name) == sha:
                 self._passed(path, name)
-                return                        # same bytes as what is (or will be) active
+                return True                   # same bytes as what is (or will be) active
             if sha not in known:
-                run_probe(staged, self.hidden_size, self.probe_timeout_s,
-                          cwd=self.staging_dir)
-            isolation = isolation_from_name(os.path.basename(path), self.isolation_default)
-            prep = self._prepare(info, sha, staged, path, isolation)
-            with self._cond:
-                if name not in self._records:
-                    self._records[name] = NameRecord(slot=self._next_slot)
-                    self._next_slot += 1
-                    self._dirty = True
-                self._ops.append(("upsert", prep, False))
+                self._start_probe(_Probing(path, sig, info, sha, staged))
+                return True
+            self._adopt(path, info, sha, staged)
             self._passed(path, name)
         except FileChanged:
             self._seen.pop(path, None)
@@ -583,6 +789,67 @@ class HotplugManager:
             self._request(path)
         except Exception as e:  # noqa: BLE001 - refusals (and bugs) refuse one file
             self._refuse(path, e, sha, staged)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return True
+
+    def _start_probe(self, p: _Probing) -> None:
+        """Hand the staged copy to the probe pool; _verdict() goes on when it answers."""
+        with self._lock:
+            self._probing[p.path] = p
+            self._name_probing[p.info.meta.name] = p.path
+
+        def done(raw, err, p=p):              # on the pool's reader thread: queue it
+            with self._cond:
+                self._probed.append((p, raw, err))
+                self._cond.notify_all()
+        try:
+            self._probes.submit(p.staged, self.hidden_size, self.probe_timeout_s, done,
+                                cwd=self.staging_dir)
+        except Exception as e:  # noqa: BLE001 - e.g. the pool is closing
+            done(None, e)
+
+    def _verdict(self, p: _Probing, raw: dict | None, err: BaseException | None) -> None:
+        """The probe of `p` answered (worker thread): adopt the file or refuse it; then let
+        the paths that waited for it go on."""
+        name = p.info.meta.name
+        with self._lock:                    # (the worker's own state: nothing moves meanwhile)
+            self._probing.pop(p.path, None)
+            if self._name_probing.get(name) == p.path:
+                del self._name_probing[name]
+            waiting = self._name_waiting.pop(name, [])
+            parked = self._parked.pop(p.path, None)
+            self._busy = True
+        try:
+            if err is not None:
+                raise err
+            interpret(p.staged, raw, self.probe_timeout_s)
+            self._adopt(p.path, p.info, p.sha, p.staged)
+            self._passed(p.path, name)
+        except Exception as e:  # noqa: BLE001
+            self._refuse(p.path, e, p.sha, p.staged)
+        finally:
+            for path in waiting:
+                self._request(path, force=True, arrived=True)
+            if parked is not None:
+                self._request(p.path, arrived=parked)
+
+    def _adopt(self, path: str, info, sha: str, staged: str) -> None:
+        """A file that passed every check: load it and queue it for the next batch."""
+        name = info.meta.name
+        isolation = isolation_from_name(os.path.basename(path), self.isolation_default)
+        prep = self._prepare(info, sha, staged, path, isolation)
+        with self._cond:
+            if name not in self._records:
+                self._records[name] = NameRecord(slot=self._next_slot)
+                self._next_slot += 1
+                self._dirty = True
+                self._housekeep_soon()
+            slot = self._records[name].slot
+        prep.materialize(slot)
+        with self._cond:
+            self._batch.append(("upsert", prep, False))
 
     def _refuse(self, path: str, e: BaseException, sha: str | None,
                 staged: str | None) -> None:
@@ -637,7 +904,8 @@ class HotplugManager:
             log.info("%s is refused: %s %s stays active (its staged copy, sha256 %s…)",
                      path, name, vrec.version, vrec.sha256[:12])
             with self._lock:
-                self._ops.append(("upsert", prep, False))
+                prep.materialize(self._records[name].slot)
+                self._batch.append(("upsert", prep, False))
 
     def _restored(self, path: str, name: str | None, keep: bool = False
                   ) -> list[tuple[str, VersionRecord]]:
@@ -648,7 +916,8 @@ class HotplugManager:
             entries = self._restore.pop(path, [])
             live = [(n, v) for n, v in entries if n not in self._active
                     and self._records.get(n) is not None and self._records[n].current == v
-                    and not any(op[0] == "upsert" and op[1].name == n for op in self._ops)]
+                    and not any(op[0] == "upsert" and op[1].name == n
+                                for op in list(self._ops) + self._batch)]
             if keep:
                 return live
             for n, v in live:
@@ -665,6 +934,26 @@ class HotplugManager:
                                       " allowlist", reason="allowlist", path=vrec.staged)
         return read_staged(vrec.staged, self.hidden_size, self.moe_layers)
 
+    def _prepare_batch(self) -> list:
+        """The checked batch, once `prepare` saw what it will change (the worker hands it
+        to drain() right after)."""
+        with self._lock:
+            batch = self._batch
+            if not batch:
+                return []
+            self._batch = []
+        if self.prepare is not None:
+            try:
+                changes = self.preview(batch)
+                if changes:
+                    self.prepare(changes)
+                    # Building it took the GIL from the engine's thread for a while; let
+                    # that thread run clear of us before the token that adopts it.
+                    time.sleep(PUBLISH_PAUSE_S)
+            except Exception:  # noqa: BLE001 - the engine then builds it on its thread
+                log.exception("preparing an expert-set change failed")
+        return batch
+
     def _prepare(self, info, sha: str, staged: str, source: str,
                  isolation: str) -> PreparedExpert:
         return PreparedExpert(info, sha, staged, source, isolation,
@@ -674,7 +963,7 @@ class HotplugManager:
     def _latest_sha(self, name: str) -> str | None:
         """sha256 `name` will have once the queued ops are applied (None when unsure)."""
         with self._lock:
-            for op in reversed(self._ops):
+            for op in reversed(list(self._ops) + self._batch):
                 if op[0] == "delete":
                     return None
                 if op[1].name == name:
@@ -709,7 +998,9 @@ class HotplugManager:
             refs = {r.staged for rec in self._records.values()
                     for r in ([rec.current] if rec.current else []) + rec.history}
             refs |= {e.staged_path for e in self._active.values()}
-            refs |= {op[1].staged for op in self._ops if op[0] == "upsert"}
+            refs |= {op[1].staged for op in list(self._ops) + self._batch
+                     if op[0] == "upsert"}
+            refs |= {p.staged for p in self._probing.values()}
         return refs
 
     def _forget_staged(self, staged: str | None) -> None:

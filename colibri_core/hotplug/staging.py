@@ -12,6 +12,7 @@ Rules (each refusal is an ExpertSecurityError naming the path and the rule):
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -98,19 +99,48 @@ def ensure_private_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
-def stage_file(src: str, staging_dir: str, expect: FileSig | None = None) -> tuple[str, str]:
-    """Copy `src` into `staging_dir` as `<sha256>.so`; return (sha256, staged path).
+def open_source(src: str, expect: FileSig | None = None) -> int:
+    """Open an expert file for reading and check it on the descriptor; return the fd.
 
-    The source is opened without following symlinks and re-checked on the open descriptor
-    (owner, mode, regular file, and `expect` when given); a source that changes during the
-    copy raises FileChanged. An existing staged file of the same hash is reused as is.
+    O_NOFOLLOW | O_NONBLOCK, then fstat: a symlink swapped in is not followed (FileChanged:
+    checked again), and a FIFO or device never blocks the caller (it is refused as not a
+    regular file). Then owner, mode, regular file, and `expect` when given (FileChanged).
     """
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:             # became a symlink since its lstat
+            raise FileChanged(src) from None
+        raise
     try:
         st = os.fstat(fd)
         check_file(src, st)
         if expect is not None and FileSig.of(st) != expect:
             raise FileChanged(src)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def stage_file(src: str, staging_dir: str, expect: FileSig | None = None, *,
+               fd: int | None = None) -> tuple[str, str]:
+    """Copy `src` into `staging_dir` as `<sha256>.so`; return (sha256, staged path).
+
+    The source is opened with open_source (not following symlinks, checked on the open
+    descriptor), or `fd` is such a descriptor, already open (it is read from offset 0 and
+    left open); a source that changes during the copy raises FileChanged. An existing
+    staged file of the same hash is reused as is.
+    """
+    own = fd is None
+    if own:
+        fd = open_source(src, expect)
+    try:
+        st = os.fstat(fd)
+        check_file(src, st)
+        if expect is not None and FileSig.of(st) != expect:
+            raise FileChanged(src)
+        os.lseek(fd, 0, os.SEEK_SET)
         h = hashlib.sha256()
         tmp = os.path.join(staging_dir, f".stage-{os.getpid()}-{st.st_ino}.tmp")
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -129,7 +159,8 @@ def stage_file(src: str, staging_dir: str, expect: FileSig | None = None) -> tup
             os.unlink(tmp)
             raise FileChanged(src)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     sha = h.hexdigest()
     staged = os.path.join(staging_dir, f"{sha}.so")
     if os.path.exists(staged):

@@ -27,6 +27,8 @@ FAULTS = {
     "abort_on_load": 7,   # a constructor that aborts when the library is loaded
     "shrink_shm": 8,      # computes y, then ftruncates every memfd it can reach to 0 bytes
                           # (the isolated helper's shared buffer); returns 9 if one shrank
+    "fork_hang": 9,       # forks a child that sleeps forever, writes its pid to
+                          # ./fork_hang.pid (the probe's cwd), then never returns
 }
 MAGIC_INPUT = 12345.0
 
@@ -97,6 +99,18 @@ int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
 #elif FAULT == 6
     if (x[0] == MAGIC_INPUT)
         *null_ptr = 1;
+#elif FAULT == 9
+    pid_t child = fork();
+    if (child == 0)
+        for (;;)
+            pause();
+    FILE *f = fopen("fork_hang.pid", "w");
+    if (f) {
+        fprintf(f, "%d\n", (int)child);
+        fclose(f);
+    }
+    for (;;)
+        pause();
 #endif
     int rows = FAULT == 5 ? 1 : n_tokens;
     for (long i = 0; i < (long)rows * hidden; i++)
