@@ -13,7 +13,6 @@ Elf64_Sym, Elf64_Rela).
 """
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import struct
@@ -96,23 +95,44 @@ class Symbol:
         return self.shndx != SHN_UNDEF
 
 
+MAX_EXPERT_FILE = 1 << 30   # an expert .so larger than this is refused before it is read
+
+
+def _read_all(fd: int, path: str) -> bytes:
+    """The file's bytes as fstat sizes it (pread: the descriptor's offset is left alone);
+    fewer if it shrinks meanwhile (then its headers say it is incomplete)."""
+    size = os.fstat(fd).st_size
+    if size > MAX_EXPERT_FILE:
+        raise ElfFormatError(f"{path}: {size} bytes, larger than an expert file may be "
+                             f"({MAX_EXPERT_FILE} bytes)", path=path)
+    parts, off = [], 0
+    while off < size:
+        chunk = os.pread(fd, min(1 << 20, size - off), off)
+        if not chunk:
+            break
+        parts.append(chunk)
+        off += len(chunk)
+    return b"".join(parts)
+
+
 class ElfFile:
-    """A parsed ELF64 little-endian shared object, mapped read-only (call close())."""
+    """A parsed ELF64 little-endian shared object, read into memory (call close()).
+
+    Read, not mapped: the file may sit in the watched folder, where anyone may truncate it
+    while it is parsed, and a mapped page that is gone would kill the process (SIGBUS);
+    a short read is just an incomplete file."""
 
     def __init__(self, path: str | os.PathLike, *, fd: int | None = None):
         """`fd`: a descriptor of the file already open for reading (kept open); else the
         path is opened."""
         self.path = os.fspath(path)
-        self._mm: mmap.mmap | None = None
+        self._mm: bytes | None = None
         if fd is not None:
-            self.size = os.fstat(fd).st_size
-            if self.size:
-                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            self._mm = _read_all(fd, self.path)
         else:
             with open(self.path, "rb") as f:
-                self.size = os.fstat(f.fileno()).st_size
-                if self.size:
-                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mm = _read_all(f.fileno(), self.path)
+        self.size = len(self._mm)
         try:
             self._parse()
         except BaseException:
@@ -121,9 +141,7 @@ class ElfFile:
 
     # -- lifecycle
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        self._mm = None
 
     def __enter__(self) -> "ElfFile":
         return self
