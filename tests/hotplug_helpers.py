@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from colibri_core.hotplug import HotplugManager
 from colibri_core.hotplug.testing import compile_test_expert
 
 H = 64
@@ -150,3 +152,29 @@ def write_bundle(where: Path, name: str = "expert_32", version: str = "1.0",
     for p in where.iterdir():
         os.chmod(p, 0o644)
     return where
+
+
+# ---------------------------------------------------------------- fixtures (imported by tests)
+@pytest.fixture
+def folder(tmp_path):
+    """The watched folder, with safe permissions."""
+    d = tmp_path / "experts_so"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    return d
+
+
+@pytest.fixture
+def make_manager(tmp_path, folder):
+    """make(**settings) -> (a started-on-demand HotplugManager on `folder`, its Events);
+    every manager made is closed at the end of the test."""
+    made = []
+
+    def make(**kw):
+        events = Events()
+        mgr = HotplugManager(**manager_args(folder, tmp_path / "state", events, **kw))
+        made.append(mgr)
+        return mgr, events
+    yield make
+    for m in made:
+        m.close()

@@ -15,21 +15,13 @@ import subprocess
 import numpy as np
 import pytest
 
-from colibri_core.hotplug import HotplugManager
 from colibri_core.hotplug.bundle import bundle_identity, read_bundle
 from colibri_core.modelfile import sha256_file
-from hotplug_helpers import (CRASHING_C, FIRST_SLOT, H, Events, drain_until,
-                             manager_args, output_scale, reference_so, wait_for, write_bundle)
+from hotplug_helpers import folder, make_manager  # noqa: F401  (fixtures)
+from hotplug_helpers import (CRASHING_C, FIRST_SLOT, H, drain_until, output_scale,
+                             reference_so, wait_for, write_bundle)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-
-
-@pytest.fixture
-def folder(tmp_path):
-    d = tmp_path / "experts_so"
-    d.mkdir()
-    os.chmod(d, 0o755)
-    return d
 
 
 @pytest.fixture
@@ -37,20 +29,6 @@ def scratch(tmp_path):
     d = tmp_path / "scratch"
     d.mkdir(exist_ok=True)
     return d
-
-
-@pytest.fixture
-def make_manager(tmp_path, folder):
-    made = []
-
-    def make(**kw):
-        events = Events()
-        mgr = HotplugManager(**manager_args(folder, tmp_path / "state", events, **kw))
-        made.append(mgr)
-        return mgr, events
-    yield make
-    for m in made:
-        m.close()
 
 
 def test_bundle_dropped_with_one_mv_is_adopted(make_manager, folder, scratch):

@@ -16,33 +16,11 @@ import sys
 
 import pytest
 
-from colibri_core.hotplug import HotplugManager
-from hotplug_helpers import (FIRST_SLOT, Events, drain_until, drop, drop_bytes,
-                             manager_args, output_scale, wait_for)
+from hotplug_helpers import folder, make_manager  # noqa: F401  (fixtures)
+from hotplug_helpers import (FIRST_SLOT, drain_until, drop, drop_bytes, output_scale,
+                             wait_for)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-
-
-@pytest.fixture
-def folder(tmp_path):
-    d = tmp_path / "experts_so"
-    d.mkdir()
-    os.chmod(d, 0o755)
-    return d
-
-
-@pytest.fixture
-def make_manager(tmp_path, folder):
-    made = []
-
-    def make(**kw):
-        events = Events()
-        mgr = HotplugManager(**manager_args(folder, tmp_path / "state", events, **kw))
-        made.append(mgr)
-        return mgr, events
-    yield make
-    for m in made:
-        m.close()
 
 
 def refusal_lines(caplog, path) -> list[str]:
