@@ -17,29 +17,13 @@ from colibri_core.hotplug.errors import (ExpertCrashed, ExpertSecurityError, Hot
                                          RollbackError)
 from colibri_core.modelfile import sha256_file
 from colibri_core.hotplug.testing import MAGIC_INPUT, compile_test_expert
+from hotplug_helpers import Events
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 H = 64
 FIRST_SLOT = 16
 SETTLE = 0.05
-
-
-class Events:
-    def __init__(self):
-        self.items: list[tuple[str, dict]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, kind: str, info: dict) -> None:
-        with self._lock:
-            self.items.append((kind, info))
-
-    def of(self, kind: str) -> list[dict]:
-        with self._lock:
-            return [i for k, i in self.items if k == kind]
-
-    def rejected(self, path) -> list[dict]:
-        return [i for i in self.of("rejected") if i["path"] == str(path)]
 
 
 class TokenLoop(threading.Thread):
