@@ -23,8 +23,9 @@ import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
-from .errors import (ConfigError, EngineBusyError, EngineClosedError, RequestError,
+from .errors import (ConfigError, EngineClosedError, RequestError,
                      RequestTooLarge)
+from .gate import RequestGate
 from .generate import Generation
 from .model import Model, check_memory
 from .kselect import check_k, split_mode_prefix
@@ -46,15 +47,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.hotplug = None
         self.hooks = None
-        self._closed = False
-        # One request at a time (a scheduler that batches many is issue 15): `_active` is
-        # the request holding the engine, from its first token to its end, close or
-        # finalization; the model itself runs under `_step_lock`, which close() takes so
-        # that nothing is unmapped under a running kernel.
-        self._active: Optional[str] = None
-        self._active_lock = threading.Lock()
-        self._step_lock = threading.Lock()
-        self._step_thread: Optional[int] = None
+        self.gate = RequestGate(str(self.model_dir))   # one request at a time (gate.py)
         self._released = False
         if config.experts_dir is not None and not Path(config.experts_dir).is_dir():
             raise ConfigError(f"experts_dir {config.experts_dir!r}: no such folder; create it "
@@ -113,7 +106,7 @@ class Engine:
             except Exception as exc:
                 log.warning("closing the hot-plug manager failed: %s", exc)
             self.hotplug = None
-        self._closed = True
+        self.gate.closed = True
         self._close_residency()
         if getattr(self, "model", None) is not None:
             self.model.expert_set = None
@@ -183,13 +176,7 @@ class Engine:
         From another thread while a request computes, close() waits for its current step
         (the request then ends with EngineClosedError); from inside a step (a plugin
         hook), the release happens when that step ends."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._step_thread == threading.get_ident():
-            return                              # inside a step: _step() finishes the close
-        with self._step_lock:
-            self._release_resources()
+        self.gate.close(self._release_resources)
 
     def _release_resources(self) -> None:
         if self._released:
@@ -210,44 +197,27 @@ class Engine:
             self.weights.close()
 
     # ------------------------------------------------------------------ one request at a time
+    @property
+    def _closed(self) -> bool:
+        return self.gate.closed
+
     def _closed_error(self) -> EngineClosedError:
-        return EngineClosedError(f"{self.model_dir}: this engine is closed; create a new one")
+        return self.gate.closed_error()
 
     def claim(self, request_id: str) -> None:
-        """Make `request_id` the engine's active request, or refuse: an Engine serves one
-        request at a time, whatever thread or event loop drives it."""
-        with self._active_lock:
-            if self._closed:
-                raise self._closed_error()
-            if self._active is not None and self._active != request_id:
-                raise EngineBusyError(
-                    f"engine busy: request {self._active!r} is active on this Engine, which "
-                    f"serves one request at a time; finish or close that Generation first, "
-                    f"use one Engine per thread, or `colibri serve` for concurrent clients")
-            self._active = request_id
+        """Make `request_id` the engine's active request, or refuse (gate.py)."""
+        self.gate.claim(request_id)
 
     def release(self, request_id: str) -> None:
-        with self._active_lock:
-            if self._active == request_id:
-                self._active = None
+        self.gate.release(request_id)
         hp = self.hotplug
         if hp is not None:           # a request ended: unload what it stopped using, now
             hp.flush_releases()
 
-    @contextmanager
     def step(self):
         """Around every computation of the model (a prefill, a decode step, an expert
         change): close() waits for it rather than unmapping under it."""
-        with self._step_lock:
-            if self._closed:
-                raise self._closed_error()
-            self._step_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._step_thread = None
-                if self._closed:                # closed from inside this step
-                    self._release_resources()
+        return self.gate.step()
 
     @contextmanager
     def _request(self, request_id: str):
@@ -455,7 +425,7 @@ class Engine:
         """Adopt queued expert changes now (between two steps; a no-op once closed)."""
         if self._closed:
             return
-        if self._step_thread == threading.get_ident():
+        if self.gate.in_step():
             self._apply_expert_changes()
             return
         with self.step():

@@ -98,7 +98,7 @@ def test_fuzz_lifetime_races(ops, solo):
         g = None                                             # the last reference to one
         gc.collect()
         e.close()
-    assert e._active is None             # every generation gone: nothing holds the engine
+    assert e.gate.active is None         # every generation gone: nothing holds the engine
 
 
 def _run_or_error(e, prompt):
