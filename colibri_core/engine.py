@@ -13,7 +13,6 @@ import gc
 import itertools
 import logging
 import threading
-import weakref
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,8 @@ from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import (ConfigError, EngineClosedError, RequestError,
                      RequestTooLarge)
+from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
+                            same_changes, with_change)
 from .gate import RequestGate
 from .generate import Generation
 from .model import Model, check_memory
@@ -87,7 +88,7 @@ class Engine:
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
         # Expert sets (and their decode plans) built ahead by the hot-plug worker, one per
-        # batch of changes it handed over, each from the one before: _Prepared entries.
+        # batch of changes it handed over, each from the one before: Prepared entries.
         self._prepared: deque = deque()
         self._prepared_lock = threading.Lock()
         self._snapshot_refs: dict = {}        # weakrefs that release experts with a snapshot
@@ -444,11 +445,11 @@ class Engine:
             base = self._prepared[-1].es if self._prepared else self.model.expert_set
         es = base
         for kind, expert, previous in changes:
-            es = _with_change(es, kind, expert, previous)
+            es = with_change(es, kind, expert, previous)
         plan = self.model.prepare_decode_plan(es) if self.config.fast_decode else None
-        entry = _Prepared(base, changes, es, plan)
+        entry = Prepared(base, changes, es, plan)
         if entry.gone:       # released once `base` is gone, if this entry is adopted
-            _release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
+            release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
         # Tokens run with the collector off (generate.py): the young objects made here
         # would be collected between two tokens, in the one that adopts them. Now, here.
         gc.collect(1)
@@ -457,16 +458,16 @@ class Engine:
                 self._prepared.append(entry)
 
     def _take_prepared(self, es, changes: list):
-        """(expert set, its plan or _NO_PLAN, how many of `changes` that covers, the entry
+        """(expert set, its plan or NO_PLAN, how many of `changes` that covers, the entry
         when one covers them all): the prepared entries that chain from `es` and match
         `changes` from the start, object for object. Entries that can no longer match are
         dropped. Under _prepared_lock."""
-        plan, used, first, last = _NO_PLAN, 0, None, None
+        plan, used, first, last = NO_PLAN, 0, None, None
         entries = self._prepared                 # (the caller holds _prepared_lock)
         while entries:
             p = entries[0]
             n = len(p.changes)
-            if p.base is not es or not _same_changes(p.changes, changes[used:used + n]):
+            if p.base is not es or not same_changes(p.changes, changes[used:used + n]):
                 break
             entries.popleft()
             first = first or p
@@ -489,7 +490,7 @@ class Engine:
         the hot-plug worker already (`_prepare_changes`): adopting them is then a swap.
         """
         es = self.model.expert_set
-        plan, whole = _NO_PLAN, None
+        plan, whole = NO_PLAN, None
         seen: dict = {}              # every hot expert of this batch's intermediate snapshots
         if self._pending_changes:
             pending, self._pending_changes = self._pending_changes, []
@@ -504,8 +505,8 @@ class Engine:
                 if changes:
                     es, plan, used, whole = self._take_prepared(es, changes)
                     for ch in changes[used:]:              # not prepared: built here
-                        es = _with_change(es, ch.kind, ch.expert, ch.previous)
-                        plan = _NO_PLAN
+                        es = with_change(es, ch.kind, ch.expert, ch.previous)
+                        plan = NO_PLAN
                     stats = self.expert_change_stats
                     stats["prepared"] += used
                     stats["built_here"] += len(changes) - used
@@ -517,7 +518,7 @@ class Engine:
             if es is not old:
                 self.model.expert_set = es
         if es is not old:
-            if plan is not _NO_PLAN:
+            if plan is not NO_PLAN:
                 replaced = self.model.adopt_decode_plan(es, plan)
                 if replaced is not None and self.hotplug is not None:
                     self.hotplug.drop_later(replaced)   # freed on the worker, not here
@@ -529,12 +530,12 @@ class Engine:
                 was = {id(h) for h in old.hot_experts()}
                 gone = [h for h in old.hot_experts() if id(h) not in live]
                 if gone and self.hotplug is not None:
-                    _release_with(self._snapshot_refs, old, self.hotplug, gone, [True])
+                    release_with(self._snapshot_refs, old, self.hotplug, gone, [True])
                 # Adopted and replaced (or removed) within this one batch: no token, no
                 # snapshot anyone can hold ever saw it, so it is unloaded (by the worker).
                 never_used = [h for i, h in seen.items() if i not in live and i not in was]
             if never_used and self.hotplug is not None:
-                _release_all(self.hotplug, never_used)
+                release_all(self.hotplug, never_used)
         while self._events:
             kind, info = self._events.popleft()
             hook = {"loaded": self.hooks.expert_loaded, "unloaded": self.hooks.expert_unloaded,
@@ -545,16 +546,7 @@ class Engine:
                 hook(path=str(info.get("path", "")),
                      reason=str(info.get("message") or info.get("reason", "")))
             else:
-                hook(info=_expert_info(info, self.expert_set_version))
-
-
-def _expert_info(info: dict, expert_set_version: int) -> dict:
-    """The ``info`` of colibri_expert_loaded / colibri_expert_unloaded: the hot-plug
-    manager's event plus the keys hookspecs.py documents (``expert`` and ``layer`` next
-    to the manager's ``slot`` and ``layers``)."""
-    layers = [int(L) for L in info.get("layers", ())]
-    return {**info, "layers": layers, "expert": info.get("slot"),
-            "layer": layers[0] if layers else None, "expert_set_version": expert_set_version}
+                hook(info=expert_info(info, self.expert_set_version))
 
 
 def _token_ids(prompt) -> list[int]:
@@ -590,63 +582,6 @@ def _chunks(seqs: list, max_tokens: int):
         n += len(p)
     if group:
         yield group
-
-
-def _release_all(manager, experts) -> None:
-    """Unload experts no snapshot uses any more: queued for the hot-plug worker (this runs
-    between two tokens, or wherever the last snapshot holding them died)."""
-    for e in experts:
-        try:
-            manager.release_later(e)
-        except Exception as exc:   # never raise from a finalizer
-            log.warning("releasing expert %s failed: %s", getattr(e, "name", e), exc)
-
-
-_NO_PLAN = object()       # no prepared decode plan: Model.decode_plan() builds it if needed
-
-
-class _Prepared:
-    """An expert set built ahead (hot-plug worker): `changes` applied to `base` give `es`,
-    whose decode plan is `plan` (a DecodePlan, the reason the fast path does not apply, or
-    None when the fast path is off)."""
-
-    __slots__ = ("base", "changes", "es", "plan", "gone", "never_used", "armed")
-
-    def __init__(self, base, changes, es, plan):
-        self.base, self.changes, self.es = base, list(changes), es
-        self.plan = _NO_PLAN if plan is None else plan
-        # What _apply_expert_changes works out when this entry is the whole change:
-        was = {id(h) for h in base.hot_experts()}
-        live = {id(h) for h in es.hot_experts()}
-        self.gone = [h for h in base.hot_experts() if id(h) not in live]
-        seen = {id(h): h for _, e, p in self.changes for h in (e, p) if h is not None}
-        self.never_used = [h for i, h in seen.items() if i not in live and i not in was]
-        self.armed = [False]     # set when adopted: only then are `gone` released
-
-
-def _release_with(refs: dict, snapshot, manager, experts: list, armed: list) -> None:
-    """Release `experts` once `snapshot` is gone, if `armed[0]` is then set (a weakref
-    callback, kept in `refs`: lighter than weakref.finalize between two tokens)."""
-    def gone(ref, manager=manager, experts=experts, armed=armed, refs=refs):
-        refs.pop(id(ref), None)
-        if armed[0]:
-            _release_all(manager, experts)
-    ref = weakref.ref(snapshot, gone)
-    refs[id(ref)] = ref
-
-
-def _with_change(es, kind: str, expert, previous):
-    """The expert set after one hot-plug change (add | replace | remove)."""
-    if previous is not None and set(previous.layers) - set(expert.layers):
-        es = es.with_expert(previous, remove=True)
-    return es.with_expert(expert, remove=kind == "remove")
-
-
-def _same_changes(expected: list, got: list) -> bool:
-    """Whether drain()'s ExpertChanges `got` are the (kind, expert, previous) `expected`."""
-    return len(expected) == len(got) and all(
-        ch.kind == kind and ch.expert is expert and ch.previous is previous
-        for (kind, expert, previous), ch in zip(expected, got))
 
 
 def _single_threaded_blas() -> None:
