@@ -239,7 +239,6 @@ class EngineConfig(BaseModel):
     # them in the background (as llama.cpp's mmap loader does), "populate" returns once
     # they are read and mapped; "none" leaves it to the per-expert prefetch
     preload: Literal["none", "willneed", "populate"] = "willneed"
-    fast_decode: bool = True                           # decode.py's path where it applies
     experts_dir: Optional[str] = None                  # hot-plug folder (None: disabled)
     hotplug: HotplugConfig = HotplugConfig()
     plugins_dir: Optional[str] = None

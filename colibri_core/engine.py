@@ -87,7 +87,7 @@ class Engine:
         self.model = Model(self.weights, config, self.hooks)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
-        # Expert sets (and their decode plans) built ahead by the hot-plug worker, one per
+        # Expert sets (and their pipeline tables) built ahead by the hot-plug worker, one per
         # batch of changes it handed over, each from the one before: Prepared entries.
         self._prepared: deque = deque()
         self._prepared_lock = threading.Lock()
@@ -194,7 +194,7 @@ class Engine:
                 self._prepared.clear()
             self._close_residency()
             self.model.expert_set = None        # its experts hold views into the mapped files
-            self.model.drop_decode_plans()      # so do the decode path's C structs
+            self.model.drop_tables()            # so do the pipeline's C structs
             self.weights.close()
 
     # ------------------------------------------------------------------ one request at a time
@@ -436,7 +436,7 @@ class Engine:
 
     def _prepare_changes(self, changes: list) -> None:
         """On the hot-plug worker, before it hands a batch of changes to drain(): build the
-        expert set they make and its decode plan, so that adopting them between two tokens
+        expert set they make and its pipeline tables, so that adopting them between two tokens
         is a swap (`_apply_expert_changes`). Built on the set the batch before it makes
         (or the current one); checked against what drain() really returns."""
         with self._prepared_lock:
@@ -446,7 +446,7 @@ class Engine:
         es = base
         for kind, expert, previous in changes:
             es = with_change(es, kind, expert, previous)
-        plan = self.model.prepare_decode_plan(es) if self.config.fast_decode else None
+        plan = self.model.prepare_tables(es)
         entry = Prepared(base, changes, es, plan)
         if entry.gone:       # released once `base` is gone, if this entry is adopted
             release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
@@ -486,7 +486,7 @@ class Engine:
         Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
         and removed experts are released (their library unloaded, by the hot-plug worker)
         once no snapshot that uses them is alive: requests that pinned an older snapshot
-        keep theirs working. The new snapshot and its decode plan were normally built by
+        keep theirs working. The new snapshot and its pipeline tables were normally built by
         the hot-plug worker already (`_prepare_changes`): adopting them is then a swap.
         """
         es = self.model.expert_set
@@ -519,7 +519,7 @@ class Engine:
                 self.model.expert_set = es
         if es is not old:
             if plan is not NO_PLAN:
-                replaced = self.model.adopt_decode_plan(es, plan)
+                replaced = self.model.adopt_tables(es, plan)
                 if replaced is not None and self.hotplug is not None:
                     self.hotplug.drop_later(replaced)   # freed on the worker, not here
             if whole is not None:        # worked out on the worker: arm its release

@@ -81,7 +81,7 @@ class CopyInExpert:
         return expert_name(self.layer, self.index)
 
 
-class _Pending:
+class Pending:
     """Stands for an expert whose load is in flight: the first attribute read (the model
     reads `.ffn` just before computing it) waits for the load, so expert i computes while
     experts i+1.. are still being read."""
@@ -377,7 +377,7 @@ class BudgetResidency(Residency):
         if fut is not None and fut.done():
             ent.obj = fut.result()                  # raises a load's error
             ent.future = None
-        return ent.obj if ent.future is None else _Pending(ent.future, self)
+        return ent.obj if ent.future is None else Pending(ent.future, self)
 
     # --- the model's interface
     def waves(self, used):
@@ -421,7 +421,7 @@ class BudgetResidency(Residency):
                     ent.pins = 1
                     pinned.append(ent)
                     self.misses += 1
-                    run[e] = _Pending(ent.future, self)
+                    run[e] = Pending(ent.future, self)
                 self._flush_drops()
             except BaseException:
                 for ent in pinned:

@@ -29,13 +29,12 @@ def release_all(manager, experts) -> None:
             log.warning("releasing expert %s failed: %s", getattr(e, "name", e), exc)
 
 
-NO_PLAN = object()       # no prepared decode plan: Model.decode_plan() builds it if needed
+NO_PLAN = object()       # no prepared tables: the pipeline builds them when it needs them
 
 
 class Prepared:
     """An expert set built ahead (hot-plug worker): `changes` applied to `base` give `es`,
-    whose decode plan is `plan` (a DecodePlan, the reason the fast path does not apply, or
-    None when the fast path is off)."""
+    whose pipeline tables are `plan` (pipeline.Pipeline.prepare; None: none built)."""
 
     __slots__ = ("base", "changes", "es", "plan", "gone", "never_used", "armed")
 

@@ -7,7 +7,7 @@
 - Decision hooks (firstresult): raising, or answering something that breaks the hook's
   contract, fails that request with one PluginError line naming the plugin, the hook and
   the value; the engine then serves a normal request. Checked on both forward paths
-  (the decode fast path, and the general path with fast_decode=False).
+  (the pipeline's C blocks, and its reference blocks with float activations and routing).
 - Strict mode re-raises; slow calls are logged and counted; perf_counter is not called
   while plugin_slow_ms is off.
 - The dict keys every hookspec docstring documents (its "Keys of ``ARG``:" sections) are
@@ -36,7 +36,7 @@ PROMPT, N_NEW = [1, 2, 3], 5
 OBSERVERS = [h for h in HOOK_NAMES
              if not getattr(hookspecs, h).colibri_spec.get("firstresult")]
 DECISIONS = [h for h in HOOK_NAMES if h not in OBSERVERS]
-PATHS = {"fast": EngineConfig(), "general": EngineConfig(fast_decode=False)}
+PATHS = {"int8": EngineConfig(), "float": EngineConfig(activations="float", routing="float")}
 # a hot-plug event as the manager reports it (fired at the next token boundary)
 EVENT = {"path": "/srv/experts/fraud.so", "name": "fraud", "version": "1", "slot": 4,
          "layers": [1], "sha256": "ab" * 32, "kind": "add", "reason": "deleted"}
@@ -71,7 +71,7 @@ def generate(eng) -> list[int]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dir) -> list[int]:
-    with Engine(tiny_model_dir, EngineConfig(fast_decode=False)) as eng:
+    with Engine(tiny_model_dir, EngineConfig(activations="float")) as eng:
         general = generate(eng)
     with Engine(tiny_model_dir) as eng:
         assert generate(eng) == general     # both paths agree on this model
@@ -243,14 +243,6 @@ def test_decision_hook_that_raises_fails_only_that_request(hook, path, tiny_mode
     assert f"failed in {hook}: RuntimeError: decision boom (at " in msg
 
 
-def test_routing_hook_keeps_the_fast_path(tiny_model_dir):
-    with engine_with(bad_answer("colibri_routing", lambda: None), "obs", tiny_model_dir) as eng:
-        assert not isinstance(eng.model.decode_plan(), str)
-    with engine_with(bad_answer("colibri_sample", lambda: None), "obs", tiny_model_dir,
-                     decide("general")) as eng:
-        assert eng.model.decode_plan() == "fast_decode is off"
-
-
 E, V, K = 4, 256, 2          # tiny_model_dir: 4 experts, vocabulary 256, top-2
 
 BAD = {
@@ -337,7 +329,7 @@ def test_good_overrides_are_used_alike_on_both_paths(tiny_model_dir, baseline):
             assert eng.plugin_failures() == {}
             for t in eng.model.last_routing:
                 assert t.routing.ids[0, 0] == 3 and (t.routing.ids[0, 1:] == -1).all()
-    assert tokens["fast"] == tokens["general"] != baseline
+    assert tokens["int8"] == tokens["float"] != baseline
 
 
 # ------------------------------------------------------------------ strict mode, slow hooks

@@ -71,23 +71,29 @@ int ck_expert_ffn(const ck_ffn *f, const float *x, int64_t n, float *out, const 
 int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
                         int64_t nkv, int64_t len, float scale, float *out);
 
-/* ------------------------------------------------------------------ decode step
- * One token of one sequence through a layer in two calls (attention block, FFN block),
- * each one parallel region on ck_pool.c's threads, with the routing in between: the whole
- * decode path of a model lives in ck_decode.c and colibri_core/decode.py. Nothing is
- * allocated: the caller sizes `ck_dscratch` once (decode.py). Every function returns 0,
- * or a code: CK_E_GROUPS (more than two activation group sizes in one call), CK_E_SCRATCH
- * (scratch too small), CK_E_NONFINITE (ck_decode_route: a router logit is NaN/Inf). */
+/* ------------------------------------------------------------------ pipeline step
+ * n tokens of m sequences through a layer in three calls (attention block, router,
+ * expert block), then the lm_head: the whole forward of colibri_core/pipeline.py, in
+ * ck_step.c. Each call's parallel loops run on ck_pool.c's threads; nothing is allocated
+ * (the caller sizes `ck_sscratch`, pipeline.py). A token's results do not depend on the
+ * other tokens of the call (batch invariance, see ck_step.c). Every function returns 0,
+ * or a code: CK_E_GROUPS (more than two activation group sizes in one call, or experts
+ * of one layer with different input groups), CK_E_SCRATCH (scratch too small, or an
+ * argument out of range), CK_E_NONFINITE (ck_step_route: a router logit is NaN/Inf),
+ * CK_E_MEMORY (attention over a very long context could not get its scores buffer). */
 
-enum { CK_E_GROUPS = 1, CK_E_SCRATCH = 2, CK_E_NONFINITE = 3 };
+enum { CK_E_GROUPS = 1, CK_E_SCRATCH = 2, CK_E_NONFINITE = 3, CK_E_MEMORY = 4 };
 
-typedef struct {               /* one layer's attention block */
+typedef struct {               /* one layer's attention block (grouped-query attention) */
     ck_mat wq, wk, wv, wo;
     const float *bq, *bk, *bv;   /* NULL: no bias */
+    const float *q_norm, *k_norm;  /* Qwen3-style q/k RMSNorms, or NULL */
+    int qk_norm;                 /* 0 none, 1 per head ([d] weights), 2 over the projection */
     const float *norm;           /* the attention RMSNorm weight [H] */
     const float *ffn_norm;       /* the FFN RMSNorm weight [H], applied to the result */
     int64_t hidden, nh, nkv, d;
     float eps;                   /* RMSNorm epsilon */
+    float scale;                 /* softmax scale */
     const double *inv_freq;      /* rotate-half rope: inverse frequencies [d/2] */
     double rope_factor;          /*   and the factor on cos/sin (ops.rope_frequencies) */
 } ck_attn_layer;
@@ -101,61 +107,72 @@ typedef struct {               /* one MoE layer's router (routing.route, mode "f
     const int64_t *exp2_q30;     /* routing._EXP2_TABLE */
 } ck_router;
 
-typedef struct {               /* one layer's FFN block */
-    const ck_ffn *table;         /* by expert id (a dense layer: its FFN, id 0) */
+typedef struct {               /* one layer's expert block */
+    const ck_ffn *table;         /* by expert id (a dense layer: its FFN, id 0); all q4 */
+    int64_t n_table;
     const ck_ffn *shared;        /* the shared expert, or NULL */
     const float *shared_gate;    /* [H]: its weight sigmoid(xn . gate), or NULL: 1 */
     int64_t hidden;
 } ck_ffn_block;
 
 typedef struct {
-    float *xn;                               /* [H] a normed copy of x */
+    int64_t n_max;                           /* tokens per call, at most */
+    float *xn;                               /* [n_max, H] normed rows */
     int8_t *aq; float *as; int32_t *asum;    /* int8 activations, two group sizes: */
-    int8_t *bq; float *bs; int32_t *bsum;    /*   [cp_max], [cp_max / 64] each */
+    int8_t *bq; float *bs; int32_t *bsum;    /*   [n_max, cp_max], [n_max, cp_max / 64] */
     int64_t cp_max;
-    float *q, *k, *v, *att;                  /* [nh*d], [nkv*d], [nkv*d], [nh*d] */
-    float *cos, *sin;                        /* rope [d/2] */
-    float *scores; int64_t max_len;          /* [nh * max_len] */
-    float *h; int8_t *hq; float *hs; int32_t *hsum;  /* per FFN j: h + j*hld, hq + j*hcp,
-                                                        hs/hsum + j*(hcp/64) */
-    int64_t max_ffns, hld, hcp;
+    float *q, *k, *v, *att;                  /* [n_max, nh*d], [n_max, nkv*d] x 2, [n_max, nh*d] */
+    int64_t pairs_max;                       /* expert block: rows of h per piece */
+    int8_t *gq; float *gs; int32_t *gsum;    /* [pairs_max, cp_max], [.., cp_max / 64] */
+    float *h; int8_t *hq; float *hs; int32_t *hsum;  /* [pairs_max, hld], [pairs_max, hcp],
+                                                        [pairs_max, hcp / 64] x 2 */
+    int64_t hld, hcp;
+    int64_t pairs_total_max;                 /* (token, expert) pairs of a call, at most */
+    int64_t *pair_tok; float *pair_w;        /* [pairs_total_max] */
+    int64_t *counts;                         /* [2 * table size + 1] */
+    void *jobs; int64_t jobs_max;            /* jobs_max * ck_step_job_bytes() bytes */
     int threads;                             /* at most this many threads (0: no cap) */
-} ck_dscratch;
+    int failed;                              /* set by a loop that could not finish */
+} ck_sscratch;
 
-/* x [H] += o_proj(attention(rmsnorm(x))) for the token at position `pos`; its rotated
- * key and value are written to row pos of the layer's cache kc, vc [capacity, nkv, d];
- * attention runs over rows 0..pos. Then xn_out = rmsnorm(x, a->ffn_norm). */
-int ck_decode_attention(const ck_attn_layer *a, float *x, float *kc, float *vc, int64_t pos,
-                        float *xn_out, ck_dscratch *s);
+int64_t ck_step_job_bytes(void);
 
-/* logits [e] = r->weight @ xn (+ bias) and the top-k choice as routing.route(mode="fixed",
- * scoring="softmax"): ids [k] largest logits first (ties: lower index), weights [k] from
- * the fixed-point softmax, renormalized over the k when norm_topk, times scaling;
- * k <= 256. */
-int ck_decode_route(const ck_router *r, const float *xn, int k, float *logits, int64_t *ids,
-                    float *weights);
+/* x [n, H] += o_proj(attention(rmsnorm(x))) for tokens whose positions and KV caches
+ * are tok [n, 4] = (pos, address of the sequence's k cache, of its v cache, floats per
+ * layer); a cache is [layers, capacity, nkv, d] float32. Each token's rotated key and
+ * value go to row pos of layer `layer` (all tokens' before any attention: a token sees
+ * the earlier tokens of its sequence in the same call), then attends over rows 0..pos.
+ * Then xn_out [n, H] = rmsnorm(x, a->ffn_norm). */
+int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n,
+                      const int64_t *tok, float *xn_out, ck_sscratch *s);
 
-/* x [H] += sum_j weights[j] * table[ids[j]](xn) over the j < k with ids[j] >= 0 (and a
- * table entry whose w1.data is not NULL: a vacant slot contributes nothing), in
- * ascending id order, then += sigmoid(xn . shared_gate) * shared(xn) when shared is not
- * NULL (shared_gate NULL: weight 1). A dense layer is table = its FFN, ids = {0}. */
-int ck_decode_ffn(const ck_ffn_block *b, const int64_t *ids, const float *weights, int k,
-                  const float *xn, float *x, ck_dscratch *s);
+/* logits [n, e] = xn [n, h] @ r->weight^T (+ bias); ids NULL: that is all (the caller
+ * routes). Else each token's top-k[t] choice as routing.route(mode="fixed",
+ * scoring="softmax") into ids/weights [n, kmax] (largest logit first, ties to the lower
+ * index; slots k[t].. get id -1, weight 0); kmax <= 256. */
+int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t *k, int kmax,
+                  float *logits, int64_t *ids, float *weights);
 
-/* logits [rows] = w @ rmsnorm(x, norm) */
-int ck_decode_head(const ck_mat *w, const float *norm, float eps, const float *x,
-                   float *logits, ck_dscratch *s);
+/* x [n, H] += weights[t, j] * table[ids[t, j]](xn[t]) over the j < kmax with ids >= 0 (a
+ * table entry whose w1.data is NULL, a vacant slot, contributes nothing), added one
+ * expert at a time in ascending id, then += sigmoid(xn . shared_gate) * shared(xn). */
+int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int64_t *ids,
+                    const float *weights, int kmax, float *x, ck_sscratch *s);
+
+/* logits [n, rows] = rmsnorm(x [n, cols], norm) @ w^T */
+int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, int64_t n,
+                 float *logits, ck_sscratch *s);
 
 /* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / dequantize_q8 */
 void ck_mat_row(const ck_mat *w, int64_t r, float *out);
 
 /* Since the last call: out[0] chunks the caller ran, out[1] chunks other threads ran,
  * out[2] cycles in parallel loops, out[3] of them the caller spent waiting for other
- * threads' chunks (decode.py's thread control reads it to see whether a second thread
+ * threads' chunks (pipeline.py's thread control reads it to see whether a second thread
  * is really running) */
 void ck_pool_stats(int64_t *out);
 
-/* Tests: `rounds` loops of n chunks on nth threads of the decode path's pool (ck_pool.c);
+/* Tests: `rounds` loops of n chunks on nth threads of the pipeline's pool (ck_pool.c);
  * returns how many chunk counts were not exactly one per loop (0), or -1 (memory). */
 int64_t ck_pool_check(int64_t n, int nth, int rounds);
 

@@ -156,6 +156,9 @@ static inline int tile_tokens(int ntp, int64_t left) {
     return left < g_matmul_min_tokens ? 1 : (int)left;
 }
 
+int ck_tokens_per_tile(const ck_backend_t *be, int64_t n) { return tokens_per_tile(be, n); }
+int ck_tile_tokens(int ntp, int64_t left) { return tile_tokens(ntp, left); }
+
 /* the backends' tile views of a matrix descriptor (ck.h) */
 static ck_q4 q4_of(const ck_mat *m) {
     int64_t cp = round_up(m->cols, m->group);

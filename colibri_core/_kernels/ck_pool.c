@@ -1,4 +1,4 @@
-/* ck_pool.c -- the decode path's threads: parallel loops whose caller never waits for a
+/* ck_pool.c -- the pipeline's threads: parallel loops whose caller never waits for a
  * thread that has not started.
  *
  * Why not an OpenMP region: its barriers wait for every thread of the team. On a busy

@@ -310,7 +310,7 @@ def calibration_tokens(hf_dir: Path, text_file: Path, cfg, max_tokens: int) -> l
 
 
 def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
-    """The MoE block in float (same math as Model._moe with float routing), running every
+    """The MoE block in float (same math as ReferenceModel._moe with float routing), running every
     expert through model._ffn so the observer sees each expert's own rows."""
     from ..routing import route
     r = route(ops.router_logits(xn, lw.router), kt, mode="float", scoring=cfg.scoring_func,
@@ -340,11 +340,11 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
     layer_loader(L) -> (LayerWeights of float32 arrays, {matrix key: weight array}) where
     the keys name the matrices as the converter does."""
     from ..config import EngineConfig
-    from ..model import Model
+    from ..reference import ReferenceModel
     from ..weights import ModelWeights
 
     mw = ModelWeights(cfg, Path("."), embed=None, final_norm=None, lm_head=None, layers=[], files=[])
-    model = Model(mw, EngineConfig(routing="float", activations="float", prefetch="none"))
+    model = ReferenceModel(mw, EngineConfig(routing="float", activations="float", prefetch="none"))
     caches = [model.new_cache(len(s)) for s in seqs]
     pos = np.concatenate([np.arange(len(s)) for s in seqs])
     spans, t = [], 0

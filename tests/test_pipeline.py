@@ -1,0 +1,296 @@
+"""The one pipeline (pipeline.py + ck_step.c) end to end: against the reference model
+(reference.py, which the parity tests hold against numpy float64 and transformers), its
+batch invariance (a sequence's logits alone, inside a batch, in chunks or token by token),
+hooks, errors, allocation-free decode and thread control.
+
+The C blocks and the reference blocks quantize activations to int8 the same way but
+differ in the float rounding of norms, rope and attention, which can flip an int8
+rounding: logits agree to ~1e-2 (a routing or layout bug shows as a far larger error)."""
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from colibri_core import kernels as K
+from colibri_core.config import EngineConfig
+from colibri_core.engine import Engine
+from colibri_core.errors import RequestError
+from colibri_core.hookspecs import hookimpl
+from colibri_core.reference import ReferenceModel
+from colibri_core.testing import write_random_model
+
+SHAPES = {
+    # dense + MoE with a gated shared expert; hidden 192: partial last group
+    "mixed_shared_odd": dict(hidden=192, layers=("dense", "moe", "moe"), experts=6, top_k=2,
+                             inter=320, moe_inter=160, shared=96, heads=4, kv_heads=2),
+    # group 64, one kv head (MQA), top-3, no shared expert
+    "g64_mqa_k3": dict(hidden=128, layers=("moe", "moe"), experts=5, top_k=3, inter=128,
+                       moe_inter=192, shared=0, heads=4, kv_heads=1, group=64),
+    "dense_only": dict(hidden=256, layers=("dense", "dense"), inter=384, heads=8, kv_heads=8),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for i, (name, kw) in enumerate(SHAPES.items()):
+        d = tmp_path_factory.mktemp(name) / "m"
+        write_random_model(d, seed=10 + i, vocab=300, context=96, **kw)
+        out[name] = d
+    return out
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("backend", K.available_backends())
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_pipeline_matches_the_reference_model(models, shape, backend, threads):
+    K.set_backend(backend)
+    K._set_parallel_threshold(0)          # these small layers too run on every thread
+    try:
+        with Engine(models[shape], EngineConfig(threads=threads)) as eng:
+            m = eng.model
+            assert m.pipeline.blocks == {}           # every block of this model runs in C
+            ref = ReferenceModel(m.w, eng.config)
+            prompt = np.random.default_rng(1).integers(0, 299, 7)
+            c, r = m.new_cache(96), ref.new_cache(96)
+            a = m.forward([prompt], [c], all_logits=True)[0]
+            b = ref.forward([prompt], [r], all_logits=True)[0]
+            assert rel(a, b) < 0.03
+            tok, errs = 5, []
+            ks = [m.cfg.top_k or 1] * 14 + ([1, m.cfg.num_experts] if m.cfg.moe_layers else [])
+            for k in ks:
+                a = m.decode_step(tok, c, k).copy()
+                b = ref.forward([np.array([tok])], [r], [k])[0]
+                errs.append(rel(a, b))
+                assert c.length == r.length
+                tok = int(np.argmax(b))
+            assert max(errs) < 0.03, errs
+    finally:
+        K.set_backend("auto")
+        K._set_parallel_threshold(-1)
+
+
+CONFIGS = {"plain": EngineConfig(), "budget": EngineConfig(max_resident_mb=64, residency={"kv_tokens": 1024}),
+           "one thread": EngineConfig(threads=1)}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_sequence_gets_the_same_logits_alone_batched_and_chunked(models, config):
+    """Batch invariance end to end: sequence 0 decoded alone and among 5 others (of other
+    lengths), and its prompt in one step, in chunks, or token by token."""
+    rng = np.random.default_rng(4)
+    with Engine(models["mixed_shared_odd"], CONFIGS[config]) as eng:
+        m = eng.model
+        prompts = [rng.integers(1, 299, 9 + 3 * i) for i in range(6)]
+        solo, caches = m.new_cache(96), [m.new_cache(96) for _ in prompts]
+        alone = [m.forward([prompts[0]], [solo])[0]]
+        batch = [m.forward(prompts, caches)[0]]
+        for step in range(8):
+            tok = int(alone[-1].argmax())
+            alone.append(m.forward([[tok]], [solo])[0])
+            nxt = [tok] + [int(rng.integers(1, 299)) for _ in prompts[1:]]
+            batch.append(m.forward([[t] for t in nxt], caches)[0])
+        for a, b in zip(alone, batch):
+            assert np.array_equal(a, b)
+        p = prompts[5]
+        whole = m.forward([p], [m.new_cache(96)], all_logits=True)[0]
+        c = m.new_cache(96)
+        parts = [m.forward([p[i:j]], [c], all_logits=True)[0]
+                 for i, j in ((0, 4), (4, 5), (5, 17), (17, len(p)))]
+        c1 = m.new_cache(96)
+        singles = [m.forward([p[i:i + 1]], [c1], all_logits=True)[0] for i in range(len(p))]
+        assert np.array_equal(whole, np.concatenate(parts))
+        assert np.array_equal(whole, np.concatenate(singles))
+
+
+def test_generation_is_the_same_with_a_budget_that_holds_the_model(models):
+    d = models["mixed_shared_odd"]
+    with Engine(d, EngineConfig()) as plain, Engine(d, EngineConfig(max_resident_mb=64)) as budget:
+        assert budget.model.residency.active
+        a = plain.generate([3, 4, 5], max_new_tokens=20, temperature=0).run().token_ids
+        b = budget.generate([3, 4, 5], max_new_tokens=20, temperature=0).run().token_ids
+        assert a == b
+
+
+def test_blocks_without_a_c_kernel_are_named(models):
+    d = models["mixed_shared_odd"]
+    with Engine(d, EngineConfig(activations="float", routing="float")) as eng:
+        blocks = eng.model.pipeline.blocks
+        assert blocks["attention"] == "float activations" and "lm_head" in blocks
+        assert "float routing" in blocks["routing"]
+        ref = ReferenceModel(eng.model.w, eng.config)
+        c, r = eng.model.new_cache(16), ref.new_cache(16)
+        a = eng.model.forward([np.array([3, 4, 5])], [c])[0]
+        b = ref.forward([np.array([3, 4, 5])], [r])[0]
+        assert rel(a, b) < 1e-4                 # the same blocks, in the same loop
+
+
+class LayerWatcher:
+    def __init__(self):
+        self.layers = 0
+
+    @hookimpl
+    def colibri_after_layer(self, layer, hidden):
+        self.layers += 1
+
+
+class ForceExpert:
+    """A routing override: every token of every MoE layer goes to experts (0, 1)."""
+
+    @hookimpl
+    def colibri_routing(self, layer, expert_ids, weights):
+        ids = np.zeros_like(expert_ids)
+        ids[:, 1:] = 1
+        return ids, np.full_like(weights, 1.0 / expert_ids.shape[1])
+
+
+def test_routing_hooks_see_and_change_the_choice(models):
+    """The metrics plugin (a routing observer) counts every routed token; a routing
+    override (narrower: checked by PluginGuard.check_routing, the one place) is what the
+    experts then run."""
+    from colibri_core.builtin_plugins.metrics import Metrics
+    d = models["mixed_shared_odd"]
+    with Engine(d, EngineConfig()) as eng:
+        mt = Metrics()
+        eng.register_plugin(mt, name="metrics")
+        eng.generate([5, 6, 7], max_new_tokens=12, temperature=0).run()
+        counts = {L: c.tolist() for L, c in mt.last.expert_counts.items()}
+    assert sum(sum(c) for c in counts.values()) == 2 * 2 * (3 + 11)   # 2 layers, k=2
+    with Engine(d, EngineConfig()) as eng:
+        eng.register_plugin(ForceExpert(), name="force")
+        m = eng.model
+        c = m.new_cache(16)
+        m.forward([np.array([3, 4])], [c])
+        forced = m.decode_step(9, c, 2).copy()
+        assert all(t.routing.ids.tolist() == [[0, 1]] for t in m.last_routing)
+        c = m.new_cache(16)
+        m.forward([np.array([3, 4])], [c])
+    with Engine(d, EngineConfig()) as eng:
+        m = eng.model
+        c = m.new_cache(16)
+        m.forward([np.array([3, 4])], [c])
+        free = m.decode_step(9, c, 2).copy()
+        assert any(t.routing.ids.tolist() != [[0, 1]] for t in m.last_routing)
+    assert rel(forced, free) > 1e-3
+
+
+def test_per_layer_hooks_run_between_the_c_calls(models):
+    d = models["mixed_shared_odd"]
+    with Engine(d, EngineConfig()) as eng:
+        w = LayerWatcher()
+        eng.register_plugin(w, name="watch")
+        eng.generate([1, 2], max_new_tokens=3, temperature=0).run()
+        assert w.layers == 3 * 3                 # prefill + 2 decode steps, 3 layers each
+
+
+def test_decode_step_errors(models):
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        c = m.new_cache(8)
+        m.forward([np.array([1, 2])], [c])
+        with pytest.raises(RequestError, match="token id 300 out of range"):
+            m.decode_step(300, c, 2)
+        with pytest.raises(RequestError, match="top_k=7 out of range 1..6"):
+            m.decode_step(1, c, 7)
+        for _ in range(6):
+            m.decode_step(1, c, 2)
+        with pytest.raises(RequestError, match="cache holds 8"):
+            m.decode_step(1, c, 2)
+        assert c.length == 8
+
+
+def test_decode_allocates_nothing_per_token(tmp_path):
+    """tracemalloc sees every numpy buffer and Python object: the peak traced memory of
+    many decode steps stays below one activation vector (a per-token numpy temporary of
+    the hidden size, the logits or the KV rows would exceed it)."""
+    d = tmp_path / "m"
+    write_random_model(d, seed=3, vocab=300, context=96, hidden=512, layers=("dense", "moe"),
+                       experts=4, top_k=2, inter=256, moe_inter=256, shared=128, heads=8,
+                       kv_heads=2)
+    with Engine(d, EngineConfig()) as eng:
+        m = eng.model
+        c = m.new_cache(96)
+        m.forward([np.arange(1, 9)], [c])
+        hidden_bytes = m.cfg.hidden_size * 4
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            tok = 3
+            for _ in range(5):      # plan built, scratch sized, cffi's first-call caches
+                tok = int(m.decode_step(tok, c, 2).argmax())
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(40):
+                tok = int(m.decode_step(tok, c, 2).argmax())
+            cur, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            gc.enable()
+        assert peak - base < hidden_bytes // 2, (peak - base, hidden_bytes)
+        assert cur - base < 256, cur - base
+
+
+class _Scratch:
+    threads = 0
+
+
+class ScriptedControl:
+    """pipeline.ThreadControl fed scripted pool statistics instead of the pool's."""
+
+    def __init__(self):
+        from colibri_core.pipeline import ThreadControl
+        self.c = ThreadControl(_Scratch())
+        self.c.p_stats = K.ffi.cast("int64_t *", K.ffi.from_buffer(np.zeros(4, np.int64)))
+
+    def step(self, others_share: float, wait_frac: float = 0.0) -> int:
+        """One step with the given share of chunks run by other threads; returns the cap
+        the next step runs under (0: all threads)."""
+        if self.c.s.threads == 1:
+            self.c.stats[:] = 0                  # a single-threaded step: no pool loops
+        else:
+            self.c.stats[:] = [round(100 * (1 - others_share)), round(100 * others_share),
+                               1000, round(1000 * wait_frac)]
+        self.c.after_step()
+        return self.c.s.threads
+
+
+def test_thread_control_falls_back_and_probes_with_backoff():
+    t = ScriptedControl()
+    assert [t.step(0.5) for _ in range(20)] == [0] * 20          # healthy: never capped
+    assert [t.step(0.45, wait_frac=0.5) for _ in range(3)] == [0, 0, 1]   # caller waits
+    assert [t.step(0.0) for _ in range(4)] == [1, 1, 1, 0]       # 4 steps alone, then probe
+    assert t.step(0.05) == 1                                     # failed probe: back off
+    assert [t.step(0.0) for _ in range(8)] == [1] * 7 + [0]      # ... for 8 steps
+    assert t.step(0.5) == 0                                      # a good probe: stay
+    assert [t.step(0.5) for _ in range(10)] == [0] * 10
+    assert [t.step(0.1) for _ in range(3)] == [0, 0, 1]          # backoff restarted at 4
+    assert [t.step(0.0) for _ in range(4)] == [1, 1, 1, 0]
+    # two bad steps then a good one: a short hiccup is not enough
+    t2 = ScriptedControl()
+    assert [t2.step(s) for s in (0.1, 0.1, 0.5, 0.1, 0.1, 0.5)] == [0] * 6
+    assert t.c.single_steps >= 15 and t2.c.single_steps == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unquantized_embedding_rows(models, dtype):
+    """An embedding kept at 16/32 bits (`--embed-bits 16|32`) is read through the model's
+    own row conversion (bf16 sections are uint16: widened, not cast)."""
+    from colibri_core.quant import dequantize_q4
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        e = dequantize_q4(m.w.embed).astype(np.float32)
+        if dtype == "bfloat16":
+            e = (e.view(np.uint32) >> 16).astype(np.uint16)     # truncated to bf16 bits
+        m.w.embed = e
+        m.pipeline.embed_mat = None             # as a model converted with --embed-bits 16
+        ref = ReferenceModel(m.w, eng.config)
+        c, r = m.new_cache(16), ref.new_cache(16)
+        a = m.forward([np.array([3, 4, 7])], [c])[0]
+        b = ref.forward([np.array([3, 4, 7])], [r])[0]
+        assert rel(a, b) < 0.03

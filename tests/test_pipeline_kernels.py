@@ -1,0 +1,271 @@
+"""Each C entry point of the pipeline (ck_step.c) against the reference ops, one call at a
+time, and the batch invariance of each: a token's row is bit-identical alone and among
+63 other tokens (which run the batch tiles).
+
+The reference blocks (reference.py) quantize activations to int8 as the C calls do but
+compute norms and attention in numpy float32, so a value can differ by one int8 quantum
+of an activation: ~1e-3 of a result. The bounds below are a few times that."""
+import numpy as np
+import pytest
+
+from colibri_core import kernels as K
+from colibri_core import ops
+from colibri_core.config import EngineConfig
+from colibri_core.engine import Engine
+from colibri_core.kernels import ffi, lib
+from colibri_core.routing import route
+from colibri_core.testing import write_random_model
+
+SHAPES = {
+    # dense + MoE with a gated shared expert; hidden 192: partial last group
+    "mixed_shared_odd": dict(hidden=192, layers=("dense", "moe", "moe"), experts=6, top_k=2,
+                             inter=320, moe_inter=160, shared=96, heads=4, kv_heads=2),
+    # group 64, one kv head (MQA), top-3
+    "g64_mqa_k3": dict(hidden=128, layers=("moe", "moe"), experts=5, top_k=3, inter=128,
+                       moe_inter=192, shared=0, heads=4, kv_heads=1, group=64),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def eng(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param) / "m"
+    write_random_model(d, seed=21, vocab=300, context=128, **SHAPES[request.param])
+    with Engine(d, EngineConfig(threads=2)) as e:
+        yield e
+
+
+def fp(a, ctype="float *"):
+    return ffi.cast(ctype, ffi.from_buffer(a))
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def hidden_rows(n, H, seed):
+    return (np.random.default_rng(seed).standard_normal((n, H)) * 2).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def every_thread():
+    K._set_parallel_threshold(0)          # these small layers too run on every thread
+    yield
+    K._set_parallel_threshold(-1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def run_attention(p, L, x, caches, positions):
+    """ck_step_attention on rows x of sequences `caches` at `positions` (one per row)."""
+    n = len(x)
+    sc = p.scratch
+    sc.ensure(n, 1)
+    for t, (c, pos) in enumerate(zip(caches, positions)):
+        _, ka, va, stride = p._cache_ptrs(c)
+        sc.tok[t] = (pos, ka, va, stride)
+    sc.x[:n] = x
+    rc = lib.ck_step_attention(p.layers[L]["attn"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s)
+    assert rc == 0
+    return sc.x[:n].copy(), sc.xn[:n].copy()
+
+
+def test_attention_matches_the_reference_block(eng):
+    m = eng.model
+    p, ref, cfg = m.pipeline, m.ref, m.cfg
+    rng = np.random.default_rng(3)
+    for L, lw in enumerate(m.w.layers):
+        prompt = hidden_rows(9, cfg.hidden_size, 4 + L)
+        c_c, c_r = m.new_cache(32), m.new_cache(32)
+        # 9 tokens of one sequence in one call: a token sees the earlier ones of its call
+        got_x, got_xn = run_attention(p, L, prompt, [c_c] * 9, range(9))
+        want = prompt + ref._attention(lw, ref._rmsnorm(prompt, lw.attn_norm), np.arange(9),
+                                       [(0, 9, c_r)])
+        assert rel(got_x, want) < 5e-3
+        assert rel(got_xn, ref._rmsnorm(want, lw.ffn_norm)) < 5e-3
+        np.testing.assert_allclose(c_c.v[L, :9], c_r.v[L, :9], rtol=0, atol=2e-2 * np.abs(c_r.v[L, :9]).max())
+        np.testing.assert_allclose(c_c.k[L, :9], c_r.k[L, :9], rtol=0, atol=2e-2 * np.abs(c_r.k[L, :9]).max())
+        c_r.length = 9
+        # then one decode token
+        x1 = hidden_rows(1, cfg.hidden_size, int(rng.integers(100)))
+        got_x, _ = run_attention(p, L, x1, [c_c], [9])
+        want = x1 + ref._attention(lw, ref._rmsnorm(x1, lw.attn_norm), np.array([9]), [(0, 1, c_r)])
+        assert rel(got_x, want) < 5e-3
+
+
+def test_attention_rows_are_batch_invariant(eng):
+    """Sequence 0's token alone, then among 63 tokens of 8 other sequences."""
+    m = eng.model
+    p, cfg = m.pipeline, m.cfg
+    H = cfg.hidden_size
+    ctx = hidden_rows(6, H, 1)
+    for L in range(len(m.w.layers)):
+        solo, crowd = m.new_cache(16), m.new_cache(16)
+        others = [m.new_cache(16) for _ in range(8)]
+        run_attention(p, L, ctx, [solo] * 6, range(6))
+        run_attention(p, L, ctx, [crowd] * 6, range(6))
+        x = hidden_rows(64, H, 2)
+        a_x, a_xn = run_attention(p, L, x[:1], [solo], [6])
+        seqs = [crowd] + [others[i % 8] for i in range(63)]
+        pos = [6] + [i // 8 for i in range(63)]
+        b_x, b_xn = run_attention(p, L, x, seqs, pos)
+        assert np.array_equal(a_x[0], b_x[0]) and np.array_equal(a_xn[0], b_xn[0])
+        assert np.array_equal(solo.k[L, 6], crowd.k[L, 6])
+
+
+# ----------------------------------------------------------------------------- router
+
+def run_route(p, T, xn, k, kmax, fixed=True):
+    n = len(xn)
+    sc = p.scratch
+    sc.ensure(n, kmax)
+    sc.xn[:n] = xn
+    sc.kt[:n] = k
+    logits = np.zeros((n, T["slots"]), np.float32)
+    ids = np.zeros((n, kmax), np.int64)
+    w = np.zeros((n, kmax), np.float32)
+    rc = lib.ck_step_route(T["router"], sc.p_xn, n, sc.p_kt, kmax, fp(logits),
+                           fp(ids, "int64_t *") if fixed else ffi.NULL, fp(w) if fixed else ffi.NULL)
+    return rc, logits, ids, w
+
+
+def test_router_matches_routing_route_bit_for_bit(eng):
+    m = eng.model
+    p, cfg = m.pipeline, m.cfg
+    t = p.tables_for(m.expert_set)
+    rng = np.random.default_rng(5)
+    for L, T in t.layers.items():
+        xn = hidden_rows(40, cfg.hidden_size, L)
+        k = rng.integers(1, cfg.num_experts + 1, 40)
+        rc, logits, ids, w = run_route(p, T, xn, k, int(k.max()))
+        assert rc == 0
+        want_logits = ops.router_logits(xn, m.expert_set.routers[L], m.expert_set.logit_bias[L])
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        r = route(logits, k, mode="fixed", norm_topk_prob=cfg.norm_topk_prob,
+                  scaling=cfg.routed_scaling_factor)
+        assert ids.tolist() == r.ids.tolist()
+        assert w.tolist() == r.weights.tolist()
+        # batch invariance: row 7 alone
+        rc, l1, i1, w1 = run_route(p, T, xn[7:8], k[7:8], int(k.max()))
+        assert np.array_equal(l1[0], logits[7]) and i1[0].tolist() == ids[7].tolist()
+
+
+def test_router_reports_nonfinite_logits(eng):
+    m = eng.model
+    p = m.pipeline
+    T = next(iter(p.tables_for(m.expert_set).layers.values()))
+    xn = hidden_rows(3, m.cfg.hidden_size, 0)
+    xn[1, 0] = np.nan
+    assert run_route(p, T, xn, np.full(3, 2), 2)[0] == lib.CK_E_NONFINITE
+
+
+# ----------------------------------------------------------------------------- experts
+
+def run_experts(p, L, T, xn, ids, w, x0):
+    n, kmax = ids.shape
+    sc = p.scratch
+    sc.ensure(n, kmax)
+    sc.xn[:n] = xn
+    sc.x[:n] = x0
+    ids, w = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(w, np.float32)
+    block = p.layers[L]["block"]
+    if T is not None:
+        block.table, block.n_table = T["table"], T["n"]
+    rc = lib.ck_step_experts(block, sc.p_xn, n, fp(ids, "int64_t *"), fp(w), kmax, sc.p_x, sc.s)
+    assert rc == 0
+    return sc.x[:n].copy()
+
+
+def reference_experts(m, lw, xn, ids, w, x0):
+    ref, out = m.ref, x0.astype(np.float32).copy()
+    experts = m.expert_set.experts[lw.index]
+    for e in sorted(set(ids[ids >= 0].tolist())):
+        rows, slot = np.nonzero(ids == e)
+        y = np.zeros((len(rows), xn.shape[1]), np.float32)
+        ref._run_expert(experts[e], np.ascontiguousarray(xn[rows]), y, w[rows, slot])
+        out[rows] += y
+    if lw.shared is not None:
+        sh = np.empty_like(xn)
+        ref._ffn(lw.shared, xn, sh)
+        if lw.shared_gate is not None:
+            sh *= ops.sigmoid(xn @ np.asarray(lw.shared_gate, np.float32).T)
+        out += sh
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_expert_block_matches_the_reference(eng, n):
+    m = eng.model
+    p, cfg = m.pipeline, m.cfg
+    t = p.tables_for(m.expert_set)
+    rng = np.random.default_rng(n)
+    for L, lw in enumerate(m.w.layers):
+        xn = hidden_rows(n, cfg.hidden_size, L)
+        x0 = hidden_rows(n, cfg.hidden_size, L + 50)
+        if lw.kind == "dense":
+            ids, w = np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32)
+            got = run_experts(p, L, None, xn, ids, w, x0)
+            y = np.empty_like(xn)
+            m.ref._ffn(lw.dense, xn, y)
+            want = x0 + y
+        else:
+            k = cfg.top_k
+            ids = np.stack([rng.choice(cfg.num_experts, k, replace=False) for _ in range(n)])
+            ids[0, -1] = -1                                # a narrower choice: unused slot
+            w = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+            got = run_experts(p, L, t.layers[L], xn, ids, w, x0)
+            want = reference_experts(m, lw, xn, ids, w, x0)
+        assert rel(got - x0, want - x0) < 5e-3, (L, rel(got - x0, want - x0))
+
+
+def test_expert_rows_are_batch_invariant(eng):
+    """Token 0's experts alone and among 63 others, also when the step's pairs exceed
+    one piece of the scratch (pairs_max) so that an expert's tokens run in parts."""
+    m = eng.model
+    p, cfg = m.pipeline, m.cfg
+    t = p.tables_for(m.expert_set)
+    rng = np.random.default_rng(9)
+    for L, lw in enumerate(m.w.layers):
+        if lw.kind != "moe":
+            continue
+        k = cfg.top_k
+        xn = hidden_rows(64, cfg.hidden_size, L)
+        x0 = hidden_rows(64, cfg.hidden_size, L + 1)
+        ids = np.stack([rng.choice(cfg.num_experts, k, replace=False) for _ in range(64)])
+        w = rng.uniform(0.1, 1.0, (64, k)).astype(np.float32)
+        alone = run_experts(p, L, t.layers[L], xn[:1], ids[:1], w[:1], x0[:1])
+        crowd = run_experts(p, L, t.layers[L], xn, ids, w, x0)
+        assert np.array_equal(alone[0], crowd[0])
+        saved = p.scratch.s.pairs_max
+        p.scratch.s.pairs_max = 7                          # many pieces, experts split
+        try:
+            pieces = run_experts(p, L, t.layers[L], xn, ids, w, x0)
+        finally:
+            p.scratch.s.pairs_max = saved
+        assert np.array_equal(pieces, crowd)
+
+
+# ----------------------------------------------------------------------------- lm_head
+
+def test_head_matches_the_reference_and_is_batch_invariant(eng):
+    m = eng.model
+    p, ref = m.pipeline, m.ref
+    x = hidden_rows(64, m.cfg.hidden_size, 77)
+    sc = p.scratch
+    sc.ensure(64, 1)
+    out = np.zeros((64, m.cfg.vocab_size), np.float32)
+    sc.head_x[:64] = x
+    assert lib.ck_step_head(p.head, p.final_norm, p.eps, sc.p_head_x, 64, fp(out), sc.s) == 0
+    want = ref.linear(m.w.lm_head, ref._rmsnorm(x, m.w.final_norm))
+    assert rel(out, want) < 5e-3
+    one = np.zeros((1, m.cfg.vocab_size), np.float32)
+    sc.head_x[:1] = x[5:6]
+    assert lib.ck_step_head(p.head, p.final_norm, p.eps, sc.p_head_x, 1, fp(one), sc.s) == 0
+    assert np.array_equal(one[0], out[5])
+
+
+@pytest.mark.parametrize("n,nth", [(1, 2), (2, 2), (3, 2), (97, 2), (1000, 2), (50, 5)])
+def test_pool_runs_every_chunk_exactly_once(n, nth):
+    """The pipeline's work-stealing loops (ck_pool.c): every chunk once per loop, over many
+    back-to-back loops (where a late thread must never run a newer loop's chunk with an
+    older loop's function), with more threads than chunks too."""
+    assert lib.ck_pool_check(n, nth, 300) == 0
