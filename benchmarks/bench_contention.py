@@ -5,7 +5,7 @@ This starts `--busy` CPU-bound processes (a Python busy loop each, default prior
 the duration of every timing, then times both engines exactly as bench_vs_llamacpp.py does
 (same runners, same prompt, alternating, `--rounds` rounds) with and without them.
 Colibri's decode path falls back to one thread while the second is not really running
-(decode.py, ThreadControl); the table shows what that buys.
+(pipeline.py, ThreadControl); the table shows what that buys.
 
 Needs the models of bench_vs_llamacpp.py (run it once first).
 

@@ -1,26 +1,52 @@
-"""Where a decode token's time goes: each C call of the decode fast path timed from Python.
+"""Where a decode token's time goes: each C call of the pipeline timed from Python.
 
     python benchmarks/bench_decode_breakdown.py [--model DIR] [--threads 2] [--steps 150]
 
-Runs the steps of decode.DecodePlan.step by hand (same calls, same order) after a 64-token
-prefill, timing the attention blocks, the routers, the FFN blocks and the lm_head of each
-step, and prints the median per step of each part together with the bytes of weights it
-reads and the rate that makes. Default model: the one bench_vs_llamacpp.py converts.
+Decodes one sequence after a 64-token prefill through the engine's own pipeline
+(pipeline.py), with its C calls wrapped in a timer, and prints the median per step of the
+attention blocks, the routers, the expert blocks, the lm_head and the rest (Python
+between the calls), with the bytes of weights each reads and the rate that makes.
+Default model: the one bench_vs_llamacpp.py converts.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+PARTS = {"ck_step_attention": "attention", "ck_step_route": "router",
+         "ck_step_experts": "ffn", "ck_step_head": "lm_head"}
 
 
 def nbytes(t) -> int:
     return sum(int(getattr(t, f).nbytes) for f in ("data", "scales", "zeros") if getattr(t, f, None) is not None)
+
+
+class TimedLib:
+    """The kernels' `lib` with the pipeline's C calls timed (seconds per part)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.t: dict = defaultdict(float)
+
+    def __getattr__(self, name):
+        f = getattr(self._lib, name)
+        part = PARTS.get(name)
+        if part is None:
+            return f
+        pc, t = time.perf_counter, self.t
+
+        def timed(*args):
+            t0 = pc()
+            rc = f(*args)
+            t[part] += pc() - t0
+            return rc
+        return timed
 
 
 def main(argv=None):
@@ -29,55 +55,34 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=150)
     a = ap.parse_args(argv)
+    from colibri_core import pipeline
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
-    from colibri_core.kernels import lib
 
     eng = Engine(a.model, EngineConfig(threads=a.threads))
     m = eng.model
-    plan = m.decode_plan()
-    if isinstance(plan, str):
-        raise SystemExit(f"the decode fast path does not apply: {plan}")
     k = m.cfg.top_k
     cache = m.new_cache(64 + a.steps + 1)
     m.forward([np.arange(1, 65)], [cache])
+    timed = TimedLib(pipeline.lib)
+    pipeline.lib = timed
     pc = time.perf_counter
     parts = {p: [] for p in ("attention", "router", "ffn", "lm_head", "python", "step")}
     tok = 5
-    for it in range(a.steps):
-        t_step = pc()
-        att = rou = ffn = 0.0
-        s, pos = plan.s, cache.length
-        lib.ck_mat_row(plan._embed_mat, tok, plan.p_x)
-        plan._scores(pos + 1)
-        caches = plan._layer_caches(cache)
-        for L in plan.layers:
-            kc, vc = caches[L["index"]]
+    try:
+        for it in range(a.steps):
+            timed.t.clear()
             t0 = pc()
-            lib.ck_decode_attention(L["attn"], plan.p_x, kc, vc, pos, plan.p_xn, s)
-            t1 = pc()
-            if L["moe"]:
-                lib.ck_decode_route(L["router"], plan.p_xn, k, L["p_rl"], L["p_ids"], L["p_w"])
-                t2 = pc()
-                lib.ck_decode_ffn(L["block"], L["p_ids"], L["p_w"], k, plan.p_xn, plan.p_x, s)
-            else:
-                t2 = pc()
-                lib.ck_decode_ffn(L["block"], plan.p_dense_ids, plan.p_dense_w, 1, plan.p_xn,
-                                  plan.p_x, s)
-            t3 = pc()
-            att, rou, ffn = att + t1 - t0, rou + t2 - t1, ffn + t3 - t2
-        cache.length = pos + 1
-        t0 = pc()
-        lib.ck_decode_head(plan.head, plan.final_norm, plan.eps, plan.p_x, plan.p_logits, s)
-        t1 = pc()
-        tok = int(plan.logits.argmax())
-        total = pc() - t_step
-        if it < 10:                                   # warm-up steps
-            continue
-        for p, v in (("attention", att), ("router", rou), ("ffn", ffn), ("lm_head", t1 - t0),
-                     ("step", total)):
-            parts[p].append(v)
-        parts["python"].append(total - (att + rou + ffn + t1 - t0))
+            tok = int(m.decode_step(tok, cache, k).argmax())
+            total = pc() - t0
+            if it < 10:                               # warm-up steps
+                continue
+            for p in ("attention", "router", "ffn", "lm_head"):
+                parts[p].append(timed.t[p])
+            parts["step"].append(total)
+            parts["python"].append(total - sum(timed.t.values()))
+    finally:
+        pipeline.lib = timed._lib
     w = m.w
     att_bytes = sum(nbytes(getattr(lw.attn, n)) for lw in w.layers for n in ("wq", "wk", "wv", "wo"))
     ffn_bytes = 0

@@ -110,7 +110,7 @@ class Engine:
         self.gate.closed = True
         self._close_residency()
         if getattr(self, "model", None) is not None:
-            self.model.expert_set = None
+            self.model.close()
         self.weights.close()
 
     def _close_residency(self) -> None:
@@ -193,8 +193,8 @@ class Engine:
             with self._prepared_lock:
                 self._prepared.clear()
             self._close_residency()
-            self.model.expert_set = None        # its experts hold views into the mapped files
-            self.model.drop_tables()            # so do the pipeline's C structs
+            self.model.close()                  # its expert sets and C structs hold views
+                                                # into the mapped files
             self.weights.close()
 
     # ------------------------------------------------------------------ one request at a time

@@ -82,8 +82,14 @@ class Model:
         return self.pipeline.adopt(es, tables)
 
     def drop_tables(self) -> None:
-        """Forget the pipeline's tables (they point into the mapped weights)."""
+        """Forget the pipeline's expert-set tables (they point into the mapped weights;
+        rebuilt on the next step)."""
         self.pipeline.drop()
+
+    def close(self) -> None:
+        """Drop every reference into the mapped weights (before they are unmapped)."""
+        self.pipeline.close()
+        self.expert_set = self.ref.expert_set = None
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],

@@ -1,7 +1,7 @@
 """The model's math in plain numpy, one function per op: the one home of every op.
 
-The general forward path (model.py, mla.py), the router (routing.py), the sampler and the
-expert cache's speculation call these; the C kernels (kernels.py, ck_decode.c) compute the
+The reference forward (reference.py, mla.py), the router (routing.py), the sampler and the
+expert cache's speculation call these; the C kernels (kernels.py, ck_step.c) compute the
 same ops fast and are tested against them. Every function computes in the dtype it is
 given: the engine passes float32 (what its results were always computed in), the tests
 pass float64 to get the exact value a kernel must come close to.

@@ -441,7 +441,8 @@ class Pipeline:
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
         self.last_n = 0                             # tokens of the last step
-        self.layer_k = [0] * len(self.layers)        # its k per layer (the trace's width)
+        self.layer_k = [0] * len(self.layers)        # its k per layer (the arrays' layout)
+        self.layer_width = [0] * len(self.layers)    # the choice's width (an override's)
 
     # ------------------------------------------------------------------ expert sets
     def tables_for(self, es) -> _SetTables:
@@ -470,6 +471,13 @@ class Pipeline:
         self._tables = None
         self._cache_addr.clear()
 
+    def close(self) -> None:
+        """Let go of everything that points into the mapped weights (Engine.close, before
+        the files are unmapped); the pipeline cannot run after this."""
+        self.drop()
+        self.layers, self.head, self.embed_mat, self.final_norm = [], None, None, None
+        self.keep = None
+
     # ------------------------------------------------------------------ the trace
     def routing_trace(self) -> list:
         """The last step's routing per MoE layer (routing.LayerTrace; copies)."""
@@ -479,16 +487,16 @@ class Pipeline:
         for i, L in enumerate(self.layers):
             if not L["moe"] or t is None or n == 0:
                 continue
-            slots, k = t.layers[L["index"]]["slots"], self.layer_k[i]
+            slots, k, width = t.layers[L["index"]]["slots"], self.layer_k[i], self.layer_width[i]
             logits = sc.rows("logits", i, n, slots).copy()
-            ids = sc.rows("ids", i, n, k).copy()
+            ids = sc.rows("ids", i, n, k)[:, :width].copy()
             if self.cfg.scoring_func == "softmax":
                 p = ops.softmax(logits.astype(np.float64))
             else:
                 p = ops.sigmoid(logits.astype(np.float64))
             scores = np.take_along_axis(p, np.maximum(ids, 0), 1).astype(np.float32)
             scores[ids < 0] = 0.0                  # slots a routing override left unused
-            out.append(LayerTrace(L["index"], Routing(ids, sc.rows("wts", i, n, k).copy(), scores), logits))
+            out.append(LayerTrace(L["index"], Routing(ids, sc.rows("wts", i, n, k)[:, :width].copy(), scores), logits))
         return out
 
     # ------------------------------------------------------------------ the step
@@ -651,7 +659,7 @@ class Pipeline:
             idv[:, K:], wv[:, K:] = -1, 0.0
         else:
             idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
-        self.layer_k[i] = kmax
+        self.layer_k[i] = self.layer_width[i] = kmax
         if hooks is not None and hooks.routing is not None:
             p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func == "softmax" \
                 else ops.sigmoid(lg.astype(np.float64))
@@ -663,6 +671,7 @@ class Pipeline:
                 m = new_ids.shape[1]
                 idv[:, :m], wv[:, :m] = new_ids, new_w
                 idv[:, m:], wv[:, m:] = -1, 0.0
+                self.layer_width[i] = m
         self._experts(i, L, T, n, kmax, idv, wv)
 
     def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:

@@ -196,7 +196,7 @@ class Residency:
 
     def all_prefetched(self, layer: int) -> bool:
         """True once every expert file of `layer` has had its madvise: acquire() has
-        nothing left to do there (the decode fast path then skips it)."""
+        nothing left to do there (the pipeline then skips it)."""
         return self._advice is None or self._to_advise.get(layer, 0) <= 0
 
     def acquire(self, layer: int, used, experts):

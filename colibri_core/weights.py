@@ -34,7 +34,7 @@ class FFNWeights:
 
 @runtime_checkable
 class Expert(Protocol):
-    """What every expert the model routes to offers (Model._moe, decode.py, residency):
+    """What every expert the model routes to offers (pipeline.py, reference.py, residency):
 
     - ModelExpert: the model's own, views into its mapped expert_{layer}_{index}.bin;
     - expertcache.CopyInExpert: a model expert read into a frame of the budget's cache;

@@ -180,8 +180,8 @@ def test_the_check_catches_what_it_must(tmp_path):
 
     upward = plant(f"{PKG}.quant", "from .model import Model\n")
     assert any("quant" in p and "lists after quant.py" in p for p in upward), upward
-    deferred = plant(f"{PKG}.routing", "def f():\n    from . import decode\n")
-    assert any("colibri_core.decode" in p for p in deferred), deferred
+    deferred = plant(f"{PKG}.routing", "def f():\n    from . import pipeline\n")
+    assert any("colibri_core.pipeline" in p for p in deferred), deferred
     typing_only = plant(f"{PKG}.generate", "from typing import TYPE_CHECKING\n"
                                            "if TYPE_CHECKING:\n    from .engine import Engine\n")
     assert any("colibri_core.engine" in p for p in typing_only), typing_only

@@ -12,10 +12,10 @@
  * - each slot of the backend table, the int8 tiles in both variants (sdot only where the
  *   CPU has it), and the vector exp and softmax;
  * - the public API the engine calls (ck_matmul, ck_expert_ffn, ck_attention_decode and
- *   the decode step ck_decode_attention / _ffn / _head), on 1 and 2 threads, with
+ *   the pipeline step ck_step_attention / _experts / _head), on 1 and 2 threads, with
  *   ck_set_backend(CK_NEON) against ck_set_backend(CK_SCALAR).
  * Bit-exact where the x86 backends are (act_quant; every int8 product, hence the int8
- * matmuls, FFNs and decode blocks); elsewhere within the tolerance printed per kernel:
+ * matmuls, FFNs and step blocks); elsewhere within the tolerance printed per kernel:
  * max |neon - scalar| / max |scalar| over a case's outputs, or per element relative for
  * exp (vs double exp) and softmax.
  *
@@ -249,7 +249,7 @@ static void test_act_quant(const ck_backend_t *be) {
     rep_print(&r);
 }
 
-/* every tile shape ck_core.c / ck_decode.c ask for: rt 1..4 x 1 token, rt x 2..4 tokens,
+/* every tile shape ck_core.c / ck_step.c ask for: rt 1..4 x 1 token, rt x 2..4 tokens,
  * starting at row 1 and token 1 */
 #define NSHAPES 16
 static void shape(int i, int *rt, int *nt) { *rt = 1 + i % 4; *nt = 1 + i / 4; }
@@ -511,31 +511,42 @@ static void api_attention(report *exact, report *tol) {
     }
 }
 
-/* The decode step: a few positions of one layer (attention block, a routed FFN block
- * with a shared expert, the lm_head), scalar and NEON each from the same start. */
-static ck_dscratch scratch(int64_t H, int64_t nh, int64_t d, int64_t max_len, int64_t hld,
-                           int64_t hcp, int64_t max_ffns) {
+/* The pipeline step (ck_step.c): a few steps of one layer over NT tokens of one sequence
+ * (attention block, a routed expert block with a shared expert, the lm_head), scalar
+ * and NEON each from the same start. */
+static ck_sscratch scratch(int64_t n, int64_t H, int64_t nh, int64_t d, int64_t hld,
+                           int64_t hcp, int64_t kmax, int64_t ne) {
     const int64_t cp_max = rup(H > nh * d ? H : nh * d, 384);   /* whole groups of 64, 128, 192 */
-    ck_dscratch s;
+    const int64_t pairs = n * (kmax + 1);
+    ck_sscratch s;
     memset(&s, 0, sizeof s);
-    s.xn = odd((size_t)H * 4);
-    s.aq = odd((size_t)cp_max); s.as = odd((size_t)cp_max / 64 * 4); s.asum = odd((size_t)cp_max / 64 * 4);
-    s.bq = odd((size_t)cp_max); s.bs = odd((size_t)cp_max / 64 * 4); s.bsum = odd((size_t)cp_max / 64 * 4);
+    s.n_max = n;
+    s.xn = odd((size_t)(n * H) * 4);
+    s.aq = odd((size_t)(n * cp_max)); s.as = odd((size_t)(n * cp_max / 64) * 4);
+    s.asum = odd((size_t)(n * cp_max / 64) * 4);
+    s.bq = odd((size_t)(n * cp_max)); s.bs = odd((size_t)(n * cp_max / 64) * 4);
+    s.bsum = odd((size_t)(n * cp_max / 64) * 4);
     s.cp_max = cp_max;
-    s.q = odd((size_t)(nh * d) * 4); s.k = odd((size_t)(nh * d) * 4); s.v = odd((size_t)(nh * d) * 4);
-    s.att = odd((size_t)(nh * d) * 4);
-    s.cos = odd((size_t)d * 2); s.sin = odd((size_t)d * 2);
-    s.scores = odd((size_t)(nh * max_len) * 4); s.max_len = max_len;
-    s.h = odd((size_t)(max_ffns * hld) * 4); s.hq = odd((size_t)(max_ffns * hcp));
-    s.hs = odd((size_t)(max_ffns * hcp / 64) * 4); s.hsum = odd((size_t)(max_ffns * hcp / 64) * 4);
-    s.max_ffns = max_ffns; s.hld = hld; s.hcp = hcp;
+    s.q = odd((size_t)(n * nh * d) * 4); s.k = odd((size_t)(n * nh * d) * 4);
+    s.v = odd((size_t)(n * nh * d) * 4); s.att = odd((size_t)(n * nh * d) * 4);
+    s.pairs_max = pairs;
+    s.gq = odd((size_t)(pairs * cp_max)); s.gs = odd((size_t)(pairs * cp_max / 64) * 4);
+    s.gsum = odd((size_t)(pairs * cp_max / 64) * 4);
+    s.h = odd((size_t)(pairs * hld) * 4); s.hq = odd((size_t)(pairs * hcp));
+    s.hs = odd((size_t)(pairs * hcp / 64) * 4); s.hsum = odd((size_t)(pairs * hcp / 64) * 4);
+    s.hld = hld; s.hcp = hcp;
+    s.pairs_total_max = pairs;
+    s.pair_tok = odd((size_t)pairs * 8); s.pair_w = odd((size_t)pairs * 4);
+    s.counts = odd((size_t)(2 * ne + 1) * 8);
+    s.jobs_max = ne + 2; s.jobs = odd((size_t)((ne + 2) * ck_step_job_bytes()));
     return s;
 }
 
-static void api_decode(report *exact, report *tol) {
+static void api_step(report *exact, report *tol) {
     seed(9);
     g_used = 0;
-    enum { H = 192, NH = 6, NKV = 2, D = 32, I = 130, E = 4, K = 2, POS = 5, V = 67 };
+    enum { H = 192, NH = 6, NKV = 2, D = 32, I = 130, E = 4, K = 2, STEPS = 3, NT = 3, V = 67 };
+    enum { CAP = STEPS * NT };
     ck_attn_layer L;
     memset(&L, 0, sizeof L);
     L.wq = q4_mat(NH * D, H, 64); L.wk = q8_mat(NKV * D, H, 64);
@@ -543,51 +554,64 @@ static void api_decode(report *exact, report *tol) {
     L.bq = floats(NH * D, 0.1f);
     L.norm = floats(H, 1.0f); L.ffn_norm = floats(H, 1.0f);
     L.hidden = H; L.nh = NH; L.nkv = NKV; L.d = D; L.eps = 1e-6f;
+    L.scale = 1.0f / sqrtf((float)D);
     double inv_freq[D / 2];
     for (int i = 0; i < D / 2; i++) inv_freq[i] = pow(10000.0, -2.0 * i / D);
     L.inv_freq = inv_freq; L.rope_factor = 1.0;
     ck_ffn table[E + 1];
     for (int e = 0; e <= E; e++)
         table[e] = (ck_ffn){q4_mat(I, H, 64), q4_mat(I, H, 64), q4_mat(H, I, e % 2 ? 64 : 128)};
-    ck_ffn_block fb = {table, &table[E], floats(H, 0.1f), H};
+    ck_ffn_block fb = {table, E, &table[E], floats(H, 0.1f), H};
     ck_mat head = q8_mat(V, H, 64);
-    float *x0 = floats(H, 1.0f);
+    float *x0 = floats(NT * H, 1.0f);
     float *kc[2], *vc[2], *x[2], *xn[2], *logits[2];
     for (int b = 0; b < 2; b++) {
-        kc[b] = odd((size_t)(POS * NKV * D) * 4); vc[b] = odd((size_t)(POS * NKV * D) * 4);
-        x[b] = odd((size_t)H * 4); xn[b] = odd((size_t)H * 4); logits[b] = odd((size_t)V * 4);
+        kc[b] = odd((size_t)(CAP * NKV * D) * 4); vc[b] = odd((size_t)(CAP * NKV * D) * 4);
+        x[b] = odd((size_t)(NT * H) * 4); xn[b] = odd((size_t)(NT * H) * 4);
+        logits[b] = odd((size_t)(NT * V) * 4);
     }
-    ck_dscratch s = scratch(H, NH, D, POS, rup(I, 64), rup(I, 128), K + 1);
-    for (int pos = 0; pos < POS; pos++) {
-        const int64_t ids[K] = {(pos + 1) % E, pos % 2 ? -1 : (pos + 3) % E};
-        const float wts[K] = {0.7f, 0.3f};
+    ck_sscratch s = scratch(NT, H, NH, D, rup(I, 64), rup(I, 128), K, E);
+    for (int step = 0; step < STEPS; step++) {
+        int64_t ids[NT * K];
+        float wts[NT * K];
+        for (int t = 0; t < NT; t++) {
+            int p = step * NT + t;
+            ids[t * K] = (p + 1) % E; ids[t * K + 1] = p % 2 ? -1 : (p + 3) % E;
+            wts[t * K] = 0.7f; wts[t * K + 1] = 0.3f;
+        }
         for (int b = 0; b < 2; b++) {
+            int64_t tok[NT * 4];
+            for (int t = 0; t < NT; t++) {
+                tok[4 * t] = step * NT + t;
+                tok[4 * t + 1] = (int64_t)(uintptr_t)kc[b]; tok[4 * t + 2] = (int64_t)(uintptr_t)vc[b];
+                tok[4 * t + 3] = CAP * NKV * D;
+            }
             ck_set_backend(b ? CK_NEON : CK_SCALAR);
-            memcpy(x[b], x0, H * 4);
-            int rc = ck_decode_attention(&L, x[b], kc[b], vc[b], pos, xn[b], &s);
+            memcpy(x[b], x0, NT * H * 4);
+            int rc = ck_step_attention(&L, 0, x[b], NT, tok, xn[b], &s);
             char what[64];
-            snprintf(what, sizeof what, "attention block pos %d threads %d", pos, ck_get_threads());
-            if (rc) { printf("  ck_decode_attention: %d\n", rc); exit(2); }
+            snprintf(what, sizeof what, "attention block step %d threads %d", step, ck_get_threads());
+            if (rc) { printf("  ck_step_attention: %d\n", rc); exit(2); }
             if (b) {
-                rep_floats(tol, x[1], x[0], H, NULL, what);
-                rep_floats(tol, xn[1], xn[0], H, NULL, what);
-                /* the FFN block and the head from the scalar block's output, so that they
-                 * are compared on the same input: int8 all through, bit-exact */
-                memcpy(x[1], x[0], H * 4);
-                memcpy(xn[1], xn[0], H * 4);
+                rep_floats(tol, x[1], x[0], NT * H, NULL, what);
+                rep_floats(tol, xn[1], xn[0], NT * H, NULL, what);
+                /* the expert block and the head from the scalar block's output, so that
+                 * they are compared on the same input: int8 all through, bit-exact */
+                memcpy(x[1], x[0], NT * H * 4);
+                memcpy(xn[1], xn[0], NT * H * 4);
             }
         }
         for (int b = 0; b < 2; b++) {
             ck_set_backend(b ? CK_NEON : CK_SCALAR);
-            int rc = ck_decode_ffn(&fb, ids, wts, K, xn[b], x[b], &s);
-            rc = rc ? rc : ck_decode_head(&head, L.norm, 1e-6f, x[b], logits[b], &s);
-            if (rc) { printf("  ck_decode_ffn/head: %d\n", rc); exit(2); }
+            int rc = ck_step_experts(&fb, xn[b], NT, ids, wts, K, x[b], &s);
+            rc = rc ? rc : ck_step_head(&head, L.norm, 1e-6f, x[b], NT, logits[b], &s);
+            if (rc) { printf("  ck_step_experts/head: %d\n", rc); exit(2); }
         }
         char what[64];
-        snprintf(what, sizeof what, "ffn block + head pos %d threads %d", pos, ck_get_threads());
-        rep_floats(exact, x[1], x[0], H, NULL, what);
-        rep_floats(exact, logits[1], logits[0], V, NULL, what);
-        memcpy(x0, x[0], H * 4);            /* the next position starts from this one */
+        snprintf(what, sizeof what, "expert block + head step %d threads %d", step, ck_get_threads());
+        rep_floats(exact, x[1], x[0], NT * H, NULL, what);
+        rep_floats(exact, logits[1], logits[0], NT * V, NULL, what);
+        memcpy(x0, x[0], NT * H * 4);          /* the next step starts from this one */
     }
 }
 
@@ -629,8 +653,8 @@ int main(void) {
     t = rep("attention_decode", v, ATTN_TOL);
     both_threads(api_attention, NULL, &t);
     rep_print(&t);
-    e = rep("decode_ffn_head", v, -1); t = rep("decode_attention", v, ATTN_TOL);
-    both_threads(api_decode, &e, &t);
+    e = rep("step_experts_head", v, -1); t = rep("step_attention", v, ATTN_TOL);
+    both_threads(api_step, &e, &t);
     rep_print(&e); rep_print(&t);
 
     clock_gettime(CLOCK_MONOTONIC, &t1);
