@@ -47,7 +47,7 @@ class Events:
 
 
 class Looper(threading.Thread):
-    """Generates back-to-back requests; records (request, step, version, slot-4 routed)."""
+    """Generates back-to-back requests; records (request, step, expert-set generation, slot-4 routed)."""
 
     def __init__(self, eng):
         super().__init__(daemon=True)
@@ -60,7 +60,7 @@ class Looper(threading.Thread):
                 g = self.eng.generate([1, 2, 3], max_new_tokens=40, temperature=0)
                 for ev in g:
                     routed = [t.routing.ids for t in self.eng.model.last_routing if t.layer == 1][0]
-                    self.tokens.append((r, ev.step, ev.expert_set_version, bool((routed == 4).any())))
+                    self.tokens.append((r, ev.step, ev.expert_set_generation, bool((routed == 4).any())))
                     time.sleep(0.002)
                     if self.stop.is_set():
                         break
@@ -101,7 +101,7 @@ def test_add_replace_rollback_remove_while_generating(tiny_model_dir, tmp_path):
         os.replace(v2, watched / "fraud.so")               # replace in place
         loop.wait_version(lambda t: t[2] > add_version)
         assert [i["version"] for i in ev.loaded] == ["1", "2"]
-        replace_version = eng.expert_set_version
+        replace_version = eng.expert_set_generation
         eng.hotplug.rollback("fraud")
         loop.wait_version(lambda t: t[2] > replace_version)
         assert ev.loaded[-1]["version"] == "1"
@@ -152,7 +152,7 @@ def test_refusals_reported_and_engine_goes_on(tiny_model_dir, tmp_path):
                                               hotplug=HotplugConfig(settle_s=0.05)), plugin_manager=pm)
     try:
         assert all(r["status"] != "active" for r in eng.hotplug.list())
-        assert eng.expert_set_version == 0
+        assert eng.expert_set_generation == 0
         g = eng.generate([1, 2, 3], max_new_tokens=5, temperature=0).run()
         assert len(g.token_ids) == 5
         reasons = " | ".join(r for _, r in ev.rejected)
@@ -204,16 +204,16 @@ def test_pinned_request_keeps_its_expert_set(tiny_model_dir, tmp_path):
         first = [next(pinned) for _ in range(3)]
         os.rename(_build(build, "late", "1", seed=3), watched / "late.so")
         t0 = time.time()
-        while eng.expert_set_version == 0 and time.time() - t0 < 20:
+        while eng.expert_set_generation == 0 and time.time() - t0 < 20:
             eng.apply_expert_changes()               # this is the engine's thread
             time.sleep(0.02)
-        assert eng.expert_set_version >= 1           # adopted while the pinned run is open
+        assert eng.expert_set_generation >= 1           # adopted while the pinned run is open
         rest = list(pinned)
-        assert {ev.expert_set_version for ev in first + rest} == {0}
+        assert {ev.expert_set_generation for ev in first + rest} == {0}
         for t in eng.model.last_routing:             # the pinned run never saw slot 4
             assert not (t.routing.ids == 4).any()
         g = eng.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
-        assert g.events[0].expert_set_version >= 1
+        assert g.events[0].expert_set_generation >= 1
         routed = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
         assert (routed == 4).any()
 
@@ -253,7 +253,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
             where["plan"].clear()                       # was built there
             os.rename(_build(build, "fraud", "1", seed=1), watched / "fraud.so")
             loop.wait_version(lambda t: t[3])
-            v = eng.expert_set_version
+            v = eng.expert_set_generation
             os.replace(_build(build, "fraud", "2", seed=2), watched / "fraud.so")
             loop.wait_version(lambda t: t[2] > v)
             os.rename(_build(build, "other", "1", seed=3, bias=-50.0), watched / "other.so")
@@ -262,7 +262,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
             loop.wait_version(lambda t: t[2] > v + 2)
             stats = dict(eng.expert_change_stats)
             plans = list(where["plan"])
-            v = eng.expert_set_version
+            v = eng.expert_set_generation
             eng.hotplug.rollback("fraud")
             loop.wait_version(lambda t: t[2] > v)
             rolled = dict(eng.expert_change_stats)
@@ -281,3 +281,4 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
     versions = [v for _, _, v, _ in loop.tokens]
     assert versions == sorted(versions)
     assert loop.tokens[-1][3]                   # fraud 1 is back and routed (bias 50)
+

@@ -423,7 +423,8 @@ def test_guard_on_a_plain_pluggy_manager():
     pm.add_hookspecs(hookspecs)
     relay = HookRelay(pm)
     pm.register(one_hook("colibri_token", lambda: 1 / 0), name="zero")
-    relay.token(request_id="r", step=0, token_id=1, text="", expert_set_version=0)
+    relay.token(request_id="r", step=0, token_id=1, text="", expert_set_generation=0,
+                expert_set_id="")
     assert relay.guard.report()["zero"]["failures"] == {"colibri_token": 1}
 
 
