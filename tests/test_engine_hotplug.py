@@ -282,3 +282,105 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
     assert versions == sorted(versions)
     assert loop.tokens[-1][3]                   # fraud 1 is back and routed (bias 50)
 
+
+def _settle(eng, generation, timeout=20.0):
+    """Apply queued changes (this is the engine's thread) until the generation passes
+    `generation`; -> the new generation."""
+    t0 = time.time()
+    while eng.expert_set_generation <= generation and time.time() - t0 < timeout:
+        eng.apply_expert_changes()
+        time.sleep(0.02)
+    assert eng.expert_set_generation > generation, "change not adopted"
+    return eng.expert_set_generation
+
+
+def test_expert_set_id_names_the_experts_not_the_history(tiny_model_dir, tmp_path):
+    """Two engines on the same model with the same hot-plugged experts report the same
+    expert_set_id whatever the order they came in, the slots they took or what came and
+    went before; the generation counts the changes. Adding an expert changes the id,
+    removing it restores the one before; tokens and hook events carry both."""
+    import shutil
+    build = tmp_path / "build"
+    build.mkdir()
+    so = {"fraud": _build(build, "fraud", "1", seed=1),
+          "other": _build(build, "other", "1", seed=2, bias=-50.0)}
+
+    def put(folder, name):                   # the same bytes in each folder, renamed in
+        tmp = build / f"{name}.{time.monotonic_ns()}"
+        shutil.copyfile(so[name], tmp)
+        os.rename(tmp, folder / f"{name}.so")
+
+    def engine(name):
+        watched = tmp_path / name
+        watched.mkdir(mode=0o755)
+        eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                                  hotplug=HotplugConfig(settle_s=0.05)))
+        ev = Events()
+        eng.register_plugin(ev)
+        return eng, watched, ev
+
+    a, wa, ev_a = engine("a")
+    b, wb, _ = engine("b")
+    try:
+        base = a.expert_set_id
+        assert len(base) == 64 and b.expert_set_id == base and a.expert_set_generation == 0
+        # a: fraud, then other, then other removed
+        put(wa, "fraud")
+        ga_fraud = _settle(a, 0)
+        id_fraud = a.expert_set_id
+        assert id_fraud != base
+        assert ev_a.loaded[-1]["expert_set_id"] == id_fraud
+        assert ev_a.loaded[-1]["expert_set_generation"] == ga_fraud
+        g = a.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
+        assert {(e.expert_set_generation, e.expert_set_id) for e in g.events} == {(ga_fraud, id_fraud)}
+        put(wa, "other")
+        ga_both = _settle(a, ga_fraud)
+        id_both = a.expert_set_id
+        assert id_both not in (base, id_fraud)
+        (wa / "other.so").unlink()
+        _settle(a, ga_both)
+        assert a.expert_set_id == id_fraud and ev_a.unloaded[-1]["expert_set_id"] == id_fraud
+        # b: other first, then fraud (other slots), then other removed
+        put(wb, "other")
+        gb = _settle(b, 0)
+        assert b.expert_set_id not in (base, id_fraud, id_both)
+        put(wb, "fraud")
+        gb = _settle(b, gb)
+        assert b.expert_set_id == id_both
+        slots = {r["name"]: r["slot"] for r in b.hotplug.list()}
+        assert slots["fraud"] != {r["name"]: r["slot"] for r in a.hotplug.list()}["fraud"]
+        (wb / "other.so").unlink()
+        gb = _settle(b, gb)
+        assert b.expert_set_id == id_fraud and gb != ga_fraud
+        (wb / "fraud.so").unlink()
+        gb = _settle(b, gb)
+        assert b.expert_set_id == base and b.expert_set_generation > 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_expert_set_id_without_model_checksums(tiny_model_dir, tmp_path):
+    """A model directory whose config.json lists no files: model experts are named by
+    their file's size and header section, so two copies still agree (and differ from the
+    id the listed checksums give)."""
+    import json
+    import shutil
+    from colibri_core.expertset import ExpertSet
+    from colibri_core.weights import load_model
+    ids = []
+    for name in ("c1", "c2"):
+        d = shutil.copytree(tiny_model_dir, tmp_path / name)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.pop("files")
+        (d / "config.json").write_text(json.dumps(cfg))
+        w = load_model(d)
+        try:
+            es = ExpertSet.from_weights(w)
+            assert all(v.startswith("header:") for v in es.model_digests.values())
+            ids.append(es.id)
+        finally:
+            es = None
+            w.close()
+    with Engine(tiny_model_dir) as eng:
+        assert ids[0] == ids[1] != eng.expert_set_id
