@@ -106,7 +106,7 @@ class Decoder(threading.Thread):
                 g = self.eng.generate([1, 2, 3], max_new_tokens=400, temperature=0.7,
                                       seed=r)
                 for ev in g:
-                    self.log.append((time.perf_counter(), r, ev.step, ev.expert_set_version,
+                    self.log.append((time.perf_counter(), r, ev.step, ev.expert_set_generation,
                                      ev.latency_s))
                     if self.stop.is_set():
                         break

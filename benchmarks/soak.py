@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         tokens = requests = 0
         t0 = time.perf_counter()
         deadline = t0 + args.minutes * 60
-        last_version = eng.expert_set_version
+        last_version = eng.expert_set_generation
 
         def one_request(phase: str) -> None:
             nonlocal tokens, requests, last_version, n_lat
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                     code = PHASES.index("first")
                 elif phase == "warmup":
                     code = PHASES.index("warmup")
-                elif ev.expert_set_version != last_version:
+                elif ev.expert_set_generation != last_version:
                     code = PHASES.index("change")
                 elif eng.model.expert_set.hot_experts():
                     code = PHASES.index("hot")
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                 if n_lat < cap:
                     lat_s[n_lat], lat_phase[n_lat] = ev.latency_s, code
                     n_lat += 1
-                last_version = ev.expert_set_version
+                last_version = ev.expert_set_generation
                 tokens += 1
             if requests < len(samples):
                 r = rss()

@@ -445,10 +445,11 @@ def cmd_experts_list(args) -> int:
             rows += eng.hotplug.list()
             refused = eng.hotplug.refused()
         if args.json:
-            print(json.dumps({"expert_set_version": eng.expert_set_version, "experts": rows,
+            print(json.dumps({"expert_set_generation": eng.expert_set_generation,
+                              "expert_set_id": eng.expert_set_id, "experts": rows,
                               "refused": refused}, indent=1))
             return 0
-        print(f"expert set version {eng.expert_set_version}")
+        print(f"expert set generation {eng.expert_set_generation}, id {eng.expert_set_id}")
         print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':10s} {'origin':12s} "
               f"{'isolation':10s} {'status':9s} sha256")
         for r in rows:

@@ -243,8 +243,15 @@ class Engine:
         return self.model_cfg.num_experts
 
     @property
-    def expert_set_version(self) -> int:
-        return self.model.expert_set.version
+    def expert_set_generation(self) -> int:
+        """The current expert set's counter: only grows, +1 per applied change."""
+        return self.model.expert_set.generation
+
+    @property
+    def expert_set_id(self) -> str:
+        """The current expert set's digest (expertset.expert_set_id): the same in two
+        engines with the same experts, whatever the load order or slots."""
+        return self.model.expert_set.id
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -546,7 +553,7 @@ class Engine:
                 hook(path=str(info.get("path", "")),
                      reason=str(info.get("message") or info.get("reason", "")))
             else:
-                hook(info=expert_info(info, self.expert_set_version))
+                hook(info=expert_info(info, self.model.expert_set))
 
 
 def _token_ids(prompt) -> list[int]:

@@ -10,13 +10,15 @@ import weakref
 log = logging.getLogger("colibri")
 
 
-def expert_info(info: dict, expert_set_version: int) -> dict:
+def expert_info(info: dict, es) -> dict:
     """The ``info`` of colibri_expert_loaded / colibri_expert_unloaded: the hot-plug
     manager's event plus the keys hookspecs.py documents (``expert`` and ``layer`` next
-    to the manager's ``slot`` and ``layers``)."""
+    to the manager's ``slot`` and ``layers``; the generation and id of `es`, the expert
+    set with or without it)."""
     layers = [int(L) for L in info.get("layers", ())]
     return {**info, "layers": layers, "expert": info.get("slot"),
-            "layer": layers[0] if layers else None, "expert_set_version": expert_set_version}
+            "layer": layers[0] if layers else None, "expert_set_generation": es.generation,
+            "expert_set_id": es.id}
 
 
 def release_all(manager, experts) -> None:

@@ -1,7 +1,8 @@
 """Token generation: prefill, then decode one token at a time, streaming.
 
 Between two tokens (and only there) the engine applies queued expert changes, so every
-token is computed with exactly one expert set, whose version is recorded on the token.
+token is computed with exactly one expert set, whose generation and id are recorded on
+the token.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class TokenEvent:
     step: int                  # 0-based index of the generated token
     token_id: int
     text: str                  # new text this token completed (may be "")
-    expert_set_version: int    # the expert set the token was computed with
+    expert_set_generation: int  # the expert set the token was computed with: its counter
+    expert_set_id: str          # ... and its digest (expertset.expert_set_id)
     latency_s: float           # time from the previous token (or request start)
 
 
@@ -103,7 +105,6 @@ class Generation:
             with eng.step():
                 eng.apply_expert_changes()
                 es = eng.model.expert_set        # a pinned request keeps this snapshot
-                version = es.version
                 logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k],
                                            expert_set=es)[0]
             eos = set(cfg.eos_token_ids)
@@ -121,12 +122,12 @@ class Generation:
                 piece, stop_hit = self._cut_at_stop(piece)
                 self.text += piece
                 now = time.perf_counter()
-                ev = TokenEvent(step, tok, piece, version, now - t_prev)
+                ev = TokenEvent(step, tok, piece, es.generation, es.id, now - t_prev)
                 t_prev = now
                 self.events.append(ev)
                 if hooks is not None and hooks.token is not None:
                     hooks.token(request_id=self.request_id, step=step, token_id=tok, text=piece,
-                                expert_set_version=version)
+                                expert_set_generation=es.generation, expert_set_id=es.id)
                 if gc_was_enabled:
                     gc.enable()
                 yield ev
@@ -145,7 +146,6 @@ class Generation:
                     if not self.pin_experts:
                         eng.apply_expert_changes()      # between two tokens, on this thread
                         es = eng.model.expert_set
-                        version = es.version
                     logits = eng.model.decode_step(tok, cache, self.k, expert_set=es)
             if decoder is not None and self.stop_reason != "stop":
                 tail = decoder.flush()

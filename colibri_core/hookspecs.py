@@ -249,7 +249,8 @@ def colibri_sample(logits: np.ndarray, request: dict) -> int | None:
 
 @hookspec
 def colibri_token(
-    request_id: str, step: int, token_id: int, text: str, expert_set_version: int
+    request_id: str, step: int, token_id: int, text: str, expert_set_generation: int,
+    expert_set_id: str
 ) -> None:
     """A token has been produced and is about to be streamed.
 
@@ -258,8 +259,12 @@ def colibri_token(
         step: 0-based index of the generated token within the request.
         token_id: the token id.
         text: the token's decoded text ("" when there is no tokenizer).
-        expert_set_version: version of the expert set that produced the token; it
-            grows by one every time hot-plugged experts are applied between tokens.
+        expert_set_generation: generation of the expert set that produced the token: a
+            counter that only grows, by one for every hot-plug change applied between
+            tokens.
+        expert_set_id: that expert set's id: a hex sha256 over its sorted (expert name,
+            digest) pairs, the same in two engines with the same experts whatever the
+            load order or slots (docs/HOTPLUG.md, "Expert-set generation and id").
 
     Returns: nothing; every implementation is called.
     """
@@ -286,7 +291,8 @@ def colibri_expert_loaded(info: dict) -> None:
         expert (int): its expert index (router slot) in each of ``layers``.
         slot (int): the same as ``expert`` (the hot-plug manager's name for it).
         sha256 (str): the file's sha256.
-        expert_set_version (int): the version of the expert set that includes it.
+        expert_set_generation (int): the generation of the expert set that includes it.
+        expert_set_id (str): the id of that expert set.
 
     Returns: nothing; every implementation is called.
     """
@@ -322,7 +328,8 @@ def colibri_expert_unloaded(info: dict) -> None:
         expert (int): its expert index (router slot) in each of ``layers``.
         slot (int): the same as ``expert``.
         sha256 (str): the removed file's sha256.
-        expert_set_version (int): the version of the expert set without it.
+        expert_set_generation (int): the generation of the expert set without it.
+        expert_set_id (str): the id of that expert set.
 
     Returns: nothing; every implementation is called.
     """

@@ -34,7 +34,8 @@ IDS = np.argsort(-LOGITS, axis=1)[:, :2]  # [N, k=2]
 SCORES = np.take_along_axis(PROBS, IDS, 1)
 WEIGHTS = SCORES / SCORES.sum(1, keepdims=True)
 HIDDEN = np.ones((3, 4), np.float32)
-INFO = {"path": "experts_so/fraud.so", "layer": 1, "expert": 8, "expert_set_version": 2}
+INFO = {"path": "experts_so/fraud.so", "layer": 1, "expert": 8, "expert_set_generation": 2,
+        "expert_set_id": "ab" * 32}
 
 # hook -> (keyword arguments the engine passes, what the Recorder's call returns)
 ENGINE_CALLS = {
@@ -50,7 +51,8 @@ ENGINE_CALLS = {
     "colibri_expert_timing": (dict(layer=1, expert=3, cycles=1000, seconds=1e-6), []),
     "colibri_after_layer": (dict(layer=1, hidden=HIDDEN), []),
     "colibri_sample": (dict(logits=np.array([0.1, 3.0, -1.0], np.float32), request={}), 1),
-    "colibri_token": (dict(request_id="r1", step=0, token_id=7, text="hi", expert_set_version=2), []),
+    "colibri_token": (dict(request_id="r1", step=0, token_id=7, text="hi", expert_set_generation=2,
+                          expert_set_id="ab" * 32), []),
     "colibri_expert_loaded": (dict(info=INFO), []),
     "colibri_expert_rejected": (dict(path="experts_so/bad.so", reason="probe crashed"), []),
     "colibri_expert_unloaded": (dict(info=dict(INFO, reason="deleted")), []),

@@ -258,6 +258,7 @@ def test_hot_plugged_expert_runs_outside_the_budget(model_dir, reference):
         layers = [1]
         q4 = None
         router_bias = 50.0                    # always routed
+        name, sha256 = "hot", "0" * 64
 
         def __init__(self, slot, hidden):
             self.slot = slot

@@ -183,7 +183,8 @@ def run_request(relay, request_id, steps, times, clock_values):
             relay.routing(layer=layer, expert_ids=ids, weights=np.ones(ids.shape, np.float32),
                           scores=np.ones(ids.shape, np.float32), logits=np.zeros((len(ids), 66), np.float32))
         clock_values.append(times[step])
-        relay.token(request_id=request_id, step=step, token_id=100 + step, text="x", expert_set_version=0)
+        relay.token(request_id=request_id, step=step, token_id=100 + step, text="x", expert_set_generation=0,
+                    expert_set_id="")
     relay.request_end(request_id=request_id, n_tokens=len(steps), stop_reason="max_tokens")
 
 
@@ -191,7 +192,8 @@ def test_metrics_per_request(pm, relay):
     clock_values = []
     metrics = Metrics(hotplug_threshold=64, clock=lambda: clock_values[-1])
     pm.register(metrics)
-    relay.expert_loaded(info={"path": "experts_so/fraud.so", "layer": 3, "expert": 5, "expert_set_version": 1})
+    relay.expert_loaded(info={"path": "experts_so/fraud.so", "layer": 3, "expert": 5, "expert_set_generation": 1,
+                               "expert_set_id": ""})
     steps = [np.array([[0, 5]]), np.array([[5, 64]]), np.array([[0, -1]])]
     run_request(relay, "r1", steps, times=[10.000, 10.004, 10.0995], clock_values=clock_values)
     data = json.loads(metrics.to_json())
@@ -221,7 +223,8 @@ def test_metrics_ignores_routing_outside_requests(pm, relay):
     metrics = Metrics()
     pm.register(metrics)
     relay.routing(**ENGINE_CALLS["colibri_routing"][0])
-    relay.token(request_id="nobody", step=0, token_id=1, text="", expert_set_version=0)
+    relay.token(request_id="nobody", step=0, token_id=1, text="", expert_set_generation=0,
+                expert_set_id="")
     assert metrics.to_dict() == {}
 
 

@@ -191,7 +191,7 @@ def test_experts_list_json(tmp_path):
     r = colibri("experts", "list", "--experts-dir", str(d), "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert data["expert_set_version"] == 0
+    assert data["expert_set_generation"] == 0
     assert sum(e["origin"] == "model file" for e in data["experts"]) == 24
 
 

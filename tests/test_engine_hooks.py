@@ -24,7 +24,8 @@ class Recorder:
         self.calls.append(("after", layer))
 
     @hookimpl
-    def colibri_token(self, request_id, step, token_id, text, expert_set_version):
+    def colibri_token(self, request_id, step, token_id, text, expert_set_generation,
+                      expert_set_id):
         self.calls.append(("token", step, token_id))
 
     @hookimpl

@@ -47,7 +47,7 @@ class Events:
 
 
 class Looper(threading.Thread):
-    """Generates back-to-back requests; records (request, step, version, slot-4 routed)."""
+    """Generates back-to-back requests; records (request, step, expert-set generation, slot-4 routed)."""
 
     def __init__(self, eng):
         super().__init__(daemon=True)
@@ -60,7 +60,7 @@ class Looper(threading.Thread):
                 g = self.eng.generate([1, 2, 3], max_new_tokens=40, temperature=0)
                 for ev in g:
                     routed = [t.routing.ids for t in self.eng.model.last_routing if t.layer == 1][0]
-                    self.tokens.append((r, ev.step, ev.expert_set_version, bool((routed == 4).any())))
+                    self.tokens.append((r, ev.step, ev.expert_set_generation, bool((routed == 4).any())))
                     time.sleep(0.002)
                     if self.stop.is_set():
                         break
@@ -101,7 +101,7 @@ def test_add_replace_rollback_remove_while_generating(tiny_model_dir, tmp_path):
         os.replace(v2, watched / "fraud.so")               # replace in place
         loop.wait_version(lambda t: t[2] > add_version)
         assert [i["version"] for i in ev.loaded] == ["1", "2"]
-        replace_version = eng.expert_set_version
+        replace_version = eng.expert_set_generation
         eng.hotplug.rollback("fraud")
         loop.wait_version(lambda t: t[2] > replace_version)
         assert ev.loaded[-1]["version"] == "1"
@@ -152,7 +152,7 @@ def test_refusals_reported_and_engine_goes_on(tiny_model_dir, tmp_path):
                                               hotplug=HotplugConfig(settle_s=0.05)), plugin_manager=pm)
     try:
         assert all(r["status"] != "active" for r in eng.hotplug.list())
-        assert eng.expert_set_version == 0
+        assert eng.expert_set_generation == 0
         g = eng.generate([1, 2, 3], max_new_tokens=5, temperature=0).run()
         assert len(g.token_ids) == 5
         reasons = " | ".join(r for _, r in ev.rejected)
@@ -204,16 +204,16 @@ def test_pinned_request_keeps_its_expert_set(tiny_model_dir, tmp_path):
         first = [next(pinned) for _ in range(3)]
         os.rename(_build(build, "late", "1", seed=3), watched / "late.so")
         t0 = time.time()
-        while eng.expert_set_version == 0 and time.time() - t0 < 20:
+        while eng.expert_set_generation == 0 and time.time() - t0 < 20:
             eng.apply_expert_changes()               # this is the engine's thread
             time.sleep(0.02)
-        assert eng.expert_set_version >= 1           # adopted while the pinned run is open
+        assert eng.expert_set_generation >= 1           # adopted while the pinned run is open
         rest = list(pinned)
-        assert {ev.expert_set_version for ev in first + rest} == {0}
+        assert {ev.expert_set_generation for ev in first + rest} == {0}
         for t in eng.model.last_routing:             # the pinned run never saw slot 4
             assert not (t.routing.ids == 4).any()
         g = eng.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
-        assert g.events[0].expert_set_version >= 1
+        assert g.events[0].expert_set_generation >= 1
         routed = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
         assert (routed == 4).any()
 
@@ -253,7 +253,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
             where["plan"].clear()                       # was built there
             os.rename(_build(build, "fraud", "1", seed=1), watched / "fraud.so")
             loop.wait_version(lambda t: t[3])
-            v = eng.expert_set_version
+            v = eng.expert_set_generation
             os.replace(_build(build, "fraud", "2", seed=2), watched / "fraud.so")
             loop.wait_version(lambda t: t[2] > v)
             os.rename(_build(build, "other", "1", seed=3, bias=-50.0), watched / "other.so")
@@ -262,7 +262,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
             loop.wait_version(lambda t: t[2] > v + 2)
             stats = dict(eng.expert_change_stats)
             plans = list(where["plan"])
-            v = eng.expert_set_version
+            v = eng.expert_set_generation
             eng.hotplug.rollback("fraud")
             loop.wait_version(lambda t: t[2] > v)
             rolled = dict(eng.expert_change_stats)
@@ -281,3 +281,106 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
     versions = [v for _, _, v, _ in loop.tokens]
     assert versions == sorted(versions)
     assert loop.tokens[-1][3]                   # fraud 1 is back and routed (bias 50)
+
+
+def _settle(eng, generation, timeout=20.0):
+    """Apply queued changes (this is the engine's thread) until the generation passes
+    `generation`; -> the new generation."""
+    t0 = time.time()
+    while eng.expert_set_generation <= generation and time.time() - t0 < timeout:
+        eng.apply_expert_changes()
+        time.sleep(0.02)
+    assert eng.expert_set_generation > generation, "change not adopted"
+    return eng.expert_set_generation
+
+
+def test_expert_set_id_names_the_experts_not_the_history(tiny_model_dir, tmp_path):
+    """Two engines on the same model with the same hot-plugged experts report the same
+    expert_set_id whatever the order they came in, the slots they took or what came and
+    went before; the generation counts the changes. Adding an expert changes the id,
+    removing it restores the one before; tokens and hook events carry both."""
+    import shutil
+    build = tmp_path / "build"
+    build.mkdir()
+    so = {"fraud": _build(build, "fraud", "1", seed=1),
+          "other": _build(build, "other", "1", seed=2, bias=-50.0)}
+
+    def put(folder, name):                   # the same bytes in each folder, renamed in
+        tmp = build / f"{name}.{time.monotonic_ns()}"
+        shutil.copyfile(so[name], tmp)
+        os.rename(tmp, folder / f"{name}.so")
+
+    def engine(name):
+        watched = tmp_path / name
+        watched.mkdir(mode=0o755)
+        eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
+                                                  hotplug=HotplugConfig(settle_s=0.05)))
+        ev = Events()
+        eng.register_plugin(ev)
+        return eng, watched, ev
+
+    a, wa, ev_a = engine("a")
+    b, wb, _ = engine("b")
+    try:
+        base = a.expert_set_id
+        assert len(base) == 64 and b.expert_set_id == base and a.expert_set_generation == 0
+        # a: fraud, then other, then other removed
+        put(wa, "fraud")
+        ga_fraud = _settle(a, 0)
+        id_fraud = a.expert_set_id
+        assert id_fraud != base
+        assert ev_a.loaded[-1]["expert_set_id"] == id_fraud
+        assert ev_a.loaded[-1]["expert_set_generation"] == ga_fraud
+        g = a.generate([1, 2, 3], max_new_tokens=2, temperature=0).run()
+        assert {(e.expert_set_generation, e.expert_set_id) for e in g.events} == {(ga_fraud, id_fraud)}
+        put(wa, "other")
+        ga_both = _settle(a, ga_fraud)
+        id_both = a.expert_set_id
+        assert id_both not in (base, id_fraud)
+        (wa / "other.so").unlink()
+        _settle(a, ga_both)
+        assert a.expert_set_id == id_fraud and ev_a.unloaded[-1]["expert_set_id"] == id_fraud
+        # b: other first, then fraud (other slots), then other removed
+        put(wb, "other")
+        gb = _settle(b, 0)
+        assert b.expert_set_id not in (base, id_fraud, id_both)
+        put(wb, "fraud")
+        gb = _settle(b, gb)
+        assert b.expert_set_id == id_both
+        slots = {r["name"]: r["slot"] for r in b.hotplug.list()}
+        assert slots["fraud"] != {r["name"]: r["slot"] for r in a.hotplug.list()}["fraud"]
+        (wb / "other.so").unlink()
+        gb = _settle(b, gb)
+        assert b.expert_set_id == id_fraud and gb != ga_fraud
+        (wb / "fraud.so").unlink()
+        gb = _settle(b, gb)
+        assert b.expert_set_id == base and b.expert_set_generation > 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_expert_set_id_without_model_checksums(tiny_model_dir, tmp_path):
+    """A model directory whose config.json lists no files: model experts are named by
+    their file's size and header section, so two copies still agree (and differ from the
+    id the listed checksums give)."""
+    import json
+    import shutil
+    from colibri_core.expertset import ExpertSet
+    from colibri_core.weights import load_model
+    ids = []
+    for name in ("c1", "c2"):
+        d = shutil.copytree(tiny_model_dir, tmp_path / name)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.pop("files")
+        (d / "config.json").write_text(json.dumps(cfg))
+        w = load_model(d)
+        try:
+            es = ExpertSet.from_weights(w)
+            assert all(v.startswith("header:") for v in es.model_digests.values())
+            ids.append(es.id)
+        finally:
+            es = None
+            w.close()
+    with Engine(tiny_model_dir) as eng:
+        assert ids[0] == ids[1] != eng.expert_set_id

@@ -211,7 +211,7 @@ def test_built_expert_keeps_its_validated_recall_and_precision(tmp_path):
                         "card_testing", "1", q4_clip=common.expert_q4_clip())
     assert info.meta.target.endswith("q4-clip=minmax")
     with Engine.from_config(common.CONFIG, experts_dir=str(folder)) as eng:
-        assert eng.expert_set_version == 1
+        assert eng.expert_set_generation == 1
         recall, precision, n = card_testing_scores(eng)
     valid = meta["valid_after_int4"]["new"]
     assert n >= 300

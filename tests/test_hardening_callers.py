@@ -129,7 +129,8 @@ def test_close_inside_a_hook_releases_at_the_end_of_the_step():
         from colibri_core.hookspecs import hookimpl
 
         @hookimpl
-        def colibri_token(self, request_id, step, token_id, text, expert_set_version):
+        def colibri_token(self, request_id, step, token_id, text, expert_set_generation,
+                          expert_set_id):
             if step == 2:
                 e.close()
 

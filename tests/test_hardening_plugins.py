@@ -309,7 +309,8 @@ def test_bad_answer_fails_the_request_with_a_typed_error(hook, case, path, tiny_
 def test_routing_to_a_vacant_hot_plug_slot_is_refused(path, tiny_model_dir, baseline):
     """Slot 4 of layer 1 exists but holds no expert (a hot-plugged one came and went)."""
     hot = types.SimpleNamespace(slot=4, layers=[1], router_row=np.zeros(128, np.float32),
-                                router_bias=0.0, q4=None, forward=None)
+                                router_bias=0.0, q4=None, forward=None, name="gone",
+                                sha256="0" * 64)
     answer = (np.array([[0, 4]]), np.ones((1, 2), np.float32))
     with engine_with(bad_answer("colibri_routing", lambda: answer), "vacant", tiny_model_dir,
                      decide(path)) as eng:
@@ -414,7 +415,8 @@ def test_guard_on_a_plain_pluggy_manager():
     pm.add_hookspecs(hookspecs)
     relay = HookRelay(pm)
     pm.register(one_hook("colibri_token", lambda: 1 / 0), name="zero")
-    relay.token(request_id="r", step=0, token_id=1, text="", expert_set_version=0)
+    relay.token(request_id="r", step=0, token_id=1, text="", expert_set_generation=0,
+                expert_set_id="")
     assert relay.guard.report()["zero"]["failures"] == {"colibri_token": 1}
 
 

@@ -209,8 +209,9 @@ def test_every_kind_of_routed_expert_is_an_Expert(tiny_model_dir):
         ex = w.layers[w.cfg.moe_layers[0]].experts[1]
         copy = CopyInExpert(ex, ex.ffn, 4096, 8192)
 
-        class Hot:                                      # what HotSlot reads of a HotExpert
+        class Hot:                     # what HotSlot and ExpertSet read of a HotExpert
             slot, q4, layers = w.cfg.num_experts, None, (w.cfg.moe_layers[0],)
+            name, sha256 = "hot", "0" * 64
             router_row, router_bias = np.zeros(w.cfg.hidden_size, np.float32), 0.0
 
             def forward(self, x, out):

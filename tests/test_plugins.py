@@ -94,8 +94,9 @@ class Recorder:
         return int(np.argmax(logits))
 
     @hookimpl
-    def colibri_token(self, request_id, step, token_id, text, expert_set_version):
-        self.calls.append(("colibri_token", request_id, step, token_id, text, expert_set_version))
+    def colibri_token(self, request_id, step, token_id, text, expert_set_generation, expert_set_id):
+        self.calls.append(("colibri_token", request_id, step, token_id, text, expert_set_generation,
+                           expert_set_id))
 
     @hookimpl
     def colibri_expert_loaded(self, info):

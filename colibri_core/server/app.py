@@ -129,8 +129,9 @@ class Server:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
 
-    def versions(self, generation: Optional[int] = None) -> tuple[int, str]:
-        return self.book.stamp(generation)
+    def versions(self) -> tuple[int, str]:
+        """(expert_set_generation, expert_set_id) of the engine's current expert set."""
+        return self.book.stamp()
 
 
 class Record:
@@ -445,8 +446,9 @@ def build_app(server: Server) -> Starlette:
     async def ready(request, rec):
         if not S.ready:
             return JSONResponse({"ready": False}, status_code=503)
+        g, sid = S.versions()
         return JSONResponse({"ready": True, "model": st.model_id,
-                             "expert_set_generation": S.versions()[0]})
+                             "expert_set_generation": g, "expert_set_id": sid})
 
     async def metrics(request, rec):
         data, ctype = S.metrics.render()

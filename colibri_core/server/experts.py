@@ -2,18 +2,18 @@
 listing of live experts, refusals and adoptions, and routed-token counts per expert.
 
 expert_set_generation is the engine's expert-set counter (it only grows; +1 per applied
-change); expert_set_id is sha256 over the set's sorted (name, sha256) pairs, model
-experts included, so two servers with the same experts report the same id.
+change); expert_set_id is the set's digest (expertset.expert_set_id: sha256 over its sorted
+(name, sha256) pairs, model experts included), so two servers with the same experts report
+the same id.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -24,32 +24,9 @@ from ..modelfile import expert_name
 log = logging.getLogger("colibri.server")
 
 
-def set_pairs(engine, es) -> list[tuple[str, str]]:
-    """Sorted distinct (name, sha256) of every expert in the set `es`."""
-    from ..expertset import HotSlot
-    files = engine.model_cfg.files or {}
-    pairs = set()
-    for exps in es.experts.values():
-        for e in exps:
-            if e is None:
-                continue
-            if isinstance(e, HotSlot):
-                pairs.add((e.hot.name, e.hot.sha256))
-            else:
-                info = files.get(f"{e.name}.bin")
-                pairs.add((e.name, getattr(info, "sha256", "") or ""))
-    return sorted(pairs)
-
-
-def expert_set_id(pairs: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256()
-    for name, sha in pairs:
-        h.update(f"{name}\t{sha}\n".encode())
-    return h.hexdigest()
-
-
 class ExpertBook:
-    """Expert-set ids by generation, adoptions/refusals, routed tokens; thread-safe.
+    """The current expert set's generation and id, adoptions/refusals, routed tokens;
+    thread-safe.
 
     Registered as a plugin (colibri_routing observer) on the engine; `on_event` is chained
     into the hot-plug manager's event callback.
@@ -58,7 +35,6 @@ class ExpertBook:
     def __init__(self, engine, max_refusals: int = 50):
         self.engine = engine          # may be set later (see serve.run_server)
         self._lock = threading.Lock()
-        self._ids: dict[int, str] = {}
         self.refusals: deque = deque(maxlen=max_refusals)
         self.adoptions = 0
         self._refused: dict[str, int] = {}          # reason -> count since start
@@ -67,17 +43,10 @@ class ExpertBook:
         self._slot_names: dict[int, str] = {}
 
     # -- versions -----------------------------------------------------------------------
-    def stamp(self, generation: Optional[int] = None) -> tuple[int, str]:
-        """(generation, id) of the engine's current set, or of a past `generation`."""
+    def stamp(self) -> tuple[int, str]:
+        """(generation, id) of the engine's current set (a token carries its own)."""
         es = self.engine.model.expert_set
-        g = es.version if generation is None else generation
-        with self._lock:
-            sid = self._ids.get(g)
-        if sid is None and es.version == g:
-            sid = expert_set_id(set_pairs(self.engine, es))
-            with self._lock:
-                self._ids[g] = sid
-        return g, sid or ""
+        return es.generation, es.id
 
     # -- hot-plug events ----------------------------------------------------------------
     def attach(self, manager) -> None:

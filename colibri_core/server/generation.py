@@ -164,7 +164,7 @@ def run_generation(ctx, p: GenParams, book) -> dict:
                 try:
                     for ev in it:
                         rec = sampler.records[ev.step] if p.logprobs is not None else None
-                        g, sid = book.stamp(ev.expert_set_version)
+                        g, sid = ev.expert_set_generation, ev.expert_set_id
                         text, hit = cut.push(ev.text)
                         ctx.emit(Token(choice, ev.token_id, text, rec, g, sid))
                         n_out += 1

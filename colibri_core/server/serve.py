@@ -108,8 +108,9 @@ def _print_banner(engine, server: Server, url: str, out) -> None:
             print(f"colibri: experts: refused {r['path']}: {r['reason']}", file=out)
     chat = "chat template " + ("yes" if server.template is not None else "none")
     auth = "API key required on /v1" if s.api_key else "no API key"
+    generation, set_id = server.versions()
     print(f"colibri: {chat}; {auth}; queue {s.queue_size}; expert-set generation "
-          f"{server.versions()[0]}", file=out)
+          f"{generation}, id {set_id[:16]}", file=out)
     print(f"colibri: serving {url}  (status page {url}/, OpenAI API {url}/v1)", file=out,
           flush=True)
 

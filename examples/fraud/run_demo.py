@@ -282,13 +282,13 @@ def main(argv=None) -> dict:
     while i < nb:
         if i == drop_batch:
             ev.set()
-        v0 = engine.expert_set_version
+        v0 = engine.expert_set_generation
         t0 = time.perf_counter()
         lo, hi = i * B, min(len(ids), (i + 1) * B)
         logits = engine.score_batch([list(r) for r in ids[lo:hi]])
         t1 = time.perf_counter()
         probs[lo:hi] = fraud_prob(np.stack(logits))
-        v1 = engine.expert_set_version
+        v1 = engine.expert_set_generation
         rows.append((i, t0, t1, v1))
         if live_batch is None and v1 != v0:
             live_batch = i
@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
         "seconds_drop_to_live": float(t_live_perf - drop["perf"]),
         "batches_scored_between": int(live_batch - drop_batch),
         "hook_event": None if loaded is None else {
-            "wall": clock(loaded["wall"]), "expert_set_version": loaded.get("expert_set_version"),
+            "wall": clock(loaded["wall"]), "expert_set_generation": loaded.get("expert_set_generation"),
             "slot": loaded.get("slot"), "name": loaded.get("name")},
         "hotplug_list": engine.hotplug.list(),
     }
@@ -378,7 +378,7 @@ def main(argv=None) -> dict:
         "around_drop": [{"batch": int(j), "end_s": float(t1s[j] - t_drop_rel),
                          "seconds": float(t1s[j] - t0s[j]),
                          "batches_per_s": float(1.0 / max(t1s[j] - t1s[j - 1], 1e-9)),
-                         "expert_set_version": int(rows_a[j, 3])} for j in around],
+                         "expert_set_generation": int(rows_a[j, 3])} for j in around],
         "recall_bins": {name: binned_recall(pat, flag, group, B, len(rows), live_batch,
                                             8 if not a.quick else 2)
                         for name, group in (("new", ["card_testing"]), ("old", OLD_PATTERNS))},
@@ -451,7 +451,7 @@ def main(argv=None) -> dict:
         f"{lv['live_wall']} in batch {lv['live_batch']} ({lv['seconds_drop_to_live']:.2f}s, "
         f"{lv['batches_scored_between']} batches scored in between)"
         + (f"; expert_loaded hook at {lv['hook_event']['wall']}, expert set "
-           f"v{lv['hook_event']['expert_set_version']}, slot {lv['hook_event']['slot']}"
+           f"v{lv['hook_event']['expert_set_generation']}, slot {lv['hook_event']['slot']}"
            if lv["hook_event"] else ""))
     say(f"continuity: median batch {1e3 * co['median_batch_s']:.0f} ms, live batch "
         f"{1e3 * co['live_batch_s']:.0f} ms, longest pause between batches "
@@ -464,7 +464,7 @@ def main(argv=None) -> dict:
         mark = "  <- live" if r["batch"] == live_batch else ("  <- drop before it"
                                                              if r["batch"] == drop_batch else "")
         say(f"  batch {r['batch']:4d}  ends {r['end_s']:+7.2f}s  took {1e3 * r['seconds']:6.0f} ms"
-            f"  {r['batches_per_s']:5.2f} batches/s  v{r['expert_set_version']}{mark}")
+            f"  {r['batches_per_s']:5.2f} batches/s  v{r['expert_set_generation']}{mark}")
 
     if not a.no_plot:
         png = out / "fraud_demo.png"
