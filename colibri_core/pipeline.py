@@ -325,7 +325,7 @@ class _SetTables:
 
     def __init__(self, model, es):
         self.es = es
-        self.version = es.version
+        self.generation = es.generation
         self.keep = keep = _Keep()
         cfg = model.cfg
         self.exp2 = keep.buf(_EXP2_TABLE.astype(np.int64), "int64_t *")
