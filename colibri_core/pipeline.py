@@ -101,10 +101,25 @@ def ffn_in_c(ffn, act: str) -> Optional[str]:
     return None
 
 
+_MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C MLA blocks
+
+
+def mla_in_c(model, lw, dequantized: int) -> Optional[str]:
+    a = lw.attn
+    if model.act != "int8":
+        return "float activations"
+    if a.act_scales:
+        return "AWQ activation scales"
+    names = ("wq_a", "wq_b", "wkv_a", "wo") if a.wq is None else ("wq", "wkv_a", "wo")
+    if not all(_is_q(getattr(a, n)) for n in names):
+        return "MLA weights not stored as q4/q8"
+    if dequantized > _MLA_DEQUANT_BUDGET:
+        return "MLA: float W_UK/W_UV over budget (the reference block dequantizes per call)"
+    return None
+
+
 def attention_in_c(model, lw) -> Optional[str]:
     cfg, a = model.cfg, lw.attn
-    if cfg.attention == "mla":
-        return "MLA attention"
     if model.act != "int8":
         return "float activations"
     if a.act_scales:
@@ -195,8 +210,20 @@ class _Scratch:
                 hld = max(hld, -(-f.w1.rows // 64) * 64)
                 hcp = max(hcp, padded_cols(f.w2.cols, f.w2.group))
         self.hld, self.hcp = hld, hcp
-        self.cp_max = max(padded_cols(c, g) for g in groups
-                          for c in (H, cfg.num_heads * cfg.head_size))
+        cols = [H, cfg.num_heads * cfg.head_size]
+        self.mla_per = 0
+        if cfg.attention == "mla":
+            NH, N, R, V, r = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                              cfg.v_head_dim, cfg.kv_lora_rank)
+            q = cfg.q_lora_rank or 0
+            self.mla_per = NH * (N + R) + q + r + R + 2 * NH * r + NH * V    # ck_step_mla_floats
+            cols += [q, NH * V]
+            for lw in w.layers:
+                for n in ("wq", "wq_a", "wq_b", "wkv_a", "wo"):
+                    m = getattr(lw.attn, n, None)
+                    if _is_q(m):
+                        groups.add(m.group)
+        self.cp_max = max(padded_cols(c, g) for g in groups for c in cols if c)
         self.E = max([lw.router.shape[0] for lw in w.layers if lw.kind == "moe"], default=1)
         self.nl = len(w.layers)
         self.s = ffi.new("ck_sscratch *")
@@ -242,6 +269,8 @@ class _Scratch:
         s.k = k.buf(z(n * NKV * D, np.float32), "float *")
         s.v = k.buf(z(n * NKV * D, np.float32), "float *")
         s.att = k.buf(z(n * NH * D, np.float32), "float *")
+        s.mla_per_token = self.mla_per
+        s.mla = k.buf(z(max(n * self.mla_per, 1), np.float32), "float *")
         s.pairs_max = pairs
         s.gq = k.buf(z(pairs * cp, np.int8), "int8_t *")
         s.gs = k.buf(z(pairs * cp // 64, np.float32), "float *")
@@ -377,24 +406,20 @@ class Pipeline:
         p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
         self.blocks: dict[str, str] = {}            # block -> why it runs the reference
         self.layers = []
+        mla_bytes = 0                               # float W_UK / W_UV kept so far
         for lw in w.layers:
-            L = {"index": lw.index, "moe": lw.kind == "moe", "lw": lw}
-            why = attention_in_c(model, lw)
-            if why is None:
-                a = lw.attn
-                al = keep.new("ck_attn_layer *")
-                for n in ("wq", "wk", "wv", "wo"):
-                    _set_mat(keep, getattr(al, n), getattr(a, n))
-                al.bq, al.bk, al.bv = keep.f32(a.bq), keep.f32(a.bk), keep.f32(a.bv)
-                al.qk_norm = {"none": 0, "per_head": 1, "full": 2}[cfg.qk_norm]
-                al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
-                al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
-                al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-                al.eps, al.scale = self.eps, float(1.0 / np.sqrt(cfg.head_size))
-                al.inv_freq, al.rope_factor = p_inv, float(factor)
-                L["attn"] = al
+            L = {"index": lw.index, "moe": lw.kind == "moe", "lw": lw, "attn": None, "mla": None}
+            if cfg.attention == "mla":
+                nbytes = 4 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+                why = mla_in_c(model, lw, mla_bytes + nbytes)
+                if why is None:
+                    mla_bytes += nbytes
+                    L["mla"] = self._mla_layer(lw, p_inv, factor)
             else:
-                L["attn"] = None
+                why = attention_in_c(model, lw)
+                if why is None:
+                    L["attn"] = self._attn_layer(lw, p_inv, factor)
+            if why is not None:
                 self.blocks.setdefault("attention", why)
             block = keep.new("ck_ffn_block *")
             block.hidden = cfg.hidden_size
@@ -443,6 +468,45 @@ class Pipeline:
         self.last_n = 0                             # tokens of the last step
         self.layer_k = [0] * len(self.layers)        # its k per layer (the arrays' layout)
         self.layer_width = [0] * len(self.layers)    # the choice's width (an override's)
+
+    def _attn_layer(self, lw, p_inv, factor):
+        cfg, a, keep = self.cfg, lw.attn, self.keep
+        al = keep.new("ck_attn_layer *")
+        for n in ("wq", "wk", "wv", "wo"):
+            _set_mat(keep, getattr(al, n), getattr(a, n))
+        al.bq, al.bk, al.bv = keep.f32(a.bq), keep.f32(a.bk), keep.f32(a.bv)
+        al.qk_norm = {"none": 0, "per_head": 1, "full": 2}[cfg.qk_norm]
+        al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
+        al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
+        al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        al.eps, al.scale = self.eps, float(1.0 / np.sqrt(cfg.head_size))
+        al.inv_freq, al.rope_factor = p_inv, float(factor)
+        return al
+
+    def _mla_layer(self, lw, p_inv, factor):
+        from .mla import LORA_NORM_EPS, softmax_scale
+        cfg, a, keep = self.cfg, lw.attn, self.keep
+        m = keep.new("ck_mla_layer *")
+        if a.wq is not None:
+            _set_mat(keep, m.wq, a.wq)
+        else:
+            _set_mat(keep, m.wq_a, a.wq_a)
+            _set_mat(keep, m.wq_b, a.wq_b)
+            m.q_a_norm = keep.f32(a.q_a_norm)
+            m.q_lora = cfg.q_lora_rank
+        _set_mat(keep, m.wkv_a, a.wkv_a)
+        _set_mat(keep, m.wo, a.wo)
+        m.kv_a_norm = keep.f32(a.kv_a_norm)
+        wkv_b = ops.float_matrix(a.wkv_b).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                                  cfg.kv_lora_rank)
+        m.wkv_b = keep.f32(wkv_b)
+        m.norm, m.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
+        m.hidden, m.nh = cfg.hidden_size, cfg.num_heads
+        m.nope, m.rope, m.v, m.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        m.eps, m.lora_eps, m.scale = self.eps, LORA_NORM_EPS, float(softmax_scale(cfg))
+        m.inv_freq, m.rope_factor = p_inv, float(factor)
+        m.interleave = bool(cfg.rope_interleave)
+        return m
 
     # ------------------------------------------------------------------ expert sets
     def tables_for(self, es) -> _SetTables:
@@ -507,7 +571,7 @@ class Pipeline:
                 self._cache_addr.clear()
             k, v = cache.k, cache.v
             got = (cache, int(ffi.cast("intptr_t", ffi.from_buffer(k))),
-                   int(ffi.cast("intptr_t", ffi.from_buffer(v))), k.shape[1] * k.shape[2] * k.shape[3])
+                   int(ffi.cast("intptr_t", ffi.from_buffer(v))), k[0].size)
             self._cache_addr[id(cache)] = got
         return got
 
@@ -526,16 +590,13 @@ class Pipeline:
         x = sc.prefix("x", n)
         self._embed(ids, x)
         tok = sc.tok
-        mla = self.cfg.attention == "mla"
         for t0, t1, cache in spans:
             if t1 - t0 == 1:                        # a decode token: no views, no arrays
-                if not mla:
-                    _, tok[t0, 1], tok[t0, 2], tok[t0, 3] = self._cache_ptrs(cache)
+                _, tok[t0, 1], tok[t0, 2], tok[t0, 3] = self._cache_ptrs(cache)
                 tok[t0, 0] = cache.length
                 continue
-            if not mla:
-                _, ka, va, stride = self._cache_ptrs(cache)
-                tok[t0:t1, 1], tok[t0:t1, 2], tok[t0:t1, 3] = ka, va, stride
+            _, ka, va, stride = self._cache_ptrs(cache)
+            tok[t0:t1, 1], tok[t0:t1, 2], tok[t0:t1, 3] = ka, va, stride
             tok[t0:t1, 0] = np.arange(cache.length, cache.length + t1 - t0)
         if isinstance(kt, int):
             sc.kt[0] = kt
@@ -554,6 +615,8 @@ class Pipeline:
                 hooks.before_layer(layer=lw.index, hidden=x)
             if L["attn"] is not None:
                 self._check(lib.ck_step_attention(L["attn"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
+            elif L["mla"] is not None:
+                self._check(lib.ck_step_mla_attention(L["mla"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
             else:                                   # the reference block (reference.py)
                 ref = model.ref
                 x += ref._attention(lw, ref._rmsnorm(x, lw.attn_norm), tok[:n, 0], spans)

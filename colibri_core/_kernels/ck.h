@@ -98,6 +98,21 @@ typedef struct {               /* one layer's attention block (grouped-query att
     double rope_factor;          /*   and the factor on cos/sin (ops.rope_frequencies) */
 } ck_attn_layer;
 
+typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V3; mla.py) */
+    ck_mat wq;                   /* [nh*(nope+rope), H], or data NULL when q is low-rank: */
+    ck_mat wq_a, wq_b;           /*   [q_lora, H], [nh*(nope+rope), q_lora] */
+    ck_mat wkv_a, wo;            /* [r + rope, H], [H, nh*v] */
+    const float *q_a_norm;       /* [q_lora] (low-rank q) */
+    const float *kv_a_norm;      /* [r] */
+    const float *wkv_b;          /* [nh, nope + v, r] float32: W_UK rows then W_UV rows */
+    const float *norm, *ffn_norm;  /* the layer's RMSNorm weights [H] */
+    int64_t hidden, nh, nope, rope, v, r, q_lora;
+    float eps, lora_eps, scale;  /* RMSNorm eps, the q_a / kv_a norms' eps, softmax scale */
+    const double *inv_freq;      /* rope over the rope part: [rope/2] */
+    double rope_factor;
+    int interleave;              /* DeepSeek's interleaved rope pairs (rope_interleave) */
+} ck_mla_layer;
+
 typedef struct {               /* one MoE layer's router (routing.route, mode "fixed") */
     const float *weight;         /* [e, h] */
     const float *bias;           /* [e] added to the logits, or NULL */
@@ -131,6 +146,7 @@ typedef struct {
     int64_t *pair_tok; float *pair_w;        /* [pairs_total_max] */
     int64_t *counts;                         /* [2 * table size + 1] */
     void *jobs; int64_t jobs_max;            /* jobs_max * ck_step_job_bytes() bytes */
+    float *mla; int64_t mla_per_token;       /* MLA: [n_max, ck_step_mla_floats] */
     int threads;                             /* at most this many threads (0: no cap) */
     int failed;                              /* set by a loop that could not finish */
 } ck_sscratch;
@@ -145,6 +161,14 @@ int64_t ck_step_job_bytes(void);
  * Then xn_out [n, H] = rmsnorm(x, a->ffn_norm). */
 int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n,
                       const int64_t *tok, float *xn_out, ck_sscratch *s);
+
+/* The same for an MLA layer: its cache (mla.MLACache) is tok's k array = the latents c
+ * [layers, capacity, r] and v array = the rotated k_pe [layers, capacity, rope]; tok's
+ * floats per layer are those of c (capacity * r). ck_step_mla_floats: the scratch
+ * floats per token it needs. */
+int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_t n,
+                          const int64_t *tok, float *xn_out, ck_sscratch *s);
+int64_t ck_step_mla_floats(const ck_mla_layer *a);
 
 /* logits [n, e] = xn [n, h] @ r->weight^T (+ bias); ids NULL: that is all (the caller
  * routes). Else each token's top-k[t] choice as routing.route(mode="fixed",

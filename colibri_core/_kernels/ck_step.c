@@ -319,6 +319,239 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     return 0;
 }
 
+/* ------------------------------------------------------------------ MLA attention block
+ *
+ * DeepSeek's multi-head latent attention in the absorbed form (mla.py has the math and
+ * the reference): the cache holds per position the normed latent c [r] and the rotated
+ * k_pe [rope]; per head the query's nope part is absorbed into latent space through
+ * W_UK, scores are q_lat . c + q_pe . k_pe, and the output W_UV (sum p c). */
+
+typedef struct {
+    const ck_backend_t *be;
+    const ck_mla_layer *L;
+    ck_sscratch *s;
+    int64_t n, layer, per;     /* tokens; the layer; floats of scratch per token */
+    const int64_t *tok;
+    float *x;
+    /* projections of one loop: up to two matrices over the same activations */
+    int nm;
+    wmat w[2];
+    const ck_act *act[2];
+    float *out[2];
+    int64_t ld[2], nt0;
+    chunks ch;
+} mla_ctx;
+
+/* per-token scratch: q [nh*(nope+rope)], qa [q_lora], kv [r+rope], q_lat [nh*r],
+ * o_lat [nh*r], out [nh*v] */
+static inline float *mla_q(const mla_ctx *c, int64_t t) { return c->s->mla + t * c->per; }
+static inline float *mla_qa(const mla_ctx *c, int64_t t) {
+    const ck_mla_layer *L = c->L;
+    return mla_q(c, t) + L->nh * (L->nope + L->rope);
+}
+static inline float *mla_kv(const mla_ctx *c, int64_t t) { return mla_qa(c, t) + c->L->q_lora; }
+static inline float *mla_qlat(const mla_ctx *c, int64_t t) {
+    return mla_kv(c, t) + c->L->r + c->L->rope;
+}
+static inline float *mla_olat(const mla_ctx *c, int64_t t) { return mla_qlat(c, t) + c->L->nh * c->L->r; }
+static inline float *mla_out(const mla_ctx *c, int64_t t) { return mla_olat(c, t) + c->L->nh * c->L->r; }
+
+int64_t ck_step_mla_floats(const ck_mla_layer *L) {
+    return L->nh * (L->nope + L->rope) + L->q_lora + L->r + L->rope + 2 * L->nh * L->r + L->nh * L->v;
+}
+
+static void emit_m0(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    c->out[0][t * c->ld[0] + r] = v;
+}
+static void emit_m1(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    c->out[1][t * c->ld[1] + r] = v;
+}
+static void emit_mo(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    float *x = c->x + t * c->L->hidden + r;
+    *x = *x + v;
+}
+
+static void mla_mats_chunk(void *p, int64_t ch) {
+    mla_ctx *c = p;
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->ch.per; i < chunk_end(c->ch, ch); i++) {
+        int m = c->nm > 1 && i >= c->nt0;
+        int64_t r0 = (m ? i - c->nt0 : i) * rtp;
+        rows_x_tokens(c->be, &c->w[m], r0, (int)min64(rtp, c->w[m].rows - r0), c->act[m], c->n,
+                      m ? emit_m1 : emit_m0, c);
+    }
+}
+
+static void mla_o_chunk(void *p, int64_t ch) {
+    mla_ctx *c = p;
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->ch.per; i < chunk_end(c->ch, ch); i++) {
+        int64_t r0 = i * rtp;
+        rows_x_tokens(c->be, &c->w[0], r0, (int)min64(rtp, c->w[0].rows - r0), c->act[0], c->n,
+                      emit_mo, c);
+    }
+}
+
+/* one or two matrices against the same token rows: out_m[t * ld_m + row] */
+static void mla_project(mla_ctx *c, int nm, const ck_mat *m0, const ck_act *a0, float *o0,
+                        int64_t ld0, const ck_mat *m1, const ck_act *a1, float *o1, int64_t ld1,
+                        int nth) {
+    const int rtp = c->be->rt;
+    c->nm = nm;
+    c->w[0] = to_w(m0); c->act[0] = a0; c->out[0] = o0; c->ld[0] = ld0;
+    c->nt0 = ntiles(c->w[0].rows, rtp);
+    int64_t items = c->nt0;
+    if (nm > 1) {
+        c->w[1] = to_w(m1); c->act[1] = a1; c->out[1] = o1; c->ld[1] = ld1;
+        items += ntiles(c->w[1].rows, rtp);
+    }
+    c->ch = chunking(items, c->n * rtp * mat_bytes_per_row(m0));
+    ck_pool_for(mla_mats_chunk, c, nchunks(c->ch), nth);
+}
+
+/* rope of one rope-part vector in place: rotate-half, or DeepSeek's interleaved pairs
+ * written de-interleaved (ops.apply_rope) */
+static void mla_rope(float *x, const float *cs, const float *sn, int64_t half, int interleave) {
+    if (!interleave) { rope(x, cs, sn, half); return; }
+    float tmp[half > 0 ? 2 * half : 1];
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[2 * i], b = x[2 * i + 1];
+        tmp[i] = a * cs[i] - b * sn[i];
+        tmp[i + half] = b * cs[i] + a * sn[i];
+    }
+    memcpy(x, tmp, (size_t)(2 * half) * sizeof(float));
+}
+
+/* token t: latent c and k_pe into its cache row, rope of q_pe, q_lat = q_nope W_UK */
+static void mla_token_chunk(void *p, int64_t t) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v, half = R / 2;
+    const int64_t *tk = c->tok + 4 * t;
+    const int64_t cap = tk[3] / r;
+    float *q = mla_q(c, t), *kv = mla_kv(c, t), *ql = mla_qlat(c, t);
+    float cs[half > 0 ? half : 1], sn[half > 0 ? half : 1];
+    for (int64_t i = 0; i < half; i++) {
+        double ang = (double)tk[0] * L->inv_freq[i];
+        cs[i] = (float)(cos(ang) * L->rope_factor);
+        sn[i] = (float)(sin(ang) * L->rope_factor);
+    }
+    float *crow = (float *)(uintptr_t)tk[1] + c->layer * cap * r + tk[0] * r;
+    float *krow = (float *)(uintptr_t)tk[2] + c->layer * cap * R + tk[0] * R;
+    rmsnorm(kv, L->kv_a_norm, r, L->lora_eps, crow);
+    memcpy(krow, kv + r, (size_t)R * sizeof(float));
+    mla_rope(krow, cs, sn, half, L->interleave);
+    for (int64_t h = 0; h < nh; h++) {
+        float *qh = q + h * (N + R);
+        mla_rope(qh + N, cs, sn, half, L->interleave);
+        const float *wuk = L->wkv_b + h * (N + V) * r;          /* [N, r] of head h */
+        float *o = ql + h * r;
+        for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
+        for (int64_t i = 0; i < N; i++) {
+            const float a = qh[i], *w = wuk + i * r;
+            for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
+        }
+    }
+}
+
+/* token t = i / nh, head h = i % nh: scores over rows 0..pos, o_lat, then out = W_UV o_lat */
+static void mla_head_chunk(void *p, int64_t i) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
+    const int64_t t = i / nh, h = i % nh;
+    const int64_t *tk = c->tok + 4 * t;
+    const int64_t cap = tk[3] / r, len = tk[0] + 1;
+    const float *cc = (const float *)(uintptr_t)tk[1] + c->layer * cap * r;
+    const float *kp = (const float *)(uintptr_t)tk[2] + c->layer * cap * R;
+    const float *ql = mla_qlat(c, t) + h * r, *qp = mla_q(c, t) + h * (N + R) + N;
+    float stack[len <= 16384 ? len : 1];
+    float *sc = len <= 16384 ? stack : malloc((size_t)len * sizeof(float));
+    if (!sc) { c->s->failed = 1; return; }
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; j++) {
+        float v = (dot_f32(ql, cc + j * r, r) + dot_f32(qp, kp + j * R, R)) * L->scale;
+        sc[j] = v;
+        m = v > m ? v : m;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < len; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+    const float inv = (float)(1.0 / sum);
+    float *o = mla_olat(c, t) + h * r;
+    for (int64_t k = 0; k < r; k++) o[k] = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        const float pj = sc[j] * inv, *row = cc + j * r;
+        for (int64_t k = 0; k < r; k++) o[k] += pj * row[k];
+    }
+    if (sc != stack) free(sc);
+    const float *wuv = L->wkv_b + (h * (N + V) + N) * r;      /* [V, r] of head h */
+    float *out = mla_out(c, t) + h * V;
+    for (int64_t k = 0; k < V; k++) out[k] = dot_f32(wuv + k * r, o, r);
+}
+
+typedef struct { const mla_ctx *c; const float *w; int64_t off, cols; float eps; } lnorm_ctx;
+
+static void qa_norm_row(void *p, int64_t t) {
+    lnorm_ctx *k = p;
+    float *qa = mla_qa(k->c, t);
+    rmsnorm(qa, k->w, k->cols, k->eps, qa);
+}
+
+int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_t n,
+                          const int64_t *tok, float *xn_out, ck_sscratch *s) {
+    const ck_backend_t *be = ck_active_backend();
+    mla_ctx c;
+    int err = 0;
+    memset(&c, 0, sizeof c);
+    if (n > s->n_max || ck_step_mla_floats(a) > s->mla_per_token) return CK_E_SCRATCH;
+    if (n <= 0) return 0;
+    c.be = be; c.L = a; c.s = s; c.n = n; c.layer = layer; c.tok = tok; c.x = x;
+    c.per = s->mla_per_token;
+    const int lora = a->wq_a.data != NULL;
+    const ck_mat *wq_first = lora ? &a->wq_a : &a->wq;
+    int64_t work = n * (wq_first->rows * wq_first->cols + a->wkv_a.rows * a->wkv_a.cols +
+                        a->wo.rows * a->wo.cols + (lora ? a->wq_b.rows * a->wq_b.cols : 0));
+    const int nth = nthreads(s, work);
+    norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
+    act_set A = {0};
+    const ck_act *aq = act_for(&A, s, be, s->xn, n, a->hidden, wq_first->group, nth, &err);
+    const ck_act *akv = err ? NULL : act_for(&A, s, be, s->xn, n, a->hidden, a->wkv_a.group, nth, &err);
+    if (err) return err;
+    /* q (or q_a) and kv_a in one loop */
+    float *q0 = lora ? mla_qa(&c, 0) : mla_q(&c, 0);
+    mla_project(&c, 2, wq_first, aq, q0, c.per, &a->wkv_a, akv, mla_kv(&c, 0), c.per, nth);
+    if (lora) {                                    /* q = wq_b(rmsnorm(q_a)) */
+        lnorm_ctx k = {&c, a->q_a_norm, 0, a->q_lora, a->lora_eps};
+        ck_pool_for(qa_norm_row, &k, n, n >= 16 ? nth : 1);
+        int64_t cp = rup(a->q_lora, a->wq_b.group);
+        if (cp > s->cp_max) return CK_E_SCRATCH;
+        quantize_rows(be, mla_qa(&c, 0), n, c.per, a->q_lora, a->wq_b.group, s->bq, s->bs,
+                      s->bsum, nth);
+        ck_act ab = {s->bq, s->bs, s->bsum, cp, cp / a->wq_b.group};
+        mla_project(&c, 1, &a->wq_b, &ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
+    }
+    ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
+    int64_t ctx_work = 0;
+    for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[4 * t] + 1);
+    s->failed = 0;
+    ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, ctx_work));
+    if (s->failed) return CK_E_MEMORY;
+    /* o projection of out [n, nh*v], quantized per token */
+    const int64_t vcols = a->nh * a->v, cpo = rup(vcols, a->wo.group);
+    if (cpo > s->cp_max) return CK_E_SCRATCH;
+    quantize_rows(be, mla_out(&c, 0), n, c.per, vcols, a->wo.group, s->aq, s->as, s->asum, nth);
+    c.w[0] = to_w(&a->wo);
+    ck_act ao = {s->aq, s->as, s->asum, cpo, cpo / a->wo.group};
+    c.act[0] = &ao;
+    c.ch = chunking(ntiles(a->wo.rows, be->rt), n * be->rt * mat_bytes_per_row(&a->wo));
+    ck_pool_for(mla_o_chunk, &c, nchunks(c.ch), nth);
+    norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ routing */
 
 typedef struct { const ck_router *r; const float *xn; float *logits; int bad; } logit_ctx;
