@@ -8,10 +8,10 @@ check, the memory budget's expert cache, hot-plugged experts that bring their ow
 Every step allocates nothing once its scratch has grown to the step's size.
 
 Blocks without a C kernel yet run the reference block of reference.py inside the same
-loop (`Pipeline.blocks` lists them with the reason): MLA attention, float activations,
-AWQ activation scales, weights stored as floats. A routing that is not the fixed-point
-softmax (float routing, sigmoid scores, group limits, a selection bias) takes its logits
-from C and its choice from routing.route.
+loop (`Pipeline.blocks` lists them with the reason): float activations, AWQ activation
+scales, weights stored as floats. Every routing (fixed-point or float softmax, sigmoid
+scores with the correction bias, group limits) is chosen in C; only tokens whose router
+logits are not finite take routing.route's fallback.
 
 Batch invariance: a token's logits do not depend on which other tokens share its step
 (ck_step.c says how); the scheduler batches requests on it.
@@ -285,6 +285,7 @@ class _Scratch:
         s.jobs = k.buf(z((E + 2) * lib.ck_step_job_bytes(), np.uint8), "void *")
         self.tok = z((n, 4), np.int64)
         self.kt = z(n, np.int32)
+        self.kt_layer = z(n, np.int32)                     # a plugin's k for one layer
         self.logits = z((self.nl, n, E), np.float32)       # per layer: the trace's arrays
         self.dense_ids = z((n, 1), np.int64)
         self.dense_w = np.ones((n, 1), np.float32)
@@ -293,6 +294,7 @@ class _Scratch:
         self.p_xn = ffi.cast("float *", ffi.from_buffer(self.xn))
         self.p_tok = ffi.cast("int64_t *", ffi.from_buffer(self.tok))
         self.p_kt = ffi.cast("int32_t *", ffi.from_buffer(self.kt))
+        self.p_kt_layer = ffi.cast("int32_t *", ffi.from_buffer(self.kt_layer))
         self.p_dense_ids = ffi.cast("int64_t *", ffi.from_buffer(self.dense_ids))
         self.p_dense_w = ffi.cast("float *", ffi.from_buffer(self.dense_w))
         self.p_head_x = ffi.cast("float *", ffi.from_buffer(self.head_x))
@@ -371,6 +373,10 @@ class _SetTables:
             rt.e, rt.h = router.shape[0], cfg.hidden_size
             rt.norm_topk = bool(cfg.norm_topk_prob)
             rt.scaling = float(cfg.routed_scaling_factor)
+            rt.scoring = (lib.CK_ROUTE_SIGMOID if cfg.scoring_func == "sigmoid" else
+                          lib.CK_ROUTE_FIXED if model.engine.routing == "fixed" else lib.CK_ROUTE_FLOAT)
+            rt.select_bias = keep.f32(es.select_bias[L])
+            rt.n_group, rt.topk_group = cfg.n_group, cfg.topk_group
             rt.exp2_q30 = self.exp2
             table = keep.new("ck_ffn[]", max(len(experts), 1))
             custom, refs = set(), set()
@@ -399,9 +405,6 @@ class Pipeline:
         self.keep = keep = _Keep()
         self.scratch = _Scratch(model)
         self.eps = float(cfg.rms_norm_eps)
-        routing_c = (model.engine.routing == "fixed" and cfg.scoring_func == "softmax"
-                     and not (cfg.n_group > 1 and cfg.topk_group < cfg.n_group))
-        self.routing_c = routing_c
         inv_freq, factor = model.ref._inv_freq, model.ref._rope_factor
         p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
         self.blocks: dict[str, str] = {}            # block -> why it runs the reference
@@ -459,9 +462,6 @@ class Pipeline:
         if _is_q(w.embed):
             self.embed_mat = keep.new("ck_mat *")
             _set_mat(keep, self.embed_mat, w.embed)
-        if not routing_c:
-            self.blocks["routing"] = (f"{model.engine.routing} routing, {cfg.scoring_func} scores"
-                                      + (", group-limited" if cfg.n_group > 1 and cfg.topk_group < cfg.n_group else ""))
         self._tables: Optional[_SetTables] = None
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
@@ -694,34 +694,33 @@ class Pipeline:
         lg = sc.rows("logits", i, n, E)            # C writes [n, E] from the start
         p_logits, p_ids, p_wts = sc.p_layer[i]
         choose = hooks.choose_k_token if hooks is not None else None
-        fixed = self.routing_c and T["select_bias"] is None and choose is None
-        if fixed:
-            rc = lib.ck_step_route(T["router"], sc.p_xn, n, sc.p_kt, kmax, p_logits, p_ids, p_wts)
-            fixed = rc != lib.CK_E_NONFINITE       # else: the router's NaN fallback below
-            if fixed:
-                self._check(rc)
+        p_k = sc.p_kt
+        if choose is not None:                      # the plugin's k per token, from the logits
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, ffi.NULL, ffi.NULL, 0)
+            got = choose(layer=layer, probs=ops.softmax(lg), default_k=sc.kt[:n].astype(np.int64)) \
+                if rc == 0 else None
+            if got is not None:
+                k_tok = hooks.guard.check_choose_k_token(got, n, cfg.num_experts)
+                kmax = max(kmax, int(k_tok.max()))
+                sc.grow_k(kmax)                      # a plugin may choose more than the step's k
+                p_logits, p_ids, p_wts = sc.p_layer[i]
+                sc.kt_layer[:n] = k_tok
+                p_k = sc.p_kt_layer
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 1)
         else:
-            rc = lib.ck_step_route(T["router"], sc.p_xn, n, sc.p_kt, kmax, p_logits, ffi.NULL, ffi.NULL)
-            if rc != lib.CK_E_NONFINITE:
-                self._check(rc)
-        if not fixed:
-            k_tok = sc.kt[:n]
-            if choose is not None:
-                got = choose(layer=layer, probs=ops.softmax(lg), default_k=k_tok.astype(np.int64))
-                if got is not None:
-                    k_tok = hooks.guard.check_choose_k_token(got, n, cfg.num_experts)
-            r = route(lg, k_tok, mode=model.engine.routing, scoring=cfg.scoring_func,
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 0)
+        idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
+        if rc == lib.CK_E_NONFINITE:                # NaN/Inf logits: the router's fallback
+            r = route(lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
+                      mode=model.engine.routing, scoring=cfg.scoring_func,
                       norm_topk_prob=cfg.norm_topk_prob, bias=T["select_bias"],
                       n_group=cfg.n_group, topk_group=cfg.topk_group,
                       scaling=cfg.routed_scaling_factor)
-            kmax = max(kmax, r.ids.shape[1])
-            sc.grow_k(kmax)                          # a plugin may choose more than the step's k
-            idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
             K = r.ids.shape[1]
             idv[:, :K], wv[:, :K] = r.ids, r.weights
             idv[:, K:], wv[:, K:] = -1, 0.0
         else:
-            idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
+            self._check(rc)
         self.layer_k[i] = self.layer_width[i] = kmax
         if hooks is not None and hooks.routing is not None:
             p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func == "softmax" \

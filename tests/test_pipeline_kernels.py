@@ -124,7 +124,7 @@ def run_route(p, T, xn, k, kmax, fixed=True):
     ids = np.zeros((n, kmax), np.int64)
     w = np.zeros((n, kmax), np.float32)
     rc = lib.ck_step_route(T["router"], sc.p_xn, n, sc.p_kt, kmax, fp(logits),
-                           fp(ids, "int64_t *") if fixed else ffi.NULL, fp(w) if fixed else ffi.NULL)
+                           fp(ids, "int64_t *") if fixed else ffi.NULL, fp(w) if fixed else ffi.NULL, 0)
     return rc, logits, ids, w
 
 
@@ -147,6 +147,66 @@ def test_router_matches_routing_route_bit_for_bit(eng):
         # batch invariance: row 7 alone
         rc, l1, i1, w1 = run_route(p, T, xn[7:8], k[7:8], int(k.max()))
         assert np.array_equal(l1[0], logits[7]) and i1[0].tolist() == ids[7].tolist()
+
+
+def _route_c(logits, k, *, scoring, norm, scaling, bias=None, select_bias=None,
+             n_group=1, topk_group=1):
+    """ck_step_route on `logits` [n, E] exactly: xn = logits padded, router = identity."""
+    from colibri_core.routing import _EXP2_TABLE
+    n, E = logits.shape
+    H = E + 3
+    xn = np.zeros((n, H), np.float32)
+    xn[:, :E] = logits
+    router = np.zeros((E, H), np.float32)
+    router[np.arange(E), np.arange(E)] = 1.0
+    exp2 = np.ascontiguousarray(_EXP2_TABLE, np.int64)
+    keep = [router, exp2, bias, select_bias]
+    r = ffi.new("ck_router *", {
+        "weight": fp(router), "bias": ffi.NULL if bias is None else fp(bias), "e": E, "h": H,
+        "scoring": {"fixed": lib.CK_ROUTE_FIXED, "float": lib.CK_ROUTE_FLOAT,
+                    "sigmoid": lib.CK_ROUTE_SIGMOID}[scoring],
+        "select_bias": ffi.NULL if select_bias is None else fp(select_bias),
+        "n_group": n_group, "topk_group": topk_group, "norm_topk": norm, "scaling": scaling,
+        "exp2_q30": fp(exp2, "int64_t *")})
+    kk = np.ascontiguousarray(k, np.int32)
+    kmax = int(kk.max())
+    out_l = np.zeros((n, E), np.float32)
+    ids = np.zeros((n, kmax), np.int64)
+    w = np.zeros((n, kmax), np.float32)
+    rc = lib.ck_step_route(r, fp(xn), n, fp(kk, "int32_t *"), kmax, fp(out_l), fp(ids, "int64_t *"),
+                           fp(w), 0)
+    del keep
+    return rc, ids, w
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_router_modes_equal_routing_route(seed):
+    """Every routing mode in C against routing.route: the same ids, weights to the last
+    bit in fixed mode and to float rounding in the float ones (their double exp may be
+    numpy's SIMD one)."""
+    rng = np.random.default_rng(seed)
+    mode = ("fixed", "float", "sigmoid")[seed % 3]
+    n_group = int(rng.choice([1, 2, 4])) if seed % 2 else 1
+    E = n_group * int(rng.integers(2, 12))
+    n = int(rng.integers(1, 9))
+    topk_group = int(rng.integers(1, n_group + 1))
+    k = rng.integers(1, min(E // n_group * topk_group, 9) + 1, n)
+    logits = (rng.standard_normal((n, E)) * rng.choice([0.1, 3.0, 20.0])).astype(np.float32)
+    if seed % 5 == 0:                                   # ties resolve to the lower index
+        logits[:, rng.integers(0, E, 3)] = logits.max()
+    sbias = rng.standard_normal(E).astype(np.float32) * 0.3 if seed % 4 == 0 else None
+    norm, scaling = bool(seed % 2 == 0 or mode == "sigmoid"), float(rng.choice([1.0, 2.5, 1.1]))
+    rc, ids, w = _route_c(logits, k, scoring=mode, norm=norm, scaling=scaling, select_bias=sbias,
+                          n_group=n_group, topk_group=topk_group)
+    assert rc == 0
+    ref = route(logits, k, mode="float" if mode == "float" else "fixed",
+                scoring="sigmoid" if mode == "sigmoid" else "softmax", norm_topk_prob=norm,
+                bias=sbias, n_group=n_group, topk_group=topk_group, scaling=scaling)
+    assert ids.tolist() == ref.ids.tolist()
+    if mode == "fixed":
+        assert w.tolist() == ref.weights.tolist()          # bit for bit
+    else:
+        np.testing.assert_allclose(w, ref.weights, rtol=1e-6, atol=1e-7)
 
 
 def test_router_reports_nonfinite_logits(eng):
@@ -269,3 +329,67 @@ def test_pool_runs_every_chunk_exactly_once(n, nth):
     back-to-back loops (where a late thread must never run a newer loop's chunk with an
     older loop's function), with more threads than chunks too."""
     assert lib.ck_pool_check(n, nth, 300) == 0
+
+
+# ----------------------------------------------------------------------------- MLA
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v3_plain_q", "deepseek_v2"])
+def mla_eng(request, tmp_path_factory):
+    from hf_helpers import make_hf_model, save, write_tokenizer
+    from colibri_core.convert import convert
+    over = {"q_lora_rank": None, "rope_interleave": False} if request.param.endswith("plain_q") else {}
+    hf = make_hf_model(request.param.replace("_plain_q", ""), seed=2, **over)
+    d = tmp_path_factory.mktemp(request.param)
+    src = save(hf, d / "hf")
+    write_tokenizer(src)
+    convert(src, d / "c")
+    with Engine(d / "c", EngineConfig(threads=2)) as e:
+        assert e.model.pipeline.blocks == {}
+        yield e
+
+
+def run_mla(p, L, x, caches, positions):
+    n = len(x)
+    sc = p.scratch
+    sc.ensure(n, 1)
+    for t, (c, pos) in enumerate(zip(caches, positions)):
+        _, ka, va, stride = p._cache_ptrs(c)
+        sc.tok[t] = (pos, ka, va, stride)
+    sc.x[:n] = x
+    assert lib.ck_step_mla_attention(p.layers[L]["mla"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s) == 0
+    return sc.x[:n].copy(), sc.xn[:n].copy()
+
+
+def test_mla_attention_matches_the_reference_block(mla_eng):
+    m = mla_eng.model
+    p, ref, cfg = m.pipeline, m.ref, m.cfg
+    for L, lw in enumerate(m.w.layers):
+        x = hidden_rows(9, cfg.hidden_size, 30 + L)
+        c_c, c_r = m.new_cache(32), m.new_cache(32)
+        got_x, got_xn = run_mla(p, L, x, [c_c] * 9, range(9))
+        want = x + ref._attention(lw, ref._rmsnorm(x, lw.attn_norm), np.arange(9), [(0, 9, c_r)])
+        assert rel(got_x - x, want - x) < 5e-3
+        assert rel(got_xn, ref._rmsnorm(want, lw.ffn_norm)) < 5e-3
+        np.testing.assert_allclose(c_c.k[L, :9], c_r.k[L, :9], rtol=1e-4, atol=1e-5)   # latents
+        np.testing.assert_allclose(c_c.v[L, :9], c_r.v[L, :9], rtol=1e-4, atol=1e-4)   # k_pe
+        c_r.length = 9
+        x1 = hidden_rows(1, cfg.hidden_size, 60 + L)
+        got_x, _ = run_mla(p, L, x1, [c_c], [9])
+        want = x1 + ref._attention(lw, ref._rmsnorm(x1, lw.attn_norm), np.array([9]), [(0, 1, c_r)])
+        assert rel(got_x - x1, want - x1) < 5e-3
+
+
+def test_mla_rows_are_batch_invariant(mla_eng):
+    m = mla_eng.model
+    p, H = m.pipeline, m.cfg.hidden_size
+    ctx = hidden_rows(5, H, 1)
+    for L in range(len(m.w.layers)):
+        solo, crowd = m.new_cache(16), m.new_cache(16)
+        others = [m.new_cache(16) for _ in range(8)]
+        run_mla(p, L, ctx, [solo] * 5, range(5))
+        run_mla(p, L, ctx, [crowd] * 5, range(5))
+        x = hidden_rows(64, H, 2)
+        a_x, a_xn = run_mla(p, L, x[:1], [solo], [5])
+        b_x, b_xn = run_mla(p, L, x, [crowd] + [others[i % 8] for i in range(63)],
+                            [5] + [i // 8 for i in range(63)])
+        assert np.array_equal(a_x[0], b_x[0]) and np.array_equal(a_xn[0], b_xn[0])

@@ -113,12 +113,18 @@ typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V
     int interleave;              /* DeepSeek's interleaved rope pairs (rope_interleave) */
 } ck_mla_layer;
 
-typedef struct {               /* one MoE layer's router (routing.route, mode "fixed") */
+enum { CK_ROUTE_FIXED = 0, CK_ROUTE_FLOAT = 1, CK_ROUTE_SIGMOID = 2 };
+
+typedef struct {               /* one MoE layer's router (routing.route) */
     const float *weight;         /* [e, h] */
     const float *bias;           /* [e] added to the logits, or NULL */
     int64_t e, h;
+    int scoring;                 /* CK_ROUTE_*: fixed-point / float softmax, sigmoid scores */
+    const float *select_bias;    /* [e] added to what the choice is made on (DeepSeek-V3's
+                                    correction bias), or NULL */
+    int64_t n_group, topk_group; /* group-limited choice when topk_group < n_group */
     int norm_topk;               /* renormalize the k weights */
-    float scaling;               /* times this */
+    double scaling;              /* times this */
     const int64_t *exp2_q30;     /* routing._EXP2_TABLE */
 } ck_router;
 
@@ -170,12 +176,12 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
                           const int64_t *tok, float *xn_out, ck_sscratch *s);
 int64_t ck_step_mla_floats(const ck_mla_layer *a);
 
-/* logits [n, e] = xn [n, h] @ r->weight^T (+ bias); ids NULL: that is all (the caller
- * routes). Else each token's top-k[t] choice as routing.route(mode="fixed",
- * scoring="softmax") into ids/weights [n, kmax] (largest logit first, ties to the lower
- * index; slots k[t].. get id -1, weight 0); kmax <= 256. */
+/* logits [n, e] = xn [n, h] @ r->weight^T (+ bias) (from_logits: the caller filled
+ * them; only checked); ids NULL: that is all. Else each token's top-k[t] choice as
+ * routing.route with the router's mode into ids/weights [n, kmax] (best first, ties to
+ * the lower index; slots k[t].. get id -1, weight 0); kmax <= 256. */
 int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t *k, int kmax,
-                  float *logits, int64_t *ids, float *weights);
+                  float *logits, int64_t *ids, float *weights, int from_logits);
 
 /* x [n, H] += weights[t, j] * table[ids[t, j]](xn[t]) over the j < kmax with ids >= 0 (a
  * table entry whose w1.data is NULL, a vacant slot, contributes nothing), added one
