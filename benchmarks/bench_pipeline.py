@@ -70,6 +70,8 @@ FORWARD_FILES = ("colibri_core/model.py", "colibri_core/decode.py", "colibri_cor
                  "colibri_core/pipeline.py", "colibri_core/_kernels/ck_core.c",
                  "colibri_core/_kernels/ck_decode.c", "colibri_core/_kernels/ck_pool.c",
                  "colibri_core/_kernels/ck_step.c")
+LT_BASE_FLAGS = ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                 "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release")
 LLAMA_ARGS = ["-c", "12288", "-npp", "64", "-ntg", "128", "-npl", "1,4,16,64"]
 MiB = 1 << 20
 
@@ -490,7 +492,9 @@ def summarize(res: dict) -> dict:
         for run in lc["runs"]:
             for row in run.get("rows", []):
                 by_b.setdefault(row["B"], []).append(row)
-        lc["median"] = {b: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        lc["median"] = {b: {**{k: statistics.median(r[k] for r in rows) for k in rows[0]},
+                            "S_TG min": min(r["S_TG t/s"] for r in rows),
+                            "S_TG max": max(r["S_TG t/s"] for r in rows)}
                         for b, rows in sorted(by_b.items())}
         for b, row in lc["median"].items():
             name = "plain" if b == 1 else f"batch {b}"
@@ -564,23 +568,34 @@ def render(res: dict) -> str:
     if batch or lc:
         out += ["", "| sequences | Colibri step p50 ms (p90 / p99) | Colibri tok/s | roofline ms "
                 "(bytes / multiply-adds) | roofline tok/s | Colibri ÷ roofline | llama.cpp S_TG tok/s "
-                "| Colibri ÷ llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+                "(rounds' range) | Colibri ÷ llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+
+        def llama(r):
+            if not r:
+                return "–"
+            return f"{r['S_TG t/s']:.1f} ({r['S_TG min']:.1f}–{r['S_TG max']:.1f})"
         if 1 in lc and "plain" in s and "p50_ms" in s["plain"]:
             r = lc[1]
-            out.append(f"| 1 (plain decode) | {s['plain']['p50_ms']:.2f} | {1e3 / s['plain']['p50_ms']:.1f} "
-                       f"| | | | {r['S_TG t/s']:.1f} | {fmt(r.get('colibri_over_llamacpp'))} |")
+            out.append(f"| 1 (plain decode, a) | {s['plain']['p50_ms']:.2f} | {1e3 / s['plain']['p50_ms']:.1f} "
+                       f"| | | | {llama(r)} | {fmt(r.get('colibri_over_llamacpp'))} |")
         for name, v in batch:
             if "error" in v:
                 out.append(f"| {name} | failed: {v['error']} | | | | | | |")
                 continue
             r = lc.get(v["batch"], {})
-            out.append(f"| {v['batch']} | {v['p50_ms']:.1f} ({v['p90_ms']:.1f} / {v['p99_ms']:.1f}) | "
+            out.append(f"| {int(v['batch'])} | {v['p50_ms']:.1f} ({v['p90_ms']:.1f} / {v['p99_ms']:.1f}) | "
                        f"{v['tok_s']:.1f} | {v['roofline_ms']:.1f} ({v['roofline_bytes_ms']:.1f} / "
                        f"{fmt(v['roofline_macs_ms'], 1)}) | {v['roofline_tok_s']:.0f} | "
-                       f"{v['of_roofline']:.2f} | {fmt(r.get('S_TG t/s'), 1)} | "
-                       f"{fmt(r.get('colibri_over_llamacpp'))} |")
-    if res.get("llama_cpp", {}).get("error"):
-        out += ["", f"llama.cpp not measured: {res['llama_cpp']['error']}"]
+                       f"{v['of_roofline']:.2f} | {llama(r)} | {fmt(r.get('colibri_over_llamacpp'))} |")
+    L = res.get("llama_cpp", {})
+    if L.get("error"):
+        out += ["", f"llama.cpp not measured: {L['error']}"]
+    elif L.get("runs"):
+        out += ["", f"llama.cpp: `llama-batched-bench {' '.join(LLAMA_ARGS)} -t {res['threads']}` "
+                f"on `{Path(L['gguf']).name}`, from {Path(L['source']).parents[1].name}'s vendored "
+                f"llama.cpp (cmake options beyond build/llamacpp's usual ones: "
+                f"{' '.join(x for x in L.get('flags', '?').split() if x not in LT_BASE_FLAGS) or 'none'}); "
+                f"S_TG = B x TG / T_TG."]
     if res.get("lines"):
         L = res["lines"]
         out += ["", "| forward path | lines | non-blank |", "|---|---|---|"]
@@ -643,8 +658,10 @@ def main(argv=None) -> None:
             import _llamacpp_tools as LT
             tools = LT.ensure_tools(build=not a.no_build)
             gguf = LT.q4_gguf(WORK / "hf", WORK, a.threads, build=not a.no_build)
+            marker = LT.BUILD / "colibri-cmake-flags.txt"
             res["llama_cpp"] = {"tool": str(tools["llama-batched-bench"]), "gguf": str(gguf),
-                                "source": str(LT.source_dir()), "runs": []}
+                                "source": str(LT.source_dir()), "runs": [],
+                                "flags": marker.read_text() if marker.exists() else "?"}
         except Exception as e:
             res["llama_cpp"] = {"error": f"{type(e).__name__}: {e}"}
             log("llama.cpp part skipped: " + res["llama_cpp"]["error"])
