@@ -450,6 +450,7 @@ def summarize(res: dict) -> dict:
         s[name] = {k: med(ok, k) for k in ok[0] if isinstance(ok[0][k], (int, float))}
         s[name]["decode_path"] = ok[-1].get("decode_path")
         s[name]["rounds"] = len(ok)
+        s[name]["p50_rounds"] = [r["p50_ms"] for r in ok]
     plain = s.get("plain", {}).get("p50_ms")
     inv = res["weights"]
     for name, v in s.items():
@@ -526,15 +527,18 @@ def render(res: dict) -> str:
                   if res.get("expert_read") else "")
                + (f"; q4 batch kernel {res['kernel_rate']['macs_per_s'] / 1e9:.1f} G multiply-adds/s"
                   if res.get("kernel_rate") else "") + ".")
-    out += ["", "| part | configuration | per-token p50 ms | p90 ms | p99 ms | ÷ plain | "
-            "figures | target |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| part | configuration | per-token p50 ms | p50 per round | p90 ms | p99 ms | "
+            "÷ plain | figures | target |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def rounds(v):
+        return " / ".join(f"{x:.1f}" for x in v.get("p50_rounds", []))
     targets = {"b": "≤ 1.15"}
     for name, v in s.items():
         part = res["parts_of"].get(name, "?")
         if part in ("d",):
             continue
         if "error" in v:
-            out.append(f"| {part} | {name} | failed: {v['error']} | | | | | |")
+            out.append(f"| {part} | {name} | failed: {v['error']} | | | | | | |")
             continue
         fig = [v["decode_path"] if part in "ab" else ""]
         tgt = targets.get(part, "")
@@ -561,12 +565,12 @@ def render(res: dict) -> str:
                                          if v.get("ratio_vs_mixtral") else "")
         if part == "b" and v.get("ratio_to_plain"):
             tgt += f" ({'met' if v['ratio_to_plain'] <= 1.15 else 'not met'})"
-        out.append(f"| {part} | {name} | {v['p50_ms']:.2f} | {v['p90_ms']:.2f} | {v['p99_ms']:.2f} | "
+        out.append(f"| {part} | {name} | {v['p50_ms']:.2f} | {rounds(v)} | {v['p90_ms']:.2f} | {v['p99_ms']:.2f} | "
                    f"{fmt(v.get('ratio_to_plain'))} | {'; '.join(x for x in fig if x)} | {tgt} |")
     batch = [(n, v) for n, v in s.items() if n.startswith("batch")]
     lc = res.get("llama_cpp", {}).get("median", {})
     if batch or lc:
-        out += ["", "| sequences | Colibri step p50 ms (p90 / p99) | Colibri tok/s | roofline ms "
+        out += ["", "| sequences | Colibri step p50 ms (p90 / p99; p50 per round) | Colibri tok/s | roofline ms "
                 "(bytes / multiply-adds) | roofline tok/s | Colibri ÷ roofline | llama.cpp S_TG tok/s "
                 "(rounds' range) | Colibri ÷ llama.cpp |", "|---|---|---|---|---|---|---|---|"]
 
@@ -583,7 +587,8 @@ def render(res: dict) -> str:
                 out.append(f"| {name} | failed: {v['error']} | | | | | | |")
                 continue
             r = lc.get(v["batch"], {})
-            out.append(f"| {int(v['batch'])} | {v['p50_ms']:.1f} ({v['p90_ms']:.1f} / {v['p99_ms']:.1f}) | "
+            out.append(f"| {int(v['batch'])} | {v['p50_ms']:.1f} ({v['p90_ms']:.1f} / {v['p99_ms']:.1f}; "
+                       f"{rounds(v)}) | "
                        f"{v['tok_s']:.1f} | {v['roofline_ms']:.1f} ({v['roofline_bytes_ms']:.1f} / "
                        f"{fmt(v['roofline_macs_ms'], 1)}) | {v['roofline_tok_s']:.0f} | "
                        f"{v['of_roofline']:.2f} | {llama(r)} | {fmt(r.get('colibri_over_llamacpp'))} |")
@@ -615,10 +620,14 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="abcdefg", help="parts, e.g. a,b,d")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and steps (a smoke run)")
     ap.add_argument("--no-build", action="store_true", help="skip f unless llama.cpp is built")
+    ap.add_argument("--render", action="store_true",
+                    help="print the tables of the last run (benchmarks/out/bench_pipeline.json)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
+    if a.render:
+        return print(render(summarize(json.loads((OUT / "bench_pipeline.json").read_text()))))
     a.only = [p for p in a.only.replace(",", "") if p in "abcdefg"]
     a.tokens = a.tokens or (32 if a.quick else 128)
     a.batch_steps = a.batch_steps or (6 if a.quick else 32)
