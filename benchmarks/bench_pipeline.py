@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pipeline.py [--rounds 2] [--threads 2] [--tokens 128]
                                         [--only a,b,c,d,e,f,g] [--quick] [--no-build]
+    python benchmarks/bench_pipeline.py --render      # the tables of the last run again
 
 On the Mixtral-shaped benchmark model of bench_vs_llamacpp.py (benchmarks/_vs_models.py;
 built and converted on first use, cached under benchmarks/out/vs_llamacpp/), `--threads`
