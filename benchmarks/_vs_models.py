@@ -2,7 +2,8 @@
 random checkpoint (fp16 safetensors), its Colibri conversion (cached, keyed on the
 converter's code and settings), the F16 GGUF written with `gguf` and the Q4_0 GGUF from
 `llama_model_quantize`; and each format's per-tensor inventory (roles, bits per weight,
-bytes read per token)."""
+bytes read per token). Also the DeepSeek-V3-shaped random checkpoint of bench_pipeline.py
+(build_hf_deepseek; its Colibri conversion is build_colibri's too)."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,56 @@ def build_hf(path: Path) -> Path:
                 p.normal_(0.0, 1.0)
             else:                      # q/k/v/o, router, experts, lm_head
                 p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+        model.half().save_pretrained(path, safe_serialization=True)
+    del model
+    marker.write_text(json.dumps(spec))
+    log(f"  built in {time.time() - t0:.0f} s")
+    return path
+
+
+# The DeepSeek-V3-shaped benchmark model of issue 14 (bench_pipeline.py): the same hidden
+# size, heads, vocabulary and depth as SHAPE, the first layer dense, MLA attention, 64 small
+# routed experts top-8 with group-limited sigmoid routing, one shared expert.
+DEEPSEEK_SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                      first_k_dense_replace=1, n_routed_experts=64, moe_intermediate_size=256,
+                      num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=384,
+                      kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                      v_head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                      rope_theta=10000.0)
+DEEPSEEK_WORK = OUT / "vs_deepseek"
+
+
+def build_hf_deepseek(path: Path) -> Path:
+    """A random DeepseekV3ForCausalLM of DEEPSEEK_SHAPE saved as fp16 safetensors (cached;
+    initialised as build_hf does, plus e_score_correction_bias ~ N(0, 0.1) so that the
+    bias-corrected group choice is exercised)."""
+    spec = {**DEEPSEEK_SHAPE, "family": "deepseek_v3", "version": SPEC_VERSION}
+    marker = path / "bench_spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    import torch
+    import transformers as tr
+    t0 = time.time()
+    log(f"building the random DeepSeek-V3-shaped model in {path} ...")
+    torch.manual_seed(0)
+    cfg = tr.DeepseekV3Config(**DEEPSEEK_SHAPE, tie_word_embeddings=False, bos_token_id=1,
+                              eos_token_id=None)
+    with torch.no_grad():
+        model = tr.DeepseekV3ForCausalLM(cfg).eval()
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
         model.half().save_pretrained(path, safe_serialization=True)
     del model
     marker.write_text(json.dumps(spec))
