@@ -327,6 +327,21 @@ def child_batch(job: dict, eng) -> dict:
             "attended_positions_per_step": float(np.mean(ctx[1:]))}
 
 
+def _decode_path(eng, job) -> str:
+    """Which forward ran: the one pipeline (naming its reference blocks, if any), or on
+    a checkout from before it the decode fast path or the general path."""
+    m = eng.model
+    pipeline = getattr(m, "pipeline", None)
+    if pipeline is not None:
+        ref = pipeline.blocks
+        return "pipeline" + (" (reference: " + ", ".join(f"{b}: {why}" for b, why in ref.items()) + ")"
+                             if ref else "")
+    if job["kind"] == "batch":
+        return "Model.forward, batched"
+    plan = m.decode_plan()
+    return "fast path" if not isinstance(plan, str) else f"general path: {plan}"
+
+
 def child(job: dict) -> None:
     _use_checkout_plugins()
     from colibri_core import kernels as K
@@ -336,11 +351,8 @@ def child(job: dict) -> None:
     eng = Engine(job["model"], EngineConfig(threads=job["threads"], **job.get("settings", {})),
                  plugin_manager=_plugin_manager(job.get("plugins", [])))
     load_s = time.perf_counter() - t
-    plan = eng.model.decode_plan()
     out = child_batch(job, eng) if job["kind"] == "batch" else child_decode(job, eng)
-    out.update(load_s=load_s, backend=K.backend(),
-               decode_path="Model.forward, batched" if job["kind"] == "batch" else
-               "fast path" if not isinstance(plan, str) else f"general path: {plan}")
+    out.update(load_s=load_s, backend=K.backend(), decode_path=_decode_path(eng, job))
     eng.close()
     print("RESULT " + json.dumps(out), flush=True)
 
