@@ -225,14 +225,14 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
     not prepare, is built on the generating thread and is just as correct."""
     import threading
 
-    from colibri_core import pipeline
+    from colibri_core import steptables
     from colibri_core.hotplug.expert import _ffi
     watched = tmp_path / "experts"
     watched.mkdir(mode=0o755)
     build = tmp_path / "build"
     build.mkdir()
     where: dict[str, list[str]] = {"plan": [], "dlopen": []}
-    real_init, real_dlopen = pipeline._SetTables.__init__, _ffi.dlopen
+    real_init, real_dlopen = steptables.SetTables.__init__, _ffi.dlopen
 
     def plan_init(self, *a, **k):
         where["plan"].append(threading.current_thread().name)
@@ -241,7 +241,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
     def dlopen(*a, **k):
         where["dlopen"].append(threading.current_thread().name)
         return real_dlopen(*a, **k)
-    pipeline._SetTables.__init__, _ffi.dlopen = plan_init, dlopen
+    steptables.SetTables.__init__, _ffi.dlopen = plan_init, dlopen
     try:
         eng = Engine(tiny_model_dir, EngineConfig(experts_dir=str(watched),
                                                   hotplug=HotplugConfig(settle_s=0.05)))
@@ -271,7 +271,7 @@ def test_changes_are_prepared_off_the_engine_thread(tiny_model_dir, tmp_path):
             loop.join(10)
             eng.close()
     finally:
-        pipeline._SetTables.__init__, _ffi.dlopen = real_init, real_dlopen
+        steptables.SetTables.__init__, _ffi.dlopen = real_init, real_dlopen
     assert loop.error is None
     assert stats == {"prepared": 4, "built_here": 0}, stats
     assert plans and "generator" not in plans, plans

@@ -241,10 +241,10 @@ class _Scratch:
 
 
 class ScriptedControl:
-    """pipeline.ThreadControl fed scripted pool statistics instead of the pool's."""
+    """steptables.ThreadControl fed scripted pool statistics instead of the pool's."""
 
     def __init__(self):
-        from colibri_core.pipeline import ThreadControl
+        from colibri_core.steptables import ThreadControl
         self.c = ThreadControl(_Scratch())
         self.c.p_stats = K.ffi.cast("int64_t *", K.ffi.from_buffer(np.zeros(4, np.int64)))
 
