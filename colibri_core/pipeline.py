@@ -254,7 +254,7 @@ class _Scratch:
         s.counts = k.buf(z(2 * E + 1, np.int64), "int64_t *")
         s.jobs_max = E + 2
         s.jobs = k.buf(z((E + 2) * lib.ck_step_job_bytes(), np.uint8), "void *")
-        self.tok = z((n, 4), np.int64)
+        self.tok = z((n, lib.CK_TOK_COLS), np.int64)      # ck.h: a token's position and KV cache
         self.kt = z(n, np.int32)
         self.logits = z((self.nl, n, E), np.float32)       # per layer: the trace's arrays
         self.dense_ids = z((n, 1), np.int64)
@@ -501,13 +501,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the step
     def _cache_ptrs(self, cache) -> tuple:
+        """(cache, then the tok row's columns 1..: k address, v address, values per layer,
+        storage type, k scales address, v scales address; ck.h)."""
         got = self._cache_addr.get(id(cache))
         if got is None or got[0] is not cache:
             if len(self._cache_addr) > 256:
                 self._cache_addr.clear()
             k, v = cache.k, cache.v
-            got = (cache, int(ffi.cast("intptr_t", ffi.from_buffer(k))),
-                   int(ffi.cast("intptr_t", ffi.from_buffer(v))), k.shape[1] * k.shape[2] * k.shape[3])
+            q8 = cache.dtype == "q8"
+            got = (cache, _addr(k), _addr(v), k.shape[1] * k.shape[2] * k.shape[3],
+                   _KV_KIND[cache.dtype], _addr(cache.k_scale) if q8 else 0,
+                   _addr(cache.v_scale) if q8 else 0)
             self._cache_addr[id(cache)] = got
         return got
 
@@ -530,12 +534,12 @@ class Pipeline:
         for t0, t1, cache in spans:
             if t1 - t0 == 1:                        # a decode token: no views, no arrays
                 if not mla:
-                    _, tok[t0, 1], tok[t0, 2], tok[t0, 3] = self._cache_ptrs(cache)
+                    (_, tok[t0, 1], tok[t0, 2], tok[t0, 3], tok[t0, 4], tok[t0, 5],
+                     tok[t0, 6]) = self._cache_ptrs(cache)
                 tok[t0, 0] = cache.length
                 continue
             if not mla:
-                _, ka, va, stride = self._cache_ptrs(cache)
-                tok[t0:t1, 1], tok[t0:t1, 2], tok[t0:t1, 3] = ka, va, stride
+                tok[t0:t1, 1:] = self._cache_ptrs(cache)[1:]
             tok[t0:t1, 0] = np.arange(cache.length, cache.length + t1 - t0)
         if isinstance(kt, int):
             sc.kt[0] = kt
@@ -758,6 +762,13 @@ class Pipeline:
     def _check(rc: int) -> None:
         if rc != 0:
             raise RuntimeError(f"colibri step kernel: {_ERRORS.get(rc, rc)}")
+
+
+_KV_KIND = {"f32": lib.CK_KV_F32, "f16": lib.CK_KV_F16, "q8": lib.CK_KV_Q8}
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(ffi.cast("intptr_t", ffi.from_buffer(a)))
 
 
 def _cycles() -> int:
