@@ -167,6 +167,8 @@ def _engine_from_args(args):
         overrides["debug"] = args.debug
     if getattr(args, "max_resident_mb", None) is not None:
         overrides["max_resident_mb"] = args.max_resident_mb
+    if getattr(args, "kv_dtype", None):
+        overrides["kv_dtype"] = args.kv_dtype
     if args.model:
         base = EngineConfig()
         model_dir = require_model_dir(args.model)
@@ -231,7 +233,8 @@ def _budget_lines(eng) -> list[str]:
     from .residency import MiB
     cap = eng.model.residency.capacity
     lines = [f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
-             f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} + activations "
+             f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} ({plan.kv_tokens} "
+             f"positions, {eng.config.kv_dtype}) + activations "
              f"{plan.act / MiB:.1f} (prefill chunks of {plan.chunk_tokens} tokens) + expert "
              f"cache {cap / MiB:.1f} MB ({eng.config.load_mode})"]
     if plan.n_experts:
@@ -552,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap (MiB) on the memory the model occupies: weights in RSS and page "
                         "cache, KV cache and activations, the rest caching experts; the "
                         "split is printed at start")
+    r.add_argument("--kv-dtype", choices=["f32", "f16", "q8"], dest="kv_dtype",
+                   help="KV cache rows as float32 (default), IEEE half, or int8 with a scale "
+                        "per row (docs/BENCHMARKS.md, \"KV cache storage types\")")
     r.add_argument("--expert-cache", choices=["lru", "lfu"], dest="expert_cache",
                    help="expert cache policy under --max-resident-mb (default lfu)")
     r.add_argument("--speculative", action="store_true",

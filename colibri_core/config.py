@@ -219,7 +219,7 @@ class ResidencyConfig(BaseModel):
     half_life_tokens: float = Field(default=32.0, gt=0)   # lfu aging: a use counts half after this many forwards
     speculative: bool = False                      # guess the next MoE layer's experts early
     io_threads: int = Field(default=4, ge=1, le=64)   # expert loads in flight at once
-    kv_tokens: Optional[int] = Field(default=None, gt=0)  # KV positions reserved (None: the context)
+    kv_tokens: Optional[int] = Field(default=None, gt=0)  # older name of EngineConfig.kv_pool_tokens (used when that is unset)
     debug_poison: bool = False                     # copy mode: fill evicted frames with NaN
 
 
@@ -248,6 +248,12 @@ class EngineConfig(BaseModel):
     plugin_strict: bool = False        # re-raise plugins' exceptions (also COLIBRI_PLUGIN_STRICT=1)
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
+    # the KV cache (kvcache.py): every sequence's cache comes from one pool of this many
+    # positions (None: one sequence at the model's full context), counted in
+    # max_resident_mb; rows stored as float32, IEEE half, or int8 with a scale per row
+    # (MLA's latent cache stays float32)
+    kv_pool_tokens: Optional[int] = Field(default=None, gt=0)
+    kv_dtype: Literal["f32", "f16", "q8"] = "f32"
     residency: ResidencyConfig = ResidencyConfig()
     # score_batch / next_token_logits: at most this many tokens per forward pass (a larger
     # call runs in several; results equal up to float32 rounding, since a kernel's tiling

@@ -28,6 +28,7 @@ from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release
                             same_changes, with_change)
 from .gate import RequestGate
 from .generate import Generation
+from .kvcache import KVPool
 from .model import Model, check_memory
 from .kselect import check_k, split_mode_prefix
 from .sampler import Sampler
@@ -85,6 +86,8 @@ class Engine:
         self.hooks.guard.configure(max_failures=config.plugin_max_failures,
                                    slow_ms=config.plugin_slow_ms, strict=config.plugin_strict)
         self.model = Model(self.weights, config, self.hooks)
+        # Every request's KV caches come from this pool (kvcache.py), and go back to it.
+        self.kv_pool = KVPool.for_engine(self.model_cfg, config)
         self._pending_changes: list = []      # callables applied between two tokens
         self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
         # Expert sets (and their pipeline tables) built ahead by the hot-plug worker, one per
@@ -396,11 +399,18 @@ class Engine:
         with self._request(rid):
             self._apply_expert_changes()
             es = self.model.expert_set
-            for chunk in _chunks(prepared, cfg.max_batch_tokens):
-                caches = [self.model.new_cache(len(p)) for p in chunk]
-                results += self.model.forward([np.asarray(p) for p in chunk], caches,
-                                              [k] * len(chunk), all_logits=all_positions,
-                                              expert_set=es)
+            pool = self.kv_pool      # a chunk's caches together fit the pool's free room
+            for chunk in _chunks(prepared, max(1, min(cfg.max_batch_tokens, pool.free_tokens))):
+                caches = []
+                try:
+                    for p in chunk:
+                        caches.append(pool.alloc(len(p)))
+                    results += self.model.forward([np.asarray(p) for p in chunk], caches,
+                                                  [k] * len(chunk), all_logits=all_positions,
+                                                  expert_set=es)
+                finally:
+                    for c in caches:
+                        pool.free(c)
         return results
 
     # ------------------------------------------------------------------ expert changes

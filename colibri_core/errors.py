@@ -81,6 +81,17 @@ class InsufficientMemoryError(EngineUnavailable):
     code = "insufficient_memory"
 
 
+class KVPoolFullError(EngineUnavailable):
+    """The engine's KV pool (kvcache.KVPool, EngineConfig.kv_pool_tokens) has fewer free
+    positions than a sequence asks for: retry when other sequences have ended."""
+    code = "kv_pool_full"
+
+
+class KVCacheFreedError(RequestError):
+    """A KV cache was used after it went back to its pool (KVPool.free)."""
+    code = "kv_cache_freed"
+
+
 class ExpertError(ColibriError):
     """An expert was refused or failed: the base of the hot-plug errors (hotplug/errors.py).
     The model catches it around an expert's own code, which then contributes nothing."""

@@ -31,6 +31,7 @@ class Host(Protocol):
     model_dir: Path
     tokenizer: Optional[Tokenizer]
     hooks: Any                      # plugins.HookRelay
+    kv_pool: Any                    # kvcache.KVPool: the sequence's cache comes from it
 
     def apply_expert_changes(self) -> Any: ...
 
@@ -91,11 +92,14 @@ class Generation:
 
     def _steps(self, eng, cfg, ctx) -> Iterator[TokenEvent]:
         capacity = min(ctx, len(self.prompt_ids) + self.max_new_tokens)
-        cache = eng.model.new_cache(max(capacity, len(self.prompt_ids)))
         decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
         hooks = eng.hooks
         if hooks is not None and hooks.request_start is not None:
             hooks.request_start(request_id=self.request_id, prompt_tokens=len(self.prompt_ids), k=self.k)
+        # From the engine's pool; back to it in the finally below, however the generation
+        # ends: run to the end, failed, closed early or garbage-collected (a generator's
+        # close() raises GeneratorExit at its yield).
+        cache = eng.kv_pool.alloc(max(capacity, len(self.prompt_ids)))
         # No collector pauses inside a token; the caller's own code between two tokens runs
         # with the collector as it was.
         gc_was_enabled = gc.isenabled()
@@ -154,6 +158,7 @@ class Generation:
             self.stop_reason = "error"         # what colibri_request_end reports
             raise
         finally:
+            eng.kv_pool.free(cache)
             if gc_was_enabled:
                 gc.enable()
             if hooks is not None and hooks.request_end is not None:

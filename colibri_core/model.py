@@ -62,12 +62,14 @@ class Model:
         return self.pipeline.routing_trace()
 
     # ------------------------------------------------------------------ caches
-    def cache_bytes(self, capacity: int) -> int:
-        """What new_cache(capacity) allocates (keys and values, every layer)."""
-        return kvcache.cache_bytes(self.cfg, capacity)
+    def cache_bytes(self, capacity: int, dtype: Optional[str] = None) -> int:
+        """What new_cache(capacity, dtype) allocates (keys and values, every layer)."""
+        return kvcache.cache_bytes(self.cfg, capacity, dtype or self.engine.kv_dtype)
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return kvcache.new_cache(self.cfg, capacity)
+    def new_cache(self, capacity: int, dtype: Optional[str] = None) -> KVCache:
+        """An unpooled cache (tests, tools; the engine takes its caches from its KVPool),
+        stored as `dtype` (default EngineConfig.kv_dtype)."""
+        return kvcache.new_cache(self.cfg, capacity, dtype or self.engine.kv_dtype)
 
     # ------------------------------------------------------------------ expert sets
     def prepare_tables(self, es: ExpertSet):
@@ -113,6 +115,8 @@ class Model:
             t = np.asarray(t, dtype=np.int64).reshape(-1)
             if len(t) == 0:
                 raise RequestError("empty token list in batch")
+            if cache.k is None:
+                cache.check_usable()
             if cache.length + len(t) > cache.capacity:
                 raise RequestError(f"sequence needs {cache.length + len(t)} positions, its "
                                    f"cache holds {cache.capacity}")
@@ -150,6 +154,8 @@ class Model:
         cfg = self.cfg
         if not 0 <= token < cfg.vocab_size:
             raise RequestError(f"token id {token} out of range 0..{cfg.vocab_size - 1}")
+        if cache.k is None:
+            cache.check_usable()
         if cache.length + 1 > cache.capacity:
             raise RequestError(f"sequence needs {cache.length + 1} positions, its cache "
                                f"holds {cache.capacity}")

@@ -210,13 +210,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the step
     def _cache_ptrs(self, cache) -> tuple:
+        """(cache, then the tok row's columns 1..: k address, v address, values per layer,
+        storage type, k scales address, v scales address; ck.h)."""
         got = self._cache_addr.get(id(cache))
         if got is None or got[0] is not cache:
             if len(self._cache_addr) > 256:
                 self._cache_addr.clear()
             k, v = cache.k, cache.v
-            got = (cache, int(ffi.cast("intptr_t", ffi.from_buffer(k))),
-                   int(ffi.cast("intptr_t", ffi.from_buffer(v))), k[0].size)
+            q8 = getattr(cache, "dtype", "f32") == "q8"
+            got = (cache, _addr(k), _addr(v), k[0].size, _KV_KIND[getattr(cache, "dtype", "f32")],
+                   _addr(cache.k_scale) if q8 else 0, _addr(cache.v_scale) if q8 else 0)
             self._cache_addr[id(cache)] = got
         return got
 
@@ -237,11 +240,11 @@ class Pipeline:
         tok = sc.tok
         for t0, t1, cache in spans:
             if t1 - t0 == 1:                        # a decode token: no views, no arrays
-                _, tok[t0, 1], tok[t0, 2], tok[t0, 3] = self._cache_ptrs(cache)
+                (_, tok[t0, 1], tok[t0, 2], tok[t0, 3], tok[t0, 4], tok[t0, 5],
+                 tok[t0, 6]) = self._cache_ptrs(cache)
                 tok[t0, 0] = cache.length
                 continue
-            _, ka, va, stride = self._cache_ptrs(cache)
-            tok[t0:t1, 1], tok[t0:t1, 2], tok[t0:t1, 3] = ka, va, stride
+            tok[t0:t1, 1:] = self._cache_ptrs(cache)[1:]
             tok[t0:t1, 0] = np.arange(cache.length, cache.length + t1 - t0)
         if isinstance(kt, int):
             sc.kt[0] = kt
@@ -467,6 +470,13 @@ class Pipeline:
     def _check(rc: int) -> None:
         if rc != 0:
             raise RuntimeError(f"colibri step kernel: {_ERRORS.get(rc, rc)}")
+
+
+_KV_KIND = {"f32": lib.CK_KV_F32, "f16": lib.CK_KV_F16, "q8": lib.CK_KV_Q8}
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(ffi.cast("intptr_t", ffi.from_buffer(a)))
 
 
 def _cycles() -> int:

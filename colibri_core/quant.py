@@ -276,6 +276,23 @@ def quantize_act_q8(x: np.ndarray, group: int = DEFAULT_GROUP):
     return xq.reshape(n, cp), xs, xsum
 
 
+def quantize_kv_q8(rows: np.ndarray):
+    """The q8 KV-cache row format (kvcache.py, ck_step.c's kv_store_row): each row of the
+    last axis [..., D] quantized alone, symmetric, one float32 scale per row -- the rule of
+    quantize_act_q8 with one group of D values (scale max|x| / 127, codes rint(x * (1 /
+    scale)), half to even, clipped to +-127). Returns (codes int8 [..., D], scales float32
+    [...])."""
+    rows = np.asarray(rows, dtype=np.float32)
+    d = rows.shape[-1]
+    q, s, _ = quantize_act_q8(rows.reshape(-1, d), group=d)
+    return q.reshape(rows.shape), s.reshape(rows.shape[:-1])
+
+
+def dequantize_kv_q8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Rows of the q8 KV format back to float32: codes * scale (float32, as the C side)."""
+    return q.astype(np.float32) * np.asarray(scales, np.float32)[..., None]
+
+
 def matvec_q4_ref(t: Q4Tensor, x: np.ndarray) -> np.ndarray:
     """float64 reference of y = W x for x [C] or X [N, C] (returns [R] or [N, R])."""
     w = dequantize_q4(t)

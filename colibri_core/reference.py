@@ -51,8 +51,8 @@ class ReferenceModel:
         self._warned: set = set()
 
     # ------------------------------------------------------------------ small blocks
-    def new_cache(self, capacity: int) -> KVCache:
-        return new_cache(self.cfg, capacity)
+    def new_cache(self, capacity: int, dtype: Optional[str] = None) -> KVCache:
+        return new_cache(self.cfg, capacity, dtype or self.engine.kv_dtype)
 
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return ops.rmsnorm(x, w, self.cfg.rms_norm_eps)
@@ -123,14 +123,13 @@ class ReferenceModel:
         for t0, t1, cache in spans:
             s0 = cache.length
             n = t1 - t0
-            cache.k[L, s0:s0 + n] = k[t0:t1]
-            cache.v[L, s0:s0 + n] = v[t0:t1]
-            if n == 1:                    # decode step: the C kernel over the KV cache
+            cache.write(L, s0, k[t0:t1], v[t0:t1])         # in the cache's storage type
+            if n == 1 and cache.dtype == "f32":   # decode step: the C kernel over the KV cache
                 kernels.attention_decode(np.ascontiguousarray(q[t0]), cache.k[L], cache.v[L],
                                          s0 + 1, out[t0], scale=scale)
                 continue
-            out[t0:t1] = ops.attention(q[t0:t1], cache.k[L, :s0 + n], cache.v[L, :s0 + n],
-                                       scale, s0)
+            kc, vc = cache.read(L, s0 + n)                   # float32 rows (dequantized)
+            out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0)
         return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
 
     # ------------------------------------------------------------------ MoE

@@ -5,8 +5,9 @@ What the budget counts (MiB = 2**20 bytes): everything of the model that occupie
 - **Non-expert weights**: model.bin and routing.bin (embeddings, attention, norms, dense
   FFNs, shared experts, lm_head, routers), at their full file size. Mapped, they live in
   the page cache and in RSS once; copied in, in private memory.
-- **KV cache**: one sequence at the full context (or `residency.kv_tokens` positions in
-  all the sequences of a forward together; a batch asking for more is refused).
+- **KV cache**: the engine's KV pool (kvcache.KVPool): `kv_pool_tokens` positions (default
+  one sequence at the full context) in the pool's storage type `kv_dtype` (f16 halves
+  the f32 bytes, q8 about quarters them); a batch asking for more is refused.
 - **Activations** of one forward of `chunk_tokens` tokens (an estimate with headroom); a
   longer prompt is prefilled in chunks of that many tokens.
 - **Routed experts**: what the expert cache holds. With mmap a *file-backed* page counts
@@ -59,11 +60,20 @@ from .memstat import resident_bytes, file_cache_bytes, drop_file_cache, proc_rea
 
 # ----------------------------------------------------------------------------- the plan
 
-def kv_bytes_per_position(cfg: ModelConfig) -> int:
-    """KV-cache bytes of one position of one sequence, all layers (model.KVCache, mla)."""
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str = "f32") -> int:
+    """KV-cache bytes of one position of one sequence, all layers (kvcache.KVCache in
+    `dtype`: f32 4 bytes a value, f16 2, q8 1 plus a float32 scale per kv head; MLA's
+    latent cache is float32 whatever the dtype)."""
     if cfg.attention == "mla":
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
+    row = {"f32": 4 * cfg.head_size, "f16": 2 * cfg.head_size, "q8": cfg.head_size + 4}[dtype]
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
+
+
+def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig) -> int:
+    """The KV pool's capacity in positions: EngineConfig.kv_pool_tokens, else the older
+    residency.kv_tokens, else one sequence at the model's full context."""
+    return engine.kv_pool_tokens or engine.residency.kv_tokens or cfg.max_position_embeddings
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
@@ -120,8 +130,8 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int]) -
     dense = sum(n for name, n in sizes.items() if name.endswith(".bin") and name not in expert_names)
     expert_bytes = max((sizes.get(n, 0) for n in expert_names), default=0)
     ctx = cfg.max_position_embeddings
-    kv_tokens = engine.residency.kv_tokens or ctx
-    kv = kv_tokens * kv_bytes_per_position(cfg)
+    kv_tokens = kv_pool_tokens(cfg, engine)
+    kv = kv_tokens * kv_bytes_per_position(cfg, engine.kv_dtype)
     act1 = activation_bytes(cfg, 1, ctx)
     k = cfg.top_k if cfg.moe_layers else 0
     minimum = dense + kv + act1 + k * expert_bytes

@@ -255,7 +255,7 @@ class Scratch:
         s.counts = k.buf(z(2 * E + 1, np.int64), "int64_t *")
         s.jobs_max = E + 2
         s.jobs = k.buf(z((E + 2) * lib.ck_step_job_bytes(), np.uint8), "void *")
-        self.tok = z((n, 4), np.int64)
+        self.tok = z((n, lib.CK_TOK_COLS), np.int64)      # ck.h: a token's position and KV cache
         self.kt = z(n, np.int32)
         self.kt_layer = z(n, np.int32)                     # a plugin's k for one layer
         self.logits = z((self.nl, n, E), np.float32)       # per layer: the trace's arrays

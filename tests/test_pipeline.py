@@ -204,17 +204,19 @@ def test_decode_step_errors(models):
         assert c.length == 8
 
 
-def test_decode_allocates_nothing_per_token(tmp_path):
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8"])
+def test_decode_allocates_nothing_per_token(tmp_path, kv):
     """tracemalloc sees every numpy buffer and Python object: the peak traced memory of
     many decode steps stays below one activation vector (a per-token numpy temporary of
-    the hidden size, the logits or the KV rows would exceed it)."""
+    the hidden size, the logits or the KV rows would exceed it), whatever the cache's
+    storage type."""
     d = tmp_path / "m"
     write_random_model(d, seed=3, vocab=300, context=96, hidden=512, layers=("dense", "moe"),
                        experts=4, top_k=2, inter=256, moe_inter=256, shared=128, heads=8,
                        kv_heads=2)
     with Engine(d, EngineConfig()) as eng:
         m = eng.model
-        c = m.new_cache(96)
+        c = m.new_cache(96, kv)
         m.forward([np.arange(1, 9)], [c])
         hidden_bytes = m.cfg.hidden_size * 4
         gc.collect()

@@ -61,29 +61,36 @@ def run_attention(p, L, x, caches, positions):
     sc = p.scratch
     sc.ensure(n, 1)
     for t, (c, pos) in enumerate(zip(caches, positions)):
-        _, ka, va, stride = p._cache_ptrs(c)
-        sc.tok[t] = (pos, ka, va, stride)
+        sc.tok[t] = (pos, *p._cache_ptrs(c)[1:])
     sc.x[:n] = x
     rc = lib.ck_step_attention(p.layers[L]["attn"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s)
     assert rc == 0
     return sc.x[:n].copy(), sc.xn[:n].copy()
 
 
-def test_attention_matches_the_reference_block(eng):
+KV_DTYPES = ["f32", "f16", "q8"]
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_attention_matches_the_reference_block(eng, kv):
+    """The C block writes each cache row in the cache's type and attends over the rows
+    dequantized; the reference block (reference.py) stores with quant.quantize_kv_q8 /
+    numpy's float16 and attends in numpy."""
     m = eng.model
     p, ref, cfg = m.pipeline, m.ref, m.cfg
     rng = np.random.default_rng(3)
     for L, lw in enumerate(m.w.layers):
         prompt = hidden_rows(9, cfg.hidden_size, 4 + L)
-        c_c, c_r = m.new_cache(32), m.new_cache(32)
+        c_c, c_r = m.new_cache(32, kv), m.new_cache(32, kv)
         # 9 tokens of one sequence in one call: a token sees the earlier ones of its call
         got_x, got_xn = run_attention(p, L, prompt, [c_c] * 9, range(9))
         want = prompt + ref._attention(lw, ref._rmsnorm(prompt, lw.attn_norm), np.arange(9),
                                        [(0, 9, c_r)])
         assert rel(got_x, want) < 5e-3
         assert rel(got_xn, ref._rmsnorm(want, lw.ffn_norm)) < 5e-3
-        np.testing.assert_allclose(c_c.v[L, :9], c_r.v[L, :9], rtol=0, atol=2e-2 * np.abs(c_r.v[L, :9]).max())
-        np.testing.assert_allclose(c_c.k[L, :9], c_r.k[L, :9], rtol=0, atol=2e-2 * np.abs(c_r.k[L, :9]).max())
+        (kc, vc), (kr, vr) = c_c.read(L, 9), c_r.read(L, 9)
+        np.testing.assert_allclose(vc, vr, rtol=0, atol=2e-2 * np.abs(vr).max())
+        np.testing.assert_allclose(kc, kr, rtol=0, atol=2e-2 * np.abs(kr).max())
         c_r.length = 9
         # then one decode token
         x1 = hidden_rows(1, cfg.hidden_size, int(rng.integers(100)))
@@ -92,15 +99,17 @@ def test_attention_matches_the_reference_block(eng):
         assert rel(got_x, want) < 5e-3
 
 
-def test_attention_rows_are_batch_invariant(eng):
-    """Sequence 0's token alone, then among 63 tokens of 8 other sequences."""
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_attention_rows_are_batch_invariant(eng, kv):
+    """Sequence 0's token alone, then among 63 tokens of 8 other sequences (whose caches
+    are of every storage type)."""
     m = eng.model
     p, cfg = m.pipeline, m.cfg
     H = cfg.hidden_size
     ctx = hidden_rows(6, H, 1)
     for L in range(len(m.w.layers)):
-        solo, crowd = m.new_cache(16), m.new_cache(16)
-        others = [m.new_cache(16) for _ in range(8)]
+        solo, crowd = m.new_cache(16, kv), m.new_cache(16, kv)
+        others = [m.new_cache(16, KV_DTYPES[i % 3]) for i in range(8)]
         run_attention(p, L, ctx, [solo] * 6, range(6))
         run_attention(p, L, ctx, [crowd] * 6, range(6))
         x = hidden_rows(64, H, 2)
@@ -353,8 +362,7 @@ def run_mla(p, L, x, caches, positions):
     sc = p.scratch
     sc.ensure(n, 1)
     for t, (c, pos) in enumerate(zip(caches, positions)):
-        _, ka, va, stride = p._cache_ptrs(c)
-        sc.tok[t] = (pos, ka, va, stride)
+        sc.tok[t] = (pos,) + p._cache_ptrs(c)[1:]
     sc.x[:n] = x
     assert lib.ck_step_mla_attention(p.layers[L]["mla"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s) == 0
     return sc.x[:n].copy(), sc.xn[:n].copy()

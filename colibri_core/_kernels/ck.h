@@ -159,12 +159,19 @@ typedef struct {
 
 int64_t ck_step_job_bytes(void);
 
+/* A token's KV cache in ck_step_attention: tok [n, CK_TOK_COLS] = (pos, address of the
+ * sequence's k cache, of its v cache, values per layer (capacity * nkv * d), the caches'
+ * storage type CK_KV_*, address of the k scales, of the v scales (q8; else 0)). A cache is
+ * [layers, capacity, nkv, d] of f32, f16 (IEEE half) or q8 (int8, with a float32 scale per
+ * (layer, position, kv head) row in the scales arrays [layers, capacity, nkv]: row =
+ * q * scale, symmetric, as quant.quantize_kv_q8). */
+enum { CK_KV_F32 = 0, CK_KV_F16 = 1, CK_KV_Q8 = 2, CK_TOK_COLS = 7 };
+
 /* x [n, H] += o_proj(attention(rmsnorm(x))) for tokens whose positions and KV caches
- * are tok [n, 4] = (pos, address of the sequence's k cache, of its v cache, floats per
- * layer); a cache is [layers, capacity, nkv, d] float32. Each token's rotated key and
- * value go to row pos of layer `layer` (all tokens' before any attention: a token sees
- * the earlier tokens of its sequence in the same call), then attends over rows 0..pos.
- * Then xn_out [n, H] = rmsnorm(x, a->ffn_norm). */
+ * are tok (above). Each token's rotated key and value go to row pos of layer `layer`,
+ * in its cache's type (all tokens' before any attention: a token sees the earlier tokens
+ * of its sequence in the same call), then it attends over rows 0..pos (f16 and q8 rows
+ * dequantized to float32 first). Then xn_out [n, H] = rmsnorm(x, a->ffn_norm). */
 int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n,
                       const int64_t *tok, float *xn_out, ck_sscratch *s);
 
@@ -192,6 +199,16 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
 /* logits [n, rows] = rmsnorm(x [n, cols], norm) @ w^T */
 int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, int64_t n,
                  float *logits, ck_sscratch *s);
+
+/* Tests: n rows of d floats into a cache's storage type and back (kind CK_KV_F16: dst
+ * uint16 [n, d]; CK_KV_Q8: dst int8 [n, d] and scales [n]), as ck_step_attention
+ * stores and reads them; the f16/q8 attention of g query heads over len rows (q, out
+ * [g, d]; row p of k at k + p*ld values, its scale at ks[p * ld / d]) */
+void ck_kv_store(int kind, const float *src, int64_t n, int64_t d, void *dst, float *scales);
+void ck_kv_load(int kind, const void *src, const float *scales, int64_t n, int64_t d, float *dst);
+int ck_kv_attention(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
+                    const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
+                    float *out);
 
 /* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / dequantize_q8 */
 void ck_mat_row(const ck_mat *w, int64_t r, float *out);

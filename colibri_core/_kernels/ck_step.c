@@ -156,6 +156,151 @@ static const ck_act *act_for(act_set *A, ck_sscratch *s, const ck_backend_t *be,
     return &A->a[i];
 }
 
+/* ------------------------------------------------------------------ KV rows: f16, q8
+ *
+ * A cache stores its rows as f32, f16 or q8 (ck.h, CK_KV_*). f16 and q8 rows are written
+ * once (when the token's key and value are made) and dequantized to float32 whenever a
+ * later token attends over them; the attention is then the f32 one's arithmetic on the
+ * dequantized rows (portable C, GCC vectorizes the row loops), so its result depends on
+ * nothing but the token's own rows: batch invariant as the f32 path. The numpy
+ * reference of the formats is quant.quantize_kv_q8 / dequantize_kv_q8 and numpy's
+ * float16. */
+
+/* float -> IEEE half, round to nearest even (as numpy's astype(float16)); no F16C or
+ * FP16 instructions, so the same code runs on every x86-64 and aarch64 CPU */
+static inline uint16_t f2h(float x) {
+    uint32_t f;
+    memcpy(&f, &x, 4);
+    const uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint16_t o;
+    if (f >= (uint32_t)(127 + 16) << 23) {              /* overflow, Inf, NaN */
+        o = f > 255u << 23 ? 0x7e00 : 0x7c00;
+    } else if (f < 113u << 23) {                         /* half subnormal or zero */
+        const uint32_t magic_u = 126u << 23;             /* 0.5: its ulp is the half's */
+        float fv, magic;
+        memcpy(&fv, &f, 4); memcpy(&magic, &magic_u, 4);
+        fv += magic;                                     /* rounds to nearest even */
+        uint32_t u;
+        memcpy(&u, &fv, 4);
+        o = (uint16_t)(u - magic_u);
+    } else {
+        const uint32_t odd = (f >> 13) & 1;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfff + odd; /* rebias, round half to even */
+        o = (uint16_t)(f >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+/* IEEE half -> float, exact: the half's bits moved into a float and scaled by 2^112
+ * (normals and subnormals alike), Inf/NaN given the float's all-ones exponent */
+static inline float h2f(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    uint32_t u = em << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p112f;
+    memcpy(&u, &f, 4);
+    u = em >= 0x7c00u ? 0x7f800000u | (em << 13) : u;
+    u |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline size_t kv_elem(int kind) { return kind == CK_KV_F32 ? 4 : kind == CK_KV_F16 ? 2 : 1; }
+
+/* one row of d values into the storage type; q8: symmetric, scale max|x| / 127, codes
+ * rint(x * (1/scale)) clamped to +-127 (ck_scalar_act_quant's rule for one group) */
+static void kv_store_row(int kind, const float *x, int64_t d, void *dst, float *scale) {
+    if (kind == CK_KV_F32) {
+        memcpy(dst, x, (size_t)d * sizeof(float));
+    } else if (kind == CK_KV_F16) {
+        uint16_t *o = dst;
+        for (int64_t i = 0; i < d; i++) o[i] = f2h(x[i]);
+    } else {
+        int8_t *o = dst;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < d; i++) {
+            float a = fabsf(x[i]);
+            amax = fmaxf(amax, a);
+            nan |= a != a;
+        }
+        float s = nan ? NAN : amax / 127.0f;
+        float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int64_t i = 0; i < d; i++) {
+            float v = rintf(x[i] * inv);
+            v = v > -127.0f ? v : -127.0f;
+            v = v < 127.0f ? v : 127.0f;
+            o[i] = (int8_t)v;
+        }
+        ck_stf(scale, s);
+    }
+}
+
+static void kv_load_row(int kind, const void *src, float scale, int64_t d, float *out) {
+    if (kind == CK_KV_F16) {
+        const uint16_t *h = src;
+        for (int64_t i = 0; i < d; i++) out[i] = h2f(h[i]);
+    } else if (kind == CK_KV_Q8) {
+        const int8_t *q = src;
+        for (int64_t i = 0; i < d; i++) out[i] = (float)q[i] * scale;
+    } else {
+        memcpy(out, src, (size_t)d * sizeof(float));
+    }
+}
+
+/* attention of g query heads over len f16/q8 rows (row p at k + p*ld values, its scale
+ * at ks[p * (ld/d)]): scores q.k * scale, softmax (ck_scalar.c's), the weighted sum of
+ * the v rows; s [g, len] scratch */
+static void kv_attn(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
+                    const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
+                    float *s, float *out) {
+    const size_t es = kv_elem(kind);
+    const int64_t sld = ld / d;
+    float row[d > 0 ? d : 1];
+    for (int64_t p = 0; p < len; p++) {
+        kv_load_row(kind, (const char *)k + (size_t)(p * ld) * es, ks ? ck_ldf(ks + p * sld) : 0.0f,
+                    d, row);
+        for (int h = 0; h < g; h++) s[h * len + p] = dot_f32(q + h * d, row, d) * scale;
+    }
+    ck_softmax_rows(s, g, len);
+    for (int64_t i = 0; i < g * d; i++) out[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        kv_load_row(kind, (const char *)v + (size_t)(p * ld) * es, vs ? ck_ldf(vs + p * sld) : 0.0f,
+                    d, row);
+        for (int h = 0; h < g; h++) {
+            const float w = s[h * len + p];
+            float *o = out + h * d;
+            for (int64_t i = 0; i < d; i++) o[i] = o[i] + w * row[i];
+        }
+    }
+}
+
+void ck_kv_store(int kind, const float *src, int64_t n, int64_t d, void *dst, float *scales) {
+    for (int64_t r = 0; r < n; r++)
+        kv_store_row(kind, src + r * d, d, (char *)dst + (size_t)(r * d) * kv_elem(kind),
+                     scales ? scales + r : NULL);
+}
+
+void ck_kv_load(int kind, const void *src, const float *scales, int64_t n, int64_t d, float *dst) {
+    for (int64_t r = 0; r < n; r++)
+        kv_load_row(kind, (const char *)src + (size_t)(r * d) * kv_elem(kind),
+                    scales ? ck_ldf(scales + r) : 0.0f, d, dst + r * d);
+}
+
+int ck_kv_attention(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
+                    const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
+                    float *out) {
+    if (kind != CK_KV_F16 && kind != CK_KV_Q8) return CK_E_SCRATCH;
+    if (kind == CK_KV_Q8 && (!ks || !vs)) return CK_E_SCRATCH;
+    float *s = malloc((size_t)(g * len) * sizeof(float));
+    if (!s) return CK_E_MEMORY;
+    kv_attn(kind, q, g, d, k, v, ks, vs, ld, len, scale, s, out);
+    free(s);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ attention block */
 
 typedef struct {
@@ -169,7 +314,7 @@ typedef struct {
     chunks qkv, o;
     float *x;
     int64_t n, layer;
-    const int64_t *tok;        /* [n, 4]: pos, k cache, v cache, layer stride */
+    const int64_t *tok;        /* [n, CK_TOK_COLS] (ck.h) */
     float scale;
     int m;                     /* the matrix being emitted (qkv) */
 } attn_ctx;
@@ -205,8 +350,13 @@ static void qkv_chunk(void *p, int64_t ch) {
     }
 }
 
-static inline float *cache_row(const int64_t *tk, int which, int64_t layer, int64_t row_len) {
-    return (float *)(uintptr_t)tk[1 + which] + layer * tk[3] + tk[0] * row_len;
+/* the token's cache (which: 0 keys, 1 values) at layer `layer`, position 0 (bytes), and
+ * its scales (q8; else NULL) */
+static inline char *cache_layer(const int64_t *tk, int which, int64_t layer) {
+    return (char *)(uintptr_t)tk[1 + which] + (size_t)(layer * tk[3]) * kv_elem((int)tk[4]);
+}
+static inline float *scales_layer(const int64_t *tk, int which, int64_t layer, int64_t d) {
+    return tk[4] == CK_KV_Q8 ? (float *)(uintptr_t)tk[5 + which] + layer * (tk[3] / d) : NULL;
 }
 
 /* token t: q/k norms, rope, and its key and value into its cache row */
@@ -215,7 +365,7 @@ static void rope_chunk(void *p, int64_t t) {
     const ck_attn_layer *L = c->L;
     ck_sscratch *s = c->s;
     const int64_t d = L->d, half = d / 2, nh = L->nh, nkv = L->nkv;
-    const int64_t *tk = c->tok + 4 * t;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
     float *q = s->q + t * nh * d, *k = s->k + t * nkv * d, *v = s->v + t * nkv * d;
     if (L->qk_norm == 2) {                         /* over the whole projection */
         rmsnorm(q, L->q_norm, nh * d, L->eps, q);
@@ -232,8 +382,15 @@ static void rope_chunk(void *p, int64_t t) {
     }
     for (int64_t h = 0; h < nh; h++) rope(q + h * d, cs, sn, half);
     for (int64_t h = 0; h < nkv; h++) rope(k + h * d, cs, sn, half);
-    memcpy(cache_row(tk, 0, c->layer, nkv * d), k, (size_t)(nkv * d) * sizeof(float));
-    memcpy(cache_row(tk, 1, c->layer, nkv * d), v, (size_t)(nkv * d) * sizeof(float));
+    const int kind = (int)tk[4];
+    const size_t es = kv_elem(kind);
+    char *kc = cache_layer(tk, 0, c->layer), *vc = cache_layer(tk, 1, c->layer);
+    float *ks = scales_layer(tk, 0, c->layer, d), *vs = scales_layer(tk, 1, c->layer, d);
+    for (int64_t h = 0; h < nkv; h++) {            /* row (pos, h) of the cache */
+        int64_t r = tk[0] * nkv + h;
+        kv_store_row(kind, k + h * d, d, kc + (size_t)(r * d) * es, ks ? ks + r : NULL);
+        kv_store_row(kind, v + h * d, d, vc + (size_t)(r * d) * es, vs ? vs + r : NULL);
+    }
 }
 
 /* token t = i / nkv, kv head j = i % nkv: attention of its query heads over rows 0..pos */
@@ -242,15 +399,24 @@ static void head_chunk(void *p, int64_t i) {
     const ck_attn_layer *L = c->L;
     ck_sscratch *s = c->s;
     const int64_t d = L->d, nkv = L->nkv, g = L->nh / nkv, t = i / nkv, j = i % nkv;
-    const int64_t *tk = c->tok + 4 * t;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
     const int64_t len = tk[0] + 1;
-    const float *kc = (const float *)(uintptr_t)tk[1] + c->layer * tk[3];
-    const float *vc = (const float *)(uintptr_t)tk[2] + c->layer * tk[3];
+    const int kind = (int)tk[4];
+    const size_t es = kv_elem(kind);
+    const char *kc = cache_layer(tk, 0, c->layer) + (size_t)(j * d) * es;
+    const char *vc = cache_layer(tk, 1, c->layer) + (size_t)(j * d) * es;
+    const float *ks = scales_layer(tk, 0, c->layer, d), *vs = scales_layer(tk, 1, c->layer, d);
     float stack[g * len <= 16384 ? g * len : 1];
     float *sc = g * len <= 16384 ? stack : malloc((size_t)(g * len) * sizeof(float));
     if (!sc) { s->failed = 1; return; }
-    c->be->attn(s->q + (t * L->nh + j * g) * d, (int)g, d, kc + j * d, vc + j * d, nkv * d, len,
-                c->scale, sc, s->att + (t * L->nh + j * g) * d);
+    const float *q = s->q + (t * L->nh + j * g) * d;
+    float *out = s->att + (t * L->nh + j * g) * d;
+    if (kind == CK_KV_F32)                         /* the backend's vector attention */
+        c->be->attn(q, (int)g, d, (const float *)kc, (const float *)vc, nkv * d, len,
+                    c->scale, sc, out);
+    else
+        kv_attn(kind, q, (int)g, d, kc, vc, ks ? ks + j : NULL, vs ? vs + j : NULL, nkv * d,
+                len, c->scale, sc, out);
     if (sc != stack) free(sc);
 }
 
@@ -285,6 +451,11 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     memset(&c, 0, sizeof c);
     if (n > s->n_max) return CK_E_SCRATCH;
     if (n <= 0) return 0;
+    for (int64_t t = 0; t < n; t++) {              /* the caches' storage types */
+        const int64_t *tk = tok + CK_TOK_COLS * t;
+        if (tk[4] < CK_KV_F32 || tk[4] > CK_KV_Q8 || (tk[4] == CK_KV_Q8 && (!tk[5] || !tk[6])))
+            return CK_E_SCRATCH;
+    }
     c.be = be; c.L = a; c.s = s; c.x = x; c.n = n; c.layer = layer; c.tok = tok;
     c.scale = a->scale;
     c.w[0] = to_w(&a->wq); c.w[1] = to_w(&a->wk); c.w[2] = to_w(&a->wv); c.w[3] = to_w(&a->wo);
@@ -305,7 +476,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     ck_pool_for(qkv_chunk, &c, nchunks(c.qkv), nth);
     ck_pool_for(rope_chunk, &c, n, n >= 8 ? nth : 1);
     int64_t ctx_work = 0;
-    for (int64_t t = 0; t < n; t++) ctx_work += 2 * a->nh * a->d * (tok[4 * t] + 1);
+    for (int64_t t = 0; t < n; t++) ctx_work += 2 * a->nh * a->d * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
     ck_pool_for(head_chunk, &c, n * a->nkv, nthreads(s, ctx_work));
     if (s->failed) return CK_E_MEMORY;
@@ -430,7 +601,7 @@ static void mla_token_chunk(void *p, int64_t t) {
     mla_ctx *c = p;
     const ck_mla_layer *L = c->L;
     const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v, half = R / 2;
-    const int64_t *tk = c->tok + 4 * t;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
     const int64_t cap = tk[3] / r;
     float *q = mla_q(c, t), *kv = mla_kv(c, t), *ql = mla_qlat(c, t);
     float cs[half > 0 ? half : 1], sn[half > 0 ? half : 1];
@@ -463,7 +634,7 @@ static void mla_head_chunk(void *p, int64_t i) {
     const ck_mla_layer *L = c->L;
     const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
     const int64_t t = i / nh, h = i % nh;
-    const int64_t *tk = c->tok + 4 * t;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
     const int64_t cap = tk[3] / r, len = tk[0] + 1;
     const float *cc = (const float *)(uintptr_t)tk[1] + c->layer * cap * r;
     const float *kp = (const float *)(uintptr_t)tk[2] + c->layer * cap * R;
@@ -535,7 +706,7 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
     }
     ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
     int64_t ctx_work = 0;
-    for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[4 * t] + 1);
+    for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
     ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, ctx_work));
     if (s->failed) return CK_E_MEMORY;

@@ -580,11 +580,13 @@ static void api_step(report *exact, report *tol) {
             wts[t * K] = 0.7f; wts[t * K + 1] = 0.3f;
         }
         for (int b = 0; b < 2; b++) {
-            int64_t tok[NT * 4];
+            int64_t tok[NT * CK_TOK_COLS];
+            memset(tok, 0, sizeof tok);              /* kind CK_KV_F32, no scales */
             for (int t = 0; t < NT; t++) {
-                tok[4 * t] = step * NT + t;
-                tok[4 * t + 1] = (int64_t)(uintptr_t)kc[b]; tok[4 * t + 2] = (int64_t)(uintptr_t)vc[b];
-                tok[4 * t + 3] = CAP * NKV * D;
+                int64_t *tk = tok + CK_TOK_COLS * t;
+                tk[0] = step * NT + t;
+                tk[1] = (int64_t)(uintptr_t)kc[b]; tk[2] = (int64_t)(uintptr_t)vc[b];
+                tk[3] = CAP * NKV * D;
             }
             ck_set_backend(b ? CK_NEON : CK_SCALAR);
             memcpy(x[b], x0, NT * H * 4);
