@@ -249,11 +249,22 @@ class EngineConfig(BaseModel):
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
     residency: ResidencyConfig = ResidencyConfig()
-    # score_batch / next_token_logits: at most this many tokens per forward pass (a larger
-    # call runs in several; results equal up to float32 rounding, since a kernel's tiling
-    # follows the batch); a call of more than `max_call_tokens` tokens is refused
+    # a forward step carries at most `max_batch_tokens` tokens (a larger call runs in
+    # several steps; batch invariance: the same logits); a score_batch of more than
+    # `max_call_tokens` tokens is refused
     max_batch_tokens: int = Field(default=65536, ge=1)
     max_call_tokens: int = Field(default=1 << 20, ge=1)
+    # the scheduler (scheduler.py): a step carries at most `max_step_tokens` tokens while
+    # any stream is decoding (running decodes first, one token each, then prompt chunks;
+    # provisional until benchmarks/bench_scheduler.py has measured the p99 target), and up
+    # to `max_batch_tokens` while none is. Requests waiting for admission: at most
+    # `max_queued_requests`; one more waits for a place, or is refused with
+    # EngineBusyError (`when_full`). Admission: the KV caches of the running sequences hold
+    # at most `max_kv_tokens` positions (None: 65,536, or the context if larger).
+    max_step_tokens: int = Field(default=256, ge=1)
+    max_queued_requests: int = Field(default=256, ge=1)
+    when_full: Literal["wait", "refuse"] = "wait"
+    max_kv_tokens: Optional[int] = Field(default=None, ge=1)
 
 
 class RunConfig(BaseModel):
