@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol
@@ -23,7 +22,7 @@ from .config import ModelConfig
 from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
-from .scheduler import AHEAD, Job, Request, Scheduler
+from .scheduler import AHEAD, Job, Request, Scheduler, cancel_when_gone
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -87,7 +86,7 @@ class Generation:
             req = _Stream(self)
             self.engine.scheduler.submit(req)
             self._request = req
-            weakref.finalize(self, req.cancel)    # dropped unread: its place is freed
+            cancel_when_gone(self, req)           # dropped unread: its place is freed
         return self
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -171,7 +172,7 @@ class Request:
                     s._wake.notify_all()
                 return ev
         if self.error is not None:
-            raise self.error
+            raise self.error.with_traceback(None)
         return None
 
     def wait(self) -> None:
@@ -180,7 +181,20 @@ class Request:
             while self.state != "done":
                 self._cv.wait()
         if self.error is not None:
-            raise self.error
+            raise self.error.with_traceback(None)
+
+
+def cancel_when_gone(owner, req: Request) -> None:
+    """Cancel `req` once `owner` (its Generation) is garbage: a weak reference both
+    ways, so that nothing the request holds (its error's traceback) keeps `owner` alive."""
+    ref = weakref.ref(req)
+    weakref.finalize(owner, _cancel_ref, ref)
+
+
+def _cancel_ref(ref) -> None:
+    req = ref()
+    if req is not None:
+        req.cancel()
 
 
 class Scheduler:
@@ -208,6 +222,7 @@ class Scheduler:
         self.closed = False
         self._closing = False
         self._release: Optional[Callable[[], None]] = None
+        self._release_error: Optional[BaseException] = None
         self.kv: Optional[KVBudget] = None      # built with the model (start of the thread)
         self.steps = 0                          # steps run
         # For tests: called on this thread between two steps, before admission, with the
@@ -301,6 +316,9 @@ class Scheduler:
             self._shutdown()                   # no thread: nothing runs, done here
         elif thread.ident != threading.get_ident():
             thread.join()
+            err, self._release_error = self._release_error, None
+            if err is not None:                # release() raised on the thread: here too
+                raise err.with_traceback(None)
 
     # ------------------------------------------------------------------ the thread
     def _ensure_thread(self) -> None:        # under _lock
@@ -338,7 +356,10 @@ class Scheduler:
                 for r in list(self._requests):
                     self._fail(r, exc)
                 self._retire()
-        self._shutdown()
+        try:
+            self._shutdown()
+        except BaseException as exc:             # noqa: BLE001 - close() raises it
+            self._release_error = exc
 
     def _step(self) -> None:
         """Between two steps: expert changes, queued calls, cancellations, admission;
