@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
-from .scheduler import AHEAD, Job, Request, Scheduler, cancel_when_gone
+from .scheduler import Job, Request, Scheduler, cancel_when_gone
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -203,7 +203,7 @@ class Decode(Job):
         self._warned_nonfinite = False
 
     def ready(self) -> bool:
-        return self.feed is not None and len(self.request.events) < AHEAD
+        return self.feed is not None and len(self.request.events) < self.request._sched.ahead
 
     def _finish(self, reason: str) -> None:
         req = self.request

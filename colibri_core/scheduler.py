@@ -168,7 +168,7 @@ class Request:
                 self._cv.wait()
             if self.events:
                 ev = self.events.popleft()
-                if len(self.events) == AHEAD - 1:      # its sequence may run again
+                if len(self.events) == s.ahead - 1:    # its sequence may run again
                     s._wake.notify_all()
                 return ev
         if self.error is not None:
@@ -225,6 +225,7 @@ class Scheduler:
         self._release_error: Optional[BaseException] = None
         self.kv: Optional[KVBudget] = None      # built with the model (start of the thread)
         self.steps = 0                          # steps run
+        self.ahead = AHEAD                      # tokens a stream may run ahead of its reader
         # For tests: called on this thread between two steps, before admission, with the
         # step number; and, when a list, one entry per step: [(request id, tokens, expert
         # set generation)] in the step's order.
