@@ -63,10 +63,10 @@ def test_a_full_queue_refuses_or_waits(tiny_model_dir):
                                                 max_kv_tokens=64))
         try:
             running = e.generate([1, 2, 3], max_new_tokens=60, temperature=0).start()
-            queued = e.generate([4, 5, 6], max_new_tokens=2, temperature=0).start()
             deadline = time.time() + 10                       # the first one admitted:
             while running.queue_wait_s is None and time.time() < deadline:
                 time.sleep(0.001)                             # the second fits no more KV
+            queued = e.generate([4, 5, 6], max_new_tokens=2, temperature=0).start()
             if mode == "refuse":
                 with pytest.raises(EngineBusyError, match="max_queued_requests=1"):
                     e.generate([7, 8], max_new_tokens=2).start()
