@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from colibri_core.scheduler import AHEAD
-
 from colibri_core.config import builtin_model_dir
+from colibri_core.scheduler import AHEAD
 
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN = builtin_model_dir()
