@@ -52,11 +52,11 @@ def case_abandoned_generations(e: Engine) -> None:
     g.close()
 
 
-def case_busy_refusals(e: Engine) -> None:
+def case_side_by_side(e: Engine) -> None:
     g = iter(e.generate("The with statement", max_new_tokens=8))
     next(g)
-    _refused(lambda: e.score_batch([[1, 2, 3]]))
-    _refused(lambda: e.generate("x", max_new_tokens=2).run())
+    e.score_batch([[1, 2, 3]])              # served beside the open generation
+    e.generate("x", max_new_tokens=2).run()
     g.close()
 
 
@@ -97,7 +97,7 @@ def run(reps: int, rss_mib: float = 5.0) -> list[dict]:
     shared = Engine.from_config("builtin", threads=1)
     cases = [("engine open/close", case_engine_open_close),
              ("abandoned generations", lambda: case_abandoned_generations(shared)),
-             ("busy refusals", lambda: case_busy_refusals(shared)),
+             ("requests side by side", lambda: case_side_by_side(shared)),
              ("bad values", lambda: case_bad_values(shared)),
              ("close during generate", case_close_during_generate),
              ("use after close", case_after_close)]

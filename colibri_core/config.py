@@ -249,17 +249,28 @@ class EngineConfig(BaseModel):
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
     # the KV cache (kvcache.py): every sequence's cache comes from one pool of this many
-    # positions (None: one sequence at the model's full context), counted in
+    # positions (None: 65,536 or the context if larger; under a budget one sequence at
+    # the full context), counted in
     # max_resident_mb; rows stored as float32, IEEE half, or int8 with a scale per row
     # (MLA's latent cache stays float32)
     kv_pool_tokens: Optional[int] = Field(default=None, gt=0)
     kv_dtype: Literal["f32", "f16", "q8"] = "f32"
     residency: ResidencyConfig = ResidencyConfig()
-    # score_batch / next_token_logits: at most this many tokens per forward pass (a larger
-    # call runs in several; results equal up to float32 rounding, since a kernel's tiling
-    # follows the batch); a call of more than `max_call_tokens` tokens is refused
+    # a forward step carries at most `max_batch_tokens` tokens (a larger call runs in
+    # several steps; batch invariance: the same logits); a score_batch of more than
+    # `max_call_tokens` tokens is refused
     max_batch_tokens: int = Field(default=65536, ge=1)
     max_call_tokens: int = Field(default=1 << 20, ge=1)
+    # the scheduler (scheduler.py): a step carries at most `max_step_tokens` tokens while
+    # any stream is decoding (running decodes first, one token each, then prompt chunks;
+    # provisional until benchmarks/bench_scheduler.py has measured the p99 target), and up
+    # to `max_batch_tokens` while none is. Requests waiting for admission: at most
+    # `max_queued_requests`; one more waits for a place, or is refused with
+    # EngineBusyError (`when_full`). Admission: a sequence starts when the KV pool
+    # (`kv_pool_tokens`) has its positions free.
+    max_step_tokens: int = Field(default=256, ge=1)
+    max_queued_requests: int = Field(default=256, ge=1)
+    when_full: Literal["wait", "refuse"] = "wait"
 
 
 class RunConfig(BaseModel):

@@ -14,7 +14,6 @@ import itertools
 import logging
 import threading
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -22,16 +21,15 @@ import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
-from .errors import (ConfigError, EngineClosedError, RequestError,
-                     RequestTooLarge)
+from .errors import ConfigError, EngineClosedError, RequestError, RequestTooLarge
 from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
                             same_changes, with_change)
-from .gate import RequestGate
 from .generate import Generation
 from .kvcache import KVPool
 from .model import Model, check_memory
 from .kselect import check_k, split_mode_prefix
 from .sampler import Sampler
+from .scheduler import Request, Scheduler, ScoreJob, ensure_not_on_thread
 from .tokenizer import Tokenizer
 from .weights import load_model
 
@@ -49,7 +47,8 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.hotplug = None
         self.hooks = None
-        self.gate = RequestGate(str(self.model_dir))   # one request at a time (gate.py)
+        # every request, from any thread, runs on the scheduler's one thread
+        self.scheduler = Scheduler(self, str(self.model_dir))
         self._released = False
         if config.experts_dir is not None and not Path(config.experts_dir).is_dir():
             raise ConfigError(f"experts_dir {config.experts_dir!r}: no such folder; create it "
@@ -110,7 +109,7 @@ class Engine:
             except Exception as exc:
                 log.warning("closing the hot-plug manager failed: %s", exc)
             self.hotplug = None
-        self.gate.closed = True
+        self.scheduler.close(lambda: None)     # its thread (if started) ends first
         self._close_residency()
         if getattr(self, "model", None) is not None:
             self.model.close()
@@ -174,13 +173,12 @@ class Engine:
         return self.hooks.guard.report() if self.hooks is not None else {}
 
     def close(self) -> None:
-        """Stop hot-plug, unmap the model files and close their descriptors (now, not at
-        the next garbage collection). Idempotent; a closed engine refuses requests.
-
-        From another thread while a request computes, close() waits for its current step
-        (the request then ends with EngineClosedError); from inside a step (a plugin
-        hook), the release happens when that step ends."""
-        self.gate.close(self._release_resources)
+        """Cancel queued and running requests (they end with EngineClosedError), stop
+        hot-plug, unmap the model files and close their descriptors (now, not at the next
+        garbage collection); returns when all that is done. Idempotent; a closed engine
+        refuses requests. From inside a step (a plugin hook) it all happens when that
+        step ends."""
+        self.scheduler.close(self._release_resources)
 
     def _release_resources(self) -> None:
         if self._released:
@@ -200,38 +198,19 @@ class Engine:
                                                 # into the mapped files
             self.weights.close()
 
-    # ------------------------------------------------------------------ one request at a time
     @property
     def _closed(self) -> bool:
-        return self.gate.closed
+        return self.scheduler.closed
 
     def _closed_error(self) -> EngineClosedError:
-        return self.gate.closed_error()
+        return self.scheduler.closed_error()
 
-    def claim(self, request_id: str) -> None:
-        """Make `request_id` the engine's active request, or refuse (gate.py)."""
-        self.gate.claim(request_id)
-
-    def release(self, request_id: str) -> None:
-        self.gate.release(request_id)
+    def _request_ended(self) -> None:
+        """On the scheduler's thread, when requests retire: unload the hot-plugged experts
+        no snapshot uses any more, now."""
         hp = self.hotplug
-        if hp is not None:           # a request ended: unload what it stopped using, now
+        if hp is not None:
             hp.flush_releases()
-
-    def step(self):
-        """Around every computation of the model (a prefill, a decode step, an expert
-        change): close() waits for it rather than unmapping under it."""
-        return self.gate.step()
-
-    @contextmanager
-    def _request(self, request_id: str):
-        """A whole call (score_batch, next_token_logits) as one active request, one step."""
-        self.claim(request_id)
-        try:
-            with self.step():
-                yield
-        finally:
-            self.release(request_id)
 
     def __enter__(self):
         return self
@@ -368,9 +347,10 @@ class Engine:
                     all_positions: bool = False) -> list[np.ndarray]:
         """Batched forward passes over many (short) sequences: prefill only, no decode.
         -> one float32 [V] array of next-token logits per sequence ([len, V] each with
-        all_positions=True). Sequences are run at most `max_batch_tokens` tokens per
-        forward (the same results up to float32 rounding); a call of more than
-        `max_call_tokens` tokens is refused."""
+        all_positions=True). One request to the scheduler: its sequences share steps
+        with the other requests' (a step carries at most `max_batch_tokens` tokens, or
+        `max_step_tokens` while a stream decodes); a call of more than `max_call_tokens`
+        tokens is refused. Blocks until done (from any thread but a plugin hook's)."""
         if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
             raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
                                f"of token-id lists")
@@ -395,23 +375,15 @@ class Engine:
         check_memory(4 * V * out_rows, f"logits of {out_rows} positions")
         rid = f"req-{next(_request_ids)}"
         k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {"id": rid})
-        results: list[np.ndarray] = []
-        with self._request(rid):
-            self._apply_expert_changes()
-            es = self.model.expert_set
-            pool = self.kv_pool      # a chunk's caches together fit the pool's free room
-            for chunk in _chunks(prepared, max(1, min(cfg.max_batch_tokens, pool.free_tokens))):
-                caches = []
-                try:
-                    for p in chunk:
-                        caches.append(pool.alloc(len(p)))
-                    results += self.model.forward([np.asarray(p) for p in chunk], caches,
-                                                  [k] * len(chunk), all_logits=all_positions,
-                                                  expert_set=es)
-                finally:
-                    for c in caches:
-                        pool.free(c)
-        return results
+        ensure_not_on_thread(self.scheduler, "score_batch")
+        req = Request(rid)
+        req.jobs = [ScoreJob(req, p, k, all_positions) for p in prepared]
+        self.scheduler.submit(req)
+        try:
+            req.wait()
+        finally:
+            req.cancel()                 # interrupted while waiting: not wanted any more
+        return [j.result for j in req.jobs]
 
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:
@@ -440,14 +412,15 @@ class Engine:
         self._pending_changes.append(change)
 
     def apply_expert_changes(self) -> None:
-        """Adopt queued expert changes now (between two steps; a no-op once closed)."""
+        """Adopt queued expert changes now: on the scheduler's thread, between two steps
+        (this waits for the current one); a no-op once closed. The scheduler also adopts
+        them before every step."""
         if self._closed:
             return
-        if self.gate.in_step():
-            self._apply_expert_changes()
-            return
-        with self.step():
-            self._apply_expert_changes()
+        self.scheduler.call(self._apply_and_flush)
+
+    def _apply_and_flush(self) -> None:
+        self._apply_expert_changes()
         if self.hotplug is not None:     # not on a token's path: unload the replaced now
             self.hotplug.flush_releases()
 
@@ -467,8 +440,8 @@ class Engine:
         entry = Prepared(base, changes, es, plan)
         if entry.gone:       # released once `base` is gone, if this entry is adopted
             release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
-        # Tokens run with the collector off (generate.py): the young objects made here
-        # would be collected between two tokens, in the one that adopts them. Now, here.
+        # The young objects made here would otherwise be collected on the scheduler's
+        # thread, in the step that adopts them. Now, here.
         gc.collect(1)
         with self._prepared_lock:
             if not self._closed:
@@ -498,7 +471,7 @@ class Engine:
         return es, plan, used, whole
 
     def _apply_expert_changes(self) -> None:
-        """Inside a step, between two tokens: adopt queued expert changes.
+        """On the scheduler's thread, between two steps: adopt queued expert changes.
 
         Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
         and removed experts are released (their library unloaded, by the hot-plug worker)
@@ -585,20 +558,6 @@ def _token_ids(prompt) -> list[int]:
             raise RequestError(f"token id at position {i} is {t!r:.40} "
                                f"({type(t).__name__}): token ids are integers")
     return [int(t) for t in items]
-
-
-def _chunks(seqs: list, max_tokens: int):
-    """Consecutive groups of sequences of at most max_tokens tokens (one sequence alone
-    may be longer: it is bounded by the context)."""
-    group, n = [], 0
-    for p in seqs:
-        if group and n + len(p) > max_tokens:
-            yield group
-            group, n = [], 0
-        group.append(p)
-        n += len(p)
-    if group:
-        yield group
 
 
 def _single_threaded_blas() -> None:

@@ -67,7 +67,8 @@ class EngineUnavailable(ColibriError, RuntimeError):
 
 
 class EngineBusyError(EngineUnavailable):
-    """Another request is active on this Engine (an Engine serves one at a time)."""
+    """The engine's request queue is full (EngineConfig.max_queued_requests, with
+    when_full="refuse")."""
     code = "engine_busy"
 
 

@@ -1,12 +1,15 @@
-"""Token generation: prefill, then decode one token at a time, streaming.
+"""Token generation over the scheduler: a Generation is one request, streamed.
 
-Between two tokens (and only there) the engine applies queued expert changes, so every
+The caller's thread iterates a Generation and reads the tokens its sequence (a Decode
+job) produced on the scheduler's thread (scheduler.py), where sampling, stop strings,
+streaming text and the per-token hooks run, once per step, after the step's forward.
+Between two steps (and only there) the engine applies queued expert changes, so every
 token is computed with exactly one expert set, whose generation and id are recorded on
-the token.
+the token; a pinned request keeps the snapshot it was admitted with.
 """
 from __future__ import annotations
 
-import gc
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,9 +19,10 @@ from typing import Any, Iterator, Optional, Protocol
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ModelFormatError
+from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
+from .scheduler import Job, Request, Scheduler, cancel_when_gone
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -31,15 +35,7 @@ class Host(Protocol):
     model_dir: Path
     tokenizer: Optional[Tokenizer]
     hooks: Any                      # plugins.HookRelay
-    kv_pool: Any                    # kvcache.KVPool: the sequence's cache comes from it
-
-    def apply_expert_changes(self) -> Any: ...
-
-    def claim(self, request_id: str) -> None: ...      # one active request (or refuse)
-
-    def release(self, request_id: str) -> None: ...
-
-    def step(self) -> Any: ...                          # context manager around compute
+    scheduler: Scheduler            # where its request runs
 
 
 @dataclass(frozen=True)
@@ -49,12 +45,15 @@ class TokenEvent:
     text: str                  # new text this token completed (may be "")
     expert_set_generation: int  # the expert set the token was computed with: its counter
     expert_set_id: str          # ... and its digest (expertset.expert_set_id)
-    latency_s: float           # time from the previous token (or request start)
+    latency_s: float           # time from the previous token (or the request's admission)
 
 
 @dataclass
 class Generation:
-    """Iterate to stream tokens; afterwards `stop_reason`, `token_ids`, `text` are set."""
+    """Iterate to stream tokens (from any thread; `async for` in an event loop);
+    afterwards `stop_reason`, `token_ids`, `text` are set. The request is submitted to
+    the engine's scheduler at the first iteration (or start()); closing the iterator,
+    close(), or dropping the Generation cancels it."""
 
     engine: Host
     prompt_ids: list[int]
@@ -70,10 +69,37 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: list[TokenEvent] = field(default_factory=list)
-    _warned_nonfinite: bool = field(default=False, repr=False)
+    _request: Optional["_Stream"] = field(default=None, repr=False)
+    _iterated: bool = field(default=False, repr=False)
+
+    @property
+    def queue_wait_s(self) -> Optional[float]:
+        """Seconds the request waited in the scheduler's queue before admission (None
+        until admitted)."""
+        return None if self._request is None else self._request.queue_wait_s
+
+    def start(self) -> "Generation":
+        """Submit the request now (iterating does it otherwise): it starts computing at
+        the next step. Raises what submitting raises (EngineClosedError, EngineBusyError
+        with when_full="refuse", RequestTooLarge, InsufficientMemoryError)."""
+        if self._request is None:
+            req = _Stream(self)
+            self.engine.scheduler.submit(req)
+            self._request = req
+            cancel_when_gone(self, req)           # dropped unread: its place is freed
+        return self
+
+    def close(self) -> None:
+        """Cancel the request (it leaves the step, and its KV cache is freed, at the next
+        step); idempotent."""
+        if self._request is not None:
+            self._request.cancel()
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self._run()
+
+    def __aiter__(self):
+        return _AsyncTokens(self._run())
 
     def run(self) -> "Generation":
         for _ in self:
@@ -81,96 +107,147 @@ class Generation:
         return self
 
     def _run(self) -> Iterator[TokenEvent]:
-        eng = self.engine
-        cfg = eng.model_cfg
-        ctx = cfg.max_position_embeddings
-        eng.claim(self.request_id)       # one active request per engine: refused, not mixed
+        if self._iterated:
+            raise RequestError(f"request {self.request_id}: this Generation was iterated "
+                               f"already; call engine.generate() again for a new run")
+        self._iterated = True
+        self.start()
+        req = self._request
         try:
-            yield from self._steps(eng, cfg, ctx)
-        finally:
-            eng.release(self.request_id)
-
-    def _steps(self, eng, cfg, ctx) -> Iterator[TokenEvent]:
-        capacity = min(ctx, len(self.prompt_ids) + self.max_new_tokens)
-        decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
-        hooks = eng.hooks
-        if hooks is not None and hooks.request_start is not None:
-            hooks.request_start(request_id=self.request_id, prompt_tokens=len(self.prompt_ids), k=self.k)
-        # From the engine's pool; back to it in the finally below, however the generation
-        # ends: run to the end, failed, closed early or garbage-collected (a generator's
-        # close() raises GeneratorExit at its yield).
-        cache = eng.kv_pool.alloc(max(capacity, len(self.prompt_ids)))
-        # No collector pauses inside a token; the caller's own code between two tokens runs
-        # with the collector as it was.
-        gc_was_enabled = gc.isenabled()
-        try:
-            t_prev = time.perf_counter()
-            gc.disable()
-            with eng.step():
-                eng.apply_expert_changes()
-                es = eng.model.expert_set        # a pinned request keeps this snapshot
-                logits = eng.model.forward([np.asarray(self.prompt_ids)], [cache], [self.k],
-                                           expert_set=es)[0]
-            eos = set(cfg.eos_token_ids)
-            step = 0
             while True:
-                if step >= self.max_new_tokens:
-                    self.stop_reason = "length"
+                ev = req.next_event()
+                if ev is None:
                     break
-                tok = self._sample(logits)
-                if tok in eos:
-                    self.stop_reason = "eos"
-                    break
-                self.token_ids.append(tok)
-                piece = decoder.push(tok) if decoder is not None else ""
-                piece, stop_hit = self._cut_at_stop(piece)
-                self.text += piece
-                now = time.perf_counter()
-                ev = TokenEvent(step, tok, piece, es.generation, es.id, now - t_prev)
-                t_prev = now
+                self.token_ids.append(ev.token_id)
+                self.text += ev.text
                 self.events.append(ev)
-                if hooks is not None and hooks.token is not None:
-                    hooks.token(request_id=self.request_id, step=step, token_id=tok, text=piece,
-                                expert_set_generation=es.generation, expert_set_id=es.id)
-                if gc_was_enabled:
-                    gc.enable()
                 yield ev
-                gc.disable()
-                step += 1
-                if stop_hit:
-                    self.stop_reason = "stop"
-                    break
-                if step >= self.max_new_tokens:
-                    self.stop_reason = "length"
-                    break
-                if cache.length >= cache.capacity:
-                    self.stop_reason = "context"
-                    break
-                with eng.step():                        # close() waits for this, not longer
-                    if not self.pin_experts:
-                        eng.apply_expert_changes()      # between two tokens, on this thread
-                        es = eng.model.expert_set
-                    logits = eng.model.decode_step(tok, cache, self.k, expert_set=es)
-            if decoder is not None and self.stop_reason != "stop":
-                tail = decoder.flush()
-                self.text += tail
+            self.text += req.tail
+            self.stop_reason = req.stop_reason
         except Exception:
-            self.stop_reason = "error"         # what colibri_request_end reports
+            self.stop_reason = "error"
             raise
         finally:
-            eng.kv_pool.free(cache)
-            if gc_was_enabled:
-                gc.enable()
-            if hooks is not None and hooks.request_end is not None:
-                hooks.request_end(request_id=self.request_id, n_tokens=len(self.token_ids),
-                                  stop_reason=self.stop_reason)
+            req.cancel()                     # closed or dropped early: retired next step
+
+
+class _AsyncTokens:
+    """`async for ev in generation`: each next token waited for in a worker thread."""
+
+    def __init__(self, it: Iterator[TokenEvent]):
+        self._it = it
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        ev = await asyncio.to_thread(next, self._it, None)
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+    async def aclose(self) -> None:
+        self._it.close()
+
+
+class _Stream(Request):
+    """A generation's request on the scheduler: one Decode job. Holds no reference to
+    its Generation (so that dropping the Generation cancels it)."""
+
+    def __init__(self, gen: Generation):
+        super().__init__(gen.request_id)
+        eng = gen.engine
+        self.hooks = eng.hooks
+        self.n_prompt = len(gen.prompt_ids)
+        self.k = gen.k
+        self.n_tokens = 0
+        self.tail = ""
+        ctx = eng.model_cfg.max_position_embeddings
+        capacity = max(min(ctx, self.n_prompt + gen.max_new_tokens), self.n_prompt)
+        self.jobs = [Decode(self, gen, capacity)]
+
+    def started(self) -> None:
+        self.jobs[0].t_prev = time.perf_counter()
+        h = self.hooks
+        if h is not None and h.request_start is not None:
+            h.request_start(request_id=self.id, prompt_tokens=self.n_prompt, k=self.k)
+
+    def ended(self) -> None:
+        h = self.hooks
+        if h is not None and h.request_end is not None:
+            h.request_end(request_id=self.id, n_tokens=self.n_tokens,
+                          stop_reason=self.stop_reason)
+
+
+class Decode(Job):
+    """A generation's sequence: after its prompt, sample, stream, stop; one token per
+    step. Runs on the scheduler's thread."""
+
+    decodes = True
+
+    def __init__(self, request: _Stream, gen: Generation, capacity: int):
+        super().__init__(request, gen.prompt_ids, gen.k, capacity, pin=gen.pin_experts)
+        eng = gen.engine
+        self.hooks = eng.hooks
+        self.vocab_size = eng.model_cfg.vocab_size
+        self.model_dir = eng.model_dir
+        self.eos = set(eng.model_cfg.eos_token_ids)
+        self.max_new_tokens = gen.max_new_tokens
+        self.sampler = gen.sampler
+        self.stop = gen.stop
+        self.request_id = gen.request_id
+        self.decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
+        self.text = ""
+        self.step = 0
+        self.t_prev = 0.0
+        self._warned_nonfinite = False
+
+    def ready(self) -> bool:
+        return self.feed is not None and len(self.request.events) < self.request._sched.ahead
+
+    def _finish(self, reason: str) -> None:
+        req = self.request
+        req.stop_reason = reason
+        if self.decoder is not None and reason != "stop":
+            req.tail = self.decoder.flush()
+        self.done = True
+
+    def after_step(self, logits: np.ndarray, es, final: bool) -> None:
+        if not final:
+            return
+        if self.step >= self.max_new_tokens:
+            return self._finish("length")
+        tok = self._sample(logits)
+        if tok in self.eos:
+            return self._finish("eos")
+        piece = self.decoder.push(tok) if self.decoder is not None else ""
+        piece, stop_hit = self._cut_at_stop(piece)
+        self.text += piece
+        now = time.perf_counter()
+        ev = TokenEvent(self.step, tok, piece, es.generation, es.id, now - self.t_prev)
+        self.t_prev = now
+        req = self.request
+        req.n_tokens += 1
+        hooks = self.hooks
+        if hooks is not None and hooks.token is not None:
+            hooks.token(request_id=self.request_id, step=self.step, token_id=tok, text=piece,
+                        expert_set_generation=es.generation, expert_set_id=es.id)
+        req.push(ev)
+        self.step += 1
+        if stop_hit:
+            return self._finish("stop")
+        if self.step >= self.max_new_tokens:
+            return self._finish("length")
+        if self.cache.length >= self.cache.capacity:
+            return self._finish("context")
+        self.feed = tok
 
     def _sample(self, logits: np.ndarray) -> int:
-        hooks = self.engine.hooks
+        hooks = self.hooks
         if hooks is not None and hooks.sample is not None:
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
-                return hooks.guard.check_sample(got, self.engine.model_cfg.vocab_size)
+                return hooks.guard.check_sample(got, self.vocab_size)
         if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
             logits = self._finite_logits(logits)
         return self.sampler(logits)
@@ -182,15 +259,14 @@ class Generation:
         big = np.finfo(np.float64).max / 4
         fixed = np.nan_to_num(logits, nan=-np.inf, posinf=big, neginf=-np.inf)
         if not np.isfinite(fixed).any():
-            eng = self.engine
+            d = self.model_dir
             raise ModelFormatError(
-                f"{eng.model_dir}: the model produced no finite logit at step "
-                f"{len(self.token_ids)} (NaN/Inf in its weights?); check it with "
-                f"`colibri inspect {eng.model_dir} --verify`")
+                f"{d}: the model produced no finite logit at step {self.step} (NaN/Inf in "
+                f"its weights?); check it with `colibri inspect {d} --verify`")
         if not self._warned_nonfinite:
             self._warned_nonfinite = True
             log.warning("non-finite logits at step %d of %s: NaN ones are never sampled",
-                        len(self.token_ids), self.request_id)
+                        self.step, self.request_id)
         return fixed
 
     def _cut_at_stop(self, piece: str) -> tuple[str, bool]:

@@ -108,6 +108,8 @@ class Pipeline:
             self.embed_mat = keep.new("ck_mat *")
             set_mat(keep, self.embed_mat, w.embed)
         self._tables: Optional[SetTables] = None
+        self._pinned: dict = {}                     # id(es) -> tables of an older, pinned set
+        self._last_tables: Optional[SetTables] = None   # the last step's (the trace's)
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
         self.last_n = 0                             # tokens of the last step
@@ -155,9 +157,27 @@ class Pipeline:
 
     # ------------------------------------------------------------------ expert sets
     def tables_for(self, es) -> SetTables:
-        if self._tables is None or self._tables.es is not es:
-            self.adopt(es, SetTables(self.model, es))
+        t = self._tables
+        if t is not None and t.es is es:
+            return t
+        side = self._pinned.get(id(es))
+        if side is not None and side.es is es:
+            return side
+        if t is not None and es.generation < t.generation:
+            # an older snapshot a pinned request keeps (scheduler.py): its own tables,
+            # beside the current set's, until keep_pinned() lets them go
+            side = self._pinned[id(es)] = SetTables(self.model, es)
+            self.scratch.grow_slots(max((v["slots"] for v in side.layers.values()), default=1))
+            return side
+        self.adopt(es, SetTables(self.model, es))
         return self._tables
+
+    def keep_pinned(self, sets) -> None:
+        """Forget the tables of older snapshots that no sequence in `sets` uses any more
+        (their experts can then be released)."""
+        live = {id(es) for es in sets}
+        for key in [k for k in self._pinned if k not in live]:
+            del self._pinned[key]
 
     def prepare(self, es) -> SetTables:
         """The tables of expert set `es`, built without installing them: on another thread
@@ -178,6 +198,8 @@ class Pipeline:
     def drop(self) -> None:
         """Forget the tables and cache pointers (they point into the mapped weights)."""
         self._tables = None
+        self._pinned.clear()
+        self._last_tables = None
         self._cache_addr.clear()
 
     def close(self) -> None:
@@ -192,7 +214,7 @@ class Pipeline:
         """The last step's routing per MoE layer (routing.LayerTrace; copies)."""
         out, n = [], self.last_n
         sc = self.scratch
-        t = self._tables
+        t = self._last_tables
         for i, L in enumerate(self.layers):
             if not L["moe"] or t is None or n == 0:
                 continue
@@ -209,6 +231,12 @@ class Pipeline:
         return out
 
     # ------------------------------------------------------------------ the step
+    def forget_cache(self, cache) -> None:
+        """A KV cache was freed: drop the addresses kept for it (and the cache)."""
+        got = self._cache_addr.get(id(cache))
+        if got is not None and got[0] is cache:
+            del self._cache_addr[id(cache)]
+
     def _cache_ptrs(self, cache) -> tuple:
         """(cache, then the tok row's columns 1..: k address, v address, values per layer,
         storage type, k scales address, v scales address; ck.h)."""
@@ -233,7 +261,7 @@ class Pipeline:
         n = len(ids)
         kmax = kt if isinstance(kt, int) else (int(kt.max()) if n else 1)
         sc.ensure(n, kmax)
-        t = self.tables_for(es)
+        t = self._last_tables = self.tables_for(es)
         s = sc.s
         x = sc.prefix("x", n)
         self._embed(ids, x)

@@ -6,7 +6,7 @@ What the budget counts (MiB = 2**20 bytes): everything of the model that occupie
   FFNs, shared experts, lm_head, routers), at their full file size. Mapped, they live in
   the page cache and in RSS once; copied in, in private memory.
 - **KV cache**: the engine's KV pool (kvcache.KVPool): `kv_pool_tokens` positions (default
-  one sequence at the full context) in the pool's storage type `kv_dtype` (f16 halves
+  under a budget: one sequence at the full context) in the pool's storage type `kv_dtype` (f16 halves
   the f32 bytes, q8 about quarters them); a batch asking for more is refused.
 - **Activations** of one forward of `chunk_tokens` tokens (an estimate with headroom); a
   longer prompt is prefilled in chunks of that many tokens.
@@ -70,10 +70,21 @@ def kv_bytes_per_position(cfg: ModelConfig, dtype: str = "f32") -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * row
 
 
+DEFAULT_POOL_TOKENS = 65536   # without a memory budget: positions shared by many requests
+
+
 def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig) -> int:
     """The KV pool's capacity in positions: EngineConfig.kv_pool_tokens, else the older
-    residency.kv_tokens, else one sequence at the model's full context."""
-    return engine.kv_pool_tokens or engine.residency.kv_tokens or cfg.max_position_embeddings
+    residency.kv_tokens; else under a memory budget one sequence at the model's full
+    context (what the budget reserves), and without one 65,536 positions or the context
+    if larger (the scheduler's concurrent requests share them; rows are allocated per
+    sequence as it starts, so capacity alone costs no memory)."""
+    got = engine.kv_pool_tokens or engine.residency.kv_tokens
+    if got:
+        return got
+    if engine.max_resident_mb is not None:
+        return cfg.max_position_embeddings
+    return max(DEFAULT_POOL_TOKENS, cfg.max_position_embeddings)
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:

@@ -7,8 +7,8 @@ histogram of inter-token latency, exported as JSON.
     print(metrics.to_json())
 
 A request's counters start from zero at colibri_request_start. Routing counts have no
-request id: they go to every request active at that moment (with one request at a time,
-exactly its own; with a batch, the batch's). The last finished request stays readable
+request id: they go to every request active at that moment (the whole step's: the
+scheduler batches requests into one forward). The last finished request stays readable
 until the next one starts.
 
 An expert counts as hot-plugged when its index is >= ``hotplug_threshold`` or when

@@ -52,6 +52,17 @@ class Looper(threading.Thread):
     def __init__(self, eng):
         super().__init__(daemon=True)
         self.eng, self.stop, self.tokens, self.error = eng, threading.Event(), [], None
+        self.routed = {}        # (request id, step) -> slot 4 routed in layer 1
+        looper = self
+
+        class Routed:           # on the scheduler's thread, right after the token's step
+            @hookimpl
+            def colibri_token(self, request_id, step, token_id, text, expert_set_generation,
+                              expert_set_id):
+                ids = [t.routing.ids for t in eng.model.last_routing if t.layer == 1][0]
+                looper.routed[request_id, step] = bool((ids == 4).any())
+
+        eng.register_plugin(Routed(), "routed")
 
     def run(self):
         try:
@@ -59,8 +70,8 @@ class Looper(threading.Thread):
             while not self.stop.is_set():
                 g = self.eng.generate([1, 2, 3], max_new_tokens=40, temperature=0)
                 for ev in g:
-                    routed = [t.routing.ids for t in self.eng.model.last_routing if t.layer == 1][0]
-                    self.tokens.append((r, ev.step, ev.expert_set_generation, bool((routed == 4).any())))
+                    routed = self.routed.pop((g.request_id, ev.step))
+                    self.tokens.append((r, ev.step, ev.expert_set_generation, routed))
                     time.sleep(0.002)
                     if self.stop.is_set():
                         break

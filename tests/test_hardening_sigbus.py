@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from colibri_core.config import builtin_model_dir
+from colibri_core.scheduler import AHEAD
 
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN = builtin_model_dir()
@@ -99,7 +100,9 @@ def test_truncated_while_generating_fails_the_request_not_the_process(two_copies
     # is read at the next step whatever the router picks
     got = result_of(run_py(GENERATE, victim, name, intact, json.dumps(settings), 8))
     path = str(victim / name)
-    assert got["tokens"] == 3, got                     # the step after the truncation
+    # the step after the truncation fails; tokens computed before it (a stream runs up
+    # to scheduler.AHEAD tokens ahead of its reader) are still delivered
+    assert 3 <= got["tokens"] <= 3 + AHEAD, got
     assert got["first_type"] == "ModelFileDamaged"
     assert got["first"].startswith(f"{path}: the file was truncated"), got
     assert "--verify" in got["first"] and "\n" not in got["first"]

@@ -33,7 +33,7 @@ class _ExpertCollector:
         r.add_metric([], 1 if s.runner.busy else 0)
         yield r
         b = GaugeMetricFamily("colibri_batch_size", "Sequences in the engine's current step "
-                              "(one request at a time until the batching scheduler)")
+                              "(the server's runner: one request at a time)")
         b.add_metric([], 1 if s.runner.busy else 0)
         yield b
         a = CounterMetricFamily("colibri_expert_adoptions", "Hot-plugged experts adopted")

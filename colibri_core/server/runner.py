@@ -1,7 +1,7 @@
 """EngineRunner: the one thread that calls the engine, fed by a bounded queue.
 
-The engine serves one request at a time, on one thread (expert changes are applied on
-that thread, between two tokens). The HTTP side never calls the engine: it submits a
+The server runs one request at a time on this thread (the engine's own scheduler can
+batch many; moving the server onto it is issue 15's next step). The HTTP side never calls the engine: it submits a
 *work* function and reads the events it emits as an async iterator.
 
     stream = runner.submit(work, request_id="req-1", timeout_s=60)   # QueueFull when full
