@@ -231,7 +231,7 @@ def test_engine_pool_defaults_and_settings(model_dir, eng):
     assert eng.kv_pool.dtype == "f32"
     with Engine(model_dir, EngineConfig(threads=1, kv_pool_tokens=30, kv_dtype="f16")) as e:
         assert (e.kv_pool.capacity_tokens, e.kv_pool.dtype) == (30, "f16")
-        g = e.generate([1, 2, 3], max_new_tokens=4).run()
+        g = e.generate([1, 2, 3], max_new_tokens=4, temperature=0).run()
         assert len(g.token_ids) == 4 and e.kv_pool.free_tokens == 30
         with pytest.raises(RequestTooLarge, match="kv_pool_tokens=30"):
             e.generate(list(range(1, 20)), max_new_tokens=20).run()   # 39 positions: never
@@ -265,21 +265,21 @@ def _back_to_full(pool, full, timeout=5.0) -> bool:
 def test_pool_is_full_again_however_a_generation_ends(model_dir):
     with Engine(model_dir, EngineConfig(threads=1)) as e:
         pool, full = e.kv_pool, e.kv_pool.capacity_tokens
-        e.generate([1, 2, 3], max_new_tokens=5).run()                  # to the end
+        e.generate([1, 2, 3], max_new_tokens=5, temperature=0).run()                  # to the end
         assert _back_to_full(pool, full)
-        it = iter(e.generate([1, 2, 3], max_new_tokens=20))           # closed early
+        it = iter(e.generate([1, 2, 3], max_new_tokens=20, temperature=0))           # closed early
         next(it)
         assert pool.free_tokens < full and pool.used_sequences == 1
         it.close()
         assert _back_to_full(pool, full)
-        it = iter(e.generate([1, 2, 3], max_new_tokens=20))           # garbage-collected
+        it = iter(e.generate([1, 2, 3], max_new_tokens=20, temperature=0))           # garbage-collected
         next(it)
         del it
         gc.collect()
         assert _back_to_full(pool, full)
         e.register_plugin(_BadSampler(), name="bad-sampler")           # failed
         with pytest.raises(PluginError):
-            e.generate([1, 2, 3], max_new_tokens=5).run()
+            e.generate([1, 2, 3], max_new_tokens=5, temperature=0).run()
         assert _back_to_full(pool, full)
 
 
