@@ -186,37 +186,44 @@ def spawn(a, extra: list[str], cg) -> dict:
     return row
 
 
-def run_set(a, label: str, read_bps, threads_list) -> dict:
-    """One cgroup (memory limit, maybe a read limit): the read rate, then the runs."""
-    dev = device_of(a.model)
+def in_cgroup(a, extra: list[str], read_bps, dev) -> tuple[dict, Cgroup]:
+    """One child in a fresh cgroup (its peak and OOM count are this run's alone: page
+    cache a previous run left charged to a reused cgroup would count too)."""
     cg = Cgroup.create(f"colibri-256-{os.getpid()}", LIMIT_MB * MiB, read_bps=read_bps, device=dev)
-    out = {"label": label, "device": f"{dev[0]}:{dev[1]}", "why": "; ".join(cg.why),
-           "cgroup": cg.kind, "read_bps_limit": cg.read_bps, "runs": {}}
     try:
         if read_bps and cg.read_bps is None:
-            out["error"] = f"read limit not set: {'; '.join(cg.why)}"
-            return out
-        drop_model(a.model)
-        rd = spawn(a, ["--child-read"], cg)
-        out["read_rate"] = rd
-        print(f"{label}: read rate {rd.get('MBps', 0):.0f} MB/s", file=sys.stderr)
-        for t in threads_list:
-            rows = []
-            for i in range(a.runs):
-                left = drop_model(a.model)
-                cg.reset()
-                oom0 = cg.oom_kills() or 0
-                row = spawn(a, ["--child", "--threads", str(t), "--seed", str(i)], cg)
-                row.update(cache_left_before=left, **{f"cg_{k}": v for k, v in cg.result().items()})
-                row["oom_kills"] = (cg.oom_kills() or 0) - oom0
-                rows.append(row)
-                print(f"{label} t={t} run {i}: " + json.dumps(
-                    {k: row.get(k) for k in ("decode_tok_s", "hit_rate", "decode_read_per_token",
-                                             "peak_footprint", "cg_memory_peak", "oom_kills",
-                                             "error")}), file=sys.stderr)
-            out["runs"][str(t)] = rows
+            return {"error": f"read limit not set: {'; '.join(cg.why)}"}, cg
+        row = spawn(a, extra, cg)
+        row.update({f"cg_{k}": v for k, v in cg.result().items()})
+        row["oom_kills"] = cg.oom_kills() or 0
+        return row, cg
     finally:
         cg.close()
+
+
+def run_set(a, label: str, read_bps, threads_list) -> dict:
+    """A memory limit, maybe a read limit: the read rate, then the runs."""
+    dev = device_of(a.model)
+    out = {"label": label, "device": f"{dev[0]}:{dev[1]}", "runs": {}}
+    drop_model(a.model)
+    rd, cg = in_cgroup(a, ["--child-read"], read_bps, dev)
+    out.update(why="; ".join(cg.why), cgroup=cg.kind, read_bps_limit=cg.read_bps, read_rate=rd)
+    if "error" in rd:
+        out["error"] = rd["error"]
+        return out
+    print(f"{label}: read rate {rd.get('MBps', 0):.0f} MB/s", file=sys.stderr)
+    for t in threads_list:
+        rows = []
+        for i in range(a.runs):
+            left = drop_model(a.model)
+            row, _ = in_cgroup(a, ["--child", "--threads", str(t), "--seed", str(i)], read_bps, dev)
+            row["cache_left_before"] = left
+            rows.append(row)
+            print(f"{label} t={t} run {i}: " + json.dumps(
+                {k: row.get(k) for k in ("decode_tok_s", "hit_rate", "decode_read_per_token",
+                                         "peak_footprint", "cg_memory_peak", "cg_limit_hits",
+                                         "oom_kills", "error")}), file=sys.stderr)
+        out["runs"][str(t)] = rows
     return out
 
 
@@ -267,7 +274,7 @@ def fmt(v, nd=1, scale=1.0):
 
 def render(meta: dict, rows: list[dict], sets: list[dict]) -> str:
     head = ("| cgroup | threads | tok/s (median of runs) | hit rate | MB read/token | disk read MB/s "
-            "| compute ms/token | I/O model tok/s | model ÷ measured | memory.peak MB | "
+            "| compute ms/token | I/O model tok/s | model ÷ measured | memory.peak MB (limit hits) | "
             "RSS + model cache MB (limit 256) | OOM kills |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -278,7 +285,8 @@ def render(meta: dict, rows: list[dict], sets: list[dict]) -> str:
             f"| {r['label']} | {r['threads']} | {r['tok_s']:.2f} | {100 * r['hit_rate']:.1f}% | "
             f"{r['read_mb_token']:.1f} | {fmt(r.get('read_MBps'), 0)} | "
             f"{fmt(r.get('compute_s'), 1, 1e-3)} | {fmt(r.get('model_tok_s'), 2)} | "
-            f"{fmt(r.get('ratio'), 2)} | {r['memory_peak'] / MiB:.1f} | {r['footprint'] / MiB:.1f} | "
+            f"{fmt(r.get('ratio'), 2)} | {r['memory_peak'] / MiB:.1f} ({r['limit_hits']}) | "
+            f"{r['footprint'] / MiB:.1f} | "
             f"{r['oom_kills']} in {r['runs']} |")
     skipped = [s for s in sets if s.get("error")]
     p = next((r["plan"] for r in rows if r.get("plan")), None)
@@ -319,7 +327,9 @@ child with memory limit 256 MiB and swap limit 0 (memsw), every model file's pag
 first (posix_fadvise DONTNEED; mincore found {max((r.get('cache_left') or 0) for r in rows) / MiB:.1f} MB
 left), a {meta['prompt']}-token random prompt, then {meta['tokens']} greedy tokens; {meta['runs']}
 runs per row. The I/O-limited row sets `blkio.throttle.read_bps_device` (v2: `io.max`) of
-the model's device ({sets[0]['device']}) to {meta['io_limit_mbps']} MB/s.
+the model's device ({sets[0]['device']}, {meta.get('disk', '?')}) to {meta['io_limit_mbps']:g} MB/s;
+without it, reads run at what that device gives this VM (its host may serve them from
+its own cache: the read rate is measured, not assumed).
 
 - *tok/s*, *hit rate*, *MB read/token*: decode only (after the first token); read =
   /proc/self/io read_bytes; the median run.
@@ -328,9 +338,11 @@ the model's device ({sets[0]['device']}) to {meta['io_limit_mbps']} MB/s.
   (no budget, no cgroup), the faster of 2 runs. *I/O model*: 1 / (compute + MB read per token
   ÷ read rate); *model ÷ measured* > 1 means slower than the model (loads overlap compute,
   so it can also be < 1).
-- *memory.peak*: the cgroup's peak usage (v1 memory.max_usage_in_bytes: RSS + all page
-  cache charged to it, the interpreter's libraries and .pyc files included; the kernel
-  reclaims cached pages at the limit), the largest of the runs.
+- *memory.peak*: the cgroup's peak usage (v1 memory.max_usage_in_bytes: the anonymous
+  memory and the page cache charged to it, a fresh cgroup per run; pages of the
+  interpreter's libraries already cached by the parent stay charged to the parent's
+  cgroup, which is why it can be below the next column), the largest of the runs;
+  *limit hits*: memory.failcnt (v2: memory.events max), the most in one run.
 - *RSS + model cache*: the largest over every token of every run of VmRSS − the model
   mappings' Rss + the model files' page cache (mincore): the process and the model's pages,
   each counted once, against process_limit_mb.
@@ -357,6 +369,22 @@ def write_md(text: str) -> None:
     doc.write_text(new)
 
 
+def disk_name(dev: tuple[int, int]) -> str:
+    """The block device's name and model (sysfs), e.g. "vda (virtio)"."""
+    base = Path(f"/sys/dev/block/{dev[0]}:{dev[1]}")
+    try:
+        name = dict(l.split("=", 1) for l in (base / "uevent").read_text().split()
+                    if "=" in l).get("DEVNAME", "?")
+    except OSError:
+        return f"{dev[0]}:{dev[1]}"
+    drv = ""
+    try:
+        drv = Path(os.readlink(base / "device" / "driver")).name
+    except OSError:
+        pass
+    return f"/dev/{name}" + (f" ({drv})" if drv else "")
+
+
 def default_model() -> Path:
     from colibri_core.config import load_run_config
     return load_run_config(PROFILE)[1]
@@ -371,7 +399,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--io-limit-mbps", type=float, default=100.0, help="0: skip that row")
-    ap.add_argument("--read-files", type=int, default=24)
+    ap.add_argument("--read-files", type=int, default=48)
     ap.add_argument("--write-md", action="store_true")
     ap.add_argument("--from-json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -414,7 +442,7 @@ def main(argv=None):
             "load": [load0[0], load1[0]], "runs": a.runs, "prompt": a.prompt, "tokens": a.tokens,
             "model_mb": sum(f.stat().st_size for f in a.model.glob("*.bin")) / MiB,
             "cgroup": sets[0].get("cgroup"), "io_limit_mbps": a.io_limit_mbps,
-            "read_files": a.read_files, "model": str(a.model)}
+            "read_files": a.read_files, "model": str(a.model), "disk": disk_name(device_of(a.model))}
     OUT.mkdir(exist_ok=True)
     (OUT / "bench_256mb.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, "sets": sets, "compute": compute}, indent=1))

@@ -168,15 +168,6 @@ class Cgroup:
             with open(d / "cgroup.procs", "w") as f:
                 f.write(pid)
 
-    def reset(self) -> None:
-        """v1: reset the peak and the limit-hit counter between runs (v2's memory.peak
-        resets when written, on kernels >= 6.12; otherwise a fresh cgroup per run)."""
-        if self.kind == "v1" and self.memory_dir is not None:
-            _write(self.memory_dir / "memory.max_usage_in_bytes", "0")
-            _write(self.memory_dir / "memory.failcnt", "0")
-        elif self.kind == "v2" and self.memory_dir is not None:
-            _write(self.memory_dir / "memory.peak", "reset")
-
     def oom_kills(self) -> Optional[int]:
         d = self.memory_dir
         if d is None:
