@@ -165,8 +165,13 @@ def _engine_from_args(args):
         overrides["experts_dir"] = args.experts_dir
     if getattr(args, "debug", None):
         overrides["debug"] = args.debug
+    # one limit from the command line replaces the config file's of either kind
     if getattr(args, "max_resident_mb", None) is not None:
         overrides["max_resident_mb"] = args.max_resident_mb
+        overrides["process_limit_mb"] = None
+    if getattr(args, "process_limit_mb", None) is not None:
+        overrides["process_limit_mb"] = args.process_limit_mb
+        overrides["max_resident_mb"] = None
     if getattr(args, "kv_dtype", None):
         overrides["kv_dtype"] = args.kv_dtype
     if args.model:
@@ -232,7 +237,12 @@ def _budget_lines(eng) -> list[str]:
         return []
     from .residency import MiB
     cap = eng.model.residency.capacity
-    lines = [f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
+    lines = []
+    if plan.process_limit:
+        lines.append(f"colibri: process limit {plan.process_limit / MiB:.0f} MB = fixed overhead "
+                     f"{plan.overhead / MiB:.1f} (measured at start) + budget "
+                     f"{plan.budget / MiB:.1f} MB")
+    lines += [f"colibri: budget {plan.budget / MiB:.0f} MB = non-expert weights "
              f"{plan.dense / MiB:.1f} + KV cache {plan.kv / MiB:.1f} ({plan.kv_tokens} "
              f"positions, {eng.config.kv_dtype}) + activations "
              f"{plan.act / MiB:.1f} (prefill chunks of {plan.chunk_tokens} tokens) + expert "
@@ -555,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap (MiB) on the memory the model occupies: weights in RSS and page "
                         "cache, KV cache and activations, the rest caching experts; the "
                         "split is printed at start")
+    r.add_argument("--process-limit-mb", type=int, dest="process_limit_mb", metavar="MB",
+                   help="cap (MiB) on the whole process (RSS + the model's page cache): "
+                        "--max-resident-mb becomes this minus the overhead measured at start "
+                        "(configs/small-256mb.yaml sets 256)")
     r.add_argument("--kv-dtype", choices=["f32", "f16", "q8"], dest="kv_dtype",
                    help="KV cache rows as float32 (default), IEEE half, or int8 with a scale "
                         "per row (docs/BENCHMARKS.md, \"KV cache storage types\")")

@@ -248,6 +248,10 @@ class EngineConfig(BaseModel):
     plugin_strict: bool = False        # re-raise plugins' exceptions (also COLIBRI_PLUGIN_STRICT=1)
     debug: list[Literal["routing", "memory", "timing"]] = []
     max_resident_mb: Optional[float] = Field(default=None, gt=0)   # MiB; see residency.py
+    # MiB for the whole process (RSS + the model's page cache): the engine measures its
+    # fixed overhead at start (residency.process_overhead_bytes) and runs with
+    # max_resident_mb = process_limit_mb - overhead; set one of the two, not both
+    process_limit_mb: Optional[int] = Field(default=None, gt=0)
     # the KV cache (kvcache.py): every sequence's cache comes from one pool of this many
     # positions (None: 65,536 or the context if larger; under a budget one sequence at
     # the full context), counted in
@@ -271,6 +275,14 @@ class EngineConfig(BaseModel):
     max_step_tokens: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     when_full: Literal["wait", "refuse"] = "wait"
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> "EngineConfig":
+        if self.process_limit_mb is not None and self.max_resident_mb is not None:
+            raise ValueError(f"process_limit_mb={self.process_limit_mb} and max_resident_mb="
+                             f"{self.max_resident_mb:g} are both set; set one: process_limit_mb "
+                             f"derives max_resident_mb from the overhead measured at start")
+        return self
 
 
 class RunConfig(BaseModel):

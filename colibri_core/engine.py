@@ -55,6 +55,12 @@ class Engine:
                               f"(the hot-plug folder is watched, never created)")
         kernels.set_threads(config.threads)
         _single_threaded_blas()
+        if config.process_limit_mb is not None and (self.model_dir / "config.json").is_file():
+            # the whole process under a limit: measure the fixed overhead now, before any
+            # of the model is loaded, and give the budget the rest (residency.py)
+            from .residency import derive_budget
+            config, _ = derive_budget(self.model_dir, config)
+            self.config = config
         if config.max_resident_mb is not None and (self.model_dir / "config.json").is_file():
             from .residency import check_budget
             check_budget(self.model_dir, config)    # too small a budget: refused before loading
@@ -148,10 +154,15 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, name_or_path: Union[str, Path] = "builtin", **overrides) -> "Engine":
+    def from_config(cls, name_or_path: Union[str, Path] = "builtin",
+                    model: Union[str, Path, None] = None, **overrides) -> "Engine":
         """Load a run config (a path or a shipped config name) and build the engine.
-        `overrides` replace engine settings, e.g. threads=1."""
+        `model`: run this model directory with the config's engine settings (a profile
+        such as small-256mb on another model); `overrides` replace engine settings, e.g.
+        threads=1."""
         cfg, model_dir = load_run_config(find_config(str(name_or_path)))
+        if model is not None:
+            model_dir = Path(model)
         engine_cfg = cfg.engine
         if overrides:
             engine_cfg = parse(EngineConfig, {**cfg.engine.model_dump(), **overrides},

@@ -23,9 +23,10 @@ from . import ops
 from .config import EngineConfig
 from .errors import ModelFileDamaged, ModelFormatError, RequestError
 from .files import open_regular
-from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, _lib,
-                      drop_file_cache, madvise, proc_memory, proc_read_bytes)
-from .residency import BudgetPlan, Residency, model_file_sizes, plan_budget
+from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, MADV_WILLNEED, PAGE,
+                      _lib, drop_file_cache, madvise, proc_memory, proc_read_bytes)
+from .residency import (BudgetPlan, EmbeddingLayout, Residency, layout_of, model_file_sizes,
+                        plan_budget)
 from .modelfile import expert_name
 from .weights import ModelExpert, ModelWeights, expert_ffn
 
@@ -164,7 +165,8 @@ class BudgetResidency(Residency):
 
     active = True
 
-    def __init__(self, weights: ModelWeights, engine: EngineConfig, plan: BudgetPlan):
+    def __init__(self, weights: ModelWeights, engine: EngineConfig, plan: BudgetPlan,
+                 embed: Optional[EmbeddingLayout] = None, main=None):
         super().__init__(weights, None)
         rc = engine.residency
         cfg = weights.cfg
@@ -200,9 +202,60 @@ class BudgetResidency(Residency):
         else:
             for ex in experts:       # the header reads at load touched the files: start empty
                 self._drop_mapped(ex, sync=True)
+        self._embed_rows: Optional[set] = None    # rows touched since the last drop
+        self.embed_drops = 0
+        if plan.embed_rows and main is not None and main._mm is not None:
+            self._setup_embedding(embed, main)
         self._pool = _IOPool(rc.io_threads)
         self._read0 = proc_read_bytes()
         _fix_malloc()
+
+    # --- the embedding, counted by rows (residency.py)
+    def _setup_embedding(self, embed: EmbeddingLayout, main) -> None:
+        """model.bin: no read-around on faults (MADV_RANDOM), the sections other than the
+        embedding read now (MADV_WILLNEED, exactly their ranges), the embedding's pages
+        dropped: from here on it holds the rows forwards touch."""
+        self._main, self._embed_parts = main, embed.parts
+        base, size = main.base_address, main.size
+        madvise(base, -(-size // PAGE) * PAGE, MADV_RANDOM)
+        pos = 0
+        for off, n in sorted(embed.parts) + [(size, 0)]:
+            a, b = pos // PAGE * PAGE, off // PAGE * PAGE
+            if b > a:
+                madvise(base + a, b - a, MADV_WILLNEED)
+            pos = off + n
+        self._embed_rows = set()
+        self._drop_embedding(sync=True)     # a model written moments ago is still dirty
+
+    def _drop_embedding(self, sync: bool = False) -> None:
+        main = self._main
+        for off, n in self._embed_parts:
+            a, b = off // PAGE * PAGE, -(-(off + n) // PAGE) * PAGE
+            madvise(main.base_address + a, b - a, MADV_DONTNEED)
+            drop_file_cache(main.path, a, b - a, sync=sync)
+        self._embed_rows.clear()
+
+    def embed_touch(self, ids) -> None:
+        """Before a forward embeds `ids`: drop the embedding's pages first if its rows since
+        the last drop and these would exceed plan.embed_rows distinct rows."""
+        rows = self._embed_rows
+        if rows is None:
+            return
+        new = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if len(new) == 1:
+            if new[0] in rows:
+                return
+            if len(rows) + 1 > self.plan.embed_rows:
+                self._drop_embedding()
+                self.embed_drops += 1
+            rows.add(new[0])
+            return
+        fresh = set(new) - rows
+        if len(rows) + len(fresh) > self.plan.embed_rows:
+            self._drop_embedding()
+            self.embed_drops += 1
+            fresh = set(new)
+        rows.update(fresh)
 
     # --- copy-in frames
     def _setup_frames(self, experts: list, io_threads: int) -> None:
@@ -493,6 +546,8 @@ class BudgetResidency(Residency):
             "hits": self.hits, "misses": self.misses, "hit_rate": self.hits / hm if hm else None,
             "loads": self.loads, "loaded_bytes": self.loaded_bytes, "evictions": self.evictions,
             "stall_s": self.stall_s, "forwards": self.forwards, "tokens": self.tokens,
+            "embed_rows_held": len(self._embed_rows) if self._embed_rows is not None else None,
+            "embed_drops": self.embed_drops,
             "anon_growth": mem.get("RssAnon", 0) - self._mem0.get("RssAnon", 0),
         })
         if self.speculative:
@@ -539,5 +594,7 @@ def make_residency(weights: ModelWeights, engine: EngineConfig, advice: Optional
         if engine.preload != "none" and engine.load_mode == "mmap":
             res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
         return res
-    plan = plan_budget(weights.cfg, engine, model_file_sizes(weights.path, weights.cfg))
-    return BudgetResidency(weights, engine, plan)
+    main = next((f for f in weights.files if f.path.name == "model.bin"), None)
+    embed = layout_of(main.sections) if main is not None else None
+    plan = plan_budget(weights.cfg, engine, model_file_sizes(weights.path, weights.cfg), embed)
+    return BudgetResidency(weights, engine, plan, embed, main)

@@ -17,9 +17,11 @@ import numpy as np
 
 PAGE = mmap.PAGESIZE
 # madvise(2) advice (the mmap module lacks some on older Pythons): WILLNEED starts
-# readahead, POPULATE_READ (Linux >= 5.14) maps the pages in, DONTNEED unmaps them.
+# readahead, POPULATE_READ (Linux >= 5.14) maps the pages in, DONTNEED unmaps them,
+# RANDOM turns off the read-around of a fault (read_ahead_kb around it).
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)         # no read-around on a fault
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 _libc = None

@@ -264,6 +264,9 @@ class Pipeline:
         t = self._last_tables = self.tables_for(es)
         s = sc.s
         x = sc.prefix("x", n)
+        res = model.residency
+        if res.active:                              # the embedding's rows, under a budget
+            res.embed_touch(ids)
         self._embed(ids, x)
         tok = sc.tok
         for t0, t1, cache in spans:
@@ -281,7 +284,6 @@ class Pipeline:
         else:
             sc.kt[:n] = kt
         hooks = model.hooks
-        res = model.residency
         if res.active:
             res.begin_forward(n, [c for _, _, c in spans])
         xn = sc.prefix("xn", n)

@@ -2,9 +2,17 @@
 
 What the budget counts (MiB = 2**20 bytes): everything of the model that occupies memory.
 
-- **Non-expert weights**: model.bin and routing.bin (embeddings, attention, norms, dense
-  FFNs, shared experts, lm_head, routers), at their full file size. Mapped, they live in
-  the page cache and in RSS once; copied in, in private memory.
+- **Non-expert weights**: model.bin and routing.bin (attention, norms, dense FFNs, shared
+  experts, lm_head, routers), at their full file size. Mapped, they live in the page cache
+  and in RSS once; copied in, in private memory.
+- **The embedding** (mapped, not tied to lm_head): by the rows a forward can touch, not its
+  size -- `kv_pool_tokens` rows, each the pages its parts span (`EmbeddingLayout`). The
+  expert cache maps model.bin with MADV_RANDOM (a fault reads its page, not a read-around
+  window of read_ahead_kb into the embedding), reads the other sections with
+  MADV_WILLNEED at start, and drops the embedding's pages (MADV_DONTNEED, then
+  POSIX_FADV_DONTNEED) before a forward whose ids would take the distinct rows since the
+  last drop past that many. Copied in, or tied (lm_head reads every row per token), it
+  counts at its full size.
 - **KV cache**: the engine's KV pool (kvcache.KVPool): `kv_pool_tokens` positions (default
   under a budget: one sequence at the full context) in the pool's storage type `kv_dtype` (f16 halves
   the f32 bytes, q8 about quarters them); a batch asking for more is refused.
@@ -19,8 +27,11 @@ What the budget counts (MiB = 2**20 bytes): everything of the model that occupie
   page cache is not filled on the side).
 
 Not counted: the interpreter, numpy and the kernels' code and heap before the engine
-(the "fixed overhead", measured by the benchmark), and hot-plugged experts (their INT4
-bytes are reported as outside the budget).
+(the "fixed overhead"), and hot-plugged experts (their INT4 bytes are reported as outside
+the budget). `EngineConfig.process_limit_mb` covers the overhead too: the engine measures
+it at start (`process_overhead_bytes`: VmRSS when the engine is created, plus a reserve
+for the engine's own objects) and runs with max_resident_mb = limit - overhead
+(`derive_budget`), refusing a limit below overhead + the model's minimum.
 
 The cache: an entry per (layer, expert), capacity in bytes. `acquire(layer, experts)` pins
 the routed experts of one layer (hits), starts the loads of the others on I/O threads
@@ -87,6 +98,52 @@ def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig) -> int:
     return max(DEFAULT_POOL_TOKENS, cfg.max_position_embeddings)
 
 
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    """The embedding section of model.bin: its parts' byte ranges in the file and the most
+    pages one row can span (a row of a part at an offset inside a page may cross into the
+    next one)."""
+    parts: tuple[tuple[int, int], ...]     # (file offset, nbytes) per part
+    row_pages: int                         # pages one row touches at most, all parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.parts)
+
+
+def _row_pages(row_bytes: int) -> int:
+    """Pages a row of `row_bytes` spans at most, rows packed from a page boundary."""
+    if row_bytes <= 0:
+        return 0
+    if PAGE % row_bytes == 0 or row_bytes % PAGE == 0:
+        return -(-row_bytes // PAGE)
+    return row_bytes // PAGE + 2
+
+
+def layout_of(sections: dict) -> Optional[EmbeddingLayout]:
+    """The embedding's layout from model.bin's sections (ContainerFile.sections)."""
+    s = sections.get("embed")
+    if s is None or not s.shape:
+        return None
+    rows = s.shape[0]
+    parts = tuple(s.parts.values())
+    return EmbeddingLayout(parts, sum(_row_pages(n // rows) for _, n in parts))
+
+
+def embedding_layout(model_dir) -> Optional[EmbeddingLayout]:
+    """The embedding's layout from model.bin's section table (the header alone is read),
+    or None (no model.bin, no embed section)."""
+    from .modelfile import ContainerFile
+    path = Path(model_dir) / "model.bin"
+    if not path.is_file():
+        return None
+    f = ContainerFile(path, "header")
+    try:
+        return layout_of(f.sections)
+    finally:
+        f.close()
+
+
 def activation_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
     """Upper estimate of the temporaries of one forward over `tokens` tokens attending to
     `context` positions: the [T, H] residual stream and its copies, q/k/v, the expert's
@@ -118,6 +175,11 @@ class BudgetPlan:
     minimum: int           # the smallest budget that runs this model
     n_experts: int = 0     # routed experts in the model (all MoE layers)
     experts_total: int = 0  # their files' bytes together
+    embed_total: int = 0   # the embedding's bytes in model.bin
+    embed_reserve: int = 0  # what `dense` counts for it (< embed_total: counted by rows)
+    embed_rows: int = 0    # distinct rows held before its pages are dropped (0: all)
+    overhead: int = 0      # process_limit_mb: the fixed overhead measured at start
+    process_limit: int = 0  # process_limit_mb in bytes (0: not set)
 
     @property
     def capacity_experts(self) -> int:
@@ -133,16 +195,32 @@ def model_file_sizes(path: Path, cfg: ModelConfig) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in Path(path).glob("*.bin")}
 
 
-def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int]) -> BudgetPlan:
+def embed_by_rows(cfg: ModelConfig, engine: EngineConfig,
+                  embed: Optional[EmbeddingLayout]) -> bool:
+    """Whether the budget counts the embedding by rows (mapped, untied, layout known)."""
+    return (embed is not None and engine.load_mode == "mmap" and not cfg.tie_word_embeddings
+            and embed.row_pages > 0)
+
+
+def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int],
+                embed: Optional[EmbeddingLayout] = None) -> BudgetPlan:
     """Split engine.max_resident_mb between the model's parts, or refuse it (ConfigError,
-    one line, with the minimum that would work)."""
+    one line, with the minimum that would work). `embed`: the embedding's layout
+    (embedding_layout), to count it by rows; without it, at its size in model.bin."""
     budget = int(engine.max_resident_mb * MiB)
     expert_names = {expert_file_name(L, e) for L in cfg.moe_layers for e in range(cfg.num_experts)}
     dense = sum(n for name, n in sizes.items() if name.endswith(".bin") and name not in expert_names)
     expert_bytes = max((sizes.get(n, 0) for n in expert_names), default=0)
-    ctx = cfg.max_position_embeddings
     kv_tokens = kv_pool_tokens(cfg, engine)
+    # a sequence attends to at most the pool's positions: its cache comes from the pool
+    ctx = min(cfg.max_position_embeddings, kv_tokens)
     kv = kv_tokens * kv_bytes_per_position(cfg, engine.kv_dtype)
+    embed_total = embed.nbytes if embed is not None else 0
+    embed_reserve, embed_rows = embed_total, 0
+    if embed_by_rows(cfg, engine, embed) and kv_tokens * embed.row_pages * PAGE < embed_total:
+        embed_rows = kv_tokens
+        embed_reserve = kv_tokens * embed.row_pages * PAGE
+        dense += embed_reserve - embed_total
     act1 = activation_bytes(cfg, 1, ctx)
     k = cfg.top_k if cfg.moe_layers else 0
     minimum = dense + kv + act1 + k * expert_bytes
@@ -162,18 +240,67 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int]) -
         chunk = min(2 * chunk, ctx)
     act = activation_bytes(cfg, chunk, ctx)
     capacity = budget - dense - kv - act if cfg.moe_layers else 0
+    limit = int((engine.process_limit_mb or 0) * MiB)     # derive_budget: budget = limit - overhead
     return BudgetPlan(budget, dense, kv, kv_tokens, act, chunk, expert_bytes, k, capacity, minimum,
                       n_experts=len(expert_names),
-                      experts_total=sum(sizes.get(n, 0) for n in expert_names))
+                      experts_total=sum(sizes.get(n, 0) for n in expert_names),
+                      embed_total=embed_total, embed_reserve=embed_reserve,
+                      embed_rows=embed_rows, overhead=max(0, limit - budget) if limit else 0,
+                      process_limit=limit)
 
 
 def check_budget(model_dir, engine: EngineConfig) -> Optional[BudgetPlan]:
-    """The plan for a model directory (from config.json alone: nothing is loaded), or None
-    without a budget. Raises ConfigError for a budget too small to run at all."""
+    """The plan for a model directory (from config.json and model.bin's section table:
+    no weights are read), or None without a budget. Raises ConfigError for a budget too
+    small to run at all."""
     if engine.max_resident_mb is None:
         return None
     cfg = load_model_config(Path(model_dir) / "config.json")
-    return plan_budget(cfg, engine, model_file_sizes(Path(model_dir), cfg))
+    return plan_budget(cfg, engine, model_file_sizes(Path(model_dir), cfg),
+                       embedding_layout(model_dir))
+
+
+# ----------------------------------------------------------------------------- a process limit
+
+# The engine's own objects beyond what the plan counts (weight views, pipeline tables, I/O
+# and compute threads, allocator slack): measured on the 64-expert benchmark model as
+# 1-3 MB of RSS growth outside the plan (docs/BENCHMARKS.md, "An x86 host under a 256 MB
+# limit"); reserved with headroom, plus a little per expert file.
+ENGINE_RESERVE = 6 * MiB
+ENGINE_RESERVE_PER_EXPERT = 16 << 10
+
+
+def process_overhead_bytes(n_expert_files: int = 0) -> int:
+    """The fixed overhead a process limit must cover besides the model: this process's
+    RSS now (interpreter, numpy, the kernels, whatever the caller holds: VmRSS), plus
+    ENGINE_RESERVE (+ ENGINE_RESERVE_PER_EXPERT per routed expert file)."""
+    rss = proc_memory().get("VmRSS", 0)
+    return rss + ENGINE_RESERVE + n_expert_files * ENGINE_RESERVE_PER_EXPERT
+
+
+def derive_budget(model_dir, engine: EngineConfig,
+                  overhead: Optional[int] = None) -> tuple[EngineConfig, BudgetPlan]:
+    """engine.process_limit_mb -> (the engine config with max_resident_mb = limit - the
+    fixed overhead, its plan). The overhead is measured now (process_overhead_bytes) unless
+    given (bytes). Raises ConfigError, one line naming both figures, when the limit does
+    not cover the overhead plus the smallest budget that runs the model."""
+    cfg = load_model_config(Path(model_dir) / "config.json")
+    sizes = model_file_sizes(Path(model_dir), cfg)
+    if overhead is None:
+        overhead = process_overhead_bytes(len(cfg.moe_layers) * cfg.num_experts)
+    limit = engine.process_limit_mb
+    embed = embedding_layout(model_dir)
+    probe = engine.model_copy(update={"max_resident_mb": float(1 << 30), "process_limit_mb": None})
+    minimum = plan_budget(cfg, probe, sizes, embed).minimum
+    if limit * MiB < overhead + minimum:
+        need = math.ceil((overhead + minimum) / MiB)
+        raise ConfigError(
+            f"process_limit_mb={limit} is too small for this model: the process's fixed "
+            f"overhead is {overhead / MiB:.1f} MB (RSS at start + engine reserve) and the model "
+            f"needs at least {minimum / MiB:.1f} MB under a budget; set process_limit_mb "
+            f">= {need}")
+    derived = engine.model_copy(update={"max_resident_mb": limit - overhead / MiB})
+    return derived, plan_budget(cfg, derived, sizes, embed)
 
 
 # ----------------------------------------------------------------------------- no budget
