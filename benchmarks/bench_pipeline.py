@@ -70,7 +70,9 @@ FORWARD_FILES = ("colibri_core/model.py", "colibri_core/decode.py", "colibri_cor
                  "colibri_core/ops.py", "colibri_core/routing.py", "colibri_core/kernels.py",
                  "colibri_core/pipeline.py", "colibri_core/_kernels/ck_core.c",
                  "colibri_core/_kernels/ck_decode.c", "colibri_core/_kernels/ck_pool.c",
-                 "colibri_core/_kernels/ck_step.c")
+                 "colibri_core/_kernels/ck_step.c", "colibri_core/_kernels/ck_step.h",
+                 "colibri_core/_kernels/ck_step_attn.c", "colibri_core/_kernels/ck_step_moe.c",
+                 "colibri_core/steptables.py", "colibri_core/reference.py", "colibri_core/kvcache.py")
 LT_BASE_FLAGS = ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                  "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release")
 LLAMA_ARGS = ["-c", "12288", "-npp", "64", "-ntg", "128", "-npl", "1,4,16,64"]

@@ -277,7 +277,7 @@ def quantize_act_q8(x: np.ndarray, group: int = DEFAULT_GROUP):
 
 
 def quantize_kv_q8(rows: np.ndarray):
-    """The q8 KV-cache row format (kvcache.py, ck_step.c's kv_store_row): each row of the
+    """The q8 KV-cache row format (kvcache.py, ck_step_attn.c's kv_store_row): each row of the
     last axis [..., D] quantized alone, symmetric, one float32 scale per row -- the rule of
     quantize_act_q8 with one group of D values (scale max|x| / 127, codes rint(x * (1 /
     scale)), half to even, clipped to +-127). Returns (codes int8 [..., D], scales float32

@@ -1,4 +1,4 @@
-"""The one pipeline (pipeline.py + ck_step.c) end to end: against the reference model
+"""The one pipeline (pipeline.py + ck_step*.c) end to end: against the reference model
 (reference.py, which the parity tests hold against numpy float64 and transformers), its
 batch invariance (a sequence's logits alone, inside a batch, in chunks or token by token),
 hooks, errors, allocation-free decode and thread control.

@@ -1,4 +1,4 @@
-"""Each C entry point of the pipeline (ck_step.c) against the reference ops, one call at a
+"""Each C entry point of the pipeline (ck_step*.c) against the reference ops, one call at a
 time, and the batch invariance of each: a token's row is bit-identical alone and among
 63 other tokens (which run the batch tiles).
 

@@ -74,9 +74,9 @@ int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, c
 /* ------------------------------------------------------------------ pipeline step
  * n tokens of m sequences through a layer in three calls (attention block, router,
  * expert block), then the lm_head: the whole forward of colibri_core/pipeline.py, in
- * ck_step.c. Each call's parallel loops run on ck_pool.c's threads; nothing is allocated
+ * ck_step*.c. Each call's parallel loops run on ck_pool.c's threads; nothing is allocated
  * (the caller sizes `ck_sscratch`, pipeline.py). A token's results do not depend on the
- * other tokens of the call (batch invariance, see ck_step.c). Every function returns 0,
+ * other tokens of the call (batch invariance, see ck_step.h). Every function returns 0,
  * or a code: CK_E_GROUPS (more than two activation group sizes in one call, or experts
  * of one layer with different input groups), CK_E_SCRATCH (scratch too small, or an
  * argument out of range), CK_E_NONFINITE (ck_step_route: a router logit is NaN/Inf),

@@ -64,7 +64,7 @@ typedef struct {
 extern const ck_backend_t ck_backend_scalar;
 const ck_backend_t *ck_active_backend(void);   /* ck_core.c */
 int ck_threads_for(int64_t work);              /* threads for a call of `work` MACs */
-/* ck_core.c's token tiling, shared with ck_step.c: tokens per tile for a call of n
+/* ck_core.c's token tiling, shared with ck_step*.c: tokens per tile for a call of n
  * tokens, and the size of the tile that starts with `left` tokens to go */
 int ck_tokens_per_tile(const ck_backend_t *be, int64_t n);
 int ck_tile_tokens(int ntp, int64_t left);

@@ -249,7 +249,7 @@ static void test_act_quant(const ck_backend_t *be) {
     rep_print(&r);
 }
 
-/* every tile shape ck_core.c / ck_step.c ask for: rt 1..4 x 1 token, rt x 2..4 tokens,
+/* every tile shape ck_core.c / ck_step*.c ask for: rt 1..4 x 1 token, rt x 2..4 tokens,
  * starting at row 1 and token 1 */
 #define NSHAPES 16
 static void shape(int i, int *rt, int *nt) { *rt = 1 + i % 4; *nt = 1 + i / 4; }
@@ -511,7 +511,7 @@ static void api_attention(report *exact, report *tol) {
     }
 }
 
-/* The pipeline step (ck_step.c): a few steps of one layer over NT tokens of one sequence
+/* The pipeline step (ck_step*.c): a few steps of one layer over NT tokens of one sequence
  * (attention block, a routed expert block with a shared expert, the lm_head), scalar
  * and NEON each from the same start. */
 static ck_sscratch scratch(int64_t n, int64_t H, int64_t nh, int64_t d, int64_t hld,

@@ -1,0 +1,179 @@
+/* ck_step.h -- what the pipeline step's sources (ck_step*.c) share: chunked parallel
+ * loops, matrix descriptors as the backends' tiles, a rows x tokens product, norms, rope
+ * and per-token int8 activations. Not seen by cffi (the API is ck.h, "pipeline step").
+ *
+ * The step: n tokens of m sequences through one layer in three calls (attention block,
+ * ck_step_attn.c; router and expert block, ck_step_moe.c), then the lm_head (ck_step.c).
+ * colibri_core/pipeline.py drives it.
+ *
+ * Why so few calls: a decode token is ~60 small matrix-vector products. Run one kernel
+ * call each, with numpy between them, and half of the time went to starting thread teams
+ * and Python glue (py-spy, docs/BENCHMARKS.md). Each call here is a handful of parallel
+ * loops on ck_pool.c's threads (chunks of ~64 KB of weights, stolen when a thread is
+ * late); the serial pieces (norms, rope, quantizing activations, routing) are per token
+ * and allocate nothing.
+ *
+ * Batch invariance (the scheduler and speculative decoding rely on it): a token's results
+ * never depend on which other tokens share its step. Activations are quantized per
+ * token; every output value is computed by one tile, whose integer dots and per-group
+ * float pass do not depend on how many tokens the tile holds (ck_tiles.h: one order for
+ * every tile shape); a token's expert outputs are added to its hidden state one expert
+ * at a time in ascending expert id, the shared expert last. tests/test_pipeline_kernels.py
+ * checks a token's row alone and among 63 others bit for bit. */
+#ifndef COLIBRI_CK_STEP_H
+#define COLIBRI_CK_STEP_H
+
+#include <math.h>
+#include <stdlib.h>
+#include "ck_internal.h"
+
+static inline int64_t rup(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Chunks of a loop over `n` items of `item_bytes` of weights each: ~64 KB per chunk,
+ * enough for the prefetchers to run ahead and for a claim (an atomic) to cost nothing. */
+typedef struct { int64_t n, per; } chunks;
+
+static inline chunks chunking(int64_t n, int64_t item_bytes) {
+    int64_t per = 65536 / (item_bytes > 0 ? item_bytes : 1);
+    per = per < 1 ? 1 : per > 64 ? 64 : per;
+    return (chunks){n, per};
+}
+
+static inline int64_t nchunks(chunks c) { return (c.n + c.per - 1) / c.per; }
+static inline int64_t chunk_end(chunks c, int64_t ch) { return min64((ch + 1) * c.per, c.n); }
+
+/* threads for `work` multiply-adds, under the caller's cap (pipeline.py's thread control) */
+static inline int nthreads(const ck_sscratch *s, int64_t work) {
+    int n = ck_threads_for(work);
+    return s->threads > 0 && s->threads < n ? s->threads : n;
+}
+
+static inline int64_t mat_bytes_per_row(const ck_mat *m) {
+    return m->kind == CK_W_Q4 ? m->cols / 2 : m->cols;
+}
+
+/* ------------------------------------------------------------------ matrices */
+
+typedef struct { int kind; ck_q4 q4; ck_q8 q8; int64_t rows, cols, group; } wmat;
+
+static inline wmat to_w(const ck_mat *m) {
+    wmat w;
+    int64_t cp = rup(m->cols, m->group);
+    memset(&w, 0, sizeof w);
+    w.kind = m->kind;
+    w.rows = m->rows; w.cols = m->cols; w.group = m->group;
+    if (m->kind == CK_W_Q4)
+        w.q4 = (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
+    else
+        w.q8 = (ck_q8){m->data, m->scales, m->rows, m->cols, m->group, cp, cp / m->group};
+    return w;
+}
+
+static inline int64_t ntiles(int64_t rows, int rtp) { return (rows + rtp - 1) / rtp; }
+
+/* rows r0..r0+rt of w against tokens 0..n of activations `a`, in token tiles (the
+ * batch tiles from ck_core.c's switch point on, a short last tile token by token, as
+ * ck_matmul); emit(ctx, t, r, value) receives each result. */
+typedef void (*emit_fn)(void *ctx, int64_t t, int64_t r, float v);
+
+static inline __attribute__((always_inline))
+void rows_x_tokens(const ck_backend_t *be, const wmat *w, int64_t r0, int rt,
+                          const ck_act *a, int64_t n, emit_fn emit, void *ctx) {
+    const int ntp = ck_tokens_per_tile(be, n);
+    float res[CK_MAX_RT * CK_MAX_NT];
+    for (int64_t t0 = 0; t0 < n;) {
+        int nt = ck_tile_tokens(ntp, n - t0);
+        if (w->kind == CK_W_Q4) be->q4_i8(&w->q4, r0, rt, a, t0, nt, res);
+        else be->q8_i8(&w->q8, r0, rt, a, t0, nt, res);
+        for (int r = 0; r < rt; r++)
+            for (int t = 0; t < nt; t++) emit(ctx, t0 + t, r0 + r, res[r * nt + t]);
+        t0 += nt;
+    }
+}
+
+/* ------------------------------------------------------------------ serial helpers */
+
+/* out = x / sqrt(mean(x^2) + eps) * w (the sum of squares in double) */
+static inline void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] / r) * w[i];
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};   /* eight independent sums: the compiler vectorizes them */
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += ck_ldf(a + i + j) * ck_ldf(b + i + j);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += ck_ldf(a + i) * ck_ldf(b + i);
+    return s;
+}
+
+/* rotate-half rope of one head (Hugging Face layout), in place */
+static inline void rope(float *x, const float *cs, const float *sn, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cs[i] - b * sn[i];
+        x[i + half] = b * cs[i] + a * sn[i];
+    }
+}
+
+/* Int8 activations of n rows for up to two group sizes (scratch buffers a and b), each
+ * row quantized on its own (per token: batch invariance). */
+typedef struct { int n; int64_t group[2]; ck_act a[2]; } act_set;
+
+typedef struct {
+    const ck_backend_t *be;
+    const float *x; int64_t ld, cols, group, cp, ng;
+    int8_t *q; float *s; int32_t *sum;
+} quant_ctx;
+
+static inline void quant_row(void *p, int64_t t) {
+    quant_ctx *c = p;
+    c->be->act_quant(c->x + t * c->ld, c->cols, c->group, c->q + t * c->cp, c->s + t * c->ng,
+                     c->sum + t * c->ng);
+}
+
+static inline void quantize_rows(const ck_backend_t *be, const float *x, int64_t n, int64_t ld,
+                          int64_t cols, int64_t group, int8_t *q, float *s, int32_t *sum,
+                          int nth) {
+    int64_t cp = rup(cols, group);
+    quant_ctx c = {be, x, ld, cols, group, cp, cp / group, q, s, sum};
+    ck_pool_for(quant_row, &c, n, n >= 16 ? nth : 1);
+}
+
+static inline const ck_act *act_for(act_set *A, ck_sscratch *s, const ck_backend_t *be,
+                             const float *x, int64_t n, int64_t cols, int64_t group,
+                             int nth, int *err) {
+    for (int i = 0; i < A->n; i++)
+        if (A->group[i] == group) return &A->a[i];
+    int64_t cp = rup(cols, group);
+    if (A->n == 2) { *err = CK_E_GROUPS; return NULL; }
+    if (cp > s->cp_max || n > s->n_max) { *err = CK_E_SCRATCH; return NULL; }
+    int i = A->n++;
+    int8_t *q = i ? s->bq : s->aq;
+    float *sc = i ? s->bs : s->as;
+    int32_t *sum = i ? s->bsum : s->asum;
+    quantize_rows(be, x, n, cols, cols, group, q, sc, sum, nth);
+    A->group[i] = group;
+    A->a[i] = (ck_act){q, sc, sum, cp, cp / group};
+    return &A->a[i];
+}
+
+typedef struct { const float *x; const float *w; int64_t h; float eps; float *out; } norm_ctx;
+
+static inline void norm_row(void *p, int64_t t) {
+    norm_ctx *c = p;
+    rmsnorm(c->x + t * c->h, c->w, c->h, c->eps, c->out + t * c->h);
+}
+
+static inline void norm_rows(const float *x, const float *w, int64_t n, int64_t h, float eps,
+                      float *out, int nth) {
+    norm_ctx c = {x, w, h, eps, out};
+    ck_pool_for(norm_row, &c, n, n >= 16 ? nth : 1);
+}
+
+#endif

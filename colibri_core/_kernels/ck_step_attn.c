@@ -1,0 +1,560 @@
+/* ck_step_attn.c -- the pipeline step's attention blocks (ck.h, "pipeline step";
+ * shared pieces in ck_step.h): grouped-query attention over KV rows stored as f32, f16 or
+ * q8, and DeepSeek's multi-head latent attention. */
+#include "ck_step.h"
+
+/* ------------------------------------------------------------------ KV rows: f16, q8
+ *
+ * A cache stores its rows as f32, f16 or q8 (ck.h, CK_KV_*). f16 and q8 rows are written
+ * once (when the token's key and value are made) and dequantized to float32 whenever a
+ * later token attends over them; the attention is then the f32 one's arithmetic on the
+ * dequantized rows (portable C, GCC vectorizes the row loops), so its result depends on
+ * nothing but the token's own rows: batch invariant as the f32 path. The numpy
+ * reference of the formats is quant.quantize_kv_q8 / dequantize_kv_q8 and numpy's
+ * float16. */
+
+/* float -> IEEE half, round to nearest even (as numpy's astype(float16)); no F16C or
+ * FP16 instructions, so the same code runs on every x86-64 and aarch64 CPU */
+static inline uint16_t f2h(float x) {
+    uint32_t f;
+    memcpy(&f, &x, 4);
+    const uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint16_t o;
+    if (f >= (uint32_t)(127 + 16) << 23) {              /* overflow, Inf, NaN */
+        o = f > 255u << 23 ? 0x7e00 : 0x7c00;
+    } else if (f < 113u << 23) {                         /* half subnormal or zero */
+        const uint32_t magic_u = 126u << 23;             /* 0.5: its ulp is the half's */
+        float fv, magic;
+        memcpy(&fv, &f, 4); memcpy(&magic, &magic_u, 4);
+        fv += magic;                                     /* rounds to nearest even */
+        uint32_t u;
+        memcpy(&u, &fv, 4);
+        o = (uint16_t)(u - magic_u);
+    } else {
+        const uint32_t odd = (f >> 13) & 1;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfff + odd; /* rebias, round half to even */
+        o = (uint16_t)(f >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+/* IEEE half -> float, exact: the half's bits moved into a float and scaled by 2^112
+ * (normals and subnormals alike), Inf/NaN given the float's all-ones exponent */
+static inline float h2f(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    uint32_t u = em << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p112f;
+    memcpy(&u, &f, 4);
+    u = em >= 0x7c00u ? 0x7f800000u | (em << 13) : u;
+    u |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline size_t kv_elem(int kind) { return kind == CK_KV_F32 ? 4 : kind == CK_KV_F16 ? 2 : 1; }
+
+/* one row of d values into the storage type; q8: symmetric, scale max|x| / 127, codes
+ * rint(x * (1/scale)) clamped to +-127 (ck_scalar_act_quant's rule for one group) */
+static void kv_store_row(int kind, const float *x, int64_t d, void *dst, float *scale) {
+    if (kind == CK_KV_F32) {
+        memcpy(dst, x, (size_t)d * sizeof(float));
+    } else if (kind == CK_KV_F16) {
+        uint16_t *o = dst;
+        for (int64_t i = 0; i < d; i++) o[i] = f2h(x[i]);
+    } else {
+        int8_t *o = dst;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < d; i++) {
+            float a = fabsf(x[i]);
+            amax = fmaxf(amax, a);
+            nan |= a != a;
+        }
+        float s = nan ? NAN : amax / 127.0f;
+        float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int64_t i = 0; i < d; i++) {
+            float v = rintf(x[i] * inv);
+            v = v > -127.0f ? v : -127.0f;
+            v = v < 127.0f ? v : 127.0f;
+            o[i] = (int8_t)v;
+        }
+        ck_stf(scale, s);
+    }
+}
+
+static void kv_load_row(int kind, const void *src, float scale, int64_t d, float *out) {
+    if (kind == CK_KV_F16) {
+        const uint16_t *h = src;
+        for (int64_t i = 0; i < d; i++) out[i] = h2f(h[i]);
+    } else if (kind == CK_KV_Q8) {
+        const int8_t *q = src;
+        for (int64_t i = 0; i < d; i++) out[i] = (float)q[i] * scale;
+    } else {
+        memcpy(out, src, (size_t)d * sizeof(float));
+    }
+}
+
+/* attention of g query heads over len f16/q8 rows (row p at k + p*ld values, its scale
+ * at ks[p * (ld/d)]): scores q.k * scale, softmax (ck_scalar.c's), the weighted sum of
+ * the v rows; s [g, len] scratch */
+static void kv_attn(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
+                    const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
+                    float *s, float *out) {
+    const size_t es = kv_elem(kind);
+    const int64_t sld = ld / d;
+    float row[d > 0 ? d : 1];
+    for (int64_t p = 0; p < len; p++) {
+        kv_load_row(kind, (const char *)k + (size_t)(p * ld) * es, ks ? ck_ldf(ks + p * sld) : 0.0f,
+                    d, row);
+        for (int h = 0; h < g; h++) s[h * len + p] = dot_f32(q + h * d, row, d) * scale;
+    }
+    ck_softmax_rows(s, g, len);
+    for (int64_t i = 0; i < g * d; i++) out[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        kv_load_row(kind, (const char *)v + (size_t)(p * ld) * es, vs ? ck_ldf(vs + p * sld) : 0.0f,
+                    d, row);
+        for (int h = 0; h < g; h++) {
+            const float w = s[h * len + p];
+            float *o = out + h * d;
+            for (int64_t i = 0; i < d; i++) o[i] = o[i] + w * row[i];
+        }
+    }
+}
+
+void ck_kv_store(int kind, const float *src, int64_t n, int64_t d, void *dst, float *scales) {
+    for (int64_t r = 0; r < n; r++)
+        kv_store_row(kind, src + r * d, d, (char *)dst + (size_t)(r * d) * kv_elem(kind),
+                     scales ? scales + r : NULL);
+}
+
+void ck_kv_load(int kind, const void *src, const float *scales, int64_t n, int64_t d, float *dst) {
+    for (int64_t r = 0; r < n; r++)
+        kv_load_row(kind, (const char *)src + (size_t)(r * d) * kv_elem(kind),
+                    scales ? ck_ldf(scales + r) : 0.0f, d, dst + r * d);
+}
+
+int ck_kv_attention(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
+                    const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
+                    float *out) {
+    if (kind != CK_KV_F16 && kind != CK_KV_Q8) return CK_E_SCRATCH;
+    if (kind == CK_KV_Q8 && (!ks || !vs)) return CK_E_SCRATCH;
+    float *s = malloc((size_t)(g * len) * sizeof(float));
+    if (!s) return CK_E_MEMORY;
+    kv_attn(kind, q, g, d, k, v, ks, vs, ld, len, scale, s, out);
+    free(s);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ attention block */
+
+typedef struct {
+    const ck_backend_t *be;
+    const ck_attn_layer *L;
+    ck_sscratch *s;
+    wmat w[4];                 /* q, k, v, o */
+    const ck_act *act[3];      /* xn for q, k, v */
+    ck_act ao;                 /* the attention output, for o */
+    int64_t nt[3];             /* row tiles of q, k, v */
+    chunks qkv, o;
+    float *x;
+    int64_t n, layer;
+    const int64_t *tok;        /* [n, CK_TOK_COLS] (ck.h) */
+    float scale;
+    int m;                     /* the matrix being emitted (qkv) */
+} attn_ctx;
+
+static void emit_q(void *p, int64_t t, int64_t r, float v) {
+    attn_ctx *c = p;
+    ck_stf(c->s->q + t * c->L->nh * c->L->d + r, c->L->bq ? v + c->L->bq[r] : v);
+}
+static void emit_k(void *p, int64_t t, int64_t r, float v) {
+    attn_ctx *c = p;
+    ck_stf(c->s->k + t * c->L->nkv * c->L->d + r, c->L->bk ? v + c->L->bk[r] : v);
+}
+static void emit_v(void *p, int64_t t, int64_t r, float v) {
+    attn_ctx *c = p;
+    ck_stf(c->s->v + t * c->L->nkv * c->L->d + r, c->L->bv ? v + c->L->bv[r] : v);
+}
+static void emit_o(void *p, int64_t t, int64_t r, float v) {
+    attn_ctx *c = p;
+    float *x = c->x + t * c->L->hidden + r;
+    *x = *x + v;
+}
+
+/* q, k, v: the three matrices' row tiles as one loop, all tokens per tile */
+static void qkv_chunk(void *p, int64_t ch) {
+    attn_ctx *c = p;
+    static const emit_fn emits[3] = {emit_q, emit_k, emit_v};
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->qkv.per; i < chunk_end(c->qkv, ch); i++) {
+        int m = i < c->nt[0] ? 0 : i < c->nt[0] + c->nt[1] ? 1 : 2;
+        int64_t r0 = (i - (m == 0 ? 0 : m == 1 ? c->nt[0] : c->nt[0] + c->nt[1])) * rtp;
+        int rt = (int)min64(rtp, c->w[m].rows - r0);
+        rows_x_tokens(c->be, &c->w[m], r0, rt, c->act[m], c->n, emits[m], c);
+    }
+}
+
+/* the token's cache (which: 0 keys, 1 values) at layer `layer`, position 0 (bytes), and
+ * its scales (q8; else NULL) */
+static inline char *cache_layer(const int64_t *tk, int which, int64_t layer) {
+    return (char *)(uintptr_t)tk[1 + which] + (size_t)(layer * tk[3]) * kv_elem((int)tk[4]);
+}
+static inline float *scales_layer(const int64_t *tk, int which, int64_t layer, int64_t d) {
+    return tk[4] == CK_KV_Q8 ? (float *)(uintptr_t)tk[5 + which] + layer * (tk[3] / d) : NULL;
+}
+
+/* token t: q/k norms, rope, and its key and value into its cache row */
+static void rope_chunk(void *p, int64_t t) {
+    attn_ctx *c = p;
+    const ck_attn_layer *L = c->L;
+    ck_sscratch *s = c->s;
+    const int64_t d = L->d, half = d / 2, nh = L->nh, nkv = L->nkv;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
+    float *q = s->q + t * nh * d, *k = s->k + t * nkv * d, *v = s->v + t * nkv * d;
+    if (L->qk_norm == 2) {                         /* over the whole projection */
+        rmsnorm(q, L->q_norm, nh * d, L->eps, q);
+        rmsnorm(k, L->k_norm, nkv * d, L->eps, k);
+    } else if (L->qk_norm == 1) {                  /* per head */
+        for (int64_t h = 0; h < nh; h++) rmsnorm(q + h * d, L->q_norm, d, L->eps, q + h * d);
+        for (int64_t h = 0; h < nkv; h++) rmsnorm(k + h * d, L->k_norm, d, L->eps, k + h * d);
+    }
+    float cs[half > 0 ? half : 1], sn[half > 0 ? half : 1];
+    for (int64_t i = 0; i < half; i++) {
+        double ang = (double)tk[0] * L->inv_freq[i];
+        cs[i] = (float)(cos(ang) * L->rope_factor);
+        sn[i] = (float)(sin(ang) * L->rope_factor);
+    }
+    for (int64_t h = 0; h < nh; h++) rope(q + h * d, cs, sn, half);
+    for (int64_t h = 0; h < nkv; h++) rope(k + h * d, cs, sn, half);
+    const int kind = (int)tk[4];
+    const size_t es = kv_elem(kind);
+    char *kc = cache_layer(tk, 0, c->layer), *vc = cache_layer(tk, 1, c->layer);
+    float *ks = scales_layer(tk, 0, c->layer, d), *vs = scales_layer(tk, 1, c->layer, d);
+    for (int64_t h = 0; h < nkv; h++) {            /* row (pos, h) of the cache */
+        int64_t r = tk[0] * nkv + h;
+        kv_store_row(kind, k + h * d, d, kc + (size_t)(r * d) * es, ks ? ks + r : NULL);
+        kv_store_row(kind, v + h * d, d, vc + (size_t)(r * d) * es, vs ? vs + r : NULL);
+    }
+}
+
+/* token t = i / nkv, kv head j = i % nkv: attention of its query heads over rows 0..pos */
+static void head_chunk(void *p, int64_t i) {
+    attn_ctx *c = p;
+    const ck_attn_layer *L = c->L;
+    ck_sscratch *s = c->s;
+    const int64_t d = L->d, nkv = L->nkv, g = L->nh / nkv, t = i / nkv, j = i % nkv;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
+    const int64_t len = tk[0] + 1;
+    const int kind = (int)tk[4];
+    const size_t es = kv_elem(kind);
+    const char *kc = cache_layer(tk, 0, c->layer) + (size_t)(j * d) * es;
+    const char *vc = cache_layer(tk, 1, c->layer) + (size_t)(j * d) * es;
+    const float *ks = scales_layer(tk, 0, c->layer, d), *vs = scales_layer(tk, 1, c->layer, d);
+    float stack[g * len <= 16384 ? g * len : 1];
+    float *sc = g * len <= 16384 ? stack : malloc((size_t)(g * len) * sizeof(float));
+    if (!sc) { s->failed = 1; return; }
+    const float *q = s->q + (t * L->nh + j * g) * d;
+    float *out = s->att + (t * L->nh + j * g) * d;
+    if (kind == CK_KV_F32)                         /* the backend's vector attention */
+        c->be->attn(q, (int)g, d, (const float *)kc, (const float *)vc, nkv * d, len,
+                    c->scale, sc, out);
+    else
+        kv_attn(kind, q, (int)g, d, kc, vc, ks ? ks + j : NULL, vs ? vs + j : NULL, nkv * d,
+                len, c->scale, sc, out);
+    if (sc != stack) free(sc);
+}
+
+static void o_chunk(void *p, int64_t ch) {
+    attn_ctx *c = p;
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++) {
+        int64_t r0 = i * rtp;
+        rows_x_tokens(c->be, &c->w[3], r0, (int)min64(rtp, c->w[3].rows - r0), &c->ao, c->n,
+                      emit_o, c);
+    }
+}
+
+
+int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n,
+                      const int64_t *tok, float *xn_out, ck_sscratch *s) {
+    const ck_backend_t *be = ck_active_backend();
+    attn_ctx c;
+    int err = 0;
+    memset(&c, 0, sizeof c);
+    if (n > s->n_max) return CK_E_SCRATCH;
+    if (n <= 0) return 0;
+    for (int64_t t = 0; t < n; t++) {              /* the caches' storage types */
+        const int64_t *tk = tok + CK_TOK_COLS * t;
+        if (tk[4] < CK_KV_F32 || tk[4] > CK_KV_Q8 || (tk[4] == CK_KV_Q8 && (!tk[5] || !tk[6])))
+            return CK_E_SCRATCH;
+    }
+    c.be = be; c.L = a; c.s = s; c.x = x; c.n = n; c.layer = layer; c.tok = tok;
+    c.scale = a->scale;
+    c.w[0] = to_w(&a->wq); c.w[1] = to_w(&a->wk); c.w[2] = to_w(&a->wv); c.w[3] = to_w(&a->wo);
+    if (rup(c.w[3].cols, c.w[3].group) > s->cp_max) return CK_E_SCRATCH;
+    int64_t work = 0;
+    for (int m = 0; m < 4; m++) work += c.w[m].rows * c.w[m].cols;
+    work *= n;
+    const int nth = nthreads(s, work);
+    norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
+    act_set A = {0};
+    for (int m = 0; m < 3 && !err; m++)
+        c.act[m] = act_for(&A, s, be, s->xn, n, a->hidden, c.w[m].group, nth, &err);
+    if (err) return err;
+    const int rtp = be->rt;
+    for (int m = 0; m < 3; m++) c.nt[m] = ntiles(c.w[m].rows, rtp);
+    c.qkv = chunking(c.nt[0] + c.nt[1] + c.nt[2], n * rtp * mat_bytes_per_row(&a->wq));
+    c.o = chunking(ntiles(c.w[3].rows, rtp), n * rtp * mat_bytes_per_row(&a->wo));
+    ck_pool_for(qkv_chunk, &c, nchunks(c.qkv), nth);
+    ck_pool_for(rope_chunk, &c, n, n >= 8 ? nth : 1);
+    int64_t ctx_work = 0;
+    for (int64_t t = 0; t < n; t++) ctx_work += 2 * a->nh * a->d * (tok[CK_TOK_COLS * t] + 1);
+    s->failed = 0;
+    ck_pool_for(head_chunk, &c, n * a->nkv, nthreads(s, ctx_work));
+    if (s->failed) return CK_E_MEMORY;
+    /* the o projection's input, quantized per token (buffer a: q, k, v are done with it) */
+    const wmat *wo = &c.w[3];
+    int64_t cpo = rup(wo->cols, wo->group);
+    quantize_rows(be, s->att, n, wo->cols, wo->cols, wo->group, s->aq, s->as, s->asum, nth);
+    c.ao = (ck_act){s->aq, s->as, s->asum, cpo, cpo / wo->group};
+    ck_pool_for(o_chunk, &c, nchunks(c.o), nth);
+    norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ MLA attention block
+ *
+ * DeepSeek's multi-head latent attention in the absorbed form (mla.py has the math and
+ * the reference): the cache holds per position the normed latent c [r] and the rotated
+ * k_pe [rope]; per head the query's nope part is absorbed into latent space through
+ * W_UK, scores are q_lat . c + q_pe . k_pe, and the output W_UV (sum p c). */
+
+typedef struct {
+    const ck_backend_t *be;
+    const ck_mla_layer *L;
+    ck_sscratch *s;
+    int64_t n, layer, per;     /* tokens; the layer; floats of scratch per token */
+    const int64_t *tok;
+    float *x;
+    /* projections of one loop: up to two matrices over the same activations */
+    int nm;
+    wmat w[2];
+    const ck_act *act[2];
+    float *out[2];
+    int64_t ld[2], nt0;
+    chunks ch;
+} mla_ctx;
+
+/* per-token scratch: q [nh*(nope+rope)], qa [q_lora], kv [r+rope], q_lat [nh*r],
+ * o_lat [nh*r], out [nh*v] */
+static inline float *mla_q(const mla_ctx *c, int64_t t) { return c->s->mla + t * c->per; }
+static inline float *mla_qa(const mla_ctx *c, int64_t t) {
+    const ck_mla_layer *L = c->L;
+    return mla_q(c, t) + L->nh * (L->nope + L->rope);
+}
+static inline float *mla_kv(const mla_ctx *c, int64_t t) { return mla_qa(c, t) + c->L->q_lora; }
+static inline float *mla_qlat(const mla_ctx *c, int64_t t) {
+    return mla_kv(c, t) + c->L->r + c->L->rope;
+}
+static inline float *mla_olat(const mla_ctx *c, int64_t t) { return mla_qlat(c, t) + c->L->nh * c->L->r; }
+static inline float *mla_out(const mla_ctx *c, int64_t t) { return mla_olat(c, t) + c->L->nh * c->L->r; }
+
+int64_t ck_step_mla_floats(const ck_mla_layer *L) {
+    return L->nh * (L->nope + L->rope) + L->q_lora + L->r + L->rope + 2 * L->nh * L->r + L->nh * L->v;
+}
+
+static void emit_m0(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    c->out[0][t * c->ld[0] + r] = v;
+}
+static void emit_m1(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    c->out[1][t * c->ld[1] + r] = v;
+}
+static void emit_mo(void *p, int64_t t, int64_t r, float v) {
+    mla_ctx *c = p;
+    float *x = c->x + t * c->L->hidden + r;
+    *x = *x + v;
+}
+
+static void mla_mats_chunk(void *p, int64_t ch) {
+    mla_ctx *c = p;
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->ch.per; i < chunk_end(c->ch, ch); i++) {
+        int m = c->nm > 1 && i >= c->nt0;
+        int64_t r0 = (m ? i - c->nt0 : i) * rtp;
+        rows_x_tokens(c->be, &c->w[m], r0, (int)min64(rtp, c->w[m].rows - r0), c->act[m], c->n,
+                      m ? emit_m1 : emit_m0, c);
+    }
+}
+
+static void mla_o_chunk(void *p, int64_t ch) {
+    mla_ctx *c = p;
+    const int rtp = c->be->rt;
+    for (int64_t i = ch * c->ch.per; i < chunk_end(c->ch, ch); i++) {
+        int64_t r0 = i * rtp;
+        rows_x_tokens(c->be, &c->w[0], r0, (int)min64(rtp, c->w[0].rows - r0), c->act[0], c->n,
+                      emit_mo, c);
+    }
+}
+
+/* one or two matrices against the same token rows: out_m[t * ld_m + row] */
+static void mla_project(mla_ctx *c, int nm, const ck_mat *m0, const ck_act *a0, float *o0,
+                        int64_t ld0, const ck_mat *m1, const ck_act *a1, float *o1, int64_t ld1,
+                        int nth) {
+    const int rtp = c->be->rt;
+    c->nm = nm;
+    c->w[0] = to_w(m0); c->act[0] = a0; c->out[0] = o0; c->ld[0] = ld0;
+    c->nt0 = ntiles(c->w[0].rows, rtp);
+    int64_t items = c->nt0;
+    if (nm > 1) {
+        c->w[1] = to_w(m1); c->act[1] = a1; c->out[1] = o1; c->ld[1] = ld1;
+        items += ntiles(c->w[1].rows, rtp);
+    }
+    c->ch = chunking(items, c->n * rtp * mat_bytes_per_row(m0));
+    ck_pool_for(mla_mats_chunk, c, nchunks(c->ch), nth);
+}
+
+/* rope of one rope-part vector in place: rotate-half, or DeepSeek's interleaved pairs
+ * written de-interleaved (ops.apply_rope) */
+static void mla_rope(float *x, const float *cs, const float *sn, int64_t half, int interleave) {
+    if (!interleave) { rope(x, cs, sn, half); return; }
+    float tmp[half > 0 ? 2 * half : 1];
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[2 * i], b = x[2 * i + 1];
+        tmp[i] = a * cs[i] - b * sn[i];
+        tmp[i + half] = b * cs[i] + a * sn[i];
+    }
+    memcpy(x, tmp, (size_t)(2 * half) * sizeof(float));
+}
+
+/* token t: latent c and k_pe into its cache row, rope of q_pe, q_lat = q_nope W_UK */
+static void mla_token_chunk(void *p, int64_t t) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v, half = R / 2;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
+    const int64_t cap = tk[3] / r;
+    float *q = mla_q(c, t), *kv = mla_kv(c, t), *ql = mla_qlat(c, t);
+    float cs[half > 0 ? half : 1], sn[half > 0 ? half : 1];
+    for (int64_t i = 0; i < half; i++) {
+        double ang = (double)tk[0] * L->inv_freq[i];
+        cs[i] = (float)(cos(ang) * L->rope_factor);
+        sn[i] = (float)(sin(ang) * L->rope_factor);
+    }
+    float *crow = (float *)(uintptr_t)tk[1] + c->layer * cap * r + tk[0] * r;
+    float *krow = (float *)(uintptr_t)tk[2] + c->layer * cap * R + tk[0] * R;
+    rmsnorm(kv, L->kv_a_norm, r, L->lora_eps, crow);
+    memcpy(krow, kv + r, (size_t)R * sizeof(float));
+    mla_rope(krow, cs, sn, half, L->interleave);
+    for (int64_t h = 0; h < nh; h++) {
+        float *qh = q + h * (N + R);
+        mla_rope(qh + N, cs, sn, half, L->interleave);
+        const float *wuk = L->wkv_b + h * (N + V) * r;          /* [N, r] of head h */
+        float *o = ql + h * r;
+        for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
+        for (int64_t i = 0; i < N; i++) {
+            const float a = qh[i], *w = wuk + i * r;
+            for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
+        }
+    }
+}
+
+/* token t = i / nh, head h = i % nh: scores over rows 0..pos, o_lat, then out = W_UV o_lat */
+static void mla_head_chunk(void *p, int64_t i) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
+    const int64_t t = i / nh, h = i % nh;
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
+    const int64_t cap = tk[3] / r, len = tk[0] + 1;
+    const float *cc = (const float *)(uintptr_t)tk[1] + c->layer * cap * r;
+    const float *kp = (const float *)(uintptr_t)tk[2] + c->layer * cap * R;
+    const float *ql = mla_qlat(c, t) + h * r, *qp = mla_q(c, t) + h * (N + R) + N;
+    float stack[len <= 16384 ? len : 1];
+    float *sc = len <= 16384 ? stack : malloc((size_t)len * sizeof(float));
+    if (!sc) { c->s->failed = 1; return; }
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; j++) {
+        float v = (dot_f32(ql, cc + j * r, r) + dot_f32(qp, kp + j * R, R)) * L->scale;
+        sc[j] = v;
+        m = v > m ? v : m;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < len; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+    const float inv = (float)(1.0 / sum);
+    float *o = mla_olat(c, t) + h * r;
+    for (int64_t k = 0; k < r; k++) o[k] = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        const float pj = sc[j] * inv, *row = cc + j * r;
+        for (int64_t k = 0; k < r; k++) o[k] += pj * row[k];
+    }
+    if (sc != stack) free(sc);
+    const float *wuv = L->wkv_b + (h * (N + V) + N) * r;      /* [V, r] of head h */
+    float *out = mla_out(c, t) + h * V;
+    for (int64_t k = 0; k < V; k++) out[k] = dot_f32(wuv + k * r, o, r);
+}
+
+typedef struct { const mla_ctx *c; const float *w; int64_t off, cols; float eps; } lnorm_ctx;
+
+static void qa_norm_row(void *p, int64_t t) {
+    lnorm_ctx *k = p;
+    float *qa = mla_qa(k->c, t);
+    rmsnorm(qa, k->w, k->cols, k->eps, qa);
+}
+
+int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_t n,
+                          const int64_t *tok, float *xn_out, ck_sscratch *s) {
+    const ck_backend_t *be = ck_active_backend();
+    mla_ctx c;
+    int err = 0;
+    memset(&c, 0, sizeof c);
+    if (n > s->n_max || ck_step_mla_floats(a) > s->mla_per_token) return CK_E_SCRATCH;
+    if (n <= 0) return 0;
+    c.be = be; c.L = a; c.s = s; c.n = n; c.layer = layer; c.tok = tok; c.x = x;
+    c.per = s->mla_per_token;
+    const int lora = a->wq_a.data != NULL;
+    const ck_mat *wq_first = lora ? &a->wq_a : &a->wq;
+    int64_t work = n * (wq_first->rows * wq_first->cols + a->wkv_a.rows * a->wkv_a.cols +
+                        a->wo.rows * a->wo.cols + (lora ? a->wq_b.rows * a->wq_b.cols : 0));
+    const int nth = nthreads(s, work);
+    norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
+    act_set A = {0};
+    const ck_act *aq = act_for(&A, s, be, s->xn, n, a->hidden, wq_first->group, nth, &err);
+    const ck_act *akv = err ? NULL : act_for(&A, s, be, s->xn, n, a->hidden, a->wkv_a.group, nth, &err);
+    if (err) return err;
+    /* q (or q_a) and kv_a in one loop */
+    float *q0 = lora ? mla_qa(&c, 0) : mla_q(&c, 0);
+    mla_project(&c, 2, wq_first, aq, q0, c.per, &a->wkv_a, akv, mla_kv(&c, 0), c.per, nth);
+    if (lora) {                                    /* q = wq_b(rmsnorm(q_a)) */
+        lnorm_ctx k = {&c, a->q_a_norm, 0, a->q_lora, a->lora_eps};
+        ck_pool_for(qa_norm_row, &k, n, n >= 16 ? nth : 1);
+        int64_t cp = rup(a->q_lora, a->wq_b.group);
+        if (cp > s->cp_max) return CK_E_SCRATCH;
+        quantize_rows(be, mla_qa(&c, 0), n, c.per, a->q_lora, a->wq_b.group, s->bq, s->bs,
+                      s->bsum, nth);
+        ck_act ab = {s->bq, s->bs, s->bsum, cp, cp / a->wq_b.group};
+        mla_project(&c, 1, &a->wq_b, &ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
+    }
+    ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
+    int64_t ctx_work = 0;
+    for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[CK_TOK_COLS * t] + 1);
+    s->failed = 0;
+    ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, ctx_work));
+    if (s->failed) return CK_E_MEMORY;
+    /* o projection of out [n, nh*v], quantized per token */
+    const int64_t vcols = a->nh * a->v, cpo = rup(vcols, a->wo.group);
+    if (cpo > s->cp_max) return CK_E_SCRATCH;
+    quantize_rows(be, mla_out(&c, 0), n, c.per, vcols, a->wo.group, s->aq, s->as, s->asum, nth);
+    c.w[0] = to_w(&a->wo);
+    ck_act ao = {s->aq, s->as, s->asum, cpo, cpo / a->wo.group};
+    c.act[0] = &ao;
+    c.ch = chunking(ntiles(a->wo.rows, be->rt), n * be->rt * mat_bytes_per_row(&a->wo));
+    ck_pool_for(mla_o_chunk, &c, nchunks(c.ch), nth);
+    norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
+    return 0;
+}
+

@@ -1,0 +1,412 @@
+/* ck_step_moe.c -- the pipeline step's router and expert block (ck.h, "pipeline step";
+ * shared pieces in ck_step.h). */
+#include "ck_step.h"
+
+/* ------------------------------------------------------------------ routing */
+
+typedef struct { const ck_router *r; const float *xn; float *logits; int bad; } logit_ctx;
+
+static void logit_row(void *p, int64_t t) {
+    logit_ctx *c = p;
+    const ck_router *r = c->r;
+    for (int64_t i = 0; i < r->e; i++) {
+        float v = dot_f32(c->xn + t * r->h, r->weight + i * r->h, r->h);
+        if (r->bias) v += ck_ldf(r->bias + i);
+        if (!isfinite(v)) c->bad = 1;
+        c->logits[t * r->e + i] = v;
+    }
+}
+
+/* one token's top-k and fixed-point softmax weights (routing.route, mode "fixed") */
+static void route_fixed(const ck_router *r, const float *logits, int k, int64_t *ids,
+                        float *weights, int have_ids) {
+    const int64_t e = r->e;
+    const int64_t *exp2_q30 = r->exp2_q30;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < e; i++) m = logits[i] > m ? logits[i] : m;
+    /* top k, largest first, ties to the lower index (ops.top_k) */
+    for (int j = 0; j < k && !have_ids; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < e; i++) {
+            int taken = 0;
+            for (int q = 0; q < j; q++) taken |= ids[q] == i;
+            if (!taken && (best < 0 || logits[i] > logits[best])) best = i;
+        }
+        ids[j] = best;
+    }
+    /* fixed-point softmax over all experts (routing.fixed_point_softmax_weights) */
+    int64_t total = 0, sel[256];
+    for (int64_t i = 0; i < e; i++) {
+        double dd = (double)(logits[i] - m) * 1.4426950408889634;
+        double fx = nearbyint(-dd * 1024.0);
+        if (fx > 62.0 * 1024.0) fx = 62.0 * 1024.0;
+        int64_t f = (int64_t)fx, shift = f >> 10;
+        int64_t ex = exp2_q30[f & 1023] >> (shift < 62 ? shift : 62);
+        total += ex;
+        for (int j = 0; j < k; j++)
+            if (ids[j] == i) sel[j] = ex;
+    }
+    double w[256], sum = 0.0;
+    for (int j = 0; j < k; j++) {
+        int64_t wq = (sel[j] << 16) / (total > 1 ? total : 1);
+        w[j] = (double)(float)((double)wq / 65536.0);
+        sum += w[j];
+    }
+    for (int j = 0; j < k; j++) {
+        double v = r->norm_topk ? w[j] / (sum > 1e-20 ? sum : 1e-20) : w[j];
+        weights[j] = (float)(v * r->scaling);
+    }
+}
+
+/* largest of v[0..e) not yet taken, ties to the lower index; -inf only when nothing
+ * else is left (ops.top_k: a stable sort of -v) */
+static int64_t best_of(const double *v, int64_t e, const int64_t *taken, int ntaken) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < e; i++) {
+        int used = 0;
+        for (int q = 0; q < ntaken; q++) used |= taken[q] == i;
+        if (!used && (best < 0 || v[i] > v[best])) best = i;
+    }
+    return best;
+}
+
+/* one token's choice as routing.route for every other mode: float softmax or sigmoid
+ * scores (double), the selection bias, group-limited selection (groups scored by their
+ * best value, or with sigmoid scores the sum of their best two), weights = the chosen
+ * scores (or the fixed-point softmax), renormalized when norm_topk, times scaling */
+static void route_general(const ck_router *r, const float *logits, int k, int64_t *ids,
+                          float *weights) {
+    const int64_t e = r->e;
+    double prob[e > 0 ? e : 1], sel[e > 0 ? e : 1];
+    double m = -INFINITY, sum = 0.0;
+    for (int64_t i = 0; i < e; i++) m = logits[i] > m ? logits[i] : m;
+    for (int64_t i = 0; i < e; i++) {
+        const double l = (double)logits[i], b = r->select_bias ? (double)ck_ldf(r->select_bias + i) : 0.0;
+        if (r->scoring == CK_ROUTE_SIGMOID) {
+            prob[i] = 1.0 / (1.0 + exp(-l));
+            sel[i] = prob[i] + b;
+        } else {
+            prob[i] = exp(l - m);
+            sum += prob[i];
+            sel[i] = l + b;
+        }
+    }
+    if (r->scoring != CK_ROUTE_SIGMOID)
+        for (int64_t i = 0; i < e; i++) prob[i] /= sum;
+    if (r->n_group > 1 && r->topk_group < r->n_group) {
+        const int64_t gsz = e / r->n_group;
+        double gs[r->n_group];
+        int64_t keep[r->n_group];
+        for (int64_t g = 0; g < r->n_group; g++) {
+            double b1 = -INFINITY, b2 = -INFINITY;
+            for (int64_t i = g * gsz; i < (g + 1) * gsz; i++) {
+                if (sel[i] > b1) { b2 = b1; b1 = sel[i]; } else if (sel[i] > b2) b2 = sel[i];
+            }
+            gs[g] = r->scoring == CK_ROUTE_SIGMOID ? b2 + b1 : b1;   /* np.sort's top two */
+        }
+        for (int q = 0; q < r->topk_group; q++) keep[q] = best_of(gs, r->n_group, keep, q);
+        for (int64_t g = 0; g < r->n_group; g++) {
+            int kept = 0;
+            for (int q = 0; q < r->topk_group; q++) kept |= keep[q] == g;
+            if (!kept)
+                for (int64_t i = g * gsz; i < (g + 1) * gsz; i++) sel[i] = -INFINITY;
+        }
+    }
+    for (int j = 0; j < k; j++) ids[j] = best_of(sel, e, ids, j);
+    if (r->scoring == CK_ROUTE_FIXED) {          /* the fixed-point weights, then as below */
+        route_fixed(r, logits, k, ids, weights, 1);
+        return;
+    }
+    double w[256], tot = 0.0;
+    for (int j = 0; j < k; j++) { w[j] = prob[ids[j]]; tot += w[j]; }
+    for (int j = 0; j < k; j++) {
+        double v = r->norm_topk ? w[j] / (tot > 1e-20 ? tot : 1e-20) : w[j];
+        weights[j] = (float)(v * r->scaling);
+    }
+}
+
+int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t *k, int kmax,
+                  float *logits, int64_t *ids, float *weights, int from_logits) {
+    logit_ctx c = {r, xn, logits, 0};
+    if (kmax < 0 || kmax > 256 || kmax > r->e) return CK_E_SCRATCH;
+    if (from_logits) {
+        for (int64_t i = 0; i < n * r->e; i++) c.bad |= !isfinite(logits[i]);
+    } else {
+        ck_pool_for(logit_row, &c, n, n >= 16 ? ck_threads_for(n * r->e * r->h) : 1);
+    }
+    if (c.bad) return CK_E_NONFINITE;
+    if (!ids) return 0;                         /* logits only: pipeline.py routes */
+    const int plain = r->scoring == CK_ROUTE_FIXED && !r->select_bias &&
+                      !(r->n_group > 1 && r->topk_group < r->n_group);
+    for (int64_t t = 0; t < n; t++) {
+        int kt = k[t];
+        if (kt < 1 || kt > kmax) return CK_E_SCRATCH;
+        if (plain) route_fixed(r, logits + t * r->e, kt, ids + t * kmax, weights + t * kmax, 0);
+        else route_general(r, logits + t * r->e, kt, ids + t * kmax, weights + t * kmax);
+        for (int j = kt; j < kmax; j++) { ids[t * kmax + j] = -1; weights[t * kmax + j] = 0.0f; }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ expert block
+ *
+ * The (token, expert) pairs of the step are grouped by expert, ascending id: a job is one
+ * expert (or the shared one) with its tokens, whose rows sit side by side in the scratch
+ * (pairs off .. off + cnt), so each expert's weights stream once per step for all of
+ * its tokens. Jobs go in pieces of at most `pairs_max` pairs:
+ *   gather: each pair's token's quantized xn row, copied to the pair's scratch row;
+ *   stage 1: gate and up, row tiles x the job's tokens: h = silu(gate) * up;
+ *   hquant: h quantized per pair;
+ *   stage 2: down, per output row tile, the piece's jobs in order, added to x. */
+
+typedef struct {
+    wmat w1, w3, w2;
+    int64_t off, cnt;         /* its pairs in the scratch */
+    int64_t t1, t2;           /* its first stage-1 item, first hquant item */
+} ffn_job;
+
+typedef struct {
+    const ck_backend_t *be;
+    ck_sscratch *s;
+    ffn_job *jobs;
+    int m;                    /* jobs in this piece */
+    chunks s1, s2;
+    int64_t hidden;
+    const int64_t *pair_tok;  /* [pairs_max] the token of scratch row p */
+    const float *pair_w;      /* [pairs_max] its routing weight */
+    const ck_act *xa;         /* xn quantized per token (group of w1) */
+    ck_act ga;                /* gathered: row p = xa's row pair_tok[p] */
+    float *x;
+} ffn_ctx;
+
+static inline int job_of(const ffn_ctx *c, int64_t i, int first_stage) {
+    int j = 0;
+    while (j + 1 < c->m && i >= (first_stage ? c->jobs[j + 1].t1 : c->jobs[j + 1].t2)) j++;
+    return j;
+}
+
+static void gather_row(void *p, int64_t q) {
+    ffn_ctx *c = p;
+    const ck_act *a = c->xa;
+    int64_t t = c->pair_tok[q];
+    memcpy((int8_t *)c->ga.q + q * a->cp, a->q + t * a->cp, (size_t)a->cp);
+    memcpy((float *)c->ga.s + q * a->ng, a->s + t * a->ng, (size_t)a->ng * sizeof(float));
+    memcpy((int32_t *)c->ga.sum + q * a->ng, a->sum + t * a->ng, (size_t)a->ng * sizeof(int32_t));
+}
+
+/* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
+static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
+    const ck_backend_t *be = c->be;
+    const ck_sscratch *s = c->s;
+    const int ntp = ck_tokens_per_tile(be, f->cnt);
+    float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
+    ck_act a = c->ga;
+    a.q += f->off * a.cp; a.s += f->off * a.ng; a.sum += f->off * a.ng;
+    for (int64_t t0 = 0; t0 < f->cnt;) {
+        int nt = ck_tile_tokens(ntp, f->cnt - t0);
+        be->q4_i8(&f->w1.q4, r0, rt, &a, t0, nt, g);
+        be->q4_i8(&f->w3.q4, r0, rt, &a, t0, nt, u);
+        for (int r = 0; r < rt; r++)
+            for (int t = 0; t < nt; t++)
+                s->h[(f->off + t0 + t) * s->hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
+        t0 += nt;
+    }
+}
+
+static void up_chunk(void *p, int64_t ch) {
+    ffn_ctx *c = p;
+    const int rtp = c->be->rt;
+    int64_t i0 = ch * c->s1.per, i1 = chunk_end(c->s1, ch);
+    int j = job_of(c, i0, 1);
+    for (int64_t i = i0; i < i1; i++) {
+        while (j + 1 < c->m && i >= c->jobs[j + 1].t1) j++;
+        const ffn_job *f = &c->jobs[j];
+        int64_t r0 = (i - f->t1) * rtp;
+        up_tile(c, f, r0, (int)min64(rtp, f->w1.rows - r0));
+    }
+}
+
+/* h of pair row q quantized for its job's w2 */
+static void hquant_chunk(void *p, int64_t i) {
+    ffn_ctx *c = p;
+    const ck_sscratch *s = c->s;
+    int j = job_of(c, i, 0);
+    const ffn_job *f = &c->jobs[j];
+    int64_t q = f->off + (i - f->t2);
+    c->be->act_quant(s->h + q * s->hld, f->w2.cols, f->w2.group, s->hq + q * s->hcp,
+                     s->hs + q * (s->hcp / 64), s->hsum + q * (s->hcp / 64));
+}
+
+/* stage 2: output rows r0.. of every job of the piece, in job order, added to x */
+static void down_chunk(void *p, int64_t ch) {
+    ffn_ctx *c = p;
+    const ck_backend_t *be = c->be;
+    const ck_sscratch *s = c->s;
+    const int rtp = be->rt;
+    float y[CK_MAX_RT * CK_MAX_NT];
+    for (int64_t i = ch * c->s2.per; i < chunk_end(c->s2, ch); i++) {
+        int64_t r0 = i * rtp;
+        int rt = (int)min64(rtp, c->hidden - r0);
+        for (int q = 0; q < c->m; q++) {
+            const ffn_job *f = &c->jobs[q];
+            /* h rows are the scratch's hcp apart (the tile reads row t at q + t * cp and
+             * its scales at s + t * ng; the group count is the matrix's) */
+            const int64_t hng = s->hcp / 64;
+            ck_act a = {s->hq + f->off * s->hcp, s->hs + f->off * hng, s->hsum + f->off * hng,
+                        s->hcp, hng};
+            const int ntp = ck_tokens_per_tile(be, f->cnt);
+            for (int64_t t0 = 0; t0 < f->cnt;) {
+                int nt = ck_tile_tokens(ntp, f->cnt - t0);
+                be->q4_i8(&f->w2.q4, r0, rt, &a, t0, nt, y);
+                for (int t = 0; t < nt; t++) {
+                    int64_t pq = f->off + t0 + t;
+                    float wt = c->pair_w[pq];
+                    float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
+                    for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * nt + t] * wt;
+                }
+                t0 += nt;
+            }
+        }
+    }
+}
+
+/* runs jobs [j0, j1) (their pairs fit the scratch) */
+static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
+    const ck_backend_t *be = c->be;
+    if (m == 0) return 0;
+    int64_t np = jobs[m - 1].off + jobs[m - 1].cnt;   /* rows of h in the piece */
+    int64_t t1 = 0, t2 = 0, work = 0, down_row = 0;
+    for (int q = 0; q < m; q++) {
+        jobs[q].t1 = t1; jobs[q].t2 = t2;
+        t1 += ntiles(jobs[q].w1.rows, be->rt);
+        t2 += jobs[q].cnt;
+        work += 3 * jobs[q].w1.rows * c->hidden * jobs[q].cnt;
+        down_row += jobs[q].w2.cols / 2;
+    }
+    c->jobs = jobs; c->m = m;
+    c->s1 = chunking(t1, 2 * be->rt * c->hidden / 2 * (np / m > 0 ? np / m : 1));
+    c->s2 = chunking(ntiles(c->hidden, be->rt), be->rt * down_row);
+    nth = nthreads(c->s, work) < nth ? nthreads(c->s, work) : nth;
+    ck_pool_for(up_chunk, c, nchunks(c->s1), nth);
+    ck_pool_for(hquant_chunk, c, t2, np >= 16 ? nth : 1);
+    ck_pool_for(down_chunk, c, nchunks(c->s2), nth);
+    return 0;
+}
+
+int64_t ck_step_job_bytes(void) { return (int64_t)sizeof(ffn_job); }
+
+int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int64_t *ids,
+                    const float *weights, int kmax, float *x, ck_sscratch *s) {
+    const ck_backend_t *be = ck_active_backend();
+    const ck_ffn *table = b->table, *shared = b->shared;
+    const int64_t hidden = b->hidden, ne = b->n_table;
+    if (n <= 0) return 0;
+    if (n > s->n_max) return CK_E_SCRATCH;
+    /* count the pairs per expert (a pair: token t chose expert e in slot j) */
+    int64_t *count = s->counts;                       /* [n_table + 1] */
+    memset(count, 0, (size_t)(ne + 1) * sizeof(int64_t));
+    int64_t npairs = 0;
+    for (int64_t t = 0; t < n; t++)
+        for (int j = 0; j < kmax; j++) {
+            int64_t e = ids[t * kmax + j];
+            if (e < 0 || e >= ne || !table[e].w1.data) continue;   /* none or a vacant slot */
+            count[e]++;
+            npairs++;
+        }
+    int64_t nsh = shared ? n : 0;
+    if (npairs + nsh == 0) return 0;
+    /* the jobs, ascending expert id, then the shared expert */
+    int njobs = 0;
+    for (int64_t e = 0; e < ne; e++) njobs += count[e] > 0;
+    njobs += shared != NULL;
+    if (njobs > s->jobs_max) return CK_E_SCRATCH;
+    ffn_job *jobs = (ffn_job *)s->jobs;
+    int64_t *first = s->counts + ne + 1;              /* [n_table]: each expert's first pair */
+    int64_t off = 0;
+    int q = 0;
+    for (int64_t e = 0; e < ne; e++) {
+        if (!count[e]) continue;
+        const ck_ffn *f = &table[e];
+        jobs[q] = (ffn_job){to_w(&f->w1), to_w(&f->w3), to_w(&f->w2), off, count[e], 0, 0};
+        first[e] = off;
+        off += count[e];
+        q++;
+    }
+    /* the pair rows in token order within each expert */
+    int64_t *pair_tok = s->pair_tok;
+    float *pair_w = s->pair_w;
+    int64_t total = npairs + nsh;
+    if (total > s->pairs_total_max) return CK_E_SCRATCH;
+    for (int64_t t = 0; t < n; t++)
+        for (int j = 0; j < kmax; j++) {
+            int64_t e = ids[t * kmax + j];
+            if (e < 0 || e >= ne || !table[e].w1.data) continue;
+            int64_t p = first[e]++;
+            pair_tok[p] = t;
+            pair_w[p] = ck_ldf(weights + t * kmax + j);
+        }
+    if (shared) {
+        jobs[q] = (ffn_job){to_w(&shared->w1), to_w(&shared->w3), to_w(&shared->w2), off, n, 0, 0};
+        for (int64_t t = 0; t < n; t++) {
+            float gd = b->shared_gate ? dot_f32(xn + t * hidden, b->shared_gate, hidden) : 0.0f;
+            pair_tok[off + t] = t;
+            pair_w[off + t] = b->shared_gate ? 1.0f / (1.0f + expf(-gd)) : 1.0f;
+        }
+        q++;
+    }
+    /* checks: one input group for all, scratch sizes */
+    int64_t group = jobs[0].w1.group;
+    for (int i = 0; i < njobs; i++) {
+        ffn_job *f = &jobs[i];
+        if (f->w1.kind != CK_W_Q4 || f->w3.kind != CK_W_Q4 || f->w2.kind != CK_W_Q4)
+            return CK_E_SCRATCH;
+        if (f->w1.group != group || f->w3.group != group) return CK_E_GROUPS;
+        if (f->w1.rows > s->hld || rup(f->w2.cols, f->w2.group) > s->hcp || f->w2.group % 64)
+            return CK_E_SCRATCH;
+    }
+    int64_t work = 0;
+    for (int i = 0; i < njobs; i++) work += 3 * jobs[i].w1.rows * hidden * jobs[i].cnt;
+    int nth = nthreads(s, work);
+    act_set A = {0};
+    int err = 0;
+    ffn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.be = be; c.s = s; c.hidden = hidden; c.x = x; c.pair_tok = pair_tok; c.pair_w = pair_w;
+    c.xa = act_for(&A, s, be, xn, n, hidden, group, nth, &err);
+    if (err) return err;
+    /* pieces of whole jobs within pairs_max rows of h (a job larger than that alone: its
+     * tokens in turn, which changes nothing for any token: a token's sum is per expert) */
+    int i = 0;
+    while (i < njobs) {
+        int j = i;
+        int64_t rows = 0;
+        while (j < njobs && (rows + jobs[j].cnt <= s->pairs_max || j == i)) rows += jobs[j++].cnt;
+        if (rows > s->pairs_max) {                      /* one big job: split its tokens */
+            ffn_job big = jobs[i];
+            for (int64_t t0 = 0; t0 < big.cnt; t0 += s->pairs_max) {
+                ffn_job part = big;
+                part.off = 0;
+                part.cnt = min64(s->pairs_max, big.cnt - t0);
+                c.pair_tok = pair_tok + big.off + t0;
+                c.pair_w = pair_w + big.off + t0;
+                c.ga = (ck_act){s->gq, s->gs, s->gsum, c.xa->cp, c.xa->ng};
+                ck_pool_for(gather_row, &c, part.cnt, part.cnt >= 64 ? nth : 1);
+                run_piece(&c, &part, 1, nth);
+            }
+            c.pair_tok = pair_tok; c.pair_w = pair_w;
+            i = j;
+            continue;
+        }
+        int64_t base = jobs[i].off;                     /* the piece's rows from 0 */
+        for (int q2 = i; q2 < j; q2++) jobs[q2].off -= base;
+        c.pair_tok = pair_tok + base;
+        c.pair_w = pair_w + base;
+        c.ga = (ck_act){s->gq, s->gs, s->gsum, c.xa->cp, c.xa->ng};
+        ck_pool_for(gather_row, &c, rows, rows >= 64 ? nth : 1);
+        run_piece(&c, jobs + i, j - i, nth);
+        c.pair_tok = pair_tok; c.pair_w = pair_w;
+        i = j;
+    }
+    return 0;
+}
+
