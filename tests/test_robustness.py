@@ -161,7 +161,21 @@ def test_engine_settings_are_typed_errors(tiny_model_dir):
         Engine(tiny_model_dir, {"threads": 1})
 
 
+def _settled() -> None:
+    """Engines earlier tests dropped without close() stay alive while their scheduler
+    thread idles (up to 2 s) and close their files when collected: let that happen before
+    counting this process's open files."""
+    import gc
+    import threading
+    end = time.monotonic() + 10
+    while (any(t.name.startswith("colibri-sched") for t in threading.enumerate())
+           and time.monotonic() < end):
+        time.sleep(0.02)
+    gc.collect()
+
+
 def test_failed_engine_construction_leaves_nothing_open(tiny_model_dir, tmp_path):
+    _settled()
     fds, maps = fd_count(), maps_of(tiny_model_dir)
     # the length policy asks for more experts than the model has: refused at load
     cfg = EngineConfig(length_policy=[LengthRule(max_tokens=8, k=5)])
