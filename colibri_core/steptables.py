@@ -352,12 +352,19 @@ class SetTables:
             rt.exp2_q30 = self.exp2
             table = keep.new("ck_ffn[]", max(len(experts), 1))
             custom, refs = set(), set()
+            # one C call quantizes xn once per step for every expert of the layer: an
+            # expert whose gate/up group differs from the layer's (a hot-plugged INT4
+            # expert converted with another group size) runs the reference block
+            lw_ffn = lw.shared if lw.shared is not None else next(
+                (ex.ffn for ex in lw.experts if ex.ffn is not None), None)
+            group = getattr(getattr(lw_ffn, "w1", None), "group", None)
             for e, ex in enumerate(experts):
                 if ex is None:
                     continue
                 if ex.ffn is None:                      # hot-plugged code: ffn_forward
                     custom.add(e)
-                elif ffn_in_c(ex.ffn, model.act) is not None:
+                elif ffn_in_c(ex.ffn, model.act) is not None or \
+                        (group is not None and ex.ffn.w1.group != group):
                     refs.add(e)                         # the reference block runs it
                 else:
                     set_ffn(keep, table[e], ex.ffn)

@@ -296,3 +296,30 @@ def test_unquantized_embedding_rows(models, dtype):
         a = m.forward([np.array([3, 4, 7])], [c])[0]
         b = ref.forward([np.array([3, 4, 7])], [r])[0]
         assert rel(a, b) < 0.03
+
+
+def test_an_expert_of_another_group_size_runs_the_reference_block(models):
+    """One C call quantizes a layer's input once for all its experts; an expert stored
+    with another group size (a hot-plugged INT4 expert converted differently) is run by the
+    reference block in the same loop, and the layer's result matches the reference."""
+    from types import SimpleNamespace
+
+    from colibri_core.quant import dequantize_q4, quantize_q4
+    from colibri_core.weights import FFNWeights
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        es = m.expert_set
+        old = es.experts[1][2]
+        regroup = lambda t: quantize_q4(dequantize_q4(t).astype(np.float32), group=64)  # noqa: E731
+        ffn = FFNWeights(regroup(old.ffn.w1), regroup(old.ffn.w3), regroup(old.ffn.w2))
+        es.experts[1] = list(es.experts[1])
+        es.experts[1][2] = SimpleNamespace(layer=1, index=2, ffn=ffn, file=None, name="e1_2",
+                                           address=0, nbytes=0)
+        m.drop_tables()
+        tables = m.pipeline.tables_for(es)
+        assert 2 in tables.layers[1]["ref"]
+        ref = ReferenceModel(m.w, eng.config)
+        c, r = m.new_cache(16), ref.new_cache(16)
+        a = m.forward([np.array([3, 4, 5, 6])], [c], all_logits=True)[0]
+        b = ref.forward([np.array([3, 4, 5, 6])], [r], all_logits=True, expert_set=es)[0]
+        assert rel(a, b) < 0.03
