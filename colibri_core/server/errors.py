@@ -37,13 +37,6 @@ def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_
     return ApiError(400, message, param=param, code=code)
 
 
-class QueueFull(ApiError):
-    def __init__(self, depth: int, retry_after: int):
-        super().__init__(429, f"the server's request queue is full ({depth} waiting); retry "
-                              f"after {retry_after} s", type="rate_limit_error",
-                         code="queue_full", headers={"Retry-After": str(retry_after)})
-
-
 class RequestTimeout(ApiError):
     def __init__(self, seconds: float):
         super().__init__(504, f"the request ran past the server's per-request timeout of "
