@@ -3,6 +3,9 @@
     python benchmarks/bench_serve.py                       # the benchmark model of issue 4
     python benchmarks/bench_serve.py --model builtin --requests 16 --tokens 32   # quick
     python benchmarks/bench_serve.py --clients 1,4,16,64 --requests 64 --tokens 128
+    python benchmarks/bench_serve.py --model benchmarks/out/vs_llamacpp/colibri_q4 \
+        --llama-server build/llamacpp/build/bin/llama-server \
+        --gguf benchmarks/out/vs_llamacpp/model-q4_0.gguf      # with the peer
 
 For each client count, that many asyncio clients send streaming completions (prompts of
 --prompt random token ids, --tokens new tokens each with ignore_eos, greedy) until
@@ -16,10 +19,10 @@ One client is also compared side by side with the engine called directly in this
 same prompt through the idle server, alternating, so that a change of the machine's load
 hits both alike.
 
-Peers: llama.cpp's `llama-server` (and llama-cpp-python's server) are the reference the
-issue names; neither is built on this machine, so the table has Colibri only. Until the
-continuous-batching scheduler (issue 15) lands, the server runs one sequence at a time:
-aggregate tokens/s does not grow with clients, and first-token time grows with the queue.
+Peer: llama.cpp's `llama-server` (`--llama-server BIN --gguf MODEL.gguf`: the same model
+as GGUF, one slot per client, the same threads) runs the same client counts after
+Colibri, in the same run. The server runs on the engine's continuous-batching
+scheduler: the clients' sequences share forward steps.
 """
 from __future__ import annotations
 
@@ -144,6 +147,42 @@ class Server:
         return rc
 
 
+class LlamaServer:
+    """llama.cpp's `llama-server` on the same model (its GGUF), one slot per client."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx: int):
+        import httpx
+        sock = __import__("socket").socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+               "-c", str(ctx * slots), "--no-webui"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: [self.log.append(x.rstrip()) for x in self.proc.stdout],
+                         daemon=True).start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise SystemExit("llama-server did not start:\n" + "\n".join(self.log[-30:]))
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(60)
+
+
 def lag_buckets(text: str) -> dict[float, float]:
     out = {}
     for m in re.finditer(r'colibri_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
@@ -166,7 +205,7 @@ def lag_p99(before: dict, after: dict) -> float:
 
 async def one_request(client, url: str, prompt: list, tokens: int) -> dict:
     t0 = time.perf_counter()
-    times, err = [], None
+    times, err, used = [], None, None
     try:
         async with client.stream("POST", url + "/v1/completions", json={
                 "model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
@@ -183,15 +222,18 @@ async def one_request(client, url: str, prompt: list, tokens: int) -> dict:
                     break
                 if any(c.get("finish_reason") is None for c in d["choices"]):
                     times.append(time.perf_counter())
+                # llama-server sends a token that ends inside a UTF-8 character together
+                # with the next one; its last chunk's usage counts them
+                used = (d.get("usage") or {}).get("completion_tokens", used)
     except Exception as e:  # noqa: BLE001 - counted as an error of the run
         return {"error": f"{type(e).__name__}: {e}"}
-    if err or len(times) != tokens:
+    if err or (len(times) != tokens and used != tokens):
         return {"error": err or f"{len(times)} tokens instead of {tokens}"}
     return {"first": times[0] - t0, "gaps": list(np.diff(times))}
 
 
 async def run_level(url: str, clients: int, ps: list, requests: int, tokens: int,
-                    cap_s: float) -> dict:
+                    cap_s: float, keepalive: bool = True) -> dict:
     import httpx
     todo = list(range(requests))
     results = []
@@ -208,7 +250,9 @@ async def run_level(url: str, clients: int, ps: list, requests: int, tokens: int
         while todo and time.monotonic() < deadline:
             i = todo.pop(0)
             results.append(await one_request(client, url, ps[i % len(ps)], tokens))
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    # (llama-server closes idle connections: a reused one fails; a new one per request)
+    limits = httpx.Limits(max_connections=clients + 4,
+                          max_keepalive_connections=clients + 4 if keepalive else 0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         pt = asyncio.create_task(probe())
         t0 = time.perf_counter()
@@ -248,6 +292,10 @@ def main(argv=None) -> int:
                     help="serve with --no-routing-stats (no routing hook on the decode path)")
     ap.add_argument("--pairs", type=int, default=6, help="side-by-side requests, 1 client")
     ap.add_argument("--json", default=str(OUT / "serve.json"))
+    ap.add_argument("--llama-server", dest="llama_server", type=Path,
+                    help="llama.cpp's llama-server binary: the same client counts against it "
+                         "(needs --gguf, the same model as GGUF)")
+    ap.add_argument("--gguf", type=Path, help="the model as GGUF, for --llama-server")
     args = ap.parse_args(argv)
     mdir = model_dir(args.model)
     from colibri_core.config import load_model_config
@@ -287,20 +335,41 @@ def main(argv=None) -> int:
     finally:
         rc = srv.stop()
         direct.close()
+    peer_rows = []
+    if args.llama_server:
+        peer = LlamaServer(args.llama_server, args.gguf, args.threads, max(levels),
+                           args.prompt + args.tokens + 8)
+        try:
+            asyncio.run(run_level(peer.url, 1, ps, 2, min(8, args.tokens), 60,
+                                  keepalive=False))                              # warm-up
+            for c in levels:
+                cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+                row = asyncio.run(run_level(peer.url, c, ps, args.requests, args.tokens,
+                                            args.time_cap, keepalive=False))
+                cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+                row["generator_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (
+                    cpu1.ru_stime - cpu0.ru_stime)
+                row["server_loop_lag_p99_ms"] = None
+                peer_rows.append(row)
+                print(f"# llama-server, {c} clients: {row['tok_s']:.1f} tok/s, errors "
+                      f"{row['errors']} {row['error_examples'][:1]}", file=sys.stderr)
+        finally:
+            peer.stop()
     load = os.getloadavg()
     report = {"model": str(mdir), "prompt": args.prompt, "tokens": args.tokens,
               "routing_stats": args.routing_stats,
               "threads": args.threads, "side_by_side": side, "levels": rows,
+              "llama_server_levels": peer_rows,
               "server_exit": rc, "machine": machine(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_after": list(load)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"| clients | requests | errors | tok/s | first-token p50 / p99 ms | per-token p50 / "
-          f"p99 ms | server loop lag p99 ms | generator CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['tok_s']:.1f} | "
+    print(f"| server | clients | requests | errors | tok/s | first-token p50 / p99 ms | "
+          f"per-token p50 / p99 ms | server loop lag p99 ms | generator CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in [("colibri", r) for r in rows] + [("llama-server", r) for r in peer_rows]:
+        print(f"| {name} | {r['clients']} | {r['requests']} | {r['errors']} | {r['tok_s']:.1f} | "
               f"{fmt(r['first_ms_p50'])} / {fmt(r['first_ms_p99'])} | "
               f"{fmt(r['per_token_ms_p50'], 2)} / {fmt(r['per_token_ms_p99'], 2)} | "
               f"≤ {fmt(r['server_loop_lag_p99_ms'])} | {r['generator_cpu_s']:.1f} |")

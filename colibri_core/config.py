@@ -266,9 +266,11 @@ class EngineConfig(BaseModel):
     max_batch_tokens: int = Field(default=65536, ge=1)
     max_call_tokens: int = Field(default=1 << 20, ge=1)
     # the scheduler (scheduler.py): a step carries at most `max_step_tokens` tokens while
-    # any stream is decoding (running decodes first, one token each, then prompt chunks;
-    # provisional until benchmarks/bench_scheduler.py has measured the p99 target), and up
-    # to `max_batch_tokens` while none is. Requests waiting for admission: at most
+    # any stream is decoding (running decodes first, one token each, then prompt chunks),
+    # and up to `max_batch_tokens` while none is. 256: the best aggregate rate measured
+    # with a 1,920-token prompt arriving during 15 streams (benchmarks/bench_scheduler.py,
+    # docs/BENCHMARKS.md "Scheduler"); only 32 kept the streams' p99 within 2x there, but
+    # the cap counts decodes too, so 32 would cap a step at 32 streams and starve prompts. Requests waiting for admission: at most
     # `max_queued_requests`; one more waits for a place, or is refused with
     # EngineBusyError (`when_full`). Admission: a sequence starts when the KV pool
     # (`kv_pool_tokens`) has its positions free.

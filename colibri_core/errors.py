@@ -68,7 +68,9 @@ class EngineUnavailable(ColibriError, RuntimeError):
 
 class EngineBusyError(EngineUnavailable):
     """The engine's request queue is full (EngineConfig.max_queued_requests, with
-    when_full="refuse")."""
+    when_full="refuse"): 429, retry later (the server adds Retry-After)."""
+    http_status = 429
+    error_type = "rate_limit_error"
     code = "engine_busy"
 
 

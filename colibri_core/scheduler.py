@@ -214,6 +214,16 @@ class Scheduler:
     def closed_error(self) -> EngineClosedError:
         return EngineClosedError(f"{self.what}: this engine is closed; create a new one")
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission (not counting cancelled ones)."""
+        return sum(1 for r in self._queue if not r.cancelled)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not retired (their sequences in the steps)."""
+        return len(self._requests)
+
     def on_thread(self) -> bool:
         """Whether the caller is the scheduler's thread (a hook, the step's own code)."""
         return self._ident == threading.get_ident()
@@ -240,11 +250,12 @@ class Scheduler:
             while True:
                 if self.closed:
                     raise self.closed_error()
-                if len(self._queue) < self.max_queued:
+                waiting = sum(1 for r in self._queue if not r.cancelled)
+                if waiting < self.max_queued:        # (cancelled ones leave at the next step)
                     break
                 if self.when_full == "refuse" or self.on_thread():
                     raise EngineBusyError(
-                        f"engine busy: {len(self._queue)} requests wait already "
+                        f"engine busy: {waiting} requests wait already "
                         f"(max_queued_requests={self.max_queued}); retry later, or set "
                         f"when_full='wait'")
                 self._room.wait()

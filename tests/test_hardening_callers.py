@@ -159,14 +159,14 @@ def test_close_inside_a_hook_releases_at_the_end_of_the_step():
 
 
 def test_errors_carry_their_http_answer():
-    for exc, status, code in [(EngineBusyError("b"), 503, "engine_busy"),
+    for exc, status, code in [(EngineBusyError("b"), 429, "engine_busy"),
                               (EngineClosedError("c"), 503, "engine_closed"),
                               (InsufficientMemoryError("m"), 503, "insufficient_memory"),
                               (RequestError("r"), 400, "invalid_value"),
                               (ModelFormatError("f"), 500, "model_error")]:
         err = from_exception(exc, "req-1")
         assert (err.status, err.code) == (status, code)
-        assert (err.headers.get("Retry-After") is not None) == (status == 503)
+        assert (err.headers.get("Retry-After") is not None) == (status in (429, 503))
 
 
 def test_lifetime_cases_do_not_leak():

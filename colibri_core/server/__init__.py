@@ -1,7 +1,7 @@
 """`colibri serve`: an OpenAI-compatible HTTP server around one Engine.
 
-    runner.py      the one engine thread and its bounded queue (EngineRunner.submit)
-    generation.py  work run on that thread: completions/chat choices, scoring
+    calls.py       each request's engine work in a thread of its own (Calls.submit)
+    generation.py  that work: completions/chat choices (batched by the engine), scoring
     params.py      request bodies -> checked parameters (400 naming the field)
     responses.py   engine events -> OpenAI bodies and SSE chunks
     chat.py        the checkpoint's chat template (sandboxed Jinja, as transformers)
@@ -41,8 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
                    help="do not count routed tokens per expert (saves the decode path's "
                         "routing hook; /metrics and the status page then show no shares)")
-    p.add_argument("--queue-size", dest="queue_size", type=int, default=64,
-                   help="requests that may wait for the engine before 429 (default 64)")
+    p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
+                   help="engine requests (one per choice or score call) that may wait for "
+                        "admission before 429 (the engine's max_queued_requests; default 256)")
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
 

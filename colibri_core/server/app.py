@@ -1,8 +1,9 @@
 """The ASGI app: OpenAI routes, /v1/score, /v1/experts, /metrics, /health, /ready, /.
 
-One `Server` object holds the engine, its runner (the one engine thread), the expert
+One `Server` object holds the engine (shared by every request: its scheduler batches
+them), the calls in flight (calls.py: each request's work in its own thread), the expert
 book, the metrics and the chat template; the route handlers below only read requests,
-submit work to the runner and shape answers. Every handler goes through `endpoint()`,
+submit work and shape answers. Every handler goes through `endpoint()`,
 which does what all routes share: the request id (X-Request-ID echoed or generated),
 the API key on /v1 routes, errors as OpenAI JSON, the access-log line and the request
 counter.
@@ -30,13 +31,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import params
+from .calls import Calls, Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
 from .experts import ExpertBook
 from .generation import End, Token, run_generation, run_score, ScoreItem
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
-from .runner import Cancelled, EngineRunner
 
 log = logging.getLogger("colibri.server")
 access_log = logging.getLogger("colibri.server.access")
@@ -59,11 +60,10 @@ class Settings:
     strict_params: bool = False
     allow_expert_upload: bool = False
     upload_allowlist: Optional[frozenset] = None    # sha256 digests an upload may have
-    queue_size: int = 64
+    queue_size: int = 256              # the engine's max_queued_requests (serve.py sets it)
     request_timeout_s: Optional[float] = 600.0
     shutdown_timeout_s: float = 10.0
     model_id: str = "colibri"
-    score_batch_tokens: int = 4096
     routing_stats: bool = True          # count routed tokens per expert (a routing hook)
 
 
@@ -80,7 +80,7 @@ class Server:
             engine.register_plugin(self.book, name="colibri-server-book")
         if engine.hotplug is not None:
             self.book.attach(engine.hotplug)
-        self.runner = EngineRunner(engine, settings.queue_size)
+        self.calls = Calls(engine)
         self.metrics = ServerMetrics(self)
         self.template = ChatTemplate.from_model_dir(engine.model_dir)
         self.ready = False
@@ -89,17 +89,32 @@ class Server:
 
     # -- life cycle (the app's lifespan) ------------------------------------------------
     async def startup(self) -> None:
-        self.runner.start()
         self._tasks = [asyncio.create_task(self._sample_every_second()),
-                       asyncio.create_task(self._watch_loop_lag())]
+                       asyncio.create_task(self._watch_loop_lag()),
+                       asyncio.create_task(self._apply_expert_changes_while_idle())]
         self.ready = True
 
     async def shutdown(self) -> None:
         self.ready = False
         for t in self._tasks:
             t.cancel()
-        await asyncio.to_thread(self.runner.stop, self.settings.shutdown_timeout_s)
+        await asyncio.to_thread(self.calls.stop, self.settings.shutdown_timeout_s)
         self.engine.close()
+
+    async def _apply_expert_changes_while_idle(self, period: float = 0.2) -> None:
+        """The scheduler adopts queued expert changes before every step; while no step
+        runs, this does, so that a dropped expert goes live without waiting for traffic."""
+        if self.engine.hotplug is None:
+            return
+        sched = self.engine.scheduler
+        while True:
+            await asyncio.sleep(period)
+            if sched.running or sched.queued:
+                continue
+            try:
+                await asyncio.to_thread(self.engine.apply_expert_changes)
+            except Exception:  # noqa: BLE001 - retried at the next period
+                log.exception("applying expert changes while idle failed")
 
     async def _watch_loop_lag(self, period: float = 0.05) -> None:
         """A blocked event loop delays every stream: measure how late it wakes."""
@@ -210,7 +225,7 @@ def endpoint(server: Server, route: str, fn, auth: bool = True):
             rec.finish(499)
             raise
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style answer
-            response = _error_response(from_exception(e, rid))
+            response = _error_response(from_exception(e, rid, server.calls.retry_after_s()))
         response.headers["X-Request-ID"] = rid
         if not rec.deferred:
             rec.finish(response.status_code)
@@ -283,8 +298,8 @@ def build_app(server: Server) -> Starlette:
     async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
         rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
         created = int(time.time())
-        job = S.runner.submit(lambda ctx: run_generation(ctx, p, S.book),
-                              request_id=rec.rid, timeout_s=st.request_timeout_s)
+        job = S.calls.submit(lambda ctx: run_generation(ctx, p, S.book),
+                             request_id=rec.rid, timeout_s=st.request_timeout_s)
         logprobs = p.logprobs is not None
         if not stream:
             try:
@@ -324,7 +339,7 @@ def build_app(server: Server) -> Starlette:
                 raise
             except Exception as e:  # noqa: BLE001 - sent in the stream, then [DONE]
                 finished = True
-                err = from_exception(e, rec.rid)
+                err = from_exception(e, rec.rid, S.calls.retry_after_s())
                 status = err.status
                 yield sse(err.body())
                 yield SSE_DONE
@@ -382,8 +397,8 @@ def build_app(server: Server) -> Starlette:
 
         def work(ctx):
             items = [_score_item(ctx.engine, x, i) for i, x in enumerate(raw)]
-            return run_score(ctx, items, experts, S.book, st.score_batch_tokens)
-        job = S.runner.submit(work, request_id=rec.rid, timeout_s=st.request_timeout_s)
+            return run_score(ctx, items, experts, S.book)
+        job = S.calls.submit(work, request_id=rec.rid, timeout_s=st.request_timeout_s)
         try:
             await _collect(request, job, rec, until_token=False)
         except Cancelled:
@@ -458,7 +473,10 @@ def build_app(server: Server) -> Starlette:
         listing = S.book.listing()
         return JSONResponse({"model": st.model_id, "model_dir": str(eng.model_dir),
                              "uptime_s": time.time() - S.started_at,
-                             "queue_depth": S.runner.depth, "busy": S.runner.busy,
+                             "queue_depth": eng.scheduler.queued,
+                             "running": eng.scheduler.running,
+                             "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
+                                         "capacity_tokens": eng.kv_pool.capacity_tokens},
                              "expert_set_generation": listing["expert_set_generation"],
                              "expert_set_id": listing["expert_set_id"],
                              "experts": listing["data"], "refusals": listing["refusals"][:10],

@@ -37,13 +37,6 @@ def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_
     return ApiError(400, message, param=param, code=code)
 
 
-class QueueFull(ApiError):
-    def __init__(self, depth: int, retry_after: int):
-        super().__init__(429, f"the server's request queue is full ({depth} waiting); retry "
-                              f"after {retry_after} s", type="rate_limit_error",
-                         code="queue_full", headers={"Retry-After": str(retry_after)})
-
-
 class RequestTimeout(ApiError):
     def __init__(self, seconds: float):
         super().__init__(504, f"the request ran past the server's per-request timeout of "
@@ -58,8 +51,9 @@ class ShuttingDown(ApiError):
                          headers={"Retry-After": "1"})
 
 
-def from_exception(exc: BaseException, request_id: str) -> ApiError:
-    """Map any exception raised while serving a request to the error the client sees."""
+def from_exception(exc: BaseException, request_id: str, retry_after_s: int = 1) -> ApiError:
+    """Map any exception raised while serving a request to the error the client sees;
+    a 429 (the engine's queue is full) or 503 says when to retry (`retry_after_s`)."""
     if isinstance(exc, ApiError):
         return exc
     name = type(exc).__name__
@@ -69,7 +63,8 @@ def from_exception(exc: BaseException, request_id: str) -> ApiError:
         status = exc.http_status
         if status == 409 and "not active" in msg:       # rollback of an unknown expert
             status = 404
-        headers = {"Retry-After": "1"} if status == 503 else None
+        headers = {"Retry-After": str(max(1, int(retry_after_s)))} \
+            if status in (429, 503) else None
         return ApiError(status, msg, type=exc.error_type, code=exc.code, headers=headers)
     log.error("request %s failed with an internal error", request_id, exc_info=exc)
     return ApiError(500, f"internal error while serving request {request_id} ({name}); the "

@@ -1,6 +1,8 @@
-"""Work run on the engine thread for the OpenAI routes and /v1/score.
+"""Work of the OpenAI routes and /v1/score.
 
-Each function takes the runner's JobContext, calls the engine and emits plain events:
+Each function runs in its request's own thread (calls.py), takes its CallContext, calls
+the engine (shared with every other request: its scheduler batches them) and emits plain
+events:
 
     Start(choice, prompt_ids, echo)                 before a choice's first token
     Token(choice, token_id, text, logprob, generation, set_id)
@@ -12,12 +14,14 @@ temperature, top-k and top-p), as OpenAI and vLLM report them.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import EngineBusyError, RequestError
 from ..ops import log_softmax, softmax
 from ..sampler import Sampler
 
@@ -128,15 +132,33 @@ def prompt_logprobs(engine, ids: list, k: Optional[int], top_n: int, texts: Toke
     return out
 
 
+class _Choice:
+    """One choice of a completion request: its Generation and its stream's state."""
+
+    def __init__(self, index: int, gen, sampler: RecordingSampler, stops: list):
+        self.index = index
+        self.gen = gen
+        self.sampler = sampler
+        self.cut = StopCutter(stops)
+        self.it = None                # the Generation's iterator, once submitted
+        self.n_out = 0
+
+
 def run_generation(ctx, p: GenParams, book) -> dict:
-    """All choices of a completion request, one after the other (choice = prompt*n + i)."""
+    """All choices of a completion request (choice = prompt*n + i), submitted together so
+    that they share the engine's steps, and read in turn (each is at most a few tokens
+    ahead of its reader). Only the first choice's submission may be refused (the queue is
+    full: EngineBusyError, 429); later ones that find the queue full are submitted again
+    as the request goes on (its other choices read meanwhile)."""
     eng = ctx.engine
     texts = TokenTexts(eng)
     eos = list(eng.model_cfg.eos_token_ids) if p.ignore_eos else []
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    many = len(p.prompts) * p.n > 1
+    n_new = eng.model_cfg.max_position_embeddings if p.max_tokens is None \
+        else p.max_tokens          # the engine stops at the context's end anyway
+    choices = []
     for pi, prompt in enumerate(p.prompts):
         for i in range(p.n):
-            ctx.check()
             choice = pi * p.n + i
             seed = None if p.seed is None else p.seed + i
             try:
@@ -145,47 +167,116 @@ def run_generation(ctx, p: GenParams, book) -> dict:
             except (TypeError, ValueError) as e:
                 raise RequestError(f"sampling settings: {e}") from None
             sampler = RecordingSampler(inner, p.logprobs, eos, texts)
-            rid = ctx.request_id if len(p.prompts) * p.n == 1 else f"{ctx.request_id}.{choice}"
-            n_new = eng.model_cfg.max_position_embeddings if p.max_tokens is None \
-                else p.max_tokens          # the engine stops at the context's end anyway
+            rid = f"{ctx.request_id}.{choice}" if many else ctx.request_id
             gen = eng.generate(prompt, max_new_tokens=n_new, top_k=p.experts, stop=[],
                                sampler=sampler, request_id=rid)
-            ids = gen.prompt_ids
-            start = Start(choice, ids)
+            c = _Choice(choice, gen, sampler, p.stop)
+            start = Start(choice, gen.prompt_ids)
             if p.echo:
-                start.echo_text = _echo_text(eng, prompt, ids)
+                start.echo_text = _echo_text(eng, prompt, gen.prompt_ids)
                 if p.logprobs is not None:
-                    start.echo_logprobs = prompt_logprobs(eng, ids, gen.k, p.logprobs, texts)
+                    start.echo_logprobs = prompt_logprobs(eng, gen.prompt_ids, gen.k,
+                                                          p.logprobs, texts)
             ctx.emit(start)
-            n_out, reason = 0, "length"
-            if gen.max_new_tokens > 0:
-                cut = StopCutter(p.stop)
-                it = iter(gen)
-                try:
-                    for ev in it:
-                        rec = sampler.records[ev.step] if p.logprobs is not None else None
-                        g, sid = ev.expert_set_generation, ev.expert_set_id
-                        text, hit = cut.push(ev.text)
-                        ctx.emit(Token(choice, ev.token_id, text, rec, g, sid))
-                        n_out += 1
-                        if hit:
-                            reason = "stop"
-                            break
-                        ctx.check()
-                finally:
-                    it.close()            # the generation's own cleanup (hooks, gc)
-                if reason != "stop":
-                    # text held back by the UTF-8 decoder or as a possible stop's start
-                    tail = cut.finish(gen.text[len(cut.text):])
-                    if tail:
-                        g, sid = book.stamp()
-                        ctx.emit(Token(choice, -1, tail, None, g, sid))
-                    reason = FINISH.get(gen.stop_reason or "length", "stop")
-            ctx.emit(End(choice, reason, len(ids), n_out))
-            usage["prompt_tokens"] += len(ids)
-            usage["completion_tokens"] += n_out
+            choices.append(c)
+    usage = {"prompt_tokens": sum(len(c.gen.prompt_ids) for c in choices),
+             "completion_tokens": 0}
+    pending = [c for c in choices if c.gen.max_new_tokens > 0]
+    for c in choices:
+        if c.gen.max_new_tokens == 0:
+            ctx.emit(End(c.index, "length", len(c.gen.prompt_ids), 0))
+    active: list = []
+    _submit(ctx, pending, active, first=True)
+    if len(active) == 1 and not pending:          # one choice: read here
+        c = active[0]
+        while not _advance(ctx, c, p, book):
+            pass
+        usage["completion_tokens"] = c.n_out
+    else:
+        usage["completion_tokens"] = _read_choices(ctx, p, book, pending, active)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
+
+
+def _read_choices(ctx, p: GenParams, book, pending: list, active: list) -> int:
+    """Several choices: each read by a thread of its own (a reader that waited on one
+    choice would pause the others, a few tokens ahead, and one waiting for admission
+    could wait for them); this thread submits the pending ones as places free up."""
+    ended: queue.Queue = queue.Queue()
+
+    def read(c: _Choice) -> None:
+        try:
+            while not _advance(ctx, c, p, book):
+                pass
+            ended.put((c, None))
+        except BaseException as e:  # noqa: BLE001 - raised by the request's thread
+            ended.put((c, e))
+
+    def spawn(cs) -> None:
+        for c in cs:
+            threading.Thread(target=read, args=(c,), daemon=True,
+                             name=f"colibri-choice-{ctx.request_id}.{c.index}").start()
+    spawn(active)
+    running, n_out = len(active), 0
+    while running or pending:
+        if pending:
+            fresh: list = []
+            _submit(ctx, pending, fresh, first=False)
+            spawn(fresh)
+            running += len(fresh)
+        try:
+            c, err = ended.get(timeout=0.05 if pending else 1.0)
+        except queue.Empty:
+            ctx.check()
+            continue
+        running -= 1
+        if err is not None:
+            ctx.cancel("failed")          # the other choices stop too
+            raise err
+        n_out += c.n_out
+    return n_out
+
+
+def _submit(ctx, pending: list, active: list, first: bool) -> None:
+    """Submit pending choices in order until the engine's queue is full."""
+    while pending:
+        c = pending[0]
+        try:
+            c.gen.start()
+        except EngineBusyError:
+            if first and not active:
+                raise
+            return
+        ctx.track(c.gen)
+        c.it = iter(c.gen)
+        active.append(pending.pop(0))
+
+
+def _advance(ctx, c: _Choice, p: GenParams, book) -> bool:
+    """Read one token of choice `c` (blocking) and emit it; True when the choice ended
+    (its End emitted)."""
+    ev = next(c.it, None)
+    ctx.check()                       # a cancelled generation ends early: not an End
+    gen = c.gen
+    if ev is not None:
+        rec = c.sampler.records[ev.step] if p.logprobs is not None else None
+        text, hit = c.cut.push(ev.text)
+        ctx.emit(Token(c.index, ev.token_id, text, rec, ev.expert_set_generation,
+                       ev.expert_set_id))
+        c.n_out += 1
+        if not hit:
+            return False
+        c.it.close()                  # the generation's own cleanup (hooks, its KV)
+        reason = "stop"
+    else:
+        # text held back by the UTF-8 decoder or as a possible stop's start
+        tail = c.cut.finish(gen.text[len(c.cut.text):])
+        if tail:
+            g, sid = book.stamp()
+            ctx.emit(Token(c.index, -1, tail, None, g, sid))
+        reason = FINISH.get(gen.stop_reason or "length", "stop")
+    ctx.emit(End(c.index, reason, len(gen.prompt_ids), c.n_out))
+    return True
 
 
 class StopCutter:
@@ -243,41 +334,28 @@ class ScoreItem:
     labels: list              # what the client sent for each candidate (text or ids)
 
 
-def run_score(ctx, items: list, experts: Optional[int], book, max_batch_tokens: int) -> dict:
+def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     """Log-probs of each item's candidate continuations: all sequences (prompt +
-    candidate) go through engine.score_batch in as few batches as max_batch_tokens allows."""
+    candidate) in one engine.score_batch, which the scheduler runs in as few steps as
+    max_step_tokens (max_batch_tokens while no stream decodes) allows, sharing them with
+    the other requests' sequences. The call is not interrupted once submitted (a
+    disconnect or the timeout is seen when it returns)."""
     eng = ctx.engine
     seqs = [(ii, ci, it.prompt_ids + cand) for ii, it in enumerate(items)
             for ci, cand in enumerate(it.candidates)]
     sums: dict = {}
     per_tok: dict = {}
-    batch: list = []
-    tokens = 0
-    g, sid = book.stamp()
-    generations = set()
-
-    def flush():
-        nonlocal batch, tokens
-        if not batch:
-            return
-        ctx.check()
-        outs = eng.score_batch([s for _, _, s in batch], top_k=experts, all_positions=True)
-        generations.add(book.stamp())
-        for (ii, ci, seq), logits in zip(batch, outs):
-            start = len(items[ii].prompt_ids)
-            lp = log_softmax(np.asarray(logits)[start - 1:len(seq) - 1])
-            tok = np.asarray(seq[start:])
-            vals = lp[np.arange(tok.size), tok]
-            per_tok[ii, ci] = [float(v) for v in vals]
-            sums[ii, ci] = float(vals.sum())
-        batch, tokens = [], 0
-
-    for s in seqs:
-        if batch and tokens + len(s[2]) > max_batch_tokens:
-            flush()
-        batch.append(s)
-        tokens += len(s[2])
-    flush()
+    ctx.check()
+    before = book.stamp()
+    outs = eng.score_batch([s for _, _, s in seqs], top_k=experts, all_positions=True)
+    ctx.check()
+    for (ii, ci, seq), logits in zip(seqs, outs):
+        start = len(items[ii].prompt_ids)
+        lp = log_softmax(np.asarray(logits)[start - 1:len(seq) - 1])
+        tok = np.asarray(seq[start:])
+        vals = lp[np.arange(tok.size), tok]
+        per_tok[ii, ci] = [float(v) for v in vals]
+        sums[ii, ci] = float(vals.sum())
     results = []
     for ii, it in enumerate(items):
         tot = np.array([sums[ii, ci] for ci in range(len(it.candidates))])
@@ -287,7 +365,7 @@ def run_score(ctx, items: list, experts: Optional[int], book, max_batch_tokens: 
              "token_logprobs": per_tok[ii, ci], "logprob": sums[ii, ci],
              "n_tokens": len(cand), "probability": float(norm[ci])}
             for ci, cand in enumerate(it.candidates)]})
-    gens = sorted(generations) or [(g, sid)]
+    gens = sorted({before, book.stamp()})
     return {"results": results, "expert_sets": [{"generation": a, "id": b} for a, b in gens],
             "usage": {"prompt_tokens": sum(len(s) for _, _, s in seqs), "total_tokens":
                       sum(len(s) for _, _, s in seqs)}}

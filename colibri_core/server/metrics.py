@@ -26,15 +26,17 @@ class _ExpertCollector:
                               "Expert-set generation (grows by one per applied change)")
         g.add_metric([], book.stamp()[0])
         yield g
-        q = GaugeMetricFamily("colibri_queue_depth", "Requests waiting for the engine")
-        q.add_metric([], s.runner.depth)
+        sched = s.engine.scheduler
+        q = GaugeMetricFamily("colibri_queue_depth", "Engine requests (sequences) waiting "
+                              "for admission (the scheduler's queue)")
+        q.add_metric([], sched.queued)
         yield q
-        r = GaugeMetricFamily("colibri_requests_running", "Requests on the engine now")
-        r.add_metric([], 1 if s.runner.busy else 0)
+        r = GaugeMetricFamily("colibri_requests_running", "HTTP requests in flight")
+        r.add_metric([], s.calls.running)
         yield r
-        b = GaugeMetricFamily("colibri_batch_size", "Sequences in the engine's current step "
-                              "(the server's runner: one request at a time)")
-        b.add_metric([], 1 if s.runner.busy else 0)
+        b = GaugeMetricFamily("colibri_batch_size", "Engine requests admitted by the "
+                              "scheduler: their sequences share each step")
+        b.add_metric([], sched.running)
         yield b
         a = CounterMetricFamily("colibri_expert_adoptions", "Hot-plugged experts adopted")
         a.add_metric([], book.adoptions)

@@ -161,7 +161,9 @@ def main(args) -> int:
         cfg, model_dir = load_run_config(find_config(name))
         base = cfg.engine
         model_id = args.model_id or Path(name).stem
-    overrides = {"experts_dir": args.experts_dir or default_experts_dir(base.experts_dir)}
+    # The scheduler's queue is the server's: a full one refuses (429 with Retry-After).
+    overrides = {"experts_dir": args.experts_dir or default_experts_dir(base.experts_dir),
+                 "max_queued_requests": args.queue_size, "when_full": "refuse"}
     if args.threads is not None:
         overrides["threads"] = args.threads
     if args.plugins_dir:

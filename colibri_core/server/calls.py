@@ -1,0 +1,212 @@
+"""Calls: each HTTP request's engine work, in a worker thread of its own.
+
+The Engine is shareable (its scheduler batches every caller's sequences into the same
+forward steps), so the server does not serialize anything: each request runs a *work*
+function in its own thread, which submits Generations (or one score_batch) and reads
+them with the engine's blocking iteration; what it emits reaches the event loop through
+`call_soon_threadsafe`, so the loop never waits on the engine (a thread per request,
+not `async for` over a Generation: that waits for each token in the loop's default
+executor, a handful of threads shared by every stream).
+
+    call = calls.submit(work, request_id="req-1", timeout_s=60)   # ShuttingDown when stopping
+    async for event in call:                                       # what work() emitted
+        ...
+    call.result                                                    # what work() returned
+
+`work(ctx)` calls `ctx.track(generation)` for each Generation it starts, `ctx.emit(event)`
+for each event and `ctx.check()` between two tokens. `call.cancel(why)` (a disconnect, the
+timeout, shutdown) closes every tracked Generation -- each leaves the step and frees its KV
+cache at the next step, and a blocked read returns -- and makes `ctx.check()` raise
+Cancelled, so the work ends at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from .errors import RequestTimeout, ShuttingDown
+
+log = logging.getLogger("colibri.server")
+
+_END = object()
+
+
+class Cancelled(Exception):
+    """Raised by CallContext.check() inside work(): stop now, the result is not wanted."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why            # "disconnect" | "timeout" | "shutdown"
+
+
+class CallContext:
+    """What work() sees: the engine, emit, check, track."""
+
+    def __init__(self, call: "Call", engine):
+        self._call = call
+        self.engine = engine
+        self.request_id = call.request_id
+
+    def emit(self, event: Any) -> None:
+        self._call._deliver(event)
+
+    def check(self) -> None:
+        self._call.raise_if_cancelled()
+
+    def cancel(self, why: str) -> None:
+        """Stop the whole call (its other readers see Cancelled at their next check)."""
+        self._call.cancel(why)
+
+    def track(self, gen) -> None:
+        """A Generation of this call: closed when the call is cancelled."""
+        self._call._track(gen)
+
+
+class Call:
+    """One request's work, its deadline, its Generations and the async side's queue.
+    Iterate it (`async for`) for the events; an error of the work is raised at the end."""
+
+    def __init__(self, work: Callable[[CallContext], Any], request_id: str, engine,
+                 timeout_s: Optional[float], loop: asyncio.AbstractEventLoop):
+        self.work = work
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self.deadline = None if not timeout_s else time.monotonic() + timeout_s
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel_reason: Optional[str] = None
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._gens: list = []
+        self.on_done: Optional[Callable[[], None]] = None     # run in the loop at the end
+        self._ctx = CallContext(self, engine)
+        self._timer = loop.call_later(timeout_s, self.cancel, "timeout") if timeout_s else None
+        self._thread = threading.Thread(target=self._run, name=f"colibri-call-{request_id}",
+                                        daemon=True)
+
+    # -- the worker thread ----------------------------------------------------------------
+    def raise_if_cancelled(self) -> None:
+        if self.cancel_reason is None and self.deadline is not None \
+                and time.monotonic() > self.deadline:
+            self.cancel("timeout")
+        if self.cancel_reason is not None:
+            raise Cancelled(self.cancel_reason)
+
+    def _track(self, gen) -> None:
+        with self._lock:
+            self._gens.append(gen)
+            cancelled = self.cancel_reason is not None
+        if cancelled:
+            gen.close()
+
+    def _deliver(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:        # the event loop is gone (server stopped): nobody listens
+            pass
+
+    def _run(self) -> None:
+        try:
+            self.result = self.work(self._ctx)
+        except Cancelled as c:
+            self.error = RequestTimeout(self.timeout_s) if c.why == "timeout" else \
+                ShuttingDown() if c.why == "shutdown" else c
+        except BaseException as e:  # noqa: BLE001 - handed to the request, not raised here
+            self.error = e
+        finally:
+            for g in self._gens:
+                g.close()
+            self.done.set()
+            self._deliver(_END)
+            if self.on_done is not None:
+                try:
+                    self.loop.call_soon_threadsafe(self.on_done)
+                except RuntimeError:
+                    pass
+
+    # -- any thread -----------------------------------------------------------------------
+    def cancel(self, why: str = "disconnect") -> None:
+        """Not wanted any more: its Generations leave the engine at the next step."""
+        with self._lock:
+            if self.cancel_reason is not None or self.done.is_set():
+                return
+            self.cancel_reason = why
+            gens = list(self._gens)
+        for g in gens:
+            g.close()
+
+    # -- the event loop -------------------------------------------------------------------
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.events.get()
+        if item is _END:
+            self.events.put_nowait(_END)       # later calls end too
+            if self._timer is not None:
+                self._timer.cancel()
+            err = self.error
+            if err is not None:
+                self.error = None
+                raise err
+            raise StopAsyncIteration
+        return item
+
+
+class Calls:
+    """The requests in flight: submit, count, stop.
+
+    Requests are not queued here: the engine's scheduler queues their sequences
+    (EngineConfig.max_queued_requests, refused with EngineBusyError -> 429 when full).
+    `retry_after_s()` estimates when a refused client may retry: the recent duration of
+    a request (an exponential average)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._live: set = set()
+        self._stopping = False
+        self._avg_s = 1.0
+        self.completed = 0
+
+    @property
+    def running(self) -> int:
+        """Requests whose work is in flight."""
+        return len(self._live)
+
+    def retry_after_s(self) -> int:
+        return max(1, int(self._avg_s + 0.999))
+
+    def submit(self, work: Callable[[CallContext], Any], *, request_id: str,
+               timeout_s: Optional[float] = None) -> Call:
+        """Start `work` in its own thread; ShuttingDown (503) once stopping."""
+        if self._stopping:
+            raise ShuttingDown()
+        call = Call(work, request_id, self.engine, timeout_s, asyncio.get_running_loop())
+        self._live.add(call)
+        t0 = time.monotonic()
+
+        def forget():
+            self._live.discard(call)
+            self.completed += 1
+            self._avg_s = 0.8 * self._avg_s + 0.2 * (time.monotonic() - t0)
+        call.on_done = forget
+        call._thread.start()
+        return call
+
+    def stop(self, deadline_s: float = 10.0) -> None:
+        """Refuse new work, let the requests in flight finish until the deadline, then
+        cancel them, and wait for their threads (any thread but the loop's)."""
+        self._stopping = True
+        end = time.monotonic() + deadline_s
+        for call in list(self._live):
+            call.done.wait(max(0.0, end - time.monotonic()))
+        for call in list(self._live):
+            call.cancel("shutdown")
+        for call in list(self._live):
+            call._thread.join(10.0)
+
