@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,22 +133,82 @@ class Generation:
 
 
 class _AsyncTokens:
-    """`async for ev in generation`: each next token waited for in a worker thread."""
+    """`async for ev in generation`: a thread of its own waits for each token and hands
+    it to the event loop. Not the loop's default executor: streams waiting for admission
+    would hold all of its few threads, and the running streams' readers, queued behind
+    them, would never be served (the scheduler pauses a stream its reader does not take
+    tokens from: a deadlock). The thread fetches a token only when one is asked for, so
+    an abandoned iteration stops its stream as a stopped reader does."""
 
     def __init__(self, it: Iterator[TokenEvent]):
-        self._it = it
+        self._box = _Pump(it)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> TokenEvent:
-        ev = await asyncio.to_thread(next, self._it, None)
-        if ev is None:
-            raise StopAsyncIteration
-        return ev
+        kind, value = await self._box.take(asyncio.get_running_loop())
+        if kind == "event":
+            return value
+        if kind == "error":
+            raise value
+        raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._it.close()
+        self._box.stop()
+
+    def __del__(self):                      # abandoned: let the thread end the stream
+        self._box.stop()
+
+
+class _Pump:
+    """The thread behind _AsyncTokens (holds the iterator, not the _AsyncTokens)."""
+
+    def __init__(self, it: Iterator[TokenEvent]):
+        self._it = it
+        self._want = threading.Semaphore(0)
+        self._stopped = False
+        self._thread: Optional[threading.Thread] = None
+        self._loop = None
+        self._future = None
+
+    def take(self, loop) -> "asyncio.Future":
+        self._loop = loop
+        self._future = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="colibri-async-stream",
+                                            daemon=True)
+            self._thread.start()
+        self._want.release()
+        return self._future
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._want.release()
+
+    def _deliver(self, kind: str, value) -> None:
+        fut = self._future
+        if fut is not None and not fut.done():
+            fut.set_result((kind, value))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._want.acquire()
+                if self._stopped:
+                    break
+                try:
+                    ev = next(self._it, None)
+                except BaseException as exc:        # noqa: BLE001 - handed to the reader
+                    self._loop.call_soon_threadsafe(self._deliver, "error", exc)
+                    break
+                self._loop.call_soon_threadsafe(self._deliver, "event" if ev is not None else "end", ev)
+                if ev is None:
+                    break
+        except RuntimeError:                        # the event loop is gone: just end
+            pass
+        finally:
+            self._it.close()                        # cancels the request if not finished
 
 
 class _Stream(Request):

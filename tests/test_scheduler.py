@@ -426,3 +426,24 @@ def test_cancelled_requests_free_their_place_within_a_step(eng):
     it.close()
     _wait(lambda: _full(eng))
     assert eng.scheduler.steps <= steps + 1 + eng.scheduler.ahead
+
+
+def test_async_streams_beyond_the_default_executor_all_finish():
+    """More `async for` streams than the event loop's default executor has threads, with
+    a KV pool that admits two at a time: each stream waits in a thread of its own, so the
+    running streams' readers are served and everyone finishes (a deadlock otherwise)."""
+    n = 12
+    e = Engine.from_config("builtin", threads=1, kv_pool_tokens=2 * (8 + 6))
+    try:
+        prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8] for i in range(n)]
+        solo = [e.generate(p, max_new_tokens=6, temperature=0).run().token_ids for p in prompts]
+
+        async def one(p):
+            return [ev.token_id async for ev in e.generate(p, max_new_tokens=6, temperature=0)]
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 60)
+
+        assert asyncio.run(main()) == solo
+    finally:
+        e.close()
