@@ -440,7 +440,7 @@ class Pipeline:
                     if prefetch is not None:
                         prefetch(layer=layer, experts=[(int(e), run[e].address, run[e].nbytes)
                                                        for e in wave])
-                    self._run_wave(L, T, n, idv, wv, p_w, kmax, wave, run, timing, res.active)
+                    self._run_wave(L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, res.active)
                 finally:
                     res.release(layer, wave)
         finally:
@@ -450,7 +450,7 @@ class Pipeline:
             self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
         self._shared_ref(L, n)
 
-    def _run_wave(self, L, T, n, idv, wv, p_w, kmax, wave, run, timing, budget) -> None:
+    def _run_wave(self, L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, budget) -> None:
         """The routed experts `wave` (ascending ids): C experts in one call -- one call
         per expert when a load is still in flight (each computes as soon as it is read)
         or a plugin times experts --, custom and reference ones between."""
@@ -481,7 +481,10 @@ class Pipeline:
             if timing is not None:
                 timing(layer=layer, expert=e, cycles=_cycles() - c0, seconds=time.perf_counter() - t0)
         if batch:
-            np.copyto(run_ids, np.where(np.isin(idv, batch), idv, -1))
+            if len(batch) == len(wave) == len(used):    # the whole choice: no mask to make
+                np.copyto(run_ids, idv)
+            else:
+                np.copyto(run_ids, np.where(np.isin(idv, batch), idv, -1))
             self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
 
     def _shared_ref(self, L, n: int) -> None:
