@@ -417,20 +417,22 @@ class Pipeline:
     def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:
         model, sc = self.model, self.scratch
         layer, hooks = L["index"], model.hooks
-        run_ids = sc.rows("run_ids", -1, n, kmax)
-        np.copyto(run_ids, idv)
-        p_w = sc.p_layer[i][2]                      # wv is the start of layer i's buffer
+        _, p_ids, p_w = sc.p_layer[i]               # idv, wv: the start of layer i's buffers
         res = model.residency
         timing = hooks.expert_timing if hooks is not None else None
         prefetch = hooks.expert_prefetch if hooks is not None else None
         block = L["block"]
-        block.table, block.n_table = T["table"], T["n"]
+        if L.get("tables") is not T["token"]:       # the expert set's table, once per set
+            block.table, block.n_table = T["table"], T["n"]
+            L["tables"] = T["token"]                # (not T: that would keep the set alive)
         if not (T["custom"] or T["ref"] or res.active or timing is not None or prefetch is not None
                 or not res.all_prefetched(layer)):
             # the common case: the routed and the shared experts in one C call
-            self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
+            self._check(lib.ck_step_experts(block, sc.p_xn, n, p_ids, p_w, kmax, sc.p_x, sc.s))
             self._shared_ref(L, n)
             return
+        run_ids = sc.rows("run_ids", -1, n, kmax)
+        np.copyto(run_ids, idv)
         used = np.unique(idv[idv >= 0])
         shared, block.shared = block.shared, ffi.NULL      # the shared expert after the waves
         try:

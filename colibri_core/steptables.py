@@ -373,7 +373,8 @@ class SetTables:
                               "experts": experts, "slots": router.shape[0],
                               "select_bias": es.select_bias[L],
                               # under a budget: what each table entry points at now
-                              "bound": {}, "bound_keep": {}}
+                              "bound": {}, "bound_keep": {},
+                              "token": object()}     # which tables a layer's block holds
 
 
 def _rows(a: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -36,7 +36,7 @@ static int64_t g_par_min_work = CK_PAR_MIN_WORK;
  * same switch point in all 16 configurations. A last partial tile of 2 tokens (n = 6,
  * 10, 14) goes per token by the same rule: FFN n = 6 713 us against 726 with a 1x2 tile. */
 #define CK_MATMUL_MIN_TOKENS 3
-static int g_matmul_min_tokens = CK_MATMUL_MIN_TOKENS;
+int ck_matmul_min_tokens = CK_MATMUL_MIN_TOKENS;   /* ck_internal.h: the tiles' switch point */
 
 static const ck_backend_t *g_be = &ck_backend_scalar;
 static int g_threads = 1;
@@ -140,24 +140,15 @@ static int nthreads_for(int64_t work) {
 void ck_set_par_min_work(int64_t w) { g_par_min_work = w < 0 ? CK_PAR_MIN_WORK : w; }
 
 int ck_set_matmul_min_tokens(int n) {
-    g_matmul_min_tokens = n <= 0 ? CK_MATMUL_MIN_TOKENS : n;
-    return g_matmul_min_tokens;
+    ck_matmul_min_tokens = n <= 0 ? CK_MATMUL_MIN_TOKENS : n;
+    return ck_matmul_min_tokens;
 }
 
-/* Tokens per tile for a call of n tokens: nt_many from g_matmul_min_tokens on, else 1 */
 static inline int tokens_per_tile(const ck_backend_t *be, int64_t n) {
-    return n > 1 && n >= g_matmul_min_tokens ? be->nt_many : 1;
+    return ck_tokens_per_tile(be, n);
 }
 
-/* Tokens in the tile that starts with `left` tokens to go: a last partial tile of fewer
- * than g_matmul_min_tokens tokens runs the matrix-vector tiles too, one token each. */
-static inline int tile_tokens(int ntp, int64_t left) {
-    if (left >= ntp) return ntp;
-    return left < g_matmul_min_tokens ? 1 : (int)left;
-}
-
-int ck_tokens_per_tile(const ck_backend_t *be, int64_t n) { return tokens_per_tile(be, n); }
-int ck_tile_tokens(int ntp, int64_t left) { return tile_tokens(ntp, left); }
+static inline int tile_tokens(int ntp, int64_t left) { return ck_tile_tokens(ntp, left); }
 
 /* the backends' tile views of a matrix descriptor (ck.h) */
 static ck_q4 q4_of(const ck_mat *m) {

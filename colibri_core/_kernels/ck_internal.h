@@ -64,10 +64,18 @@ typedef struct {
 extern const ck_backend_t ck_backend_scalar;
 const ck_backend_t *ck_active_backend(void);   /* ck_core.c */
 int ck_threads_for(int64_t work);              /* threads for a call of `work` MACs */
-/* ck_core.c's token tiling, shared with ck_step*.c: tokens per tile for a call of n
- * tokens, and the size of the tile that starts with `left` tokens to go */
-int ck_tokens_per_tile(const ck_backend_t *be, int64_t n);
-int ck_tile_tokens(int ntp, int64_t left);
+/* The token tiling of ck_core.c and ck_step*.c (inline: it is asked once per row tile):
+ * calls of n >= ck_matmul_min_tokens tokens (and n > 1) run the backend's batch tiles of
+ * nt_many tokens, fewer run the matrix-vector tiles once per token; a last partial tile
+ * of fewer than ck_matmul_min_tokens tokens runs them too, one token each. */
+extern int ck_matmul_min_tokens;       /* ck_core.c; ck_set_matmul_min_tokens */
+static inline int ck_tokens_per_tile(const ck_backend_t *be, int64_t n) {
+    return n > 1 && n >= ck_matmul_min_tokens ? be->nt_many : 1;
+}
+static inline int ck_tile_tokens(int ntp, int64_t left) {
+    if (left >= ntp) return ntp;
+    return left < ck_matmul_min_tokens ? 1 : (int)left;
+}
 /* ck_pool.c: fn(ctx, c) for every c in [0, n) on up to nth threads (the caller is one of
  * them); returns when all are done, without waiting for a thread that never started */
 typedef void (*ck_chunk_fn)(void *ctx, int64_t chunk);
