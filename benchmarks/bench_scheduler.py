@@ -101,10 +101,15 @@ def scheduled(eng, ps: list, n_tokens: int) -> dict:
             "total_tok_s": sum(map(len, toks)) / (t_end - t0), "tokens": toks}
 
 
-def long_prompt_row(eng, step_tokens: int, streams: list, long_ids: list, before: int) -> dict:
+def long_prompt_row(eng, step_tokens: int, streams: list, long_ids: list, before: int,
+                    prefill=None) -> dict:
     sched = eng.scheduler
     sched.max_step_tokens = step_tokens
-    n_new = before + 2 * len(long_ids) // max(1, step_tokens - len(streams)) + 64
+    sched.max_prefill_tokens = prefill
+    per_step = max(1, step_tokens - len(streams))
+    if prefill is not None:
+        per_step = min(per_step, prefill)
+    n_new = before + 2 * len(long_ids) // per_step + 64
     n_new = min(n_new, eng.model_cfg.max_position_embeddings - len(streams[0]) - 1)
     lat: list = [[] for _ in streams]            # (time received, latency_s)
     reached = threading.Semaphore(0)
@@ -210,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=1920)
     ap.add_argument("--before", type=int, default=24, help="tokens per stream before the long prompt")
     ap.add_argument("--steps", default="64,128,256,512")
+    ap.add_argument("--prefill", type=int, default=None,
+                    help="EngineConfig.max_prefill_tokens for every row (default: the config's)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each --steps value "
                     "(interleaved; the table has their medians)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_scheduler")
@@ -250,11 +257,12 @@ def main(argv=None) -> int:
         runs: dict = {}
         for _ in range(a.repeats):               # interleaved: a load change hits all alike
             for st in map(int, a.steps.split(",")):
-                r = long_prompt_row(eng, st, ps[:a.streams - 1], long_ids, a.before)
+                r = long_prompt_row(eng, st, ps[:a.streams - 1], long_ids, a.before, a.prefill)
                 print(json.dumps(r), flush=True)
                 runs.setdefault(st, []).append(r)
         rows = [median_row(rs) for rs in runs.values()]
         eng.scheduler.max_step_tokens = eng.config.max_step_tokens
+        eng.scheduler.max_prefill_tokens = eng.config.max_prefill_tokens
         ok = [r for r in rows if r["meets"]]
         chosen = max(ok, key=lambda r: r["aggregate_tok_s"])["max_step_tokens"] if ok else None
     finally:

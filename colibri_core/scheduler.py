@@ -184,6 +184,7 @@ class Scheduler:
         self.what = what                        # named in the errors (the model folder)
         cfg = engine.config
         self.max_step_tokens = cfg.max_step_tokens
+        self.max_prefill_tokens = cfg.max_prefill_tokens
         self.max_batch_tokens = max(cfg.max_batch_tokens, cfg.max_step_tokens)
         self.max_queued = cfg.max_queued_requests
         self.when_full = cfg.when_full
@@ -420,6 +421,8 @@ class Scheduler:
             self._rr += budget
         plan = [(j, np.array([j.feed], np.int64)) for j in ready[:budget]]
         budget -= len(plan)
+        if decoding and self.max_prefill_tokens is not None:
+            budget = min(budget, self.max_prefill_tokens)   # prompts beside running streams
         for j in running:
             if budget <= 0:
                 break
