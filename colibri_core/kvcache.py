@@ -21,9 +21,10 @@ import numpy as np
 
 from . import memstat, mla
 from .config import EngineConfig, ModelConfig
-from .errors import InsufficientMemoryError, KVCacheFreedError, KVPoolFullError, RequestError
+from .errors import InsufficientMemoryError, KVPoolFullError, RequestError
 from .quant import dequantize_kv_q8, quantize_kv_q8
 from .residency import kv_bytes_per_position, kv_pool_tokens
+from .seqcache import SequenceCache
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16, "q8": np.int8}
 
@@ -38,7 +39,7 @@ def check_memory(need: int, what: str) -> None:
             f"fewer sequences per call")
 
 
-class KVCache:
+class KVCache(SequenceCache):
     """Keys and values of one sequence, every layer: k, v [L, capacity, NKV, D] of
     float32, float16 or int8 (`dtype` "f32", "f16", "q8"); q8 adds k_scale, v_scale
     [L, capacity, NKV] float32 (row = codes * scale, quant.quantize_kv_q8)."""
@@ -54,32 +55,8 @@ class KVCache:
         if dtype == "q8":
             self.k_scale = np.zeros(shape[:3], dtype=np.float32)
             self.v_scale = np.zeros(shape[:3], dtype=np.float32)
-        self.capacity = capacity
-        self.length = 0          # positions filled
-        self.pool = None         # the KVPool it came from (None: unpooled)
+        self._start(capacity)
 
-    @property
-    def freed(self) -> bool:
-        return self.k is None
-
-    def check_usable(self) -> None:
-        if self.k is None:
-            raise KVCacheFreedError("this KV cache was freed (KVPool.free) and holds nothing "
-                                    "now; allocate a new one (engine.kv_pool.alloc)")
-
-    def reset(self) -> None:
-        self.truncate(0)
-
-    def truncate(self, pos: int) -> None:
-        """Drop positions >= pos: the next token goes to position `pos` (speculative
-        decoding's rollback). Rows are only overwritten, so re-feeding the same tokens
-        gives the same logits bit for bit."""
-        self.check_usable()
-        if not 0 <= pos <= self.length:
-            raise RequestError(f"truncate({pos}): the cache holds positions 0..{self.length - 1}")
-        self.length = int(pos)
-
-    # the reference blocks' access (reference.py); C reads and writes the arrays itself
     def write(self, layer: int, s0: int, k: np.ndarray, v: np.ndarray) -> None:
         """Rows s0.. of layer `layer` from float32 k, v [n, NKV, D], in the cache's type."""
         n = len(k)

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import ops
 from .config import ModelConfig
-from .errors import KVCacheFreedError, RequestError
+from .seqcache import SequenceCache
 
 LORA_NORM_EPS = 1e-6          # q_a_layernorm / kv_a_layernorm: transformers' default eps
 _DEQUANT_BUDGET = 256 << 20   # bytes of dequantized wkv_b kept across layers
@@ -95,7 +95,7 @@ def load_mla_weights(get, prefix: str, cfg: ModelConfig) -> MLAWeights:
 
 # ----------------------------------------------------------------------------- cache
 
-class MLACache:
+class MLACache(SequenceCache):
     """Latent KV cache of one sequence: c [L, capacity, r] and rotated k_pe [L, capacity, R].
     (`k` / `v` name the two arrays for code that only sizes caches.)"""
 
@@ -104,31 +104,7 @@ class MLACache:
     def __init__(self, cfg: ModelConfig, capacity: int):
         self.k = np.zeros((cfg.num_layers, capacity, cfg.kv_lora_rank), dtype=np.float32)
         self.v = np.zeros((cfg.num_layers, capacity, cfg.qk_rope_head_dim), dtype=np.float32)
-        self.capacity = capacity
-        self.length = 0
-        self.pool = None              # the kvcache.KVPool it came from (None: unpooled)
-
-    @property
-    def freed(self) -> bool:
-        return self.k is None
-
-    def check_usable(self) -> None:
-        if self.k is None:
-            raise KVCacheFreedError("this KV cache was freed (KVPool.free) and holds nothing "
-                                    "now; allocate a new one (engine.kv_pool.alloc)")
-
-    def reset(self) -> None:
-        self.truncate(0)
-
-    def truncate(self, pos: int) -> None:
-        """Drop positions >= pos (as kvcache.KVCache.truncate)."""
-        self.check_usable()
-        if not 0 <= pos <= self.length:
-            raise RequestError(f"truncate({pos}): the cache holds positions 0..{self.length - 1}")
-        self.length = int(pos)
-
-    def _release(self) -> None:
-        self.k = self.v = None
+        self._start(capacity)
 
 
 # ----------------------------------------------------------------------------- attention
