@@ -242,6 +242,23 @@ def test_prompts_beside_a_stream_advance_together():
                                      (list(range(50, 60)), 2))]
 
 
+def test_a_score_batch_closed_from_its_handle_stops_at_the_next_step():
+    """score_batch(track=...) hands out a handle; close() (the server's disconnect or
+    timeout) retires the call at the next step, and score_batch raises RequestCancelled.
+    The call needs 32 steps of 64 tokens; it is closed during step 2."""
+    from colibri_core.errors import RequestCancelled
+    e = Engine.from_config("builtin", threads=1, max_batch_tokens=64)
+    handles = []
+    e.scheduler.step_hook = lambda step: handles[0].close() if step == 2 else None
+    seqs = [[(i * 7 + j) % 500 + 3 for j in range(64)] for i in range(32)]
+    with pytest.raises(RequestCancelled, match="cancelled before it finished"):
+        e.score_batch(seqs, track=handles.append)
+    assert e.scheduler.steps <= 3 and _full(e)
+    e.scheduler.step_hook = None
+    assert len(e.score_batch(seqs[:2])) == 2                  # the engine serves on
+    e.close()
+
+
 # ------------------------------------------------------------------ faults
 
 def test_a_fault_of_one_sequence_fails_only_its_request():
