@@ -39,6 +39,29 @@ typedef struct {               /* float activations */
     const float *tail;
 } ck_xf;
 
+/* Activation panels (the AVX-512 batch kernel, q4_panels below): the int8 rows of
+ * CK_PANEL tokens interleaved four bytes at a time, so that one 64-byte load holds bytes
+ * k..k+3 of all 16 tokens (one token per i32 lane of a zmm register), each byte stored
+ * as x + 128 (x ^ 0x80, an unsigned byte), with the group scales [ng][16]. Lanes past
+ * the last token hold x = 0 and scale 0. Built by ck_step.h's pack_panel. */
+#define CK_PANEL 16
+typedef struct {
+    const uint8_t *q;          /* [np][cp/4][16][4] */
+    const float *s;            /* [np][ng][16] */
+    int64_t cp, ng;
+} ck_panel;
+
+/* CK_PANEL_ROWS weight rows unpacked for q4_panels: row r's values minus its group's
+ * zero point as int8 (-15..15) in value order, w[r * cp + k]; wzs[r * ng + g] =
+ * -128 * sum over group g of those values; sw[r] its scales [ng]. */
+#define CK_PANEL_ROWS 8
+typedef struct {
+    const int8_t *w;           /* [CK_PANEL_ROWS][cp] */
+    const int32_t *wzs;        /* [CK_PANEL_ROWS][ng] */
+    const float *sw[CK_PANEL_ROWS];
+    int64_t cp, ng, group;
+} ck_unpacked;
+
 /* A tile computes res[r*nt + t] = dot(W row r0+r, activation row t0+t), r < rt, t < nt,
  * with rt <= CK_MAX_RT, nt <= CK_MAX_NT. */
 typedef struct {
@@ -59,6 +82,16 @@ typedef struct {
                  int64_t len, float scale, float *s, float *out);
     int rt;       /* preferred rows per tile */
     int nt_many;  /* tokens per tile for batches (n >= ck_core.c's switch point) */
+    /* Batches of many tokens (AVX-512 only, else NULL): q4_unpack writes rows r0..r0+rt
+     * (rt <= CK_PANEL_ROWS) of a q4 matrix into slots slot.. of u's buffers (wbuf, wzs:
+     * [CK_PANEL_ROWS][cp], [CK_PANEL_ROWS][ng]); q4_panels computes the CK_PANEL_ROWS
+     * unpacked rows against np panels: res[r * ldr + t], t < np * CK_PANEL. Each
+     * (row, token) result is bit for bit the q4_i8 tiles' (the same integer group dots,
+     * q4_dot_pass's float order lane by lane), so the switch costs no bit. */
+    void (*q4_unpack)(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
+                      int32_t *wzs);
+    void (*q4_panels)(const ck_unpacked *u, const ck_panel *p, int64_t np, float *res,
+                      int64_t ldr);
 } ck_backend_t;
 
 extern const ck_backend_t ck_backend_scalar;

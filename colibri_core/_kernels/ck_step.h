@@ -176,4 +176,21 @@ static inline void norm_rows(const float *x, const float *w, int64_t n, int64_t 
     ck_pool_for(norm_row, &c, n, n >= 16 ? nth : 1);
 }
 
+/* ------------------------------------------------------------------ panels */
+
+/* token row t (q [cp] int8, s [ng] scales) into lane t % 16 of panel t / 16 of `pq`/`ps`
+ * (ck_internal.h's ck_panel layout), or x = 0, scale 0 when q is NULL (a padding lane) */
+static inline void pack_panel_row(const int8_t *q, const float *s, int64_t cp, int64_t ng,
+                                  uint8_t *pq, float *ps, int64_t t) {
+    uint8_t *d = pq + (t / CK_PANEL) * cp * CK_PANEL + (t % CK_PANEL) * 4;
+    float *ds = ps + (t / CK_PANEL) * ng * CK_PANEL + t % CK_PANEL;
+    for (int64_t k = 0; k < cp / 4; k++) {
+        uint32_t v = 0;
+        if (q) memcpy(&v, q + 4 * k, 4);
+        v ^= 0x80808080u;
+        memcpy(d + k * 4 * CK_PANEL, &v, 4);
+    }
+    for (int64_t g = 0; g < ng; g++) ds[g * CK_PANEL] = q ? ck_ldf(s + g) : 0.0f;
+}
+
 #endif

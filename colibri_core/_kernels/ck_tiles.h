@@ -20,7 +20,8 @@
  * - q4_dot_pass: acc[k] += sum_g sw[g]*xs[g]*(dot[g] - z[g]*xsum[g]) for the K = RT*NT
  *   (row, token) pairs of a tile over a chunk of gn groups starting at gc, with the
  *   zero-point correction in exact integer math (as quant.matvec_q4_q8_ref), 8 groups per
- *   step and then a scalar tail. One order for every backend: bit-identical floats.
+ *   step and then a scalar tail of fmas. One order for every backend: bit-identical
+ *   floats (ck_avx512.c's q4_panels runs the same order with tokens in lanes).
  * Needs CK_GCHUNK and hsum_ps. */
 #define CK_GCHUNK 32   /* groups whose integer dots are buffered before the float pass */
 
@@ -78,9 +79,10 @@
                 const float *sw = w->scales + wo, *xs = a->s + ao;                      \
                 const int32_t *xsum = a->sum + ao;                                      \
                 float tail = 0.0f;                                                      \
-                for (int gg = g; gg < gn; gg++)                                         \
-                    tail += (float)(dq[q][gg][j] - (int32_t)z[gg] * ck_ldi(xsum + gg)) * \
-                            (ck_ldf(sw + gg) * ck_ldf(xs + gg));                        \
+                for (int gg = g; gg < gn; gg++)   /* one fma each (q4_panels' order) */ \
+                    tail = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)(dq[q][gg][j] -  \
+                        (int32_t)z[gg] * ck_ldi(xsum + gg))),                           \
+                        _mm_set_ss(ck_ldf(sw + gg) * ck_ldf(xs + gg)), _mm_set_ss(tail))); \
                 acc[k] += hsum_ps(facc[j]) + tail;                                      \
             }                                                                           \
         }                                                                               \
