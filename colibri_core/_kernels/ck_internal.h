@@ -157,4 +157,46 @@ static inline void ck_stf(float *p, float v) { memcpy(p, &v, 4); }
 static inline int32_t ck_ldi(const int32_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline void ck_sti(int32_t *p, int32_t v) { memcpy(p, &v, 4); }
 
+/* ------------------------------------------------------------------ panels */
+
+/* From this many tokens (per expert in the step's expert block, per call in the
+ * attention projections and ck_matmul) the backend's panels run (ck_step_moe.c;
+ * ck_set_panel_min_tokens). The panel helpers below are shared by ck_core.c and
+ * ck_step*.c. */
+extern int ck_panel_min_tokens;
+
+static inline int64_t npanels(int64_t n) { return (n + CK_PANEL - 1) / CK_PANEL; }
+
+#define CK_PANEL_MAX_CP 16384   /* a row tile's unpacked rows live on the stack */
+
+/* token row t (q [cp] int8, s [ng] scales) into lane t % 16 of panel t / 16 of `pq`/`ps`
+ * (the ck_panel layout above), or x = 0, scale 0 when q is NULL (a padding lane) */
+static inline void pack_panel_row(const int8_t *q, const float *s, int64_t cp, int64_t ng,
+                                  uint8_t *pq, float *ps, int64_t t) {
+    uint8_t *d = pq + (t / CK_PANEL) * cp * CK_PANEL + (t % CK_PANEL) * 4;
+    float *ds = ps + (t / CK_PANEL) * ng * CK_PANEL + t % CK_PANEL;
+    for (int64_t k = 0; k < cp / 4; k++) {
+        uint32_t v = 0;
+        if (q) memcpy(&v, q + 4 * k, 4);
+        v ^= 0x80808080u;
+        memcpy(d + k * 4 * CK_PANEL, &v, 4);
+    }
+    for (int64_t g = 0; g < ng; g++) ds[g * CK_PANEL] = q ? ck_ldf(s + g) : 0.0f;
+}
+
+/* rows r0..r0+rt of w into slots slot..slot+n of u, the last row repeated past rt (its
+ * results are not used) */
+static inline void unpack_rows(const ck_backend_t *be, const ck_q4 *w, int64_t r0, int rt,
+                               int slot, int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
+    be->q4_unpack(w, r0, rt, slot, wb, wz);
+    for (int r = 0; r < n; r++) {
+        int64_t row = r0 + (r < rt ? r : rt - 1);
+        if (r >= rt) be->q4_unpack(w, row, 1, slot + r, wb, wz);
+        u->sw[slot + r] = w->scales + row * w->ng;
+    }
+    u->w = wb; u->wzs = wz;
+    u->cp = w->cp; u->ng = w->ng; u->group = w->group;
+}
+
+
 #endif

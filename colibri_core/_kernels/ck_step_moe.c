@@ -158,7 +158,7 @@ int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t 
  *   stage 1: gate and up, row tiles x the job's tokens: h = silu(gate) * up;
  *   hquant: h quantized per pair;
  *   stage 2: down, per output row tile, the piece's jobs in order, added to x.
- * A job of at least `panel_min` tokens runs the backend's panel kernel where it has one
+ * A job of at least ck_panel_min_tokens tokens runs the backend's panel kernel where it has one
  * (AVX-512: tokens in the lanes, ck_avx512.c): its gathered rows and its h rows are also
  * packed into panels, and each row tile is unpacked once for all its tokens. The
  * results are bit for bit the tiles' (so the switch is free to move): a job of fewer
@@ -167,14 +167,13 @@ int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t 
 /* Measured (benchmarks/bench_prefill.py, 2-core Sapphire Rapids-class VM): an expert
  * FFN of n tokens ran faster through the panels than through the tiles from n = 8 on. */
 #define CK_PANEL_MIN_TOKENS 8
-static int panel_min = CK_PANEL_MIN_TOKENS;
+int ck_panel_min_tokens = CK_PANEL_MIN_TOKENS;   /* ck_step.h */
 
 int ck_set_panel_min_tokens(int n) {
-    panel_min = n <= 0 ? CK_PANEL_MIN_TOKENS : n;
-    return panel_min;
+    ck_panel_min_tokens = n <= 0 ? CK_PANEL_MIN_TOKENS : n;
+    return ck_panel_min_tokens;
 }
 
-#define CK_PANEL_MAX_CP 16384   /* a row tile's unpacked rows live on the stack */
 
 typedef struct {
     wmat w1, w3, w2;
@@ -198,27 +197,11 @@ typedef struct {
     int rt2;                  /* output rows per stage-2 item */
 } ffn_ctx;
 
-static inline int64_t npanels(int64_t cnt) { return (cnt + CK_PANEL - 1) / CK_PANEL; }
-
 /* job f's panels of activations of `cp` bytes and `ng` groups per token */
 static inline ck_panel job_panel(const ffn_ctx *c, const ffn_job *f, int64_t cp, int64_t ng) {
     const ck_sscratch *s = c->s;
     return (ck_panel){s->pq + f->pan * CK_PANEL * s->p_cp,
                       s->ps + f->pan * CK_PANEL * (s->p_cp / 64), cp, ng};
-}
-
-/* rows r0..r0+rt of w into slots slot..slot+n of u, the last row repeated past rt (its
- * results are not used) */
-static void unpack_rows(const ck_backend_t *be, const wmat *w, int64_t r0, int rt, int slot,
-                        int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
-    be->q4_unpack(&w->q4, r0, rt, slot, wb, wz);
-    for (int r = 0; r < n; r++) {
-        int64_t row = r0 + (r < rt ? r : rt - 1);
-        if (r >= rt) be->q4_unpack(&w->q4, row, 1, slot + r, wb, wz);
-        u->sw[slot + r] = w->q4.scales + row * w->q4.ng;
-    }
-    u->w = wb; u->wzs = wz;
-    u->cp = w->q4.cp; u->ng = w->q4.ng; u->group = w->group;
 }
 
 static inline int job_of(const ffn_ctx *c, int64_t i, int first_stage) {
@@ -262,8 +245,8 @@ static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     int32_t wz[CK_PANEL_ROWS * ng];
     float res[CK_PANEL_ROWS * ld];
     ck_unpacked u;
-    unpack_rows(be, &f->w1, r0, rt, 0, 4, &u, wb, wz);
-    unpack_rows(be, &f->w3, r0, rt, 4, 4, &u, wb, wz);
+    unpack_rows(be, &f->w1.q4, r0, rt, 0, 4, &u, wb, wz);
+    unpack_rows(be, &f->w3.q4, r0, rt, 4, 4, &u, wb, wz);
     ck_panel pn = job_panel(c, f, c->ga.cp, c->ga.ng);
     be->q4_panels(&u, &pn, np, res, ld);
     for (int r = 0; r < rt; r++)
@@ -331,7 +314,7 @@ static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) 
     int32_t wz[CK_PANEL_ROWS * ng];
     float y[CK_PANEL_ROWS * ld];
     ck_unpacked u;
-    unpack_rows(be, &f->w2, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+    unpack_rows(be, &f->w2.q4, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
     ck_panel pn = job_panel(c, f, cp, ng);
     be->q4_panels(&u, &pn, np, y, ld);
     for (int64_t t = 0; t < f->cnt; t++) {
@@ -401,11 +384,11 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
     c->rt2 = be->rt;
     for (int q = 0; q < m; q++) {
         ffn_job *f = &jobs[q];
-        const int64_t need = (pans + npanels(f->cnt)) * CK_PANEL;
-        const int fits = s->pq && be->rt * 2 == CK_PANEL_ROWS && need <= s->p_rows && f->w1.q4.cp <= s->p_cp &&
-                         f->w2.q4.cp <= s->p_cp && f->w1.q4.cp <= CK_PANEL_MAX_CP &&
-                         f->w2.q4.cp <= CK_PANEL_MAX_CP;
-        f->pan = be->q4_panels && f->cnt >= panel_min && fits ? pans : -1;
+        /* w1 and w3 share their shape, and the panel rows hold this job too */
+        const int fits = panels_fit(be, s, &f->w1, f->cnt) &&
+                         panels_fit(be, s, &f->w2, f->cnt) &&
+                         (pans + npanels(f->cnt)) * CK_PANEL <= s->p_rows;
+        f->pan = fits ? pans : -1;
         if (f->pan >= 0) {
             pans += npanels(f->cnt);
             c->rt2 = CK_PANEL_ROWS;
