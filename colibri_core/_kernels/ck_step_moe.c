@@ -164,9 +164,12 @@ int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t 
  * results are bit for bit the tiles' (so the switch is free to move): a job of fewer
  * tokens, or one whose panels do not fit the scratch, runs the tiles. */
 
-/* Measured (benchmarks/bench_prefill.py, 2-core Sapphire Rapids-class VM): an expert
- * FFN of n tokens ran faster through the panels than through the tiles from n = 8 on. */
-#define CK_PANEL_MIN_TOKENS 8
+/* Measured on the 2-core Sapphire Rapids-class VM of docs/BENCHMARKS.md ("Prefill
+ * through panels"), q4_matmul 1024x2816, 1 thread, hot, best of runs: n = 8 (one half
+ * empty panel) 65.8 G multiply-adds/s through either, n = 12 93.5 against 64.1 for the
+ * tiles, n = 16 124 against 70, n = 32 148 against 70; on 2 threads n = 8 was ~20%
+ * slower through the panels (bench_prefill.py's q4_matmul N=8), so they start at 12. */
+#define CK_PANEL_MIN_TOKENS 12
 int ck_panel_min_tokens = CK_PANEL_MIN_TOKENS;   /* ck_step.h */
 
 int ck_set_panel_min_tokens(int n) {
