@@ -80,9 +80,9 @@
                 const int32_t *xsum = a->sum + ao;                                      \
                 float tail = 0.0f;                                                      \
                 for (int gg = g; gg < gn; gg++)   /* one fma each (q4_panels' order) */ \
-                    tail = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)(dq[q][gg][j] -  \
-                        (int32_t)z[gg] * ck_ldi(xsum + gg))),                           \
-                        _mm_set_ss(ck_ldf(sw + gg) * ck_ldf(xs + gg)), _mm_set_ss(tail))); \
+                    tail = __builtin_fmaf((float)(dq[q][gg][j] - (int32_t)z[gg] *       \
+                                              ck_ldi(xsum + gg)),                       \
+                                          ck_ldf(sw + gg) * ck_ldf(xs + gg), tail);     \
                 acc[k] += hsum_ps(facc[j]) + tail;                                      \
             }                                                                           \
         }                                                                               \
