@@ -158,9 +158,9 @@ int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t 
  *   stage 1: gate and up, row tiles x the job's tokens: h = silu(gate) * up;
  *   hquant: h quantized per pair;
  *   stage 2: down, per output row tile, the piece's jobs in order, added to x.
- * A job of at least ck_panel_min_tokens tokens runs the backend's panel kernel where it has one
- * (AVX-512: tokens in the lanes, ck_avx512.c): its gathered rows and its h rows are also
- * packed into panels, and each row tile is unpacked once for all its tokens. The
+ * A job of at least ck_panel_min_tokens tokens runs the backend's panel kernel where it
+ * has one (AVX-512: tokens in the lanes, ck_avx512.c): its gathered rows and its h rows
+ * are also packed into panels, and each row tile is unpacked once for all its tokens. The
  * results are bit for bit the tiles' (so the switch is free to move): a job of fewer
  * tokens, or one whose panels do not fit the scratch, runs the tiles. */
 
@@ -176,7 +176,6 @@ int ck_set_panel_min_tokens(int n) {
     ck_panel_min_tokens = n <= 0 ? CK_PANEL_MIN_TOKENS : n;
     return ck_panel_min_tokens;
 }
-
 
 typedef struct {
     wmat w1, w3, w2;

@@ -7,6 +7,8 @@
  *     time, 2 or 1, else 0). Decode (nt == 1) runs 4 rows at a time, sharing the
  *     activation loads; batches run 1 row x up to 4 tokens, sharing each unpacked weight
  *     vector (measured faster than 2x4, 2x2 and 4x2 tiles, which spill registers).
+ *     From ck_panel_min_tokens tokens the step and ck_matmul run the AVX-512 backend's
+ *     panels instead (ck_avx512.c), which give these tiles' bits.
  *   CK_DEFINE_Q8_I8(ATTR, name, tile): tile(w, r0, xr, xs, res, ldr, RT) computes RT rows
  *     of a q8 matrix against one token's activations; tokens go one by one. */
 #ifndef COLIBRI_CK_TILES_H
