@@ -53,6 +53,9 @@ class Pipeline:
         inv_freq, factor = model.ref._inv_freq, model.ref._rope_factor
         p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
         self.blocks: dict[str, str] = {}            # block -> why it runs the reference
+        # routed tokens per MoE layer and router slot, counted after the routing hook while
+        # on (Engine.count_routed_tokens): a bincount per layer, no hook on the decode path
+        self.routed: Optional[dict[int, np.ndarray]] = None
         self.layers = []
         mla_bytes = 0                               # float W_UK / W_UV kept so far
         for lw in w.layers:
@@ -412,7 +415,20 @@ class Pipeline:
                 idv[:, :m], wv[:, :m] = new_ids, new_w
                 idv[:, m:], wv[:, m:] = -1, 0.0
                 self.layer_width[i] = m
+        if self.routed is not None:
+            self._count_routed(layer, idv[:, :self.layer_width[i]])
         self._experts(i, L, T, n, kmax, idv, wv)
+
+    def _count_routed(self, layer: int, ids: np.ndarray) -> None:
+        counts = np.bincount(ids[ids >= 0].ravel())
+        have = self.routed.get(layer)
+        if have is None or have.size < counts.size:
+            grown = np.zeros(max(counts.size, 8), np.int64)
+            if have is not None:
+                grown[:have.size] = have
+            have = grown
+        have[:counts.size] += counts
+        self.routed[layer] = have               # (one assignment: readers see old or new)
 
     def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:
         model, sc = self.model, self.scratch

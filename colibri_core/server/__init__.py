@@ -39,8 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--expert-allowlist", dest="expert_allowlist", metavar="FILE",
                    help="sha256 digests (one per line) an uploaded expert may have")
     p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
-                   help="do not count routed tokens per expert (saves the decode path's "
-                        "routing hook; /metrics and the status page then show no shares)")
+                   help="do not count routed tokens per expert (saves a bincount per MoE "
+                        "layer and step; /metrics and the status page then show no shares)")
     p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
                    help="engine requests (one per choice or score call) that may wait for "
                         "admission before 429 (the engine's max_queued_requests; default 256)")

@@ -64,7 +64,7 @@ class Settings:
     request_timeout_s: Optional[float] = 600.0
     shutdown_timeout_s: float = 10.0
     model_id: str = "colibri"
-    routing_stats: bool = True          # count routed tokens per expert (a routing hook)
+    routing_stats: bool = True          # count routed tokens per expert
 
 
 class Server:
@@ -75,9 +75,7 @@ class Server:
         self.settings = settings
         self.book = book or ExpertBook(engine)
         if settings.routing_stats:
-            # The routing hook costs the decode path ~30-60 us per MoE layer and token
-            # (docs/BENCHMARKS.md); --no-routing-stats leaves it out.
-            engine.register_plugin(self.book, name="colibri-server-book")
+            engine.count_routed_tokens()        # the engine's own counter: no routing hook
         if engine.hotplug is not None:
             self.book.attach(engine.hotplug)
         self.calls = Calls(engine)
