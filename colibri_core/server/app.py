@@ -276,7 +276,7 @@ def build_app(server: Server) -> Starlette:
     async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
         rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
         created = int(time.time())
-        job = eng.generate(p, rec.rid, st.request_timeout_s)
+        job = eng.generate(p, rec.rid, st.request_timeout_s, stream)
         logprobs = p.logprobs is not None
         if not stream:
             try:
@@ -439,6 +439,8 @@ def build_app(server: Server) -> Starlette:
                              "experts": listing["data"], "refusals": listing["refusals"][:10],
                              "watched_folder": listing["watched_folder"],
                              "routing_stats": st.routing_stats,
+                             **{k: snap[k] for k in ("rollout", "replica_failures")
+                                if k in snap},
                              "window": S.metrics.window(60.0)})
 
     async def index(request, rec):

@@ -5,7 +5,7 @@ The routes (app.py) only parse, check, stream and answer; everything that touche
 engine goes through these methods, so the API has one implementation whatever runs it:
 
     model_cfg, tokenizer, model_dir, num_experts      the served model (what params check)
-    generate(p, request_id, timeout_s) -> call         a completion's events (calls.py's Call:
+    generate(p, request_id, timeout_s, stream) -> call a completion's events (calls.py's Call:
     score(raw_items, experts, request_id, timeout_s)   `async for`, .result, .cancel(why))
     stamp() -> (generation, id)                        the current expert set
     await listing() / rollback(name) / upload(name, data)
@@ -75,7 +75,7 @@ class LocalBackend:
                 log.exception("applying expert changes while idle failed")
 
     # -- requests -----------------------------------------------------------------------
-    def generate(self, p, request_id: str, timeout_s):
+    def generate(self, p, request_id: str, timeout_s, stream: bool = True):
         return self.calls.submit(lambda ctx: run_generation(ctx, p, self.book),
                                  request_id=request_id, timeout_s=timeout_s)
 

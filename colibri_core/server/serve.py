@@ -151,10 +151,10 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     model_id=args.model_id)
 
 
-def main(args) -> int:
-    """`colibri serve` (the options: colibri_core.server.add_arguments)."""
+def resolve(args):
+    """`colibri serve`'s options -> (model directory, EngineConfig, Settings); the
+    fleet (colibri_core/fleet/deploy.py) starts from the same three."""
     from ..config import EngineConfig, find_config, load_run_config, parse
-    from ..engine import Engine
     if args.model:
         base, model_dir = EngineConfig(), Path(args.model)
         model_id = args.model_id or model_dir.resolve().name
@@ -172,5 +172,11 @@ def main(args) -> int:
         overrides["plugins_dir"] = args.plugins_dir
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
     args.model_id = model_id
-    settings = settings_from_args(args, engine_cfg)
+    return Path(model_dir), engine_cfg, settings_from_args(args, engine_cfg)
+
+
+def main(args) -> int:
+    """`colibri serve` (the options: colibri_core.server.add_arguments)."""
+    from ..engine import Engine
+    model_dir, engine_cfg, settings = resolve(args)
     return run_server(lambda: Engine(model_dir, engine_cfg), settings)
