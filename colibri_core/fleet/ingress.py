@@ -295,7 +295,7 @@ class Ingress:
     def __init__(self, engines, model_dir: str, settings: dict):
         from ..server.app import Server, Settings, build_app
         self.server = Server(RayBackend(engines, model_dir), Settings(**settings))
-        self.app = build_app(self.server)
+        self.asgi = build_app(self.server)
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self.asgi

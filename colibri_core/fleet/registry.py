@@ -181,6 +181,10 @@ class ExpertRegistry:
         """A report between two polls (a replica that just adopted a generation)."""
         self._record(replica, report)
 
+    async def leave(self, replica: str) -> None:
+        """A replica Serve stopped: no longer part of any rollout."""
+        self.replicas.pop(replica, None)
+
     def target(self) -> dict:
         import ray
         with self._lock:

@@ -143,7 +143,12 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica}: the registry sync thread stopped")
 
     def __del__(self):
+        """Serve stops the replica (scaled down, redeployed): leave the rollouts."""
         self._stop.set()
+        try:
+            self.registry.leave.remote(self.replica)
+        except Exception:  # noqa: BLE001 - the registry restarts: it forgets us later
+            pass
         try:
             self.engine.close()
         finally:
