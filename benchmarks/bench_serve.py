@@ -290,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
                     help="serve with --no-routing-stats (no routing hook on the decode path)")
-    ap.add_argument("--pairs", type=int, default=6, help="side-by-side requests, 1 client")
+    ap.add_argument("--pairs", type=int, default=6, help="side-by-side requests, 1 client "
+                    "(0: none)")
     ap.add_argument("--json", default=str(OUT / "serve.json"))
     ap.add_argument("--llama-server", dest="llama_server", type=Path,
                     help="llama.cpp's llama-server binary: the same client counts against it "
@@ -317,9 +318,10 @@ def main(argv=None) -> int:
     rows = []
     try:
         asyncio.run(run_level(srv.url, 1, ps, 2, min(8, args.tokens), 60))       # warm-up
-        side = paired(direct, srv.url, ps, args.tokens, args.pairs)
-        print(f"# 1 client side by side: server {side['server_mean_ms']:.2f} ms/token, direct "
-              f"{side['direct_mean_ms']:.2f} ({side['ratio']:.2f}x)", file=sys.stderr)
+        side = paired(direct, srv.url, ps, args.tokens, args.pairs) if args.pairs else None
+        if side:
+            print(f"# 1 client side by side: server {side['server_mean_ms']:.2f} ms/token, direct "
+                  f"{side['direct_mean_ms']:.2f} ({side['ratio']:.2f}x)", file=sys.stderr)
         for c in levels:
             before = lag_buckets(srv.metrics())
             cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -373,6 +375,8 @@ def main(argv=None) -> int:
               f"{fmt(r['first_ms_p50'])} / {fmt(r['first_ms_p99'])} | "
               f"{fmt(r['per_token_ms_p50'], 2)} / {fmt(r['per_token_ms_p99'], 2)} | "
               f"≤ {fmt(r['server_loop_lag_p99_ms'])} | {r['generator_cpu_s']:.1f} |")
+    if side is None:
+        return 0
     print(f"\n1 client side by side ({side['pairs']} pairs): per-token time (median over "
           f"requests of each one's mean) server {side['server_mean_ms']:.2f} ms vs engine "
           f"direct {side['direct_mean_ms']:.2f} ms = {side['ratio']:.2f}x (gap p99 "

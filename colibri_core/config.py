@@ -278,9 +278,10 @@ class EngineConfig(BaseModel):
     # EngineBusyError (`when_full`). Admission: a sequence starts when the KV pool
     # (`kv_pool_tokens`) has its positions free.
     max_step_tokens: int = Field(default=256, ge=1)
-    # while any stream decodes, a step carries at most this many prompt tokens beside the
-    # decodes (None: what max_step_tokens leaves), so that a long prompt arriving does not
-    # slow the running streams' tokens. 8: a 1,920-token prompt arriving during 15 streams
+    # while any stream decodes, a step carries at most this many tokens of each prompt
+    # beside the decodes (None: what max_step_tokens leaves), so that a long prompt
+    # arriving does not slow the running streams' tokens, while prompts arriving together
+    # still advance together. 8: a 1,920-token prompt arriving during 15 streams
     # raised their per-token p99 1.60x (16: 2.10x; no cap: 15x), prefilled in 13 s instead
     # of 7.6 (benchmarks/bench_scheduler.py --steps 256 --prefill 8, 2026-12-01 23:29 UTC)
     max_prefill_tokens: Optional[int] = Field(default=8, ge=1)

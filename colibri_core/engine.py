@@ -15,13 +15,14 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
-from .errors import ConfigError, EngineClosedError, RequestError, RequestTooLarge
+from .errors import (ConfigError, EngineClosedError, RequestCancelled, RequestError,
+                     RequestTooLarge)
 from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
                             same_changes, with_change)
 from .generate import Generation
@@ -35,6 +36,13 @@ from .weights import load_model
 
 log = logging.getLogger("colibri")
 _request_ids = itertools.count(1)
+
+
+class _Closer:
+    """What score_batch's `track` receives: close() cancels the request."""
+
+    def __init__(self, req: Request):
+        self.close = req.cancel
 
 
 class Engine:
@@ -355,13 +363,17 @@ class Engine:
         return self.score_batch([token_ids], top_k=top_k, all_positions=all_positions)[0]
 
     def score_batch(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
-                    all_positions: bool = False) -> list[np.ndarray]:
+                    all_positions: bool = False,
+                    track: Optional[Callable[[object], None]] = None) -> list[np.ndarray]:
         """Batched forward passes over many (short) sequences: prefill only, no decode.
         -> one float32 [V] array of next-token logits per sequence ([len, V] each with
         all_positions=True). One request to the scheduler: its sequences share steps
         with the other requests' (a step carries at most `max_batch_tokens` tokens, or
         `max_step_tokens` while a stream decodes); a call of more than `max_call_tokens`
-        tokens is refused. Blocks until done (from any thread but a plugin hook's)."""
+        tokens is refused. Blocks until done (from any thread but a plugin hook's).
+        `track(handle)` is called once the call is queued: `handle.close()` from any
+        thread cancels it (its sequences leave at the next step) and this call raises
+        RequestCancelled."""
         if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
             raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
                                f"of token-id lists")
@@ -391,9 +403,13 @@ class Engine:
         req.jobs = [ScoreJob(req, p, k, all_positions) for p in prepared]
         self.scheduler.submit(req)
         try:
+            if track is not None:
+                track(_Closer(req))
             req.wait()
         finally:
             req.cancel()                 # interrupted while waiting: not wanted any more
+        if any(j.result is None for j in req.jobs):
+            raise RequestCancelled(f"score_batch {rid} was cancelled before it finished")
         return [j.result for j in req.jobs]
 
     # ------------------------------------------------------------------ expert changes

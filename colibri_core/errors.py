@@ -60,6 +60,14 @@ class RequestTooLarge(RequestError):
     code = "request_too_large"
 
 
+class RequestCancelled(ColibriError, RuntimeError):
+    """The caller cancelled a request before it finished (a score_batch closed from
+    another thread: a server client that disconnected or timed out)."""
+    http_status = 499
+    error_type = "cancelled"
+    code = "cancelled"
+
+
 class EngineUnavailable(ColibriError, RuntimeError):
     """The engine cannot take the request now; retrying later (or elsewhere) can work."""
     http_status = 503

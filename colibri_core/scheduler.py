@@ -11,7 +11,7 @@ what it produced; nothing they do touches the model.
          sequences admitted while the KV budget has room (first come, first served)
       -> one step: running decodes first (one token each), then prompt chunks fill the
          rest, at most max_step_tokens tokens while a stream decodes (max_batch_tokens
-         while none does); one Model.forward per expert set among the step's sequences
+         while none does) and then at most max_prefill_tokens per prompt; one Model.forward per expert set among the step's sequences
          (a pinned sequence keeps its snapshot; the others use the current one) and per
          kind of output (last-token logits, or all positions for scoring)
       -> per sequence, in the step's order: its logits handled (sampling, stop strings,
@@ -421,14 +421,16 @@ class Scheduler:
             self._rr += budget
         plan = [(j, np.array([j.feed], np.int64)) for j in ready[:budget]]
         budget -= len(plan)
-        if decoding and self.max_prefill_tokens is not None:
-            budget = min(budget, self.max_prefill_tokens)   # prompts beside running streams
+        # beside running streams each prompt advances at most max_prefill_tokens a step:
+        # one long prompt barely slows the streams, and prompts arriving together advance
+        # together (one shared cap would prefill them one after another)
+        per_prompt = self.max_prefill_tokens if decoding else None
         for j in running:
             if budget <= 0:
                 break
             left = len(j.tokens) - j.fed
             if left > 0:
-                n = min(left, budget)
+                n = min(left, budget, per_prompt or left)
                 plan.append((j, j.tokens[j.fed:j.fed + n]))
                 budget -= n
         return plan

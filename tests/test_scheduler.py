@@ -208,6 +208,57 @@ def test_join_and_leave_at_chosen_steps():
     assert _join_leave_run()[0] == trace                       # deterministic
 
 
+def test_prompts_beside_a_stream_advance_together():
+    """While A decodes, B and C (10-token prompts, arriving together) each get
+    max_prefill_tokens of their prompt per step, in the same steps: one shared cap would
+    prefill B entirely before C starts."""
+    e = Engine.from_config("builtin", threads=1, max_step_tokens=32, max_prefill_tokens=4)
+    s = e.scheduler
+    s.ahead = 10**9
+    s.trace = []
+    A = e.generate([5, 6, 7], max_new_tokens=8, temperature=0)
+    B = e.generate(list(range(30, 40)), max_new_tokens=2, temperature=0)
+    C = e.generate(list(range(50, 60)), max_new_tokens=2, temperature=0)
+
+    def hook(step):
+        if step == 1:
+            B.start()
+            C.start()
+    s.step_hook = hook
+    A.start()
+    outs = [_out(g.run()) for g in (A, B, C)]
+    names = {A.request_id: "a", B.request_id: "b", C.request_id: "c"}
+    steps = [[(names[r], n) for r, n, _ in plan] for plan in s.trace]
+    e.close()
+    assert steps[:4] == [
+        [("a", 3)],                               # nothing decodes: the whole prompt
+        [("a", 1), ("b", 4), ("c", 4)],           # both prompts advance, 4 tokens each
+        [("a", 1), ("b", 4), ("c", 4)],
+        [("a", 1), ("b", 2), ("c", 2)],
+    ]
+    with Engine.from_config("builtin", threads=1) as solo:
+        assert outs == [_out(solo.generate(p, max_new_tokens=n, temperature=0).run())
+                        for p, n in (([5, 6, 7], 8), (list(range(30, 40)), 2),
+                                     (list(range(50, 60)), 2))]
+
+
+def test_a_score_batch_closed_from_its_handle_stops_at_the_next_step():
+    """score_batch(track=...) hands out a handle; close() (the server's disconnect or
+    timeout) retires the call at the next step, and score_batch raises RequestCancelled.
+    The call needs 32 steps of 64 tokens; it is closed during step 2."""
+    from colibri_core.errors import RequestCancelled
+    e = Engine.from_config("builtin", threads=1, max_batch_tokens=64)
+    handles = []
+    e.scheduler.step_hook = lambda step: handles[0].close() if step == 2 else None
+    seqs = [[(i * 7 + j) % 500 + 3 for j in range(64)] for i in range(32)]
+    with pytest.raises(RequestCancelled, match="cancelled before it finished"):
+        e.score_batch(seqs, track=handles.append)
+    assert e.scheduler.steps <= 3 and _full(e)
+    e.scheduler.step_hook = None
+    assert len(e.score_batch(seqs[:2])) == 2                  # the engine serves on
+    e.close()
+
+
 # ------------------------------------------------------------------ faults
 
 def test_a_fault_of_one_sequence_fails_only_its_request():

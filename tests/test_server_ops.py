@@ -144,6 +144,11 @@ def test_request_timeout_and_cors(experts_dir):
             with c.stream("POST", u + "/v1/completions", json={**big, "stream": True}) as s:
                 lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert '"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+        # 256 x 200 tokens to score: more than a second too; cancelled at the next step
+        score = {"items": [{"prompt": [(i * 7 + j) % 500 + 3 for j in range(199)],
+                            "candidates": [[5]]} for i in range(256)]}
+        r = httpx.post(u + "/v1/score", json=score, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
         ok = httpx.post(u + "/v1/completions", json={"prompt": "The", "max_tokens": 4})
         assert ok.status_code == 200                 # the engine is free again
         pre = httpx.options(u + "/v1/completions", headers={

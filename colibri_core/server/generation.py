@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..errors import EngineBusyError, RequestError
+from ..errors import EngineBusyError, RequestCancelled, RequestError
 from ..ops import log_softmax, softmax
 from ..sampler import Sampler
 
@@ -381,8 +381,8 @@ def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     """Log-probs of each item's candidate continuations: all sequences (prompt +
     candidate) in one engine.score_batch, which the scheduler runs in as few steps as
     max_step_tokens (max_batch_tokens while no stream decodes) allows, sharing them with
-    the other requests' sequences. The call is not interrupted once submitted (a
-    disconnect or the timeout is seen when it returns)."""
+    the other requests' sequences. A disconnect or the timeout cancels it: its
+    sequences leave the engine at the next step."""
     eng = ctx.engine
     seqs = [(ii, ci, it.prompt_ids + cand) for ii, it in enumerate(items)
             for ci, cand in enumerate(it.candidates)]
@@ -390,7 +390,12 @@ def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     per_tok: dict = {}
     ctx.check()
     before = book.stamp()
-    outs = eng.score_batch([s for _, _, s in seqs], top_k=experts, all_positions=True)
+    try:
+        outs = eng.score_batch([s for _, _, s in seqs], top_k=experts, all_positions=True,
+                               track=ctx.track)
+    except RequestCancelled:
+        ctx.check()                  # why it was cancelled: disconnect, timeout, shutdown
+        raise
     ctx.check()
     for (ii, ci, seq), logits in zip(seqs, outs):
         start = len(items[ii].prompt_ids)
