@@ -27,7 +27,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .ingress import Ingress
-from .registry import NAMESPACE, start_registry
+from .registry import NAMESPACE, start_registry, stop_registry
 from .replica import EngineReplica
 
 APP = "colibri"
@@ -116,13 +116,16 @@ def deploy(model_dir, engine_cfg=None, settings=None, *, replicas: int = 1,
 
 
 def undeploy() -> None:
-    """Delete the application and stop Serve (the registry, detached, keeps running: its
-    state is on the head's disk either way)."""
+    """Delete the application, stop Serve and the registry actor (its state stays on the
+    head's disk: the next deploy carries on from it)."""
     from ray import serve
     try:
         serve.delete(APP)
     finally:
-        serve.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            stop_registry()
 
 
 def main(args) -> int:

@@ -217,6 +217,10 @@ class ExpertRegistry:
             self._changed = asyncio.Event()
 
     # -- the API's expert routes (through the ingress) ----------------------------------
+    def where(self) -> tuple:
+        """(the watched folder, the state folder): a deploy checks it joins its own."""
+        return self.experts_dir, self.set.state_dir
+
     def expected_id(self) -> str:
         """The expert_set_id of the registry's set (the model's experts + the live ones)."""
         if self.model_pairs is None:
@@ -318,8 +322,24 @@ def start_registry(model_dir, experts_dir: Optional[str], state_dir: str,
         resources={HEAD_RESOURCE: 0.001}, runtime_env=runtime_env or None)
     handle = actor.remote(str(model_dir), None if experts_dir is None else str(experts_dir),
                           str(state_dir))
-    ray.get(handle.expected_id.remote())          # constructed (or its error, raised here)
+    got = tuple(ray.get(handle.where.remote()))   # constructed (or its error, raised here)
+    want = (None if experts_dir is None else os.path.abspath(experts_dir),
+            os.path.abspath(state_dir))
+    if got != want:
+        from ..errors import ConfigError
+        raise ConfigError(f"this cluster's expert registry watches {got[0]} (state {got[1]}), "
+                          f"not {want[0]} (state {want[1]}): stop that fleet first (its "
+                          f"`colibri serve --ray` exits with it), or give the same folders")
     return handle
+
+
+def stop_registry() -> None:
+    """The registry of a fleet that stops: its actor goes (its state stays on disk)."""
+    import ray
+    try:
+        ray.kill(get_registry(), no_restart=True)
+    except ValueError:
+        pass                                      # none running
 
 
 def get_registry():

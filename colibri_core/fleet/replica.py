@@ -77,6 +77,7 @@ class EngineReplica:
         self.state = "starting"
         self.generation = -1                      # the registry generation settled last
         self.refused: list = []
+        self.timing: dict = {}                    # the last generation's fetch and adoption
         self._marks: list[tuple[int, int]] = []   # (engine generation, registry generation)
         self._stop = threading.Event()
         self._first = threading.Event()
@@ -165,7 +166,7 @@ class EngineReplica:
         return {"node": _node_ip(), "pid": os.getpid(), "state": self.state,
                 "generation": self.generation, "expert_set_id": snap["expert_set_id"],
                 "engine_generation": snap["expert_set_generation"], "refused": self.refused,
-                "model_pairs": self.model_pairs, "time": time.time(),
+                "model_pairs": self.model_pairs, "time": time.time(), "timing": self.timing,
                 "counters": {k: snap[k] for k in ("queue_depth", "batch_size", "adoptions",
                                                   "refusals", "routed", "requests_running",
                                                   "kv_pool")}}
@@ -186,6 +187,7 @@ class EngineReplica:
     def _apply(self, target: dict) -> None:
         import ray
         self.state = "syncing"
+        t0 = time.perf_counter()
         want = {n: e["sha256"] for n, e in target["experts"].items()}
         write_atomically(self._tmp("slots"), self.slots_file,
                          json.dumps(target["slots"], sort_keys=True).encode())
@@ -204,6 +206,7 @@ class EngineReplica:
             except FileNotFoundError:
                 pass
             del self.written[name]
+        t1 = time.perf_counter()
         expected = expert_set_id(self.model_pairs + list(want.items()))
         deadline = time.monotonic() + ADOPT_DEADLINE_S
         refused: list = []
@@ -220,6 +223,8 @@ class EngineReplica:
                 self.engine.apply_expert_changes()
                 break
             time.sleep(0.005)
+        self.timing = {"generation": target["generation"], "fetch_ms": 1000 * (t1 - t0),
+                       "adopt_ms": 1000 * (time.perf_counter() - t1)}
         self._marks.append((self.engine.expert_set_generation, target["generation"]))
         self.generation = target["generation"]
         ok = self.engine.expert_set_id == expected
