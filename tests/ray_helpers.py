@@ -25,9 +25,12 @@ def free_port() -> int:
 
 
 def worker_env() -> dict:
-    """The raylet's environment, which its workers inherit: this checkout first."""
+    """The raylet's environment, which its workers inherit: this checkout first; workers
+    at the niceness of everything else (Ray's default, 15, starves the replicas beside
+    other work on a shared machine)."""
     path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_USAGE_STATS_ENABLED": "0"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_worker_niceness": "0"}
 
 
 class RayCluster:

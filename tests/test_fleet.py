@@ -102,3 +102,12 @@ def test_colibri_without_ray_is_unchanged(tmp_path):
                          env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "REFUSED the fleet needs Ray Serve: pip install 'colibri[ray]'" in out.stdout
+
+
+def test_autoscale_option():
+    from colibri_core.errors import ConfigError
+    from colibri_core.fleet.deploy import parse_autoscale
+    assert parse_autoscale("1:4") == (1, 4) and parse_autoscale(None) is None
+    for bad in ("4:1", "0:2", "2", "a:b"):
+        with pytest.raises(ConfigError, match="--autoscale"):
+            parse_autoscale(bad)
