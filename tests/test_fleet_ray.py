@@ -2,7 +2,7 @@
 --head`, 2 CPUs): 2 engine replicas of 1 CPU each, the built-in model, started by the
 documented command. The official `openai` client under bounded load; an expert dropped
 into the head's folder reaches both replicas with no failed request and equal
-expert_set_ids; a rollback travels to both; a replica killed mid-request: the streams
+expert_set_ids; a rollback travels to both; a rollout names the replicas that refused; a replica killed mid-request: the streams
 it served end with a 503 event, the non-streaming requests are retried, and the replica
 is back within 90 s with the current set; the registry restarts from its disk.
 
@@ -256,6 +256,41 @@ def test_a_rollback_travels_to_both_replicas(fleet, client):
     assert r.status_code == 404 and "not active" in r.json()["error"]["message"]
 
 
+def test_a_rollout_names_the_replicas_that_refused(fleet, client):
+    """An expert whose probe crashes: the registry takes it (its metadata is fine), both
+    replicas' engines refuse it; the rollout names them with the refusal, and they go on
+    serving the set they had."""
+    from colibri_core.hotplug.testing import compile_test_expert
+    before = fleet.listing()
+    tmp = compile_test_expert(fleet.scratch / "crashy.so", hidden=128, layer=1,
+                              name="crashy", fault="segv")
+    os.replace(tmp, fleet.experts / "crashy.so")
+    end = time.monotonic() + ROLLOUT_DEADLINE_S
+    while time.monotonic() < end:
+        now = fleet.listing()
+        ro = now["rollout"]
+        if ro["generation"] == before["expert_set_generation"] + 1 and len(ro["failed"]) == 2:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the refusal was not reported by both replicas: {ro}")
+    assert not ro["complete"] and ro["adopted"] == []
+    for f in ro["failed"]:
+        assert f["state"] == "refused" and f["refused"][0]["path"].endswith("crashy.so")
+    assert {r["expert_set_id"] for r in now["replicas"] if r["live"]} == \
+        {before["expert_set_id"]}
+    assert any(r["where"] != "registry" and r["path"].endswith("crashy.so")
+               for r in now["refusals"])
+    r = client.completions.create(model="builtin", prompt=PROMPTS[1], max_tokens=4,
+                                  temperature=0)
+    assert r.model_extra["expert_sets"][-1]["expert_set_id"] == before["expert_set_id"]
+    status = httpx.get(fleet.url + "/status.json", timeout=30).json()
+    assert status["backend"] == "ray" and status["rollout"]["failed"]
+    os.unlink(fleet.experts / "crashy.so")
+    back = fleet.wait_rollout(before["expert_set_generation"] + 2, "crashy removed")
+    assert back["expert_set_id"] == before["expert_set_id"]
+
+
 def _stream(url: str, prompt: str, tokens: int) -> dict:
     """A streaming completion read with httpx: its tokens, and its error event if any."""
     out = {"tokens": 0, "error": None, "status": None}
@@ -349,5 +384,6 @@ def test_the_registry_restarts_from_its_disk(fleet):
         raise AssertionError("the registry did not come back with both replicas")
     assert now["expert_set_generation"] == before["expert_set_generation"]
     assert now["expert_set_id"] == before["expert_set_id"]
-    assert [(r["name"], r["slot"], r["version"]) for r in now["data"]
-            if r["origin"] == "hot-plugged"] == [("fraud", 8, "1")]
+    assert [(r["name"], r["slot"], r["version"], r["status"]) for r in now["data"]
+            if r["origin"] == "hot-plugged"] == [("fraud", 8, "1", "active"),
+                                                 ("crashy", 9, "1.0", "removed")]
