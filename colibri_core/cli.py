@@ -8,6 +8,7 @@
                     [--progress] [--force]
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
     colibri serve [--config NAME | --model DIR] [--host H] [--port P] ...  (docs/SERVE.md)
+    colibri serve --ray [--replicas N | --autoscale MIN:MAX] ...            (docs/SCALE.md)
 
 User mistakes (bad options included) print one line `colibri: error: ...` and exit 2;
 Ctrl-C exits 130.
@@ -512,6 +513,15 @@ def _model_options(ap, what: str, engine_defaults: str, shipped: str) -> None:
                           f"settings, write a config with `model: DIR` and use --config")
 
 
+def cmd_serve(args) -> int:
+    """`colibri serve`: one engine here (server/), or with --ray a fleet (fleet/)."""
+    if args.ray:
+        from .fleet import main as fleet_main
+        return fleet_main(args)
+    from .server import main as serve_main
+    return serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     engine_defaults, builtin, shipped = _defaults_help()
     p = CliParser(prog="colibri", description="CPU-first MoE inference engine")
@@ -606,10 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_experts_list)
 
-    from .server import add_arguments as serve_arguments, main as cmd_serve
+    from .fleet import add_arguments as fleet_arguments
+    from .server import add_arguments as serve_arguments
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with live experts "
-                                      "(docs/SERVE.md)")
+                                      "(docs/SERVE.md; --ray: a fleet, docs/SCALE.md)")
     serve_arguments(sv)
+    fleet_arguments(sv)
     sv.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")

@@ -209,6 +209,9 @@ class HotplugConfig(BaseModel):
     settle_s: float = Field(default=0.2, ge=0)     # files not renamed in / closed after writing
     state_dir: Optional[str] = None                # default: <experts_dir>/.colibri-state
     startup_timeout_s: float = Field(default=30.0, ge=0)  # wait for the folder's first scan
+    # JSON {expert name: slot} read when a name first gets a slot (a fleet's registry
+    # writes it, so that every replica numbers the experts alike); None: next free slot
+    slots_file: Optional[str] = None
 
 
 class ResidencyConfig(BaseModel):

@@ -436,7 +436,8 @@ class Engine:
             first_slot=self.model_cfg.num_experts, state_dir=state_dir,
             allowlist=hp.allowlist, isolation_default=hp.isolation,
             probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event,
-            probe_slots=hp.probe_slots, prepare=self._prepare_changes)
+            probe_slots=hp.probe_slots, prepare=self._prepare_changes,
+            slots_file=hp.slots_file)
         self.hotplug.start()
         # The folder's existing experts go through the same checks before the first token.
         self.hotplug.wait_idle(hp.startup_timeout_s)

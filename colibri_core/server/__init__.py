@@ -7,6 +7,8 @@
     chat.py        the checkpoint's chat template (sandboxed Jinja, as transformers)
     experts.py     expert-set generation/id, listing, refusals, routed tokens
     metrics.py     Prometheus registry; the status page's one-minute window
+    backend.py     what the routes run on: LocalBackend (one engine here); fleet/ has the
+                   same methods over Ray Serve replicas
     app.py         the Starlette app: routes, auth, request ids, errors, access log
     serve.py       engine + app + uvicorn from the command line's options
 
