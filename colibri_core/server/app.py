@@ -30,7 +30,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import params
-from .calls import Calls, Cancelled
+from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
 from .generation import End, Token
