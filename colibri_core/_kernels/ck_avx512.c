@@ -118,9 +118,18 @@ CK_DEFINE_Q8_I8_TILE(VNNI_INL, q8_i8_tile, _mm256_dpbusd_epi32)
 
 CK_DEFINE_Q8_I8(VNNI_FN, q8_i8, q8_i8_tile)
 
+/* ------------------------------------------------------------------ q6, int8 act */
+
+/* two dpbusd in place of AVX2's maddubs pair + madd: the same integers (ck_tiles.h) */
+#define VNNI_DOT2(acc, lo, x0, hi, x1) \
+    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32((acc), (lo), (x0)), (hi), (x1))
+CK_DEFINE_Q6_I8_TILE(VNNI_INL, q6_i8_tile, VNNI_DOT2)
+
+CK_DEFINE_Q6_I8(VNNI_FN, q6_i8, q6_i8_tile)
+
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
-    ck_avx2_attn, 4, 4,
+    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4,
 };
 
 #else
