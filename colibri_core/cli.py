@@ -640,14 +640,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", metavar="OUT_DIR",
                    help="the Colibri model directory to write (with its tokenizer files)")
     c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
-                   help="4: q4 (embedding, lm_head and K/V q8), 8: q8, 16: the checkpoint's "
+                   help="4: q4 (lm_head q6, embedding and K/V q8), 8: q8, 16: the checkpoint's "
                         "own bf16/f16, 32: f32")
     c.add_argument("--group-size", type=int, default=128, dest="group_size",
                    help="quantization group size, a multiple of 64 (default 128)")
     c.add_argument("--kv-bits", type=int, choices=[4, 6, 8, 16, 32], dest="kv_bits",
                    help="attention K/V projections (default 8 under --bits 4; 6: q6)")
     c.add_argument("--lm-head-bits", type=int, choices=[4, 6, 8, 16, 32], dest="lm_head_bits",
-                   help="override the lm_head's precision (default: 8 under --bits 4; 6: q6)")
+                   help="override the lm_head's precision (default: 6, i.e. q6, under --bits 4)")
     c.add_argument("--embed-bits", type=int, choices=[4, 6, 8, 16, 32], dest="embed_bits",
                    help="override the embedding's precision (default: 8 under --bits 4; "
                         "the lm_head's when tied; 6: q6)")

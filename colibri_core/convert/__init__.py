@@ -4,7 +4,7 @@
 
 - Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (MLA attention, grouped
   sigmoid routing); see families.py for the config mapping and what is refused.
-- Precision (`bits`): 4 -> q4 (embedding, lm_head and attention K/V q8), 8 -> q8,
+- Precision (`bits`): 4 -> q4 (lm_head q6; embedding and attention K/V q8), 8 -> q8,
   16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
   checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.
   Per tensor class (TENSOR_CLASSES: embed, lm_head, attn_qo, attn_kv, dense_ffn,
@@ -205,7 +205,12 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                               "imported as it is (drop --calibration)")
         if bits not in (4, 8):
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
-    lm_bits = tb.get("lm_head") or (8 if bits == 4 else bits)
+    # The lm_head at 6 bits under a 4-bit body: every token reads all of it (on the
+    # benchmark model 32.2 of 116.5 MiB at q8, 24.7 at q6), and on both trained models the
+    # q6 head left the converted model's KL to the float model within 2.2% and its
+    # perplexity within 0.4% of the q8 head's (benchmarks/precision_sensitivity.py,
+    # docs/BENCHMARKS.md "Precision by measured sensitivity").
+    lm_bits = tb.get("lm_head") or (6 if bits == 4 else bits)
     # The embedding at 8 bits under a 4-bit body too: decode reads one row of it per token,
     # so this costs file size only, and at 4 bits it is the largest single cause of logit
     # error (benchmarks/_peer_fidelity_ablation.py). Tied, it is the lm_head.
