@@ -51,14 +51,15 @@ from colibri_core.engine import Engine  # noqa: E402
 
 LLAMA_CPP_BPW = {4: ("Q4_0 / Q4_K", 4.5), 6: ("Q6_K", 6.5625), 8: ("Q8_0", 8.5), 16: ("F16", 16.0)}
 FLOAT = {c: 32 for c in TENSOR_CLASSES}
-# The mixes the converter offers: its default and the q6 alternatives.
+# The mixes the converter offers: its default (the first: choose() measures against it),
+# format 1.0's default (lm_head q8) and the other q6 alternatives.
 MIXES = {
-    "default (--bits 4: lm_head, embed, K/V q8)": {},
-    "--lm-head-bits 6": {"lm_head": 6},
-    "--lm-head-bits 6, embed 6": {"lm_head": 6, "embed": 6},
-    "--lm-head-bits 6, K/V 6": {"lm_head": 6, "attn_kv": 6},
-    "--lm-head-bits 6, K/V 6, attn_qo 6": {"lm_head": 6, "attn_kv": 6, "attn_qo": 6},
-    "all 4 (lm_head, embed, K/V q4)": {"lm_head": 4, "embed": 4, "attn_kv": 4},
+    "default (--bits 4: lm_head q6; embed, K/V q8)": {},
+    "--lm-head-bits 8 (format 1.0's default)": {"lm_head": 8},
+    "default + --embed-bits 6": {"embed": 6},
+    "default + --kv-bits 6": {"attn_kv": 6},
+    "default + --tensor-bits attn_kv=6,attn_qo=6": {"attn_kv": 6, "attn_qo": 6},
+    "all 4 (--tensor-bits lm_head=4,embed=4,attn_kv=4)": {"lm_head": 4, "embed": 4, "attn_kv": 4},
 }
 
 
