@@ -4,8 +4,8 @@
                 --prompt-file PATH] [-n N] [--top-k K] ...
     colibri inspect MODEL_DIR [--verify]
     colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
-                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--q4-clip mse|minmax]
-                    [--progress] [--force]
+                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B]
+                    [--tensor-bits CLASS=B,..] [--q4-clip mse|minmax] [--progress] [--force]
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
     colibri serve [--config NAME | --model DIR] [--host H] [--port P] ...  (docs/SERVE.md)
 

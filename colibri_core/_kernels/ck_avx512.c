@@ -2,9 +2,9 @@
  * like ck_avx2.c: compiled without -m flags, every function carries a target attribute,
  * and ck_core.c picks this backend only if __builtin_cpu_supports reports all of them.
  *
- * Only the two int8 dot-product tiles change: vpdpbusd (u8 x s8, four products summed
- * straight into an i32 lane) replaces AVX2's maddubs -> i16 -> madd -> add chain. The
- * nibbles (0..15) are the u8 operand and the activations the s8 one, as in AVX2;
+ * Only the three int8 dot-product tiles (q4, q6, q8) change: vpdpbusd (u8 x s8, four
+ * products summed straight into an i32 lane) replaces AVX2's maddubs -> i16 -> madd -> add
+ * chain. The nibbles (0..15; q6 values 0..63) are the u8 operand and the activations the s8 one, as in AVX2;
  * everything else (activation quantization, float paths, attention) is the AVX2 code.
  * Only 256-bit vectors: Zen 4 runs a 512-bit op as two 256-bit halves, and a zmm q4 tile
  * (one dpbusd per 64-value block on a broadcast of its 32 bytes, high half shifted)
