@@ -147,9 +147,19 @@ static void q6_i8(const ck_q6 *w, int64_t r0, int rt, const ck_act *a, int64_t t
             const int8_t *xq = a->q + (t0 + t) * a->cp;
             float acc = 0.0f;
             for (int64_t g = 0; g < w->ng; g++) {
-                int32_t dot = 0;
-                for (int64_t k = g * w->group; k < (g + 1) * w->group; k++)
-                    dot += q6_at(row, k) * xq[k];
+                int32_t dot = 0;   /* block-wise (values j, 16+j, 32+j, 48+j share a top-bits
+                                      byte) so that the compiler can vectorize it */
+                for (int64_t b = g * w->group / 64; b < (g + 1) * w->group / 64; b++) {
+                    const uint8_t *blk = row + b * CK_Q6_BLOCK;
+                    const int8_t *xb = xq + b * 64;
+                    for (int j = 0; j < 16; j++) {
+                        const int h = blk[32 + j];
+                        dot += ((blk[j] & 15) | (h & 3) << 4) * xb[j] +
+                               ((blk[16 + j] & 15) | (h >> 2 & 3) << 4) * xb[16 + j] +
+                               ((blk[j] >> 4) | (h >> 4 & 3) << 4) * xb[32 + j] +
+                               ((blk[16 + j] >> 4) | (h >> 6) << 4) * xb[48 + j];
+                    }
+                }
                 int32_t corr = dot - (int32_t)zp[g] * ck_ldi(a->sum + (t0 + t) * a->ng + g);
                 acc += (float)corr * (ck_ldf(sc + g) * ck_ldf(a->s + (t0 + t) * a->ng + g));
             }
