@@ -98,7 +98,7 @@ class Pipeline:
                     self.blocks.setdefault("shared expert", why)
             self.layers.append(L)
         why = None if (is_q(w.lm_head) and model.act == "int8") else \
-            ("float activations" if model.act != "int8" else "lm_head not stored as q4/q8")
+            ("float activations" if model.act != "int8" else "lm_head not stored as q4/q6/q8")
         self.head = None
         if why is None:
             self.head = keep.new("ck_mat *")
