@@ -166,6 +166,8 @@ def main(args) -> int:
                  "max_queued_requests": args.queue_size, "when_full": "refuse"}
     if args.threads is not None:
         overrides["threads"] = args.threads
+    from . import speculation_overrides
+    speculation_overrides(args, overrides)
     if args.plugins_dir:
         overrides["plugins_dir"] = args.plugins_dir
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
