@@ -44,27 +44,10 @@ def add_arguments(p) -> None:
     p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
                    help="engine requests (one per choice or score call) that may wait for "
                         "admission before 429 (the engine's max_queued_requests; default 256)")
+    from .serve import add_speculation_arguments
     add_speculation_arguments(p)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
-
-
-def add_speculation_arguments(p) -> None:
-    """--speculative-decoding / --draft-tokens (colibri run and serve)."""
-    p.add_argument("--speculative-decoding", choices=["off", "prompt_lookup"],
-                   dest="speculative_decoding",
-                   help="self-speculative decoding: prompt_lookup drafts tokens from the "
-                        "text so far and verifies them in one step (same output; default "
-                        "off, docs/BENCHMARKS.md \"Self-speculative decoding\")")
-    p.add_argument("--draft-tokens", type=int, dest="draft_tokens", metavar="N",
-                   help="at most N draft tokens per decode step (default 4)")
-
-
-def speculation_overrides(args, overrides: dict) -> None:
-    if getattr(args, "speculative_decoding", None):
-        overrides["speculative_decoding"] = args.speculative_decoding
-    if getattr(args, "draft_tokens", None) is not None:
-        overrides["draft_tokens"] = args.draft_tokens
 
 
 def main(args) -> int:
