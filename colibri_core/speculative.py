@@ -34,7 +34,7 @@ class PromptLookup:
     periodically (a loop in the text drafts its next turns). One per sequence; `push`
     every emitted token, `draft(limit)` before a step."""
 
-    def __init__(self, tokens, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, tokens, ngram_max: int = 3, ngram_min: int = 2):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"ngram_min={ngram_min}, ngram_max={ngram_max}: expected "
                              f"1 <= ngram_min <= ngram_max")
