@@ -175,6 +175,8 @@ def _engine_from_args(args):
         overrides["max_resident_mb"] = None
     if getattr(args, "kv_dtype", None):
         overrides["kv_dtype"] = args.kv_dtype
+    from .server.serve import speculation_overrides
+    speculation_overrides(args, overrides)
     if args.model:
         base = EngineConfig()
         model_dir = require_model_dir(args.model)
@@ -609,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--speculative", action="store_true",
                    help="under --max-resident-mb: guess the next layer's experts and load "
                         "them early")
+    from .server.serve import add_speculation_arguments
+    add_speculation_arguments(r)
     r.add_argument("--quiet", "-q", action="store_true",
                    help="print only the generated text (no prompt echo, no figures)")
     r.set_defaults(func=cmd_run)

@@ -46,6 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
                    help="engine requests (one per choice or score call) that may wait for "
                         "admission before 429 (the engine's max_queued_requests; default 256)")
+    from .serve import add_speculation_arguments
+    add_speculation_arguments(p)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
 

@@ -22,6 +22,24 @@ from .experts import ExpertBook
 API_KEY_ENV = "COLIBRI_API_KEY"
 
 
+def add_speculation_arguments(p) -> None:
+    """--speculative-decoding / --draft-tokens (colibri run and serve)."""
+    p.add_argument("--speculative-decoding", choices=["off", "prompt_lookup"],
+                   dest="speculative_decoding",
+                   help="self-speculative decoding: prompt_lookup drafts tokens from the "
+                        "text so far and verifies them in one step (same output; default "
+                        "off, docs/BENCHMARKS.md \"Self-speculative decoding\")")
+    p.add_argument("--draft-tokens", type=int, dest="draft_tokens", metavar="N",
+                   help="at most N draft tokens per decode step (default 4)")
+
+
+def speculation_overrides(args, overrides: dict) -> None:
+    if getattr(args, "speculative_decoding", None):
+        overrides["speculative_decoding"] = args.speculative_decoding
+    if getattr(args, "draft_tokens", None) is not None:
+        overrides["draft_tokens"] = args.draft_tokens
+
+
 def default_experts_dir(configured: Optional[str]) -> Optional[str]:
     """The config's experts_dir, else ./experts_so when it exists (the repository's)."""
     if configured:
@@ -168,6 +186,7 @@ def resolve(args):
                  "max_queued_requests": args.queue_size, "when_full": "refuse"}
     if args.threads is not None:
         overrides["threads"] = args.threads
+    speculation_overrides(args, overrides)
     if args.plugins_dir:
         overrides["plugins_dir"] = args.plugins_dir
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
