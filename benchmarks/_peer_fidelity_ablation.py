@@ -46,12 +46,8 @@ class Colibri:
 
     @staticmethod
     def deq(t) -> np.ndarray:
-        from colibri_core.quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
-        if isinstance(t, Q4Tensor):
-            return dequantize_q4(t).astype(np.float32)
-        if isinstance(t, Q8Tensor):
-            return dequantize_q8(t).astype(np.float32)
-        return np.asarray(t, np.float32)
+        from colibri_core.ops import float_matrix     # q4, q6, q8, bf16 or float -> float32
+        return float_matrix(t)
 
     def get(self, role: str, layer: int | None = None, expert: int | None = None, which=None):
         if role == "embed":

@@ -54,6 +54,15 @@ def markdown(res: dict) -> str:
                (fmt(bpt[0] / bpt[1], 2) if "llama.cpp" in inv and "colibri" in inv else "—") + " |")
     floors = [inv[e]["bytes_per_token"] / (bw * 1e9) * 1000 if e in inv else None for e in eng]
     out.append(f"| bandwidth floor at {bw:.1f} GB/s (ms/token) | " + " | ".join(fmt(f, 2) for f in floors) + " | |")
+    for label, key in (("per-token p1 ÷ own floor", "p1_ms"), ("per-token p50 ÷ own floor", "p50_ms")):
+        out.append(f"| {label} | " + " | ".join(
+            fmt(med[e][key] / f, 2) if f else "—" for e, f in zip(eng, floors)) + " | |")
+    pooled = res.get("pooled", {})
+    for label, key, nd in (("all rounds pooled: std / mean (%)", "std_pct_of_mean", 1),
+                           ("all rounds pooled: p99 / p50", "p99_over_p50", 2)):
+        vals = [pooled.get(e, {}).get(key) for e in eng]
+        ratio = fmt(vals[0] / vals[1], 2) if len(vals) > 1 and vals[0] and vals[1] else "—"
+        out.append(f"| {label} | " + " | ".join(fmt(v, nd) for v in vals) + f" | {ratio} |")
     fid = res.get("fidelity", {})
     if fid:
         out.append("")
@@ -64,6 +73,15 @@ def markdown(res: dict) -> str:
             if isinstance(v, dict) and "rel_rms" in v:
                 out.append(f"| {k} | {v['rel_rms']:.4f} | {v['rel_max']:.4f} | "
                            f"{100 * v['top1_agree']:.1f}% | {v['kl_mean']:.4f} |")
+    out.append("")
+    out.append("| round | " + " | ".join(f"{e}: slow tokens (> 1.5× the round's p50), trend "
+                                          f"(ms per 100 tokens)" for e in eng) + " |")
+    out.append("|---|" + "---|" * len(eng))
+    by = {e: [r["stats"] for r in res["runs"] if r["engine"] == e] for e in eng}
+    for i in range(max(len(v) for v in by.values())):
+        cells = [f"{b[i]['slow_tokens']}, {b[i]['trend_ms_per_100']:+.2f}" if i < len(b) else "—"
+                 for b in by.values()]
+        out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     out.append("")
     out.append("| target | measured | met |")
     out.append("|---|---|---|")
@@ -99,7 +117,15 @@ def summarize(res: dict) -> None:
     bw = res["bandwidth"]["GBps"] * 1e9
     res["bandwidth_floor_ms"] = {e: res["inventory"][e]["bytes_per_token"] / bw * 1000
                                  for e in res["inventory"]}
+    res["pooled"] = {}
+    for e in ENGINES:
+        a = np.concatenate([r["per_token_ms"] for r in res["runs"] if r["engine"] == e] or
+                           [np.zeros(0)])
+        if a.size:
+            res["pooled"][e] = {"std_pct_of_mean": float(100 * a.std() / a.mean()),
+                                "p99_over_p50": float(np.percentile(a, 99) / np.percentile(a, 50))}
     res["targets"] = targets(med, res.get("fidelity", {}))
+    res["targets"] += floor_targets(med, res["pooled"], res["bandwidth_floor_ms"])
 
 
 def targets(med: dict, fid: dict) -> list[dict]:
@@ -123,6 +149,30 @@ def targets(med: dict, fid: dict) -> list[dict]:
     if ce and le:
         add("logit error ≤ llama.cpp's (rel. RMS, each vs its own 16-bit model)",
             f"{ce['rel_rms']:.4f} vs {le['rel_rms']:.4f}", ce["rel_rms"] <= le["rel_rms"])
+    return t
+
+
+def floor_targets(med: dict, pooled: dict, floors: dict) -> list[dict]:
+    """Issue 20's: p50 within 1.15x of the floor; decode >= 1.3x llama.cpp where its p1 is
+    more than 1.5x above its own floor; pooled spread no larger than llama.cpp's."""
+    C, L = med.get("colibri"), med.get("llama.cpp")
+    t = []
+    if C and "colibri" in floors:
+        r = C["p50_ms"] / floors["colibri"]
+        t.append({"target": "per-token p50 ≤ 1.15× own floor", "measured": f"{r:.2f}×",
+                  "met": r <= 1.15})
+    if C and L and "llama.cpp" in floors:
+        lr = L["p1_ms"] / floors["llama.cpp"]
+        if lr > 1.5:
+            r = C["decode_tok_s"] / L["decode_tok_s"]
+            t.append({"target": f"decode ≥ 1.3× llama.cpp (its p1 at {lr:.2f}× its floor)",
+                      "measured": f"{r:.2f}×", "met": r >= 1.3})
+        pc, pl = pooled.get("colibri"), pooled.get("llama.cpp")
+        if pc and pl:
+            for key, name in (("std_pct_of_mean", "std ÷ mean"), ("p99_over_p50", "p99 ÷ p50")):
+                t.append({"target": f"all rounds: {name} ≤ llama.cpp's",
+                          "measured": f"{pc[key]:.2f} vs {pl[key]:.2f}",
+                          "met": pc[key] <= pl[key]})
     return t
 
 
@@ -170,4 +220,7 @@ def stats(r: dict) -> dict:
             "decode_cpu_per_wall": r.get("decode_cpu_per_wall"),
             "decode_invol_csw_per_token": r.get("decode_invol_csw_per_token"),
             "decode_vol_csw_per_token": r.get("decode_vol_csw_per_token"),
+            "slow_tokens": int((a > 1.5 * np.percentile(a, 50)).sum()),
+            "trend_ms_per_100": float(np.polyfit(np.arange(a.size), a, 1)[0] * 100)
+            if a.size > 1 else 0.0,
             "n_tokens": len(a) + 1}

@@ -1,11 +1,11 @@
 """Micro benchmark of the kernels, backends side by side: GB/s of weight bytes
-(q4: data + scales + zeros; q8: data + scales; attention: keys + values read).
+(q4, q6: data + scales + zeros; q8: data + scales; attention: keys + values read).
 
     python benchmarks/bench_kernels.py [--quick] [--reps R] [--backends avx2,avx512vnni]
 
 Cases, each at 1 and 2 threads, int8 activations, group 128:
   q4 matvec (decode, N=1) 1024x2816 and 2816x1024, and the same with N=8 tokens
-  q8 matvec 32000x1024 (an LM head)
+  q8 and q6 matvec 32000x1024 (an LM head)
   fused expert FFN, hidden 1024, intermediate 2816, N=1
   decode attention (the same code on every SIMD backend: a control for the noise)
 in two settings:
@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from colibri_core import kernels as K  # noqa: E402
-from colibri_core.quant import Q4Tensor, Q8Tensor, quantize_q4, quantize_q8  # noqa: E402
+from colibri_core.quant import (Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4, quantize_q6,  # noqa: E402
+                                quantize_q8)
 
 COLD_BYTES = 160 << 20  # > any L3 we expect to meet
 
@@ -42,8 +43,8 @@ def copies(t, k: int) -> list:
     if isinstance(t, Q8Tensor):
         return [Q8Tensor(t.data.copy(), t.scales.copy(), t.rows, t.cols, t.group)
                 for _ in range(k)]
-    return [Q4Tensor(t.data.copy(), t.scales.copy(), t.zeros.copy(), t.rows, t.cols, t.group)
-            for _ in range(k)]
+    return [type(t)(t.data.copy(), t.scales.copy(), t.zeros.copy(), t.rows, t.cols, t.group)
+            for _ in range(k)]     # q4 or q6
 
 
 def bench(fn, min_time: float) -> float:
@@ -133,8 +134,8 @@ def main() -> None:
         if not want(name):
             return
         w = rng.standard_normal((rows, cols)).astype(np.float32)
-        t = quantize_q4(w, 128) if kind == "q4" else quantize_q8(w, 128)
-        mm = K.q4_matmul if kind == "q4" else K.q8_matmul
+        t = {"q4": quantize_q4, "q6": quantize_q6, "q8": quantize_q8}[kind](w, 128)
+        mm = {"q4": K.q4_matmul, "q6": K.q6_matmul, "q8": K.q8_matmul}[kind]
         cold = copies(t, max(2, COLD_BYTES // nbytes(t)))
         for n in ns:
             x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -148,6 +149,7 @@ def main() -> None:
     matvec_cases("q4", 1024, 2816, (1, 8))
     matvec_cases("q4", 2816, 1024, (1, 8))
     matvec_cases("q8", 32000, 1024, (1,))
+    matvec_cases("q6", 32000, 1024, (1,))
 
     H, I = 1024, 2816
     if want(f"expert_ffn {H}x{I}"):

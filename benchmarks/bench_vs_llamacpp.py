@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import read_bandwidth  # noqa: E402  (shared with the other benchmarks)
+from common import best_read_bandwidth  # noqa: E402  (shared with the other benchmarks)
 from _vs_models import (  # the model, its conversions, inventories
     HERE, OUT, SHAPE, WORK, build_colibri, build_gguf_f16,
     build_gguf_q4, build_hf, colibri_inventory, gguf_inventory, log)
@@ -73,8 +73,13 @@ def ensure_llama_cpp() -> str | None:
         pass
     log("llama-cpp-python / gguf missing: pip install llama-cpp-python gguf (builds llama.cpp "
         "from source; ~15 min on 2 cores) ...")
+    # the same ISA choice as the llama.cpp tools' build (AMX left out where it crashed)
+    from _llamacpp_tools import cpu_flags
+    env = dict(os.environ)
+    if cpu_flags():
+        env["CMAKE_ARGS"] = " ".join([env.get("CMAKE_ARGS", ""), *cpu_flags()]).strip()
     p = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python", "gguf"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     if p.returncode != 0:
         tail = (p.stdout + p.stderr).strip().splitlines()[-30:]
         return "pip install llama-cpp-python gguf failed:\n" + "\n".join(tail)
@@ -326,8 +331,9 @@ def _main(a):
         res["inventory"]["llama.cpp F16"] = gguf_inventory(Path(paths["llama.cpp F16"]))
     if not a.fidelity_only:
         log("measuring read bandwidth ...")
-        res["bandwidth"] = read_bandwidth(a.threads)
-        log(f"  {res['bandwidth']['GBps']:.2f} GB/s ({a.threads} threads)")
+        res["bandwidth"] = best_read_bandwidth(a.threads)
+        log(f"  {res['bandwidth']['GBps']:.2f} GB/s ({a.threads} threads, "
+            f"{res['bandwidth']['source']} read)")
 
     # ---- fidelity: the same prompts through every model
     V = SHAPE["vocab_size"]

@@ -4,10 +4,11 @@
                 --prompt-file PATH] [-n N] [--top-k K] ...
     colibri inspect MODEL_DIR [--verify]
     colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
-                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B] [--q4-clip mse|minmax]
-                    [--progress] [--force]
+                    [--lm-head-bits B] [--embed-bits B] [--kv-bits B]
+                    [--tensor-bits CLASS=B,..] [--q4-clip mse|minmax] [--progress] [--force]
     colibri verify HF_DIR MODEL_DIR [--prompts FILE] [-n N] [--max-error X]
     colibri serve [--config NAME | --model DIR] [--host H] [--port P] ...  (docs/SERVE.md)
+    colibri serve --ray [--replicas N | --autoscale MIN:MAX] ...            (docs/SCALE.md)
 
 User mistakes (bad options included) print one line `colibri: error: ...` and exit 2;
 Ctrl-C exits 130.
@@ -174,6 +175,8 @@ def _engine_from_args(args):
         overrides["max_resident_mb"] = None
     if getattr(args, "kv_dtype", None):
         overrides["kv_dtype"] = args.kv_dtype
+    from .server.serve import speculation_overrides
+    speculation_overrides(args, overrides)
     if args.model:
         base = EngineConfig()
         model_dir = require_model_dir(args.model)
@@ -380,6 +383,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def tensor_bits_arg(text: str) -> dict:
+    """--tensor-bits CLASS=BITS[,CLASS=BITS...] -> {class: bits} (the converter checks
+    the classes and values)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        cls, eq, b = item.partition("=")
+        if not eq or not b.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected CLASS=BITS, e.g. lm_head=6")
+        out[cls.strip()] = int(b)
+    return out
+
+
 def cmd_convert(args) -> int:
     from .convert import TOKENIZER_FILES, convert
     t0 = time.perf_counter()
@@ -394,13 +409,23 @@ def cmd_convert(args) -> int:
                            "checkpoint folder (config.json, *.safetensors) as HF_DIR")
     cfg = convert(args.hf_dir, args.out_dir, bits=args.bits, group_size=args.group_size,
                   lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
-                  kv_bits=args.kv_bits, q4_clip=args.q4_clip,
+                  kv_bits=args.kv_bits, tensor_bits=args.tensor_bits, q4_clip=args.q4_clip,
                   calibration=args.calibration, progress=args.progress or sys.stderr.isatty(),
                   overwrite=args.force)
     q = cfg.quantization
     print(f"colibri: converted {args.hf_dir} -> {args.out_dir} ({cfg.architecture}, "
           f"{q.get('method', '?')} {q.get('bits', '?')}-bit, {len(cfg.files)} files) in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    from .convert import tensor_classes
+    rows = tensor_classes(args.out_dir)
+    print("colibri: tensor classes (stored bits per weight: data, scales, zero points)",
+          file=sys.stderr)
+    for r in rows:
+        print(f"  {r['class']:<11} {r['count']:>5} x {r['formats']:<10} {r['bits']:6.2f} bits, "
+              f"{r['bytes'] / 2**20:8.2f} MiB", file=sys.stderr)
+    tot_b, tot_w = sum(r["bytes"] for r in rows), sum(r["weights"] for r in rows)
+    print(f"  {'all':<11} {sum(r['count'] for r in rows):>5} matrices     "
+          f"{8 * tot_b / max(tot_w, 1):6.2f} bits, {tot_b / 2**20:8.2f} MiB", file=sys.stderr)
     copied = [n for n in TOKENIZER_FILES if n in cfg.files]
     absent = [n for n in TOKENIZER_FILES if n not in cfg.files]
     if copied:
@@ -512,6 +537,15 @@ def _model_options(ap, what: str, engine_defaults: str, shipped: str) -> None:
                           f"settings, write a config with `model: DIR` and use --config")
 
 
+def cmd_serve(args) -> int:
+    """`colibri serve`: one engine here (server/), or with --ray a fleet (fleet/)."""
+    if args.ray:
+        from .fleet import main as fleet_main
+        return fleet_main(args)
+    from .server import main as serve_main
+    return serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     engine_defaults, builtin, shipped = _defaults_help()
     p = CliParser(prog="colibri", description="CPU-first MoE inference engine")
@@ -577,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--speculative", action="store_true",
                    help="under --max-resident-mb: guess the next layer's experts and load "
                         "them early")
+    from .server.serve import add_speculation_arguments
+    add_speculation_arguments(r)
     r.add_argument("--quiet", "-q", action="store_true",
                    help="print only the generated text (no prompt echo, no figures)")
     r.set_defaults(func=cmd_run)
@@ -606,10 +642,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_experts_list)
 
-    from .server import add_arguments as serve_arguments, main as cmd_serve
+    from .fleet import add_arguments as fleet_arguments
+    from .server import add_arguments as serve_arguments
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with live experts "
-                                      "(docs/SERVE.md)")
+                                      "(docs/SERVE.md; --ray: a fleet, docs/SCALE.md)")
     serve_arguments(sv)
+    fleet_arguments(sv)
     sv.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
@@ -618,17 +656,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", metavar="OUT_DIR",
                    help="the Colibri model directory to write (with its tokenizer files)")
     c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
-                   help="4: q4 (embedding, lm_head and K/V q8), 8: q8, 16: the checkpoint's "
+                   help="4: q4 (lm_head q6, embedding and K/V q8), 8: q8, 16: the checkpoint's "
                         "own bf16/f16, 32: f32")
     c.add_argument("--group-size", type=int, default=128, dest="group_size",
                    help="quantization group size, a multiple of 64 (default 128)")
-    c.add_argument("--kv-bits", type=int, choices=[4, 8, 16, 32], dest="kv_bits",
-                   help="attention K/V projections (default 8 under --bits 4)")
-    c.add_argument("--lm-head-bits", type=int, choices=[4, 8, 16, 32], dest="lm_head_bits",
-                   help="override the lm_head's precision (default: 8 under --bits 4)")
-    c.add_argument("--embed-bits", type=int, choices=[4, 8, 16, 32], dest="embed_bits",
+    c.add_argument("--kv-bits", type=int, choices=[4, 6, 8, 16, 32], dest="kv_bits",
+                   help="attention K/V projections (default 8 under --bits 4; 6: q6)")
+    c.add_argument("--lm-head-bits", type=int, choices=[4, 6, 8, 16, 32], dest="lm_head_bits",
+                   help="override the lm_head's precision (default: 6, i.e. q6, under --bits 4)")
+    c.add_argument("--embed-bits", type=int, choices=[4, 6, 8, 16, 32], dest="embed_bits",
                    help="override the embedding's precision (default: 8 under --bits 4; "
-                        "the lm_head's when tied)")
+                        "the lm_head's when tied; 6: q6)")
+    c.add_argument("--tensor-bits", type=tensor_bits_arg, dest="tensor_bits",
+                   metavar="CLASS=BITS[,...]",
+                   help="per tensor class: embed, lm_head, attn_qo, attn_kv (4, 6, 8, 16, 32), "
+                        "dense_ffn, shared_ffn, experts (4, 8, 16, 32); e.g. "
+                        "attn_qo=6,lm_head=6 (docs/CONVERT.md, Precision)")
     c.add_argument("--q4-clip", choices=["mse", "minmax"], dest="q4_clip",
                    help="q4 scale/zero point per group: mse (min/max or a shrunk range, "
                         "whichever has the smaller squared error) or minmax (plain RTN); "

@@ -209,6 +209,9 @@ class HotplugConfig(BaseModel):
     settle_s: float = Field(default=0.2, ge=0)     # files not renamed in / closed after writing
     state_dir: Optional[str] = None                # default: <experts_dir>/.colibri-state
     startup_timeout_s: float = Field(default=30.0, ge=0)  # wait for the folder's first scan
+    # JSON {expert name: slot} read when a name first gets a slot (a fleet's registry
+    # writes it, so that every replica numbers the experts alike); None: next free slot
+    slots_file: Optional[str] = None
 
 
 class ResidencyConfig(BaseModel):
@@ -284,9 +287,23 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: Optional[int] = Field(default=8, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     when_full: Literal["wait", "refuse"] = "wait"
+    # self-speculative decoding (speculative.py; not the expert cache's
+    # residency.speculative prefetch): "prompt_lookup" drafts up to `draft_tokens`
+    # tokens per decode step from the sequence's own text (the continuation of its last
+    # draft_ngram_max .. draft_ngram_min tokens' latest earlier occurrence), verified in
+    # the same forward; the output is plain decoding's token for token (greedy and
+    # seeded sampling alike). Off by default: docs/BENCHMARKS.md "Self-speculative
+    # decoding" has the cost model and the measurements that decided it.
+    speculative_decoding: Literal["off", "prompt_lookup"] = "off"
+    draft_tokens: int = Field(default=4, ge=1, le=64)
+    draft_ngram_max: int = Field(default=3, ge=1, le=16)
+    draft_ngram_min: int = Field(default=2, ge=1, le=16)   # 1: acceptance 0.45 vs 0.77 (built-in, g=1)
 
     @model_validator(mode="after")
     def _one_limit(self) -> "EngineConfig":
+        if self.draft_ngram_min > self.draft_ngram_max:
+            raise ValueError(f"draft_ngram_min={self.draft_ngram_min} exceeds draft_ngram_max="
+                             f"{self.draft_ngram_max}: no n-gram length is left to match")
         if self.process_limit_mb is not None and self.max_resident_mb is not None:
             raise ValueError(f"process_limit_mb={self.process_limit_mb} and max_resident_mb="
                              f"{self.max_resident_mb:g} are both set; set one: process_limit_mb "

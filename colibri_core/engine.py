@@ -185,6 +185,19 @@ class Engine:
         """Register a plugin object (its hooks take effect at the next call site)."""
         self.pm.register(plugin, name=name)
 
+    def count_routed_tokens(self) -> None:
+        """From now on, count the tokens routed to each router slot of each MoE layer
+        (read with routed_tokens()): a bincount per layer in the step, far cheaper than a
+        colibri_routing observer, which makes every step compute routing scores."""
+        pipe = self.model.pipeline
+        if pipe.routed is None:
+            pipe.routed = {}
+
+    def routed_tokens(self) -> dict[int, np.ndarray]:
+        """{MoE layer: int64 counts per router slot} since count_routed_tokens() ({}
+        while off). A copy, safe to read from any thread while steps run."""
+        return {layer: c.copy() for layer, c in list((self.model.pipeline.routed or {}).items())}
+
     def plugin_failures(self) -> dict:
         """Plugins that failed or were slow, by name: ``{"failures": {hook: n}, "slow":
         {hook: n}, "slowest_ms": {hook: ms}, "disabled": bool, "last_error": str | None}``
@@ -423,7 +436,8 @@ class Engine:
             first_slot=self.model_cfg.num_experts, state_dir=state_dir,
             allowlist=hp.allowlist, isolation_default=hp.isolation,
             probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event,
-            probe_slots=hp.probe_slots, prepare=self._prepare_changes)
+            probe_slots=hp.probe_slots, prepare=self._prepare_changes,
+            slots_file=hp.slots_file)
         self.hotplug.start()
         # The folder's existing experts go through the same checks before the first token.
         self.hotplug.wait_idle(hp.startup_timeout_s)

@@ -19,11 +19,12 @@ from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig
 from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
 from .scheduler import Job, Request, Scheduler, cancel_when_gone
+from .speculative import PromptLookup
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -32,6 +33,7 @@ log = logging.getLogger("colibri")
 class Host(Protocol):
     """What a Generation uses of its engine (engine.Engine is the one host)."""
     model_cfg: ModelConfig
+    config: EngineConfig            # speculative_decoding, draft_tokens
     model: Model
     model_dir: Path
     tokenizer: Optional[Tokenizer]
@@ -72,6 +74,14 @@ class Generation:
     events: list[TokenEvent] = field(default_factory=list)
     _request: Optional["_Stream"] = field(default=None, repr=False)
     _iterated: bool = field(default=False, repr=False)
+
+    @property
+    def speculation(self) -> dict:
+        """Speculative decoding's counts so far: `rounds` (steps that fed draft tokens),
+        `drafted` (draft tokens fed), `accepted` (of them, emitted); all 0 when off."""
+        d = None if self._request is None else self._request.jobs[0]
+        return {"rounds": d.rounds if d else 0, "drafted": d.drafted_total if d else 0,
+                "accepted": d.accepted_total if d else 0}
 
     @property
     def queue_wait_s(self) -> Optional[float]:
@@ -242,7 +252,9 @@ class _Stream(Request):
 
 class Decode(Job):
     """A generation's sequence: after its prompt, sample, stream, stop; one token per
-    step. Runs on the scheduler's thread."""
+    step, or with speculative decoding (EngineConfig.speculative_decoding) the decode
+    token and a draft, of which the tokens sampled as plain decoding samples them are
+    kept (speculative.py). Runs on the scheduler's thread."""
 
     decodes = True
 
@@ -262,9 +274,29 @@ class Decode(Job):
         self.step = 0
         self.t_prev = 0.0
         self._warned_nonfinite = False
+        cfg = eng.config
+        self.lookup = None                  # the draft (None: plain decoding)
+        self.max_draft = cfg.draft_tokens
+        if cfg.speculative_decoding == "prompt_lookup" and gen.max_new_tokens > 1:
+            self.lookup = PromptLookup(gen.prompt_ids, cfg.draft_ngram_max, cfg.draft_ngram_min)
+        self.draft: list[int] = []          # what the running step feeds after `feed`
+        self.rounds = self.drafted_total = self.accepted_total = 0
 
     def ready(self) -> bool:
         return self.feed is not None and len(self.request.events) < self.request._sched.ahead
+
+    def decode_tokens(self, room: int) -> np.ndarray:
+        """The step's tokens: `feed`, then up to `room` draft tokens (none past
+        max_new_tokens or the cache's end)."""
+        draft = []
+        if self.lookup is not None and room > 0:
+            limit = min(room, self.max_draft, self.max_new_tokens - self.step - 1,
+                        self.cache.capacity - self.cache.length - 1)
+            draft = self.lookup.draft(limit)
+        self.draft = draft
+        if not draft:
+            return np.array([self.feed], np.int64)
+        return np.array([self.feed] + draft, np.int64)
 
     def _finish(self, reason: str) -> None:
         req = self.request
@@ -278,9 +310,42 @@ class Decode(Job):
             return
         if self.step >= self.max_new_tokens:
             return self._finish("length")
-        tok = self._sample(logits)
+        draft, self.draft = self.draft, []
+        if not draft:
+            tok = self._sample(logits)
+            if self._emit(tok, es) and self._room():
+                self.feed = tok
+            return
+        # logits [1 + len(draft), V]: row i follows draft[:i]; keep sampling while the
+        # sampled token is the draft's
+        self.rounds += 1
+        self.drafted_total += len(draft)
+        fed = self.cache.length - len(draft)      # positions up to the decode token's
+        for i, row in enumerate(logits):
+            tok = self._sample(row)
+            if not self._emit(tok, es):
+                return
+            if i < len(draft) and tok == draft[i]:
+                self.accepted_total += 1
+                continue
+            self.cache.truncate(fed + i)          # drop the rows of rejected tokens
+            break
+        if self._room():
+            self.feed = tok
+
+    def _room(self) -> bool:
+        """Whether the cache has a place for the next token (else: finished)."""
+        if self.cache.length >= self.cache.capacity:
+            self._finish("context")
+            return False
+        return True
+
+    def _emit(self, tok: int, es) -> bool:
+        """One sampled token: EOS, text and stop strings, the event and the token hook.
+        -> whether the sequence goes on."""
         if tok in self.eos:
-            return self._finish("eos")
+            self._finish("eos")
+            return False
         piece = self.decoder.push(tok) if self.decoder is not None else ""
         piece, stop_hit = self._cut_at_stop(piece)
         self.text += piece
@@ -295,13 +360,15 @@ class Decode(Job):
                         expert_set_generation=es.generation, expert_set_id=es.id)
         req.push(ev)
         self.step += 1
+        if self.lookup is not None:
+            self.lookup.push(tok)
         if stop_hit:
-            return self._finish("stop")
+            self._finish("stop")
+            return False
         if self.step >= self.max_new_tokens:
-            return self._finish("length")
-        if self.cache.length >= self.cache.capacity:
-            return self._finish("context")
-        self.feed = tok
+            self._finish("length")
+            return False
+        return True
 
     def _sample(self, logits: np.ndarray) -> int:
         hooks = self.hooks

@@ -17,7 +17,7 @@ Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or 
 Importing this module sets GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
 is already set (see below).
 
-Quantized matrices are `quant.Q4Tensor` / `quant.Q8Tensor` in the docs/FORMAT.md layout.
+Quantized matrices are `quant.Q4Tensor` / `Q6Tensor` / `Q8Tensor` in the docs/FORMAT.md layout.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from .quant import Q4Tensor, Q8Tensor, check_group, padded_cols
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor, check_group, padded_cols
 
 # libgomp reads its settings when it is loaded (with the extension, just below). Its
 # default lets idle workers spin ~300K iterations; on a machine busy with other jobs the
@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "backend", "available_backends", "set_backend", "set_threads", "get_threads",
-    "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul",
+    "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul", "q6_matmul",
     "q8_matmul", "expert_ffn", "attention_decode",
 ]
 
@@ -175,7 +175,7 @@ def _arr(name: str, a, dtype: np.dtype, shape: tuple, writable: bool = False) ->
 
 
 def _ck_mat(name: str, w, kind: type):
-    """The validated C descriptor (ck_mat) of a Q4Tensor / Q8Tensor, cached on the tensor
+    """The validated C descriptor (ck_mat) of a Q4Tensor / Q6Tensor / Q8Tensor, cached on the tensor
     (its fields are frozen, so the check holds for its lifetime; ~3 us saved per call)."""
     got = w.__dict__.get("_ck_mat") if type(w) is kind else None
     if got is not None:
@@ -190,11 +190,17 @@ def _ck_mat(name: str, w, kind: type):
         _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
         _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
         parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
+    elif kind is Q6Tensor:
+        _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 64 * 48))
+        _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
+        _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
+        parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
     else:
         _arr(f"{name}.data", w.data, _i8, (w.rows, cp))
         _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
         parts = (_ptr(w.data), _ptr(w.scales), _NULL)
-    m = ffi.new("ck_mat *", {"kind": lib.CK_W_Q4 if kind is Q4Tensor else lib.CK_W_Q8,
+    ck_kind = {Q4Tensor: lib.CK_W_Q4, Q6Tensor: lib.CK_W_Q6}.get(kind, lib.CK_W_Q8)
+    m = ffi.new("ck_mat *", {"kind": ck_kind,
                              "data": parts[0], "scales": parts[1], "zeros": parts[2],
                              "rows": w.rows, "cols": w.cols, "group": w.group})
     try:
@@ -268,6 +274,11 @@ def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") ->
     (or x [C] -> out [R]). act="int8" quantizes x per group of W and uses integer dot
     products; act="float" dequantizes W on the fly (parity path). Returns out."""
     return _matmul(w, Q4Tensor, x, out, act)
+
+
+def q6_matmul(w: Q6Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:
+    """As q4_matmul for a q6 matrix (uint8 [R, Cp*3/4] data, f32 scales, uint8 zeros)."""
+    return _matmul(w, Q6Tensor, x, out, act)
 
 
 def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:

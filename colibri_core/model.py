@@ -95,13 +95,14 @@ class Model:
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],
-                ks: Sequence[int] | None = None, all_logits: bool = False,
+                ks: Sequence[int] | None = None, all_logits: bool | Sequence[bool] = False,
                 expert_set: Optional[ExpertSet] = None) -> list[np.ndarray]:
         """Run a batch: tokens[i] (int ids) continue sequence i whose KV cache is caches[i].
 
         ks[i] is the top-k for sequence i (default: the model's). Returns per sequence the
-        logits [V] of its last token, or [n_i, V] for all its tokens when all_logits.
-        `expert_set` pins a snapshot (default: the current one).
+        logits [V] of its last token, or [n_i, V] for all its tokens when all_logits (one
+        bool for the batch, or one per sequence: a speculative decode's verification
+        beside prompt chunks). `expert_set` pins a snapshot (default: the current one).
         """
         cfg = self.cfg
         es = expert_set or self.expert_set
@@ -110,6 +111,11 @@ class Model:
         if len({id(c) for c in caches}) != len(caches):
             raise RequestError("the same KV cache appears twice in one batch")
         ks = list(ks) if ks is not None else [cfg.top_k] * len(tokens)
+        if not isinstance(all_logits, bool):
+            all_logits = [bool(a) for a in all_logits]
+            if len(all_logits) != len(tokens):
+                raise RequestError(f"{len(tokens)} token lists but {len(all_logits)} "
+                                   f"all_logits flags")
         toks = []
         for t, cache, k in zip(tokens, caches, ks):
             t = np.asarray(t, dtype=np.int64).reshape(-1)
@@ -135,7 +141,7 @@ class Model:
         if cfg.moe_layers and not 1 <= k <= min(cfg.num_experts, 256):
             raise RequestError(f"top_k={k} out of range 1..{min(cfg.num_experts, 256)}")
 
-    def _run(self, toks: list, caches, ks, all_logits: bool, es, reuse: bool = False) -> list:
+    def _run(self, toks: list, caches, ks, all_logits, es, reuse: bool = False) -> list:
         spans, t = [], 0
         for tk, cache in zip(toks, caches):
             spans.append((t, t + len(tk), cache))
@@ -163,7 +169,7 @@ class Model:
         return self._run([np.array([token], np.int64)], [cache], [k], False,
                          expert_set or self.expert_set, reuse=True)[0]
 
-    def _forward_chunked(self, toks: list, caches, ks, all_logits: bool, es, chunk: int) -> list:
+    def _forward_chunked(self, toks: list, caches, ks, all_logits, es, chunk: int) -> list:
         """forward() in pieces of at most `chunk` tokens (the memory budget's activation
         share): a sequence's tokens go in order, each piece continuing its KV cache."""
         batches, cur, seen, n = [], [], set(), 0
@@ -177,10 +183,11 @@ class Model:
                 seen.add(i)
                 n += len(piece)
         batches.append(cur)
+        every = [all_logits] * len(toks) if isinstance(all_logits, bool) else all_logits
         outs: list[list] = [[] for _ in toks]
         for b in batches:
             got = self._run([p for _, p in b], [caches[i] for i, _ in b], [ks[i] for i, _ in b],
-                            all_logits, es)
+                            [every[i] for i, _ in b], es)
             for (i, _), o in zip(b, got):
                 outs[i].append(o)
-        return [np.concatenate(o, axis=0) if all_logits else o[-1] for o in outs]
+        return [np.concatenate(o, axis=0) if a else o[-1] for o, a in zip(outs, every)]

@@ -17,11 +17,14 @@ import numpy as np
 
 from .errors import ModelFormatError
 from .files import open_regular
-from .quant import Q4Tensor, Q8Tensor, padded_cols
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 
 MAGIC = b"COLIBRI\x00"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1        # the newest minor version this Colibri reads and writes (1.1: q6)
+# The minor version a file is written with: the lowest that describes its sections, so a
+# file without q6 sections stays 1.0 (byte for byte what an older Colibri wrote and reads).
+DTYPE_MINOR = {"q6": 1}
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
 # The largest section table a reader parses (docs/FORMAT.md): a parsed table costs about
@@ -32,10 +35,11 @@ MAX_TABLE_BYTES = 1 << 20
 MAX_EXPERT_TABLE_BYTES = 64 << 10
 
 PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-ALL_DTYPES = set(PLAIN_DTYPES) | {"q4", "q8"}
+QUANT_DTYPES = ("q4", "q6", "q8")
+ALL_DTYPES = set(PLAIN_DTYPES) | set(QUANT_DTYPES)
 _DTYPE_NAMES = {d: d for d in ALL_DTYPES}   # one shared string per dtype, not one per section
 
-Tensor = Union[np.ndarray, Q4Tensor, Q8Tensor]
+Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
 
 
 def _align(n: int) -> int:
@@ -60,6 +64,11 @@ def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarr
     reader hands bf16 sections out as uint16 views, so this round-trips)."""
     if isinstance(t, Q4Tensor):
         return "q4", [t.rows, t.cols], {"group_size": t.group}, [
+            ("data", np.ascontiguousarray(t.data, np.uint8)),
+            ("scales", np.ascontiguousarray(t.scales, np.float32)),
+            ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
+    if isinstance(t, Q6Tensor):
+        return "q6", [t.rows, t.cols], {"group_size": t.group}, [
             ("data", np.ascontiguousarray(t.data, np.uint8)),
             ("scales", np.ascontiguousarray(t.scales, np.float32)),
             ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
@@ -116,8 +125,13 @@ def _write_array(f, a: np.ndarray) -> None:
         f.write(memoryview(a.reshape(-1)).cast("B"))
 
 
+def minor_for(dtypes: Iterable[str]) -> int:
+    """The format minor version a file holding sections of these dtypes is written with."""
+    return max((DTYPE_MINOR.get(d, 0) for d in dtypes), default=0)
+
+
 def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
-                    reserve: int | None = None) -> None:
+                    reserve: int | None = None) -> int:
     """Write sections to `path` (through a temporary file renamed at the end).
 
     A list or tuple of sections (all in memory already) gets the smallest header. Any
@@ -125,7 +139,8 @@ def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
     then dropped, so a generator of freshly quantized tensors never has more than one
     alive here. The header room is `reserve` bytes (rounded up to 4 KiB; default 64 KiB);
     if the section table turns out larger, the written data is shifted up in place once.
-    The result is a pure function of the sections (and `reserve`): deterministic."""
+    The result is a pure function of the sections (and `reserve`): deterministic.
+    Returns the format minor version written (minor_for the sections' dtypes)."""
     path = Path(path)
     exact = isinstance(sections, (list, tuple))
     entries: list[dict] = []
@@ -164,11 +179,13 @@ def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
                 f.flush()
                 _shift(f, header, off, final_header - header)
             f.seek(0)
-            f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(table)))
+            minor = minor_for(e["dtype"] for e in entries)
+            f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, minor, len(table)))
             f.write(table)
             f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
             f.truncate(end)
         os.replace(tmp, path)
+        return minor
     except BaseException:
         try:
             os.unlink(tmp)
@@ -223,6 +240,8 @@ def _expected_part_sizes(dtype: str, shape: tuple[int, ...], group: int) -> dict
     ng = cp // group
     if dtype == "q4":
         return {"data": rows * cp // 2, "scales": rows * ng * 4, "zeros": rows * ng}
+    if dtype == "q6":
+        return {"data": rows * cp // 64 * 48, "scales": rows * ng * 4, "zeros": rows * ng}
     return {"data": rows * cp, "scales": rows * ng * 4}
 
 
@@ -298,7 +317,7 @@ def parse_table(buf, file_size: int, source: str,
                                    f"{sorted(ALL_DTYPES)})")
         if not 1 <= len(shape) <= 4 or any(s <= 0 or s > 1 << 40 for s in shape):
             raise ModelFormatError(f"{where}: invalid shape {list(shape)}")
-        if dtype in ("q4", "q8"):
+        if dtype in QUANT_DTYPES:
             if len(shape) != 2 or group <= 0 or group % 64 or group > 1 << 20:
                 raise ModelFormatError(f"{where}: {dtype} needs a 2-D shape and a group size "
                                        f"that is a positive multiple of 64 (got {list(shape)}, "
@@ -443,6 +462,11 @@ class ContainerFile:
         ng = cp // s.group_size
         if s.dtype == "q4":
             return Q4Tensor(part("data", np.uint8, (rows, cp // 2)),
+                            part("scales", np.float32, (rows, ng)),
+                            part("zeros", np.uint8, (rows, ng)),
+                            rows, cols, s.group_size)
+        if s.dtype == "q6":
+            return Q6Tensor(part("data", np.uint8, (rows, cp // 64 * 48)),
                             part("scales", np.float32, (rows, ng)),
                             part("zeros", np.uint8, (rows, ng)),
                             rows, cols, s.group_size)

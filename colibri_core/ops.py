@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from .config import ModelConfig
-from .quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref
+from .quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6, dequantize_q8,
+                    matvec_q4_q8_ref, matvec_q4_ref)
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -53,9 +54,11 @@ def bf16_to_f32(a: np.ndarray) -> np.ndarray:
 
 
 def float_matrix(w) -> np.ndarray:
-    """Any stored matrix (q4, q8, bf16 as uint16, float) as float32."""
+    """Any stored matrix (q4, q6, q8, bf16 as uint16, float) as float32."""
     if isinstance(w, Q4Tensor):
         return dequantize_q4(w).astype(np.float32)
+    if isinstance(w, Q6Tensor):
+        return dequantize_q6(w).astype(np.float32)
     if isinstance(w, Q8Tensor):
         return dequantize_q8(w).astype(np.float32)
     a = np.asarray(w)
@@ -67,11 +70,15 @@ def float_matrix(w) -> np.ndarray:
 # ----------------------------------------------------------------------------- embedding, norm
 
 def embedding(table, ids: np.ndarray) -> np.ndarray:
-    """Rows `ids` [T] of the embedding table (q4, q8, bf16 or float) as float32 [T, H]."""
+    """Rows `ids` [T] of the embedding table (q4, q6, q8, bf16 or float) as float32 [T, H]."""
     if isinstance(table, Q4Tensor):
         rows = Q4Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
                         table.cols, table.group)
         return dequantize_q4(rows).astype(np.float32)
+    if isinstance(table, Q6Tensor):
+        rows = Q6Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
+                        table.cols, table.group)
+        return dequantize_q6(rows).astype(np.float32)
     if isinstance(table, Q8Tensor):
         rows = Q8Tensor(table.data[ids], table.scales[ids], len(ids), table.cols, table.group)
         return dequantize_q8(rows).astype(np.float32)

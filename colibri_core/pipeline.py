@@ -53,6 +53,9 @@ class Pipeline:
         inv_freq, factor = model.ref._inv_freq, model.ref._rope_factor
         p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
         self.blocks: dict[str, str] = {}            # block -> why it runs the reference
+        # routed tokens per MoE layer and router slot, counted after the routing hook while
+        # on (Engine.count_routed_tokens): a bincount per layer, no hook on the decode path
+        self.routed: Optional[dict[int, np.ndarray]] = None
         self.layers = []
         mla_bytes = 0                               # float W_UK / W_UV kept so far
         for lw in w.layers:
@@ -95,7 +98,7 @@ class Pipeline:
                     self.blocks.setdefault("shared expert", why)
             self.layers.append(L)
         why = None if (is_q(w.lm_head) and model.act == "int8") else \
-            ("float activations" if model.act != "int8" else "lm_head not stored as q4/q8")
+            ("float activations" if model.act != "int8" else "lm_head not stored as q4/q6/q8")
         self.head = None
         if why is None:
             self.head = keep.new("ck_mat *")
@@ -251,12 +254,14 @@ class Pipeline:
             self._cache_addr[id(cache)] = got
         return got
 
-    def run(self, ids: np.ndarray, spans: list, kt: np.ndarray, es, all_logits: bool = False,
+    def run(self, ids: np.ndarray, spans: list, kt: np.ndarray, es, all_logits=False,
             reuse: bool = False) -> list:
         """ids [n] token ids; spans [(t0, t1, cache)] each sequence's tokens; kt [n] the
-        k of each token (or one int for all). Returns per sequence the logits of its last token [V] (all its
-        tokens [n_i, V] when all_logits); the caches' lengths advance. reuse: the logits
-        are views of a buffer the next step overwrites (the decode loop copies nothing)."""
+        k of each token (or one int for all). Returns per sequence the logits of its last
+        token [V], or of all its tokens [n_i, V] where all_logits says so (one bool for
+        every sequence, or one per sequence); the caches' lengths advance. reuse: the
+        logits are views of a buffer the next step overwrites (the decode loop copies
+        nothing)."""
         model, sc = self.model, self.scratch
         n = len(ids)
         kmax = kt if isinstance(kt, int) else (int(kt.max()) if n else 1)
@@ -314,12 +319,13 @@ class Pipeline:
             if hooks is not None and hooks.after_layer is not None:
                 hooks.after_layer(layer=lw.index, hidden=x)
         self.last_n = n
-        if len(spans) == 1 and not all_logits:   # one sequence's last token (decode)
+        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else all_logits
+        if len(spans) == 1 and not every[0]:    # one sequence's last token (decode)
             np.copyto(sc.prefix("head_x", 1), x[n - 1:n] if n > 1 else x)
             logits = self._head(sc.prefix("head_x", 1), reuse)
             results = [self._logits1_row if reuse and logits is self._logits1 else logits[0]]
         else:
-            rows = [(t0, t1) if all_logits else (t1 - 1, t1) for t0, t1, _ in spans]
+            rows = [(t0, t1) if a else (t1 - 1, t1) for (t0, t1, _), a in zip(spans, every)]
             hx = sc.head_x[:sum(b - a for a, b in rows)]
             j = 0
             for a, b in rows:
@@ -327,8 +333,8 @@ class Pipeline:
                 j += b - a
             logits = self._head(hx, reuse)
             results, j = [], 0
-            for a, b in rows:
-                results.append(logits[j:j + b - a] if all_logits else logits[j])
+            for (a, b), whole in zip(rows, every):
+                results.append(logits[j:j + b - a] if whole else logits[j])
                 j += b - a
         for t0, t1, cache in spans:
             cache.length += t1 - t0
@@ -412,7 +418,20 @@ class Pipeline:
                 idv[:, :m], wv[:, :m] = new_ids, new_w
                 idv[:, m:], wv[:, m:] = -1, 0.0
                 self.layer_width[i] = m
+        if self.routed is not None:
+            self._count_routed(layer, idv[:, :self.layer_width[i]])
         self._experts(i, L, T, n, kmax, idv, wv)
+
+    def _count_routed(self, layer: int, ids: np.ndarray) -> None:
+        counts = np.bincount(ids[ids >= 0].ravel())
+        have = self.routed.get(layer)
+        if have is None or have.size < counts.size:
+            grown = np.zeros(max(counts.size, 8), np.int64)
+            if have is not None:
+                grown[:have.size] = have
+            have = grown
+        have[:counts.size] += counts
+        self.routed[layer] = have               # (one assignment: readers see old or new)
 
     def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:
         model, sc = self.model, self.scratch

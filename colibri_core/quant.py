@@ -1,6 +1,6 @@
 """Group quantization in plain numpy: the reference the C kernels are tested against.
 
-Layout and rounding rules are those of docs/FORMAT.md (`q4`, `q8`). Everything here is
+Layout and rounding rules are those of docs/FORMAT.md (`q4`, `q6`, `q8`). Everything here is
 written for clarity, not speed; the engine's hot path uses `colibri_core.kernels`.
 
 Shape legend: R = rows (output features), C = cols (input features),
@@ -51,6 +51,22 @@ class Q8Tensor:
     rows: int
     cols: int
     group: int
+
+
+@dataclass(frozen=True)
+class Q6Tensor:
+    """A 6-bit matrix in the on-disk layout: q4's asymmetric groups with 64 levels."""
+
+    data: np.ndarray    # uint8 [R, Cp*3/4]  48 bytes per 64 values, FORMAT.md `q6` order
+    scales: np.ndarray  # float32 [R, NG]
+    zeros: np.ndarray   # uint8 [R, NG], 0..63
+    rows: int
+    cols: int
+    group: int
+
+    @property
+    def cols_padded(self) -> int:
+        return padded_cols(self.cols, self.group)
 
 
 # ----------------------------------------------------------------------------- nibbles
@@ -122,8 +138,9 @@ def fake_quant_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
     return g.reshape(rows, cp)[:, : w.shape[1]]
 
 
-def _q4_codes(w: np.ndarray, group: int, clip: str):
-    """float64 [R, C] -> (q uint8 [R, Cp] unpacked, scales float32 [R, NG], zeros uint8 [R, NG])."""
+def _q4_codes(w: np.ndarray, group: int, clip: str, qmax: int = 15):
+    """float64 [R, C] -> (q uint8 [R, Cp] unpacked, scales float32 [R, NG], zeros uint8 [R, NG]);
+    levels 0..qmax (15: q4, 63: q6)."""
     check_group(group)
     if clip not in Q4_CLIPS:
         raise ValueError(f"q4 clip {clip!r}: must be one of {', '.join(Q4_CLIPS)}")
@@ -144,8 +161,8 @@ def _q4_codes(w: np.ndarray, group: int, clip: str):
             parts.append((full, ng, cols - full * group))   # last partial group: real values only
         for g0, g1, k in parts:
             blk = np.ascontiguousarray(w[:, g0 * group: g0 * group + (g1 - g0) * k]).reshape(-1, k)
-            s, z = q4_group_params(blk, clip)
-            qq = np.clip(np.round(blk / s[:, None]) + z[:, None], 0, 15).astype(np.uint8)
+            s, z = q4_group_params(blk, clip, qmax)
+            qq = np.clip(np.round(blk / s[:, None]) + z[:, None], 0, qmax).astype(np.uint8)
             n = g1 - g0
             qv = q[:, g0 * group: g1 * group].reshape(rows, n, group)
             qv[:, :, :k] = qq.reshape(rows, n, k)
@@ -159,22 +176,24 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32).astype(np.float64)
 
 
-def _sq_err(b: np.ndarray, s: np.ndarray, z: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Per group (row of b): sum of ((q - z) * s - b)^2, q = clamp(round(b / s) + z, 0, 15),
+def _sq_err(b: np.ndarray, s: np.ndarray, z: np.ndarray, t: np.ndarray,
+            qmax: float = 15.0) -> np.ndarray:
+    """Per group (row of b): sum of ((q - z) * s - b)^2, q = clamp(round(b / s) + z, 0, qmax),
     computed in the buffer t (shape of b) without allocating."""
     np.divide(b, s[:, None], out=t)
     np.rint(t, out=t)                                   # = np.round: half to even
-    np.clip(t, -z[:, None], 15.0 - z[:, None], out=t)   # q - z
+    np.clip(t, -z[:, None], qmax - z[:, None], out=t)   # q - z
     t *= s[:, None]
     t -= b
     t *= t
     return t.sum(axis=1)
 
 
-def q4_group_params(blk: np.ndarray, clip: str = DEFAULT_Q4_CLIP):
-    """Scale and zero point of each row of `blk` (float64 [N, K]: N groups of K values).
+def q4_group_params(blk: np.ndarray, clip: str = DEFAULT_Q4_CLIP, qmax: int = 15):
+    """Scale and zero point of each row of `blk` (float64 [N, K]: N groups of K values),
+    for levels 0..qmax (15: q4; 63: q6, the same rules with 63 in place of 15).
 
-    -> (scale float64 [N], every value exactly a float32; zero float64 [N], integers 0..15).
+    -> (scale float64 [N], every value exactly a float32; zero float64 [N], integers 0..qmax).
     Deterministic: elementwise float64 arithmetic and one fixed-order sum per group; the
     candidates are tried in a fixed order and a later one is kept only when it lowers the
     group's squared error by more than a relative 1e-12, so last-bit differences in a sum
@@ -184,39 +203,39 @@ def q4_group_params(blk: np.ndarray, clip: str = DEFAULT_Q4_CLIP):
     scale = np.empty(n)
     zero = np.empty(n)
     for a in range(0, n, _CHUNK_GROUPS):
-        s, z = _params_chunk(np.ascontiguousarray(blk[a:a + _CHUNK_GROUPS]), clip)
+        s, z = _params_chunk(np.ascontiguousarray(blk[a:a + _CHUNK_GROUPS]), clip, float(qmax))
         scale[a:a + len(s)] = s
         zero[a:a + len(s)] = z
     return scale, zero
 
 
-def _params_chunk(b: np.ndarray, clip: str):
+def _params_chunk(b: np.ndarray, clip: str, qmax: float = 15.0):
     lo = b.min(axis=1)
     hi = b.max(axis=1)
-    # min/max (docs/FORMAT.md): scale (hi - lo) / 15; a constant group c is stored exactly
+    # min/max (docs/FORMAT.md): scale (hi - lo) / qmax; a constant group c is stored exactly
     # with scale |c| (1 for c == 0).
-    sc = (hi - lo) / 15.0
+    sc = (hi - lo) / qmax
     sc = np.where(sc <= 0, np.where(lo != 0, np.abs(lo), 1.0), sc)
     s = _f32(sc)
     # a positive scale below float32's range would be 0: use the smallest float32 instead
     s = np.where((s == 0) & (sc > 0), float(np.finfo(np.float32).smallest_subnormal), s)
-    z = np.clip(np.round(-lo / s), 0, 15)
+    z = np.clip(np.round(-lo / s), 0, qmax)
     if clip == "minmax":
         return s, z
     best_s, best_z = s, z
     t = np.empty_like(b)
-    best_e = _sq_err(b, s, z, t)
-    # Candidates: the range that also holds 0 (every level set holds 0: zero is 0..15),
+    best_e = _sq_err(b, s, z, t, qmax)
+    # Candidates: the range that also holds 0 (every level set holds 0: zero is 0..qmax),
     # shrunk by f, centred on the group's midpoint (the zero point clamps it to 0..15).
     lo0, hi0 = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
     span = hi0 - lo0
     mid = (lo + hi) / 2.0
     for f in Q4_CLIP_GRID:
-        s = _f32(span * f / 15.0)
+        s = _f32(span * f / qmax)
         ok = (s > 0) & np.isfinite(s)
         s = np.where(ok, s, 1.0)
-        z = np.clip(np.round(7.5 - mid / s), 0, 15)
-        e = _sq_err(b, s, z, t)
+        z = np.clip(np.round(qmax / 2 - mid / s), 0, qmax)
+        e = _sq_err(b, s, z, t, qmax)
         better = ok & (e < best_e * (1.0 - _IMPROVE))
         best_e = np.where(better, e, best_e)
         best_s = np.where(better, s, best_s)
@@ -230,6 +249,85 @@ def dequantize_q4(t: Q4Tensor) -> np.ndarray:
     z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
     s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
     return ((q - z) * s)[:, : t.cols]
+
+
+# ----------------------------------------------------------------------------- q6
+
+Q6_BLOCK_BYTES = 48   # bytes per 64 values: 32 of low nibbles (q4's order), 16 of high bits
+
+
+def pack_q6(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..63 [R, Cp] -> packed bytes [R, Cp*3/4] in FORMAT.md `q6` order: per
+    64-value block, the low 4 bits of each value as q4's nibbles (byte j: value j low,
+    value 32+j high), then 16 bytes whose byte i holds the top 2 bits of values i, 16+i,
+    32+i and 48+i in bits 0-1, 2-3, 4-5 and 6-7."""
+    rows, cp = q.shape
+    v = q.reshape(rows, cp // NIBBLE_BLOCK, NIBBLE_BLOCK).astype(np.uint8)
+    lo = v & 0x0F
+    ql = lo[:, :, :32] | (lo[:, :, 32:] << 4)
+    h = (v >> 4).reshape(rows, -1, 4, 16)
+    qh = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
+    return np.ascontiguousarray(np.concatenate([ql, qh], axis=2).reshape(rows, cp * 3 // 4))
+
+
+def unpack_q6(packed: np.ndarray) -> np.ndarray:
+    """packed bytes [R, Cp*3/4] -> uint8 values 0..63 [R, Cp]."""
+    rows, nb = packed.shape
+    b = packed.reshape(rows, nb // Q6_BLOCK_BYTES, Q6_BLOCK_BYTES)
+    ql, qh = b[:, :, :32], b[:, :, 32:]
+    out = np.empty((rows, nb // Q6_BLOCK_BYTES, NIBBLE_BLOCK), dtype=np.uint8)
+    out[:, :, :32] = ql & 0x0F
+    out[:, :, 32:] = ql >> 4
+    for k in range(4):
+        out[:, :, 16 * k:16 * (k + 1)] |= ((qh >> (2 * k)) & 3) << 4
+    return out.reshape(rows, nb // Q6_BLOCK_BYTES * NIBBLE_BLOCK)
+
+
+def quantize_q6(w: np.ndarray, group: int = DEFAULT_GROUP,
+                clip: str = DEFAULT_Q4_CLIP) -> Q6Tensor:
+    """Asymmetric 6-bit group quantization of a [R, C] matrix: q4's rules (scale and zero
+    point per group by `clip`, padding stored as the zero point) with levels 0..63."""
+    w = np.asarray(w, dtype=np.float64)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_q6 expects a matrix, got shape {w.shape}")
+    q, scales, zeros = _q4_codes(w, group, clip, qmax=63)
+    return Q6Tensor(pack_q6(q), scales, zeros, w.shape[0], w.shape[1], group)
+
+
+def dequantize_q6(t: Q6Tensor) -> np.ndarray:
+    """Q6Tensor -> float64 [R, C]."""
+    q = unpack_q6(np.asarray(t.data)).astype(np.float64)
+    z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
+    s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
+    return ((q - z) * s)[:, : t.cols]
+
+
+def matvec_q6_ref(t: Q6Tensor, x: np.ndarray) -> np.ndarray:
+    """float64 reference of y = W x for a q6 matrix (x [C] or [N, C])."""
+    return np.asarray(x, dtype=np.float64) @ dequantize_q6(t).T
+
+
+def matvec_q6_q8_ref(t: Q6Tensor, x: np.ndarray) -> np.ndarray:
+    """Reference of the q6 int8-activation path: exact integer dots per group, then
+    scale_w * scale_x * (dot - zero * xsum), as matvec_q4_q8_ref."""
+    xq, xs, xsum = quantize_act_q8(x, t.group)
+    q = unpack_q6(np.asarray(t.data)).astype(np.int64)
+    ng = t.cols_padded // t.group
+    qg = q.reshape(t.rows, ng, t.group)
+    xg = xq.astype(np.int64).reshape(xq.shape[0], ng, t.group)
+    dots = np.einsum("rgk,ngk->nrg", qg, xg)
+    corr = dots - np.asarray(t.zeros, np.int64)[None] * xsum.astype(np.int64)[:, None, :]
+    y = (corr * np.asarray(t.scales, np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(2)
+    return y if np.ndim(x) == 2 else y[0]
+
+
+def bits_per_weight(t) -> float:
+    """Stored bits per weight of a quantized matrix (data, scales and zero points over
+    rows * cols: padding included), or of a float array."""
+    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
+        n = t.data.nbytes + t.scales.nbytes + (t.zeros.nbytes if hasattr(t, "zeros") else 0)
+        return 8.0 * n / (t.rows * t.cols)
+    return 8.0 * np.asarray(t).itemsize
 
 
 # ----------------------------------------------------------------------------- q8

@@ -26,7 +26,7 @@ from .kvcache import KVCache, new_cache
 from .config import EngineConfig, ModelConfig
 from .errors import ExpertError, RequestError
 from .expertset import ExpertSet
-from .quant import Q4Tensor, Q8Tensor
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 from .routing import LayerTrace, route
 from .weights import FFNWeights, LayerWeights, ModelWeights
 
@@ -73,6 +73,10 @@ class ReferenceModel:
         if isinstance(w, Q8Tensor):
             out = np.empty((x.shape[0], w.rows), dtype=np.float32)
             kernels.q8_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
+            return out
+        if isinstance(w, Q6Tensor):
+            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
+            kernels.q6_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
             return out
         return (x @ ops.float_matrix(w).T).astype(np.float32, copy=False)
 

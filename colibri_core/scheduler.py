@@ -9,11 +9,14 @@ what it produced; nothing they do touches the model.
     queue (bounded: max_queued_requests; when full, wait or EngineBusyError)
       -> between two steps: expert changes applied, cancelled requests retired, queued
          sequences admitted while the KV budget has room (first come, first served)
-      -> one step: running decodes first (one token each), then prompt chunks fill the
-         rest, at most max_step_tokens tokens while a stream decodes (max_batch_tokens
-         while none does) and then at most max_prefill_tokens per prompt; one Model.forward per expert set among the step's sequences
-         (a pinned sequence keeps its snapshot; the others use the current one) and per
-         kind of output (last-token logits, or all positions for scoring)
+      -> one step: running decodes first (one token each, or with speculative
+         decoding that token and its draft: Job.decode_tokens), then prompt chunks fill
+         the rest, at most max_step_tokens tokens while a stream decodes
+         (max_batch_tokens while none does) and then at most max_prefill_tokens of
+         each prompt; one Model.forward per expert set among the
+         step's sequences (a pinned sequence keeps its snapshot; the others use the
+         current one), each sequence with its kind of output (last-token logits, or all
+         its positions: scoring, a draft's verification)
       -> per sequence, in the step's order: its logits handled (sampling, stop strings,
          hooks: Job.after_step), then finished sequences retired and their KV freed
 
@@ -69,9 +72,14 @@ class Job:
         """Whether the step may run its next decode token."""
         return self.feed is not None
 
+    def decode_tokens(self, room: int) -> np.ndarray:
+        """The tokens of its next decode step: `feed`, and a speculative decode's draft
+        of at most `room` more (then after_step gets all their logits, [n, V])."""
+        return np.array([self.feed], np.int64)
+
     def after_step(self, logits: np.ndarray, es, final: bool) -> None:
         """The logits of what this step ran for the sequence ([V], or [n, V] with
-        all_logits), computed with expert set `es`; `final`: its prompt is complete (or
+        all_logits or a draft), computed with expert set `es`; `final`: its prompt is complete (or
         it was a decode token). Set `feed` to go on, or `done`. On the scheduler thread;
         an exception fails this job's request only."""
         raise NotImplementedError
@@ -419,8 +427,13 @@ class Scheduler:
             r = self._rr % len(ready)
             ready = ready[r:] + ready[:r]
             self._rr += budget
-        plan = [(j, np.array([j.feed], np.int64)) for j in ready[:budget]]
-        budget -= len(plan)
+        take = ready[:budget]
+        budget -= len(take)
+        plan = []
+        for j in take:                           # a draft takes what the step has left
+            toks = j.decode_tokens(budget)
+            budget -= len(toks) - 1
+            plan.append((j, toks, len(toks) > 1))
         # beside running streams each prompt advances at most max_prefill_tokens a step:
         # one long prompt barely slows the streams, and prompts arriving together advance
         # together (one shared cap would prefill them one after another)
@@ -431,27 +444,27 @@ class Scheduler:
             left = len(j.tokens) - j.fed
             if left > 0:
                 n = min(left, budget, per_prompt or left)
-                plan.append((j, j.tokens[j.fed:j.fed + n]))
+                plan.append((j, j.tokens[j.fed:j.fed + n], j.all_logits))
                 budget -= n
         return plan
 
     def _run(self, plan: list) -> None:
         model = self.engine.model
         current = model.expert_set
-        groups: dict = {}                        # (expert set, all_logits) -> indices
-        for i, (j, _) in enumerate(plan):
+        groups: dict = {}                        # expert set -> indices
+        for i, (j, _, _) in enumerate(plan):
             es = j.es if j.pin else current
-            groups.setdefault((id(es), j.all_logits), (es, []))[1].append(i)
+            groups.setdefault(id(es), (es, []))[1].append(i)
         outs: list = [None] * len(plan)
         sets: list = [None] * len(plan)
-        for (_, all_logits), (es, idx) in groups.items():
-            got = self._forward([plan[i] for i in idx], es, all_logits)
+        for es, idx in groups.values():
+            got = self._forward([plan[i] for i in idx], es)
             for i, o in zip(idx, got):
                 outs[i], sets[i] = o, es
         if self.trace is not None:
             self.trace.append([(j.request.id, len(t), sets[i].generation)
-                               for i, (j, t) in enumerate(plan)])
-        for (j, toks), out, es in zip(plan, outs, sets):     # the step's order
+                               for i, (j, t, _) in enumerate(plan)])
+        for (j, toks, _), out, es in zip(plan, outs, sets):     # the step's order
             req = j.request
             if req.error is not None:
                 continue
@@ -467,23 +480,25 @@ class Scheduler:
             except Exception as exc:             # noqa: BLE001 - this request only
                 self._fail(req, exc)
 
-    def _forward(self, items: list, es, all_logits: bool) -> list:
-        """One Model.forward over the items; when it fails, each item alone (its result
-        or its error), so that a fault one sequence causes fails only that one."""
+    def _forward(self, items: list, es) -> list:
+        """One Model.forward over the items (job, tokens, all their logits or the last
+        token's); when it fails, each item alone (its result or its error), so that a
+        fault one sequence causes fails only that one."""
         model = self.engine.model
-        jobs = [j for j, _ in items]
+        jobs = [j for j, _, _ in items]
         lengths = [j.cache.length for j in jobs]
         try:
-            return model.forward([t for _, t in items], [j.cache for j in jobs],
-                                 [j.k for j in jobs], all_logits=all_logits, expert_set=es)
+            return model.forward([t for _, t, _ in items], [j.cache for j in jobs],
+                                 [j.k for j in jobs], all_logits=[a for _, _, a in items],
+                                 expert_set=es)
         except Exception as exc:                 # noqa: BLE001 - attributed below
             if len(items) == 1:
                 return [exc]
         outs = []
-        for (j, t), n in zip(items, lengths):
+        for (j, t, a), n in zip(items, lengths):
             j.cache.length = n
             try:
-                outs.append(model.forward([t], [j.cache], [j.k], all_logits=all_logits,
+                outs.append(model.forward([t], [j.cache], [j.k], all_logits=a,
                                           expert_set=es)[0])
             except Exception as exc:             # noqa: BLE001 - this sequence's
                 j.cache.length = n

@@ -12,7 +12,7 @@ import numpy as np
 
 from .kernels import ffi, lib
 from .kvcache import check_memory
-from .quant import Q4Tensor, Q8Tensor, padded_cols
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 from .routing import _EXP2_TABLE
 
 _PAIRS_MAX = 512            # rows of the expert block's intermediate per piece (~6 MB)
@@ -42,12 +42,13 @@ class Keep:
 
 
 def is_q(w) -> bool:
-    return isinstance(w, (Q4Tensor, Q8Tensor))
+    return isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor))
 
 
 def set_mat(keep: Keep, m, w) -> None:
-    if isinstance(w, Q4Tensor):
-        m.kind, m.zeros = lib.CK_W_Q4, keep.buf(w.zeros, "uint8_t *")
+    if isinstance(w, (Q4Tensor, Q6Tensor)):
+        m.kind = lib.CK_W_Q4 if isinstance(w, Q4Tensor) else lib.CK_W_Q6
+        m.zeros = keep.buf(w.zeros, "uint8_t *")
     else:
         m.kind, m.zeros = lib.CK_W_Q8, ffi.NULL
     m.data = keep.buf(w.data, "void *")
@@ -84,7 +85,7 @@ def mla_in_c(model, lw, dequantized: int) -> Optional[str]:
         return "AWQ activation scales"
     names = ("wq_a", "wq_b", "wkv_a", "wo") if a.wq is None else ("wq", "wkv_a", "wo")
     if not all(is_q(getattr(a, n)) for n in names):
-        return "MLA weights not stored as q4/q8"
+        return "MLA weights not stored as q4/q6/q8"
     if dequantized > _MLA_DEQUANT_BUDGET:
         return "MLA: float W_UK/W_UV over budget (the reference block dequantizes per call)"
     return None
@@ -97,7 +98,7 @@ def attention_in_c(model, lw) -> Optional[str]:
     if a.act_scales:
         return "AWQ activation scales"
     if not all(is_q(getattr(a, n)) for n in ("wq", "wk", "wv", "wo")):
-        return "attention weights not stored as q4/q8"
+        return "attention weights not stored as q4/q6/q8"
     if len(model.ref._inv_freq) * 2 != cfg.head_size:
         return "partial rotary embedding"
     if len({getattr(a, n).group for n in ("wq", "wk", "wv")}) > 2:

@@ -27,9 +27,9 @@ from typing import Iterable, Iterator, Optional, Union
 import numpy as np
 
 from .errors import ModelFormatError
-from .quant import Q4Tensor, Q8Tensor
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
-Tensor = Union[np.ndarray, Q4Tensor, Q8Tensor]
+Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
 
 _BLOCK_BYTES = 4 << 20          # scan this many bytes of a tensor at a time
 _BF16_EXP = 0x7F80              # bf16 exponent bits: all ones -> Inf or NaN
@@ -72,8 +72,8 @@ def _where(shape: tuple[int, ...], flat: int) -> str:
 def tensor_problems(name: str, t: Tensor) -> list[str]:
     """One line per problem found in tensor `name` (empty list: all values are fine)."""
     out = []
-    if isinstance(t, (Q4Tensor, Q8Tensor)):
-        kind = "q4" if isinstance(t, Q4Tensor) else "q8"
+    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
+        kind = {Q4Tensor: "q4", Q6Tensor: "q6"}.get(type(t), "q8")
         scales = np.asarray(t.scales)
         n, first = _count_bad(scales, _non_finite)
         if n:
@@ -81,12 +81,12 @@ def tensor_problems(name: str, t: Tensor) -> list[str]:
             out.append(f"section '{name}' ({kind}): {n} non-finite scale(s) (NaN/Inf), first at "
                        f"row {int(r)}, group {int(g)} (columns {int(g) * t.group}.."
                        f"{int(g + 1) * t.group - 1})")
-        if isinstance(t, Q4Tensor):
-            zeros = np.asarray(t.zeros)
-            n, first = _count_bad(zeros, lambda b: b > 15)
+        if isinstance(t, (Q4Tensor, Q6Tensor)):
+            zeros, top = np.asarray(t.zeros), 15 if kind == "q4" else 63
+            n, first = _count_bad(zeros, lambda b: b > top)
             if n:
-                out.append(f"section '{name}' (q4): {n} zero point(s) outside 0..15, first at "
-                           f"{_where(zeros.shape, first)}")
+                out.append(f"section '{name}' ({kind}): {n} zero point(s) outside 0..{top}, "
+                           f"first at {_where(zeros.shape, first)}")
         return out
     a = np.asarray(t)
     if a.dtype == np.uint16:                              # bf16 bits

@@ -14,12 +14,12 @@ import numpy as np
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
 from .files import check_regular, read_bytes
-from .modelfile import (FORMAT_MAJOR, FORMAT_MINOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
+from .modelfile import (FORMAT_MAJOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
                         ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
                         write_container)
-from .quant import Q4Tensor, Q8Tensor
+from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
-Matrix = Union[np.ndarray, Q4Tensor, Q8Tensor]
+Matrix = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
 
 
 @dataclass
@@ -174,8 +174,9 @@ def check_gate_up(path, w: FFNWeights) -> FFNWeights:
 
 
 def _describe(t) -> str:
-    if isinstance(t, (Q4Tensor, Q8Tensor)):
-        return f"{'q4' if isinstance(t, Q4Tensor) else 'q8'} with group size {t.group}"
+    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
+        kind = {Q4Tensor: "q4", Q6Tensor: "q6"}.get(type(t), "q8")
+        return f"{kind} with group size {t.group}"
     return str(getattr(t, "dtype", type(t).__name__))
 
 
@@ -234,7 +235,7 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
             if optional and name not in f:
                 return None
             t = f.tensor(name)
-            got = (t.rows, t.cols) if isinstance(t, (Q4Tensor, Q8Tensor)) else tuple(t.shape)
+            got = (t.rows, t.cols) if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)) else tuple(t.shape)
             if shape is not None and tuple(shape) != got:
                 raise ModelFormatError(f"{f.path}: section '{name}' has shape {list(got)}, "
                                        f"expected {list(shape)} from config.json")
@@ -344,18 +345,18 @@ def write_model_dir(out: Path, cfg: ModelConfig,
             return list(checked(sections, name))
         return checked(sections, name)               # streamed: checked one at a time
 
-    write_container(out / "model.bin", check(main_sections, "model.bin"), reserve=main_reserve)
+    minor = write_container(out / "model.bin", check(main_sections, "model.bin"), reserve=main_reserve)
     routing_sections = list(check(routing_sections, "routing.bin"))
     names = ["model.bin"]
     if routing_sections:
-        write_container(out / "routing.bin", routing_sections)
+        minor = max(minor, write_container(out / "routing.bin", routing_sections))
         names.append("routing.bin")
     for L, e, ffn in experts:
         name = expert_file_name(L, e)
-        write_container(out / name, check(
+        minor = max(minor, write_container(out / name, check(
             [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)]
             + [(f"{m}.act_scale", np.asarray(ffn.act_scales[m], np.float32))
-               for m in ("w1", "w3", "w2") if m in ffn.act_scales], name))
+               for m in ("w1", "w3", "w2") if m in ffn.act_scales], name)))
         names.append(name)
     for extra in extra_files:
         target = out / Path(extra).name
@@ -364,7 +365,7 @@ def write_model_dir(out: Path, cfg: ModelConfig,
         names.append(target.name)
     files = {n: {"size": (out / n).stat().st_size, "sha256": sha256_file(out / n)} for n in names}
     data = cfg.model_dump(exclude={"format", "files"})
-    data["format"] = {"major": FORMAT_MAJOR, "minor": FORMAT_MINOR}
+    data["format"] = {"major": FORMAT_MAJOR, "minor": minor}   # the newest any file needs
     data["files"] = files
     final = ModelConfig.model_validate(data)
     tmp = out / "config.json.tmp"

@@ -152,9 +152,12 @@ def write_tokenizer(path: Path) -> Path:
 
 
 def _deq(t):
-    from colibri_core.quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
+    from colibri_core.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
+                                    dequantize_q8)
     if isinstance(t, Q4Tensor):
         return dequantize_q4(t)
+    if isinstance(t, Q6Tensor):
+        return dequantize_q6(t)
     if isinstance(t, Q8Tensor):
         return dequantize_q8(t)
     a = np.asarray(t)

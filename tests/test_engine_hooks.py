@@ -120,3 +120,34 @@ def test_tracer_lines_through_the_engine(tiny_model_dir):
     assert any(f"(size={size})" in l for l in mem)
     tm = [l for l in lines if l.startswith("[TIME]")]
     assert tm and all(re.fullmatch(r"\[TIME\] expert_[12]_\d FFN: \d+ cycles \(≈\d+\.\dus @ \d+\.\d\dGHz\)", l) for l in tm)
+
+
+def test_count_routed_tokens_matches_a_routing_observer(tiny_model_dir):
+    """The engine's own routed-token counter (what `colibri serve` shows) against an
+    observer of colibri_routing counting the same ids, over a prompt and its decode,
+    with k varying per request."""
+    class Observer:
+        def __init__(self):
+            self.counts = {}
+
+        @hookimpl
+        def colibri_routing(self, layer, expert_ids):
+            ids = expert_ids[expert_ids >= 0]
+            c = self.counts.setdefault(layer, {})
+            for e in ids.ravel().tolist():
+                c[e] = c.get(e, 0) + 1
+
+    obs = Observer()
+    with Engine(tiny_model_dir, EngineConfig(threads=1)) as eng:
+        assert eng.routed_tokens() == {}
+        eng.count_routed_tokens()
+        eng.register_plugin(obs, "observer")
+        eng.generate([5, 6, 7, 8, 9], max_new_tokens=6, temperature=0).run()
+        eng.generate([11, 12], max_new_tokens=4, temperature=0, top_k=1).run()
+        got = eng.routed_tokens()
+    assert sorted(got) == sorted(obs.counts) and got
+    for layer, c in obs.counts.items():
+        want = np.zeros(got[layer].size, np.int64)
+        for e, n in c.items():
+            want[e] = n
+        assert np.array_equal(got[layer], want), layer

@@ -137,6 +137,27 @@ def output_scale(expert) -> float:
     return float(y[0, 1] / np.tanh(0.5))
 
 
+def test_slots_file_gives_a_new_name_its_slot(make_manager, folder, tmp_path):
+    """A fleet's registry numbers the experts: a name listed in the slots file gets that
+    slot, others (and a listed slot already taken) the next free one."""
+    slots = tmp_path / "slots.json"
+    slots.write_text('{"beta": 21, "gamma": 21}')
+    mgr, events = make_manager(slots_file=slots)
+    mgr.start()
+    loop = TokenLoop(mgr)
+    loop.start()
+    try:
+        drop(folder, "beta.so", name="beta")
+        (b,) = loop.wait_changes(1)
+        drop(folder, "alpha.so", name="alpha")
+        a = loop.wait_changes(2)[1]
+        drop(folder, "gamma.so", name="gamma")
+        g = loop.wait_changes(3)[2]
+        assert (b.expert.slot, a.expert.slot, g.expert.slot) == (21, 22, 23)
+    finally:
+        loop.stop()
+
+
 def test_add_replace_rollback_remove_through_the_observer(make_manager, folder):
     mgr, events = make_manager()
     mgr.start()

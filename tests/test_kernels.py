@@ -77,6 +77,12 @@ def unaligned_q4(t: Q.Q4Tensor) -> Q.Q4Tensor:
     return Q.Q4Tensor(*views, t.rows, t.cols, t.group)
 
 
+def unaligned_q6(t: Q.Q6Tensor) -> Q.Q6Tensor:
+    """The same q6 tensor with its parts at odd byte offsets (as unaligned_q4)."""
+    u = unaligned_q4(Q.Q4Tensor(t.data, t.scales, t.zeros, t.rows, t.cols, t.group))
+    return Q.Q6Tensor(u.data, u.scales, u.zeros, t.rows, t.cols, t.group)
+
+
 def unaligned_f32(a: np.ndarray) -> np.ndarray:
     """Copy of a as a view offset by one float into a larger buffer."""
     buf = np.zeros(a.size + 9, np.float32)
@@ -187,13 +193,15 @@ def test_avx512vnni_bit_identical_to_avx2(threads):
                                   (5, 64 * 75, 128), (3, 130, 128)]:
             w = rng.standard_normal((rows, cols)).astype(np.float32)
             t, t8 = unaligned_q4(Q.quantize_q4(w, group)), Q.quantize_q8(w[::-1].copy(), group)
+            t6 = unaligned_q6(Q.quantize_q6(w[:, ::-1].copy(), group))
             for n in (1, 2, 3, 4, 5, 9):
                 x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
                 res = {}
                 for be in ("avx2", "avx512vnni"):
                     K.set_backend(be)
                     res[be] = (K.q4_matmul(t, x, np.empty((n, rows), np.float32)),
-                               K.q8_matmul(t8, x, np.empty((n, rows), np.float32)))
+                               K.q8_matmul(t8, x, np.empty((n, rows), np.float32)),
+                               K.q6_matmul(t6, x, np.empty((n, rows), np.float32)))
                 for a, b in zip(res["avx2"], res["avx512vnni"]):
                     np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32),
                                                   err_msg=f"{rows}x{cols} g{group} n{n}")
@@ -285,6 +293,51 @@ def test_q8_matmul(backend, threads, group, shape, n):
     assert rel(out, Q.matvec_q8_ref(t, x)) < FLOAT_TOL
     K.q8_matmul(t, x, out, act="int8")
     assert rel(out, Q.matvec_q8_q8_ref(t, x)) < INT8_TOL
+
+
+# ----------------------------------------------------------------------------- q6 matmul
+
+@pytest.mark.parametrize("group", GROUPS + [192])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 130), (37, 300), (259, 1000), (5, 64 * 43)])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_q6_matmul(backend, threads, group, shape, n):
+    """q6 against its numpy references: act="int8" the exact integer group dots of
+    matvec_q6_q8_ref, act="float" the float64 dequantized product; parts unaligned. Every
+    tile shape: 1..4 rows for one token, 1 row x 2..4 tokens for more."""
+    rows, cols = shape
+    rng = np.random.default_rng(rows * 3 + cols + group + n)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[:, ::29] *= 6.0                            # outlier columns: wide groups
+    t = unaligned_q6(Q.quantize_q6(w, group))
+    x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
+    out = np.empty((n, rows), np.float32)
+    K.q6_matmul(t, x, out, act="float")
+    assert rel(out, Q.matvec_q6_ref(t, x)) < FLOAT_TOL
+    K.q6_matmul(t, x, out, act="int8")
+    assert rel(out, Q.matvec_q6_q8_ref(t, x)) < INT8_TOL
+
+
+def test_q6_layout_and_rounding():
+    """The packed bytes of docs/FORMAT.md's q6 layout, written out by hand for one block;
+    the rounding is q4's with 63 levels: min/max codes exactly 0 and 63, a constant row
+    exact, and the padding of a partial group dequantizing to 0."""
+    q = np.arange(64, dtype=np.uint8)[None]          # values 0..63 in order
+    b = Q.pack_q6(q)[0]
+    assert b.shape == (48,)
+    assert list(b[:32]) == [(j & 15) | (((32 + j) & 15) << 4) for j in range(32)]
+    assert list(b[32:]) == [(i >> 4) | ((16 + i) >> 4) << 2 | ((32 + i) >> 4) << 4
+                            | ((48 + i) >> 4) << 6 for i in range(16)]
+    assert np.array_equal(Q.unpack_q6(Q.pack_q6(q)), q)
+    w = np.linspace(-1.0, 2.0, 128)[None]
+    t = Q.quantize_q6(w, 128, clip="minmax")
+    codes = Q.unpack_q6(t.data)[0]
+    assert codes.min() == 0 and codes.max() == 63
+    assert np.abs(Q.dequantize_q6(t) - w).max() <= t.scales[0, 0] / 2 * (1 + 1e-9)
+    c = Q.quantize_q6(np.full((1, 100), 0.37), 64)               # constant: stored exactly
+    assert np.array_equal(Q.dequantize_q6(c), np.full((1, 100), float(np.float32(0.37))))
+    padded = Q.unpack_q6(c.data).astype(np.int64).reshape(2, 64)
+    assert np.all(padded[1, 100 - 64:] == c.zeros[0, 1])       # padding = the zero point
+    assert Q.bits_per_weight(Q.quantize_q6(np.ones((4, 1024)), 128)) == 6 + 40 / 128
 
 
 # ----------------------------------------------------------------------------- expert FFN

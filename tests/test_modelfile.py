@@ -10,7 +10,7 @@ import pytest
 
 from colibri_core.errors import ExpertIndexError, ModelFormatError
 from colibri_core.modelfile import ALIGN, ContainerFile, write_container
-from colibri_core.quant import quantize_q4
+from colibri_core.quant import quantize_q4, quantize_q6
 from colibri_core.weights import load_model, verify_checksums
 
 
@@ -31,6 +31,44 @@ def test_roundtrip_and_alignment(tmp_path):
         # zero-copy: the view's address lies inside the mapped/copied buffer
         assert f.base_address <= t.data.ctypes.data < f.base_address + f.size
         f.close()
+
+
+def test_q6_sections_are_format_1_1_and_others_stay_1_0(tmp_path):
+    """A q6 section makes its file (and the model directory) minor version 1; a file
+    without one is written as 1.0, byte for byte what a 1.0 writer gave. Both read back."""
+    rng = np.random.default_rng(1)
+    w6 = quantize_q6(rng.standard_normal((37, 300)), 128)
+    v = rng.standard_normal(11).astype(np.float32)
+    assert write_container(tmp_path / "six.bin", [("w", w6), ("v", v)]) == 1
+    assert write_container(tmp_path / "four.bin", [("v", v)]) == 0
+    assert struct.unpack_from("<HH", (tmp_path / "six.bin").read_bytes(), 8) == (1, 1)
+    assert struct.unpack_from("<HH", (tmp_path / "four.bin").read_bytes(), 8) == (1, 0)
+    f = ContainerFile(tmp_path / "six.bin")
+    t = f.tensor("w")
+    assert f.sections["w"].dtype == "q6" and t.data.shape == (37, 384 // 64 * 48)
+    assert (t.data == w6.data).all() and (t.zeros == w6.zeros).all() and (t.scales == w6.scales).all()
+    f.close()
+    # a reader refuses a q6 section whose part sizes do not match its shape
+    raw = bytearray((tmp_path / "six.bin").read_bytes())
+    tlen = struct.unpack_from("<I", raw, 12)[0]
+    table = json.loads(raw[16:16 + tlen])
+    table["sections"][0]["shape"] = [37, 400]
+    new = json.dumps(table, separators=(",", ":")).encode().ljust(tlen)
+    raw[16:16 + tlen] = new
+    (tmp_path / "bad.bin").write_bytes(bytes(raw))
+    with pytest.raises(ModelFormatError, match=r"section 'w': part 'data' has \d+ bytes, expected"):
+        ContainerFile(tmp_path / "bad.bin")
+
+
+def test_model_dir_with_q6_head_is_1_1(tmp_path):
+    from colibri_core.testing import write_random_model
+    cfg = write_random_model(tmp_path / "m6", head="q6")
+    assert (cfg.format.major, cfg.format.minor) == (1, 1)
+    cfg = write_random_model(tmp_path / "m8")
+    assert (cfg.format.major, cfg.format.minor) == (1, 0)
+    w = load_model(tmp_path / "m6")
+    assert type(w.lm_head).__name__ == "Q6Tensor"
+    w.close()
 
 
 def test_jump_table_addresses_are_computed(tiny_model_dir):

@@ -23,6 +23,9 @@ SHAPES = {
     # group 64, one kv head (MQA), top-3
     "g64_mqa_k3": dict(hidden=128, layers=("moe", "moe"), experts=5, top_k=3, inter=128,
                        moe_inter=192, shared=0, heads=4, kv_heads=1, group=64),
+    # the q6 format for the lm_head and every attention projection (partial last group)
+    "q6_head_attn": dict(hidden=192, layers=("dense", "moe"), experts=4, top_k=2, inter=192,
+                         moe_inter=128, shared=64, heads=6, kv_heads=2, head="q6", attn="q6"),
 }
 
 

@@ -455,7 +455,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
             "import colibri_core.weights as w\n"
             "orig = w.write_container\n"
             "def slow(*a, **k):\n"
-            "    orig(*a, **k); time.sleep(0.05)\n"
+            "    r = orig(*a, **k); time.sleep(0.05); return r\n"
             "w.write_container = slow\n"
             "from colibri_core.cli import main\n"
             f"sys.exit(main(['convert', {str(hf)!r}, {str(out)!r}]))\n")

@@ -4,8 +4,10 @@
  * ck_internal.h.
  *
  * Layouts are those of docs/FORMAT.md: q4 rows are `cp/2` packed bytes (blocks of 64
- * values in 32 bytes: low nibble = value j, high nibble = value 32+j), q8 rows are `cp`
- * int8, scales/zeros are [rows, ng] (cp = cols rounded up to the group, ng = cp / group).
+ * values in 32 bytes: low nibble = value j, high nibble = value 32+j), q6 rows are
+ * `cp/64*48` bytes (per 64 values q4's 32 bytes of low nibbles, then 16 bytes of the
+ * values' top two bits), q8 rows are `cp` int8, scales/zeros are [rows, ng] (cp = cols
+ * rounded up to the group, ng = cp / group).
  * Activations quantized to int8 are [n, cp] with [n, ng] scales and int32 group sums
  * (see quant.quantize_act_q8).
  *
@@ -36,13 +38,14 @@ const char *ck_cycle_counter_name(void);
 
 /* ------------------------------------------------------------------ descriptors */
 
-enum { CK_W_Q4 = 1, CK_W_Q8 = 2 };
+enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3 };
 
-typedef struct {               /* a q4 or q8 matrix [rows, cols] in the docs/FORMAT.md layout */
-    int kind;                  /* CK_W_Q4 or CK_W_Q8 */
-    const void *data;          /* q4: uint8 [rows, cp/2]; q8: int8 [rows, cp] */
+typedef struct {               /* a q4, q6 or q8 matrix [rows, cols] in the docs/FORMAT.md layout */
+    int kind;                  /* CK_W_Q4, CK_W_Q6 or CK_W_Q8 */
+    const void *data;          /* q4: uint8 [rows, cp/2]; q6: uint8 [rows, cp/64*48];
+                                  q8: int8 [rows, cp] */
     const float *scales;       /* [rows, ng] */
-    const uint8_t *zeros;      /* q4: [rows, ng]; q8: NULL */
+    const uint8_t *zeros;      /* q4, q6: [rows, ng]; q8: NULL */
     int64_t rows, cols, group;
 } ck_mat;
 
@@ -217,7 +220,7 @@ int ck_kv_attention(int kind, const float *q, int g, int64_t d, const void *k, c
                     const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
                     float *out);
 
-/* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / dequantize_q8 */
+/* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / _q6 / _q8 */
 void ck_mat_row(const ck_mat *w, int64_t r, float *out);
 
 /* Since the last call: out[0] chunks the caller ran, out[1] chunks other threads ran,

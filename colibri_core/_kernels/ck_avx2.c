@@ -261,6 +261,17 @@ CK_DEFINE_Q8_I8_TILE(AVX2_INL, q8_i8_tile, AVX2_DOT4)
 
 CK_DEFINE_Q8_I8(AVX2_FN, q8_i8, q8_i8_tile)
 
+/* ------------------------------------------------------------------ q6, int8 act */
+
+/* two maddubs (u8 value 0..63 x s8 activation) summed in i16 (<= 2 * 2 * 63 * 127 = 32004),
+ * widened to i32 by one madd */
+#define AVX2_DOT2(acc, lo, x0, hi, x1)                                                  \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_add_epi16(                         \
+        _mm256_maddubs_epi16((lo), (x0)), _mm256_maddubs_epi16((hi), (x1))), _mm256_set1_epi16(1)))
+CK_DEFINE_Q6_I8_TILE(AVX2_INL, q6_i8_tile, AVX2_DOT2)
+
+CK_DEFINE_Q6_I8(AVX2_FN, q6_i8, q6_i8_tile)
+
 AVX2_API void ck_avx2_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0,
                              int nt, float *res) {
     for (int r = 0; r < rt; r++) {
@@ -421,7 +432,8 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
 }
 
 const ck_backend_t ck_backend_avx2 = {"avx2", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8,
-                                     ck_avx2_q8_f32, ck_avx2_attn, 4, 4};
+                                     ck_avx2_q8_f32, q6_i8, ck_scalar_q6_f32, ck_avx2_attn,
+                                     4, 4};
 
 #else
 typedef int ck_avx2_unused; /* not x86: nothing to compile here */

@@ -2,9 +2,10 @@
  * like ck_avx2.c: compiled without -m flags, every function carries a target attribute,
  * and ck_core.c picks this backend only if __builtin_cpu_supports reports all of them.
  *
- * The two int8 dot-product tiles change: vpdpbusd (u8 x s8, four products summed
- * straight into an i32 lane) replaces AVX2's maddubs -> i16 -> madd -> add chain. The
- * nibbles (0..15) are the u8 operand and the activations the s8 one, as in AVX2;
+ * The three int8 dot-product tiles (q4, q6, q8) change: vpdpbusd (u8 x s8, four
+ * products summed straight into an i32 lane) replaces AVX2's maddubs -> i16 -> madd ->
+ * add chain. The nibbles (0..15; q6 values 0..63) are the u8 operand and the activations
+ * the s8 one, as in AVX2;
  * everything else (activation quantization, float paths, attention) is the AVX2 code.
  * The tiles use 256-bit vectors: Zen 4 runs a 512-bit op as two 256-bit halves, and a zmm
  * q4 tile (one dpbusd per 64-value block on a broadcast of its 32 bytes, high half
@@ -120,6 +121,15 @@ CK_DEFINE_Q4_I8(VNNI_FN, q4_i8, q4_i8_tile)
 CK_DEFINE_Q8_I8_TILE(VNNI_INL, q8_i8_tile, _mm256_dpbusd_epi32)
 
 CK_DEFINE_Q8_I8(VNNI_FN, q8_i8, q8_i8_tile)
+
+/* ------------------------------------------------------------------ q6, int8 act */
+
+/* two dpbusd in place of AVX2's maddubs pair + madd: the same integers (ck_tiles.h) */
+#define VNNI_DOT2(acc, lo, x0, hi, x1) \
+    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32((acc), (lo), (x0)), (hi), (x1))
+CK_DEFINE_Q6_I8_TILE(VNNI_INL, q6_i8_tile, VNNI_DOT2)
+
+CK_DEFINE_Q6_I8(VNNI_FN, q6_i8, q6_i8_tile)
 
 /* ------------------------------------------------------------------ q4 panels
  *
@@ -266,7 +276,7 @@ VNNI_FN void q4_panels(const ck_unpacked *u, const ck_panel *p, int64_t np, floa
 
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
-    ck_avx2_attn, 4, 4, q4_unpack, q4_panels,
+    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels,
 };
 
 #else

@@ -221,7 +221,7 @@ void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
 
 /* ------------------------------------------------------------------ matmul */
 
-enum { K_Q4_I8, K_Q4_F32, K_Q8_I8, K_Q8_F32 };
+enum { K_Q4_I8, K_Q4_F32, K_Q8_I8, K_Q8_F32, K_Q6_I8, K_Q6_F32 };
 
 static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int64_t r0,
                             int rt, const void *act, int64_t t0, int nt, float *res) {
@@ -229,6 +229,8 @@ static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int
     case K_Q4_I8: be->q4_i8(w, r0, rt, act, t0, nt, res); break;
     case K_Q4_F32: be->q4_f32(w, r0, rt, act, t0, nt, res); break;
     case K_Q8_I8: be->q8_i8(w, r0, rt, act, t0, nt, res); break;
+    case K_Q6_I8: be->q6_i8(w, r0, rt, act, t0, nt, res); break;
+    case K_Q6_F32: be->q6_f32(w, r0, rt, act, t0, nt, res); break;
     default: be->q8_f32(w, r0, rt, act, t0, nt, res); break;
     }
 }
@@ -298,25 +300,28 @@ static void rows_all_panels(const matmul_ctx *c) {
 
 static void matmul_body(void *p) {
     const matmul_ctx *c = p;
-    if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8) quant_rows((void *)&c->q);  /* + barrier */
+    if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8 || c->kind == K_Q6_I8)
+        quant_rows((void *)&c->q);                                               /* + barrier */
     if (c->pq) rows_all_panels(c);
     else rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
 }
 
 int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_int8) {
     ck_init();
-    const int is_q4 = m->kind == CK_W_Q4;
+    const int is_q8 = m->kind == CK_W_Q8;   /* else q4 or q6: ck_q4's fields */
     const int64_t rows = m->rows, cols = m->cols, group = m->group;
-    const ck_q4 w4 = is_q4 ? q4_of(m) : (ck_q4){0};
-    const ck_q8 w8 = is_q4 ? (ck_q8){0} : q8_of(m);
-    const void *w = is_q4 ? (const void *)&w4 : (const void *)&w8;
+    const ck_q4 w4 = is_q8 ? (ck_q4){0} : q4_of(m);
+    const ck_q8 w8 = is_q8 ? q8_of(m) : (ck_q8){0};
+    const void *w = is_q8 ? (const void *)&w8 : (const void *)&w4;
+    const int k_i8 = m->kind == CK_W_Q4 ? K_Q4_I8 : m->kind == CK_W_Q6 ? K_Q6_I8 : K_Q8_I8;
+    const int k_f32 = m->kind == CK_W_Q4 ? K_Q4_F32 : m->kind == CK_W_Q6 ? K_Q6_F32 : K_Q8_F32;
     int64_t cp = round_up(cols, group), ng = cp / group;
     int nth = nthreads_for(rows * cp * n), rc = 0;
     matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out,
                     NULL, NULL};
     if (act_int8) {
         act_buf b;
-        if (is_q4 && g_be->q4_panels && n >= ck_panel_min_tokens && cp <= CK_PANEL_MAX_CP) {
+        if (m->kind == CK_W_Q4 && g_be->q4_panels && n >= ck_panel_min_tokens && cp <= CK_PANEL_MAX_CP) {
             c.pq = malloc((size_t)(npanels(n) * CK_PANEL * cp));
             c.ps = malloc((size_t)(npanels(n) * CK_PANEL * ng) * sizeof(float));
             if (!c.pq || !c.ps) { free(c.pq); free(c.ps); c.pq = NULL; c.ps = NULL; }
@@ -324,7 +329,7 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
         if (act_buf_get(&b, n, cp, ng) == 0) {
             ck_act a = {b.q, b.s, b.sum, cp, ng};
             c.q.xq = b.q; c.q.xs = b.s; c.q.xsum = b.sum;
-            c.kind = is_q4 ? K_Q4_I8 : K_Q8_I8;
+            c.kind = k_i8;
             c.act = &a;
             run_parallel(matmul_body, &c, nth);
         } else {
@@ -336,7 +341,7 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
         float *tail = make_tail(x, n, cols);
         ck_xf xf = {x, cols, cols, tail};
         if (tail || cols % 64 == 0) {
-            c.kind = is_q4 ? K_Q4_F32 : K_Q8_F32;
+            c.kind = k_f32;
             c.act = &xf;
             run_parallel(matmul_body, &c, nth);
         } else {

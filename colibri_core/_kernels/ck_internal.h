@@ -18,6 +18,13 @@ typedef struct {               /* a q4 matrix */
     int64_t rows, cols, group, cp, ng;
 } ck_q4;
 
+/* A q6 matrix: q4's fields, with data [rows, cp/64*48] in the q6 layout (docs/FORMAT.md:
+ * per 64-value block, 32 bytes of low nibbles in q4's order, then 16 bytes whose byte i
+ * holds the top two bits of values i, 16+i, 32+i, 48+i); zero points 0..63. The q4 tiles'
+ * zero-point dot pass applies to it unchanged. */
+typedef ck_q4 ck_q6;
+#define CK_Q6_BLOCK 48   /* bytes per 64 values */
+
 typedef struct {               /* a q8 matrix */
     const int8_t *data;        /* [rows, cp] */
     const float *scales;       /* [rows, ng] */
@@ -76,6 +83,10 @@ typedef struct {
                   float *res);
     void (*q8_f32)(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                    float *res);
+    void (*q6_i8)(const ck_q6 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res);
+    void (*q6_f32)(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                   float *res);   /* the float parity path: ck_scalar_q6_f32 on every backend */
     /* attention of g query heads sharing one kv head: q, out [g, d]; key/value row p at
      * k + p*ld, v + p*ld; s: [g, len] scratch */
     void (*attn)(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
@@ -146,6 +157,8 @@ void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const floa
                     int64_t len, float scale, float *s, float *out);
 void ck_softmax_rows(float *s, int g, int64_t len);
 void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res);
+void ck_scalar_q6_f32(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
 
 /* the expert FFN's activation: silu(v) = v * sigmoid(v) */

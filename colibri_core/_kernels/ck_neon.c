@@ -9,12 +9,12 @@
  * What is exact and what is not (tests/c/ck_neon_driver.c checks both against ck_scalar.c
  * under qemu-aarch64 with a Cortex-A53 and with a dotprod CPU; docs/ARCHITECTURE.md has
  * the table):
- * - act_quant, q4_i8, q8_i8 (so int8 matmuls, expert FFNs and the decode path): bit for
+ * - act_quant, q4_i8, q6_i8, q8_i8 (so int8 matmuls, expert FFNs and the decode path): bit for
  *   bit the scalar results. The integer dots are exact; the float steps are the scalar
  *   code's, in its order, one (row, token) pair per lane (ck_neon_int8.h).
  * - q4_f32, q8_f32 (the float parity path): the sums over a group are split over vector
  *   lanes and use fused multiply-adds, so they round differently from the scalar
- *   sequence (as AVX2's do).
+ *   sequence (as AVX2's do); q6_f32 is the scalar code itself.
  * - attention: the q.k dots are split over lanes and exp is a polynomial (~2 ulp).
  * All loads are unaligned (weight parts may sit at any byte offset). */
 #if defined(__aarch64__)
@@ -103,6 +103,20 @@ q4_block_mull(int32x4_t acc, const int8x16_t w[4], const int8x16_t x[4]) {
     return vpadalq_s16(acc, p);
 }
 
+/* q6 block: values 0..63, so at most four products per i16 lane, |.| <= 4 * 63 * 127 =
+ * 32004 < 2^15: two i16 accumulators of two vectors each */
+static inline __attribute__((always_inline)) int32x4_t
+q6_block_mull(int32x4_t acc, const int8x16_t w[4], const int8x16_t x[4]) {
+    for (int j = 0; j < 4; j += 2) {
+        int16x8_t p = vmull_s8(vget_low_s8(w[j]), vget_low_s8(x[j]));
+        p = vmlal_high_s8(p, w[j], x[j]);
+        p = vmlal_s8(p, vget_low_s8(w[j + 1]), vget_low_s8(x[j + 1]));
+        p = vmlal_high_s8(p, w[j + 1], x[j + 1]);
+        acc = vpadalq_s16(acc, p);
+    }
+    return acc;
+}
+
 /* q8: two products per i16 lane, |.| <= 2 * 128 * 127 < 2^15 (activations are >= -127) */
 static inline __attribute__((always_inline)) int32x4_t
 dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
@@ -112,11 +126,13 @@ dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #define NEON_ATTR
 #define NEON_NAME(n) n##_plain
 #define NEON_Q4_BLOCK(acc, w, x) q4_block_mull(acc, w, x)
+#define NEON_Q6_BLOCK(acc, w, x) q6_block_mull(acc, w, x)
 #define NEON_DOT16(acc, a, b) dot16_mull(acc, a, b)
 #include "ck_neon_int8.h"
 #undef NEON_ATTR
 #undef NEON_NAME
 #undef NEON_Q4_BLOCK
+#undef NEON_Q6_BLOCK
 #undef NEON_DOT16
 
 /* sdot: four byte products summed straight into each i32 lane (exact) */
@@ -129,11 +145,13 @@ q4_block_sdot(int32x4_t acc, const int8x16_t w[4], const int8x16_t x[4]) {
 #define NEON_ATTR CK_DOTPROD_ATTR
 #define NEON_NAME(n) n##_sdot
 #define NEON_Q4_BLOCK(acc, w, x) q4_block_sdot(acc, w, x)
+#define NEON_Q6_BLOCK(acc, w, x) q4_block_sdot(acc, w, x)   /* any int8 values */
 #define NEON_DOT16(acc, a, b) vdotq_s32(acc, a, b)
 #include "ck_neon_int8.h"
 #undef NEON_ATTR
 #undef NEON_NAME
 #undef NEON_Q4_BLOCK
+#undef NEON_Q6_BLOCK
 #undef NEON_DOT16
 
 /* ------------------------------------------------------------------ float tiles */
@@ -353,11 +371,13 @@ static void attn(const float *q, int g, int64_t d, const float *k, const float *
 
 /* rt 4: the decode tiles are 4 rows x 1 token; nt_many 4: batches 1 row x 4 tokens */
 const ck_backend_t ck_backend_neon = {
-    "neon", act_quant, q4_i8_plain, q4_f32, q8_i8_plain, q8_f32, attn, 4, 4,
+    "neon", act_quant, q4_i8_plain, q4_f32, q8_i8_plain, q8_f32, q6_i8_plain, ck_scalar_q6_f32,
+    attn, 4, 4,
 };
 
 const ck_backend_t ck_backend_neon_sdot = {
-    "neon", act_quant, q4_i8_sdot, q4_f32, q8_i8_sdot, q8_f32, attn, 4, 4,
+    "neon", act_quant, q4_i8_sdot, q4_f32, q8_i8_sdot, q8_f32, q6_i8_sdot, ck_scalar_q6_f32,
+    attn, 4, 4,
 };
 
 #else

@@ -5,6 +5,7 @@
  *   NEON_NAME(n)                   n with the variant's suffix
  *   NEON_Q4_BLOCK(acc, w, x)       acc (int32x4) + the 64 products w[j][i] * x[j][i] of one
  *                                  q4 block (w: 4 x 16 nibbles 0..15, x: 4 x 16 int8)
+ *   NEON_Q6_BLOCK(acc, w, x)       the same for a q6 block (w: 4 x 16 values 0..63)
  *   NEON_DOT16(acc, a, b)          acc + the 16 products a[i] * b[i] (int8 x int8)
  * Both spread the products over the 4 lanes in any way: only the lanes' total is used.
  *
@@ -90,6 +91,46 @@ NEON_NAME(q4_i8_tile)(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0, f
     NEON_NAME(store_pairs)(acc, res, ldr, RT, NT);
 }
 
+/* q6: per 64-value block, RT rows of 48 bytes: 32 bytes of low nibbles (q4's order: v0
+ * holds values 0..15 and 32..47, v1 values 16..31 and 48..63) and 16 bytes h whose byte i
+ * holds the top two bits of values i, 16+i, 32+i, 48+i (bits 0-1, 2-3, 4-5, 6-7), each
+ * shifted into bits 4-5 and OR'd onto its nibble; then q4's dots and dot pass. */
+static inline __attribute__((always_inline)) NEON_ATTR void
+NEON_NAME(q6_i8_tile)(const ck_q6 *w, int64_t r0, const ck_act *a, int64_t t0, float *res,
+                      int ldr, const int RT, const int NT) {
+    const int64_t rb = w->cp / 64 * CK_Q6_BLOCK, bpg = w->group / 64;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(0x30);
+    const uint8_t *wr = w->data + r0 * rb;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int64_t g = 0; g < w->ng; g++) {
+        int32x4_t iacc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            int8x16_t wv[CK_MAX_RT][4];
+            for (int r = 0; r < RT; r++) {
+                const uint8_t *p = wr + r * rb + b * CK_Q6_BLOCK;
+                const uint8x16_t v0 = vld1q_u8(p), v1 = vld1q_u8(p + 16), h = vld1q_u8(p + 32);
+                wv[r][0] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v0, m4),
+                                                        vandq_u8(vshlq_n_u8(h, 4), m2)));
+                wv[r][1] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v1, m4),
+                                                        vandq_u8(vshlq_n_u8(h, 2), m2)));
+                wv[r][2] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v0, 4), vandq_u8(h, m2)));
+                wv[r][3] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v1, 4),
+                                                        vandq_u8(vshrq_n_u8(h, 2), m2)));
+            }
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xp = a->q + (t0 + t) * a->cp + b * 64;
+                const int8x16_t x[4] = {vld1q_s8(xp), vld1q_s8(xp + 16), vld1q_s8(xp + 32),
+                                        vld1q_s8(xp + 48)};
+                for (int r = 0; r < RT; r++)
+                    iacc[r * NT + t] = NEON_Q6_BLOCK(iacc[r * NT + t], wv[r], x);
+            }
+        }
+        acc = NEON_NAME(dot_pass)(acc, NEON_NAME(totals)(iacc), w->scales, w->zeros, w->ng,
+                                  r0, a, t0, g, RT, NT);
+    }
+    NEON_NAME(store_pairs)(acc, res, ldr, RT, NT);
+}
+
 /* q8: 16 weights x 16 activations per step, the rows sharing each activation load */
 static inline __attribute__((always_inline)) NEON_ATTR void
 NEON_NAME(q8_i8_tile)(const ck_q8 *w, int64_t r0, const ck_act *a, int64_t t0, float *res,
@@ -149,6 +190,26 @@ NEON_ATTR static void NEON_NAME(q8_i8)(const ck_q8 *w, int64_t r0, int rt, const
         case 4: NEON_NAME(q8_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;
         case 3: NEON_NAME(q8_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 3); break;
         default: NEON_NAME(q8_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 2); break;
+        }
+    }
+}
+
+NEON_ATTR static void NEON_NAME(q6_i8)(const ck_q6 *w, int64_t r0, int rt, const ck_act *a,
+                                       int64_t t0, int nt, float *res) {
+    if (nt == 1) {
+        switch (rt) {
+        case 4: NEON_NAME(q6_i8_tile)(w, r0, a, t0, res, 1, 4, 1); break;
+        case 3: NEON_NAME(q6_i8_tile)(w, r0, a, t0, res, 1, 3, 1); break;
+        case 2: NEON_NAME(q6_i8_tile)(w, r0, a, t0, res, 1, 2, 1); break;
+        default: NEON_NAME(q6_i8_tile)(w, r0, a, t0, res, 1, 1, 1); break;
+        }
+        return;
+    }
+    for (int r = 0; r < rt; r++) {
+        switch (nt) {
+        case 4: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;
+        case 3: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 3); break;
+        default: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 2); break;
         }
     }
 }

@@ -125,6 +125,71 @@ void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_
     }
 }
 
+/* value k (0 <= k < cp) of a q6 row: its low nibble as q4_at within the block's first
+ * 32 bytes, its top two bits from byte k % 16 of the block's last 16 */
+static inline int q6_at(const uint8_t *row, int64_t k) {
+    const uint8_t *blk = row + (k >> 6) * CK_Q6_BLOCK;
+    int j = (int)(k & 63);
+    int lo = (j & 32) ? blk[j & 31] >> 4 : blk[j & 31] & 15;
+    return lo | (((blk[32 + (j & 15)] >> (2 * (j >> 4))) & 3) << 4);
+}
+
+/* q6 x int8 activations: q4_i8's arithmetic (exact group dots, the zero point corrected
+ * with the group sums, one float multiply-add per group in ascending order) */
+static void q6_i8(const ck_q6 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res) {
+    const int64_t rb = w->cp / 64 * CK_Q6_BLOCK;
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *row = w->data + (r0 + r) * rb;
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        const uint8_t *zp = w->zeros + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = a->q + (t0 + t) * a->cp;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int32_t dot = 0;   /* block-wise (values j, 16+j, 32+j, 48+j share a top-bits
+                                      byte) so that the compiler can vectorize it */
+                for (int64_t b = g * w->group / 64; b < (g + 1) * w->group / 64; b++) {
+                    const uint8_t *blk = row + b * CK_Q6_BLOCK;
+                    const int8_t *xb = xq + b * 64;
+                    for (int j = 0; j < 16; j++) {
+                        const int h = blk[32 + j];
+                        dot += ((blk[j] & 15) | (h & 3) << 4) * xb[j] +
+                               ((blk[16 + j] & 15) | (h >> 2 & 3) << 4) * xb[16 + j] +
+                               ((blk[j] >> 4) | (h >> 4 & 3) << 4) * xb[32 + j] +
+                               ((blk[16 + j] >> 4) | (h >> 6) << 4) * xb[48 + j];
+                    }
+                }
+                int32_t corr = dot - (int32_t)zp[g] * ck_ldi(a->sum + (t0 + t) * a->ng + g);
+                acc += (float)corr * (ck_ldf(sc + g) * ck_ldf(a->s + (t0 + t) * a->ng + g));
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
+void ck_scalar_q6_f32(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res) {
+    const int64_t rb = w->cp / 64 * CK_Q6_BLOCK;
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *row = w->data + (r0 + r) * rb;
+        const float *sc = w->scales + (r0 + r) * w->ng;
+        const uint8_t *zp = w->zeros + (r0 + r) * w->ng;
+        for (int t = 0; t < nt; t++) {
+            const float *xr = x->x + (t0 + t) * x->ld;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < w->ng; g++) {
+                int64_t k1 = (g + 1) * w->group < w->cols ? (g + 1) * w->group : w->cols;
+                float z = (float)zp[g], gacc = 0.0f;
+                for (int64_t k = g * w->group; k < k1; k++)
+                    gacc += ((float)q6_at(row, k) - z) * ck_ldf(xr + k);
+                acc += gacc * ck_ldf(sc + g);
+            }
+            res[r * nt + t] = acc;
+        }
+    }
+}
+
 /* In place: each of the g rows of s [g, len] becomes its softmax (max-subtracted). */
 void ck_softmax_rows(float *s, int g, int64_t len) {
     for (int h = 0; h < g; h++) {
@@ -157,5 +222,5 @@ void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const floa
 
 const ck_backend_t ck_backend_scalar = {
     "scalar", ck_scalar_act_quant, q4_i8, ck_scalar_q4_f32, ck_scalar_q8_i8,
-    ck_scalar_q8_f32, ck_scalar_attn, 1, 1,
+    ck_scalar_q8_f32, q6_i8, ck_scalar_q6_f32, ck_scalar_attn, 1, 1,
 };

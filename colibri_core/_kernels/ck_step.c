@@ -52,6 +52,16 @@ void ck_mat_row(const ck_mat *w, int64_t r, float *out) {
             int64_t g = c / w->group;
             ck_stf(out + c, (float)((q - (double)z[g]) * (double)ck_ldf(s + g)));
         }
+    } else if (w->kind == CK_W_Q6) {
+        const uint8_t *d = (const uint8_t *)w->data + r * (cp / 64 * CK_Q6_BLOCK), *z = w->zeros + r * ng;
+        for (int64_t c = 0; c < w->cols; c++) {
+            const uint8_t *blk = d + (c / 64) * CK_Q6_BLOCK;
+            int64_t j = c % 64;
+            int lo = j < 32 ? (blk[j & 31] & 0x0F) : (blk[j & 31] >> 4);
+            double q = lo | (((blk[32 + (j & 15)] >> (2 * (j >> 4))) & 3) << 4);
+            int64_t g = c / w->group;
+            ck_stf(out + c, (float)((q - (double)z[g]) * (double)ck_ldf(s + g)));
+        }
     } else {
         const int8_t *d = (const int8_t *)w->data + r * cp;
         for (int64_t c = 0; c < w->cols; c++)

@@ -50,12 +50,12 @@ static inline int nthreads(const ck_sscratch *s, int64_t work) {
 }
 
 static inline int64_t mat_bytes_per_row(const ck_mat *m) {
-    return m->kind == CK_W_Q4 ? m->cols / 2 : m->cols;
+    return m->kind == CK_W_Q4 ? m->cols / 2 : m->kind == CK_W_Q6 ? m->cols * 3 / 4 : m->cols;
 }
 
 /* ------------------------------------------------------------------ matrices */
 
-typedef struct { int kind; ck_q4 q4; ck_q8 q8; int64_t rows, cols, group; } wmat;
+typedef struct { int kind; ck_q4 q4; ck_q8 q8; int64_t rows, cols, group; } wmat;  /* q6: in q4 */
 
 static inline wmat to_w(const ck_mat *m) {
     wmat w;
@@ -63,7 +63,7 @@ static inline wmat to_w(const ck_mat *m) {
     memset(&w, 0, sizeof w);
     w.kind = m->kind;
     w.rows = m->rows; w.cols = m->cols; w.group = m->group;
-    if (m->kind == CK_W_Q4)
+    if (m->kind == CK_W_Q4 || m->kind == CK_W_Q6)
         w.q4 = (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
     else
         w.q8 = (ck_q8){m->data, m->scales, m->rows, m->cols, m->group, cp, cp / m->group};
@@ -85,6 +85,7 @@ void rows_x_tokens(const ck_backend_t *be, const wmat *w, int64_t r0, int rt,
     for (int64_t t0 = 0; t0 < n;) {
         int nt = ck_tile_tokens(ntp, n - t0);
         if (w->kind == CK_W_Q4) be->q4_i8(&w->q4, r0, rt, a, t0, nt, res);
+        else if (w->kind == CK_W_Q6) be->q6_i8(&w->q4, r0, rt, a, t0, nt, res);
         else be->q8_i8(&w->q8, r0, rt, a, t0, nt, res);
         for (int r = 0; r < rt; r++)
             for (int t = 0; t < nt; t++) emit(ctx, t0 + t, r0 + r, res[r * nt + t]);

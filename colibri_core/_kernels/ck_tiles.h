@@ -10,7 +10,9 @@
  *     From ck_panel_min_tokens tokens the step and ck_matmul run the AVX-512 backend's
  *     panels instead (ck_avx512.c), which give these tiles' bits.
  *   CK_DEFINE_Q8_I8(ATTR, name, tile): tile(w, r0, xr, xs, res, ldr, RT) computes RT rows
- *     of a q8 matrix against one token's activations; tokens go one by one. */
+ *     of a q8 matrix against one token's activations; tokens go one by one.
+ *   CK_DEFINE_Q6_I8_TILE / CK_DEFINE_Q6_I8: the q6 tile (below) and its dispatch, in the
+ *     q4 shapes (4 rows x 1 token for decode, 1 row x up to 4 tokens for batches). */
 #ifndef COLIBRI_CK_TILES_H
 #define COLIBRI_CK_TILES_H
 
@@ -174,6 +176,109 @@
         }                                                                               \
         _Pragma("GCC unroll 4")                                                         \
         for (int r = 0; r < RT; r++) res[r * ldr] = hsum_ps(facc[r]);                   \
+    }
+
+/* CK_DEFINE_Q6_I8_TILE(INL, NAME, DOT2): RT rows x NT tokens of a q6 matrix (ck_internal.h,
+ * docs/FORMAT.md), the q4 tile's structure: per 64-value block each row's 48 bytes are
+ * unpacked to two vectors of 32 values 0..63 (values 0..31 and 32..63: the low nibbles as
+ * q4's, OR'd with the top two bits, which sit in the block's last 16 bytes, broadcast to
+ * both lanes and moved into bits 4-5 by one variable shift per half (sllv / srlv by
+ * 32-bit lane: a shift below 8 moves each byte's own bits, and the mask drops the rest):
+ * values j < 16 / 16 <= j < 32 of either half take bits 2*(j/16) of byte j % 16, shifts
+ * 4 / 2 for the low half, 0 / -2 for the high half; measured 1.3x over two shifts and a
+ * blend per half, one AVX2 thread, matrix in cache);
+ * DOT2(acc, lo, x0, hi, x1) adds the byte products lo*x0 + hi*x1 to the i32 lanes of acc
+ * (AVX2: two maddubs, |pair| <= 2 * 63 * 127, their i16 sum <= 32004, then one madd; VNNI:
+ * two dpbusd -- the same integers). Each group's dots go through q4_dot_pass: the
+ * zero-point correction and float epilogue of the q4 tiles, so every backend that shares
+ * it gives the same floats. One prefetch per block `pf` bytes ahead (48-byte blocks: every
+ * 64-byte line gets at least one). The row streams once: one part, 48 bytes per block.
+ * Needs CK_PF_BYTES, hsum_ps and CK_DEFINE_Q4_DOT_PASS's q4_dot_pass. */
+#define CK_DEFINE_Q6_I8_TILE(INL, NAME, DOT2)                                            \
+    INL void NAME(const ck_q6 *w, int64_t r0, const ck_act *a, int64_t t0, float *res,   \
+                  int ldr, const int RT, const int NT) {                                 \
+        const int K = RT * NT, K4 = (K + 3) / 4 * 4;                                     \
+        const int64_t rb = w->cp / 64 * CK_Q6_BLOCK, ng = w->ng, bpg = w->group / 64;    \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);         \
+        /* per 128-bit lane: values 0..15 / 16..31 take bits 0-1 / 2-3 (shift left 4 / 2), \
+         * values 32..47 / 48..63 bits 4-5 / 6-7 (shift right 0 / 2) */                 \
+        const __m256i shl = _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2);                   \
+        const __m256i shr = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);                   \
+        const uint8_t *wr = w->data + r0 * rb;                                           \
+        const int8_t *xr = a->q + t0 * a->cp;                                            \
+        const int64_t pf = RT * rb + CK_PF_BYTES;                                        \
+        int32_t dq[2][CK_GCHUNK][4];                                                     \
+        float acc[8];                                                                    \
+        _Pragma("GCC unroll 8")                                                          \
+        for (int k = 0; k < K; k++) acc[k] = 0.0f;                                       \
+        for (int64_t gc = 0; gc < ng; gc += CK_GCHUNK) {                                 \
+            const int gn = ng - gc < CK_GCHUNK ? (int)(ng - gc) : CK_GCHUNK;             \
+            for (int gi = 0; gi < gn; gi++) {                                            \
+                const int64_t g = gc + gi;                                               \
+                __m256i iacc[8];                                                         \
+                _Pragma("GCC unroll 8")                                                  \
+                for (int k = 0; k < K4; k++) iacc[k] = _mm256_setzero_si256();           \
+                _Pragma("GCC unroll 2")                                                  \
+                for (int64_t j = 0; j < bpg; j++) {                                      \
+                    const int64_t b = g * bpg + j;                                       \
+                    __m256i lo[CK_MAX_RT], hi[CK_MAX_RT];                                \
+                    _Pragma("GCC unroll 4")                                              \
+                    for (int r = 0; r < RT; r++) {                                       \
+                        const uint8_t *p = wr + r * rb + b * CK_Q6_BLOCK;                \
+                        _mm_prefetch((const char *)(p + pf), _MM_HINT_T1);               \
+                        const __m256i ql = _mm256_loadu_si256((const __m256i *)p);       \
+                        const __m256i h = _mm256_broadcastsi128_si256(                   \
+                            _mm_loadu_si128((const __m128i *)(p + 32)));                 \
+                        lo[r] = _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256( \
+                            _mm256_sllv_epi32(h, shl), m2));                             \
+                        hi[r] = _mm256_or_si256(                                         \
+                            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),              \
+                            _mm256_and_si256(_mm256_srlv_epi32(h, shr), m2));            \
+                    }                                                                    \
+                    _Pragma("GCC unroll 4")                                              \
+                    for (int t = 0; t < NT; t++) {                                       \
+                        const int8_t *xp = xr + t * a->cp + b * 64;                      \
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);      \
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32)); \
+                        _Pragma("GCC unroll 4")                                          \
+                        for (int r = 0; r < RT; r++)                                     \
+                            iacc[r * NT + t] = DOT2(iacc[r * NT + t], lo[r], x0, hi[r], x1); \
+                    }                                                                    \
+                }                                                                        \
+                _Pragma("GCC unroll 2")                                                  \
+                for (int k = 0; k < K4; k += 4) {                                        \
+                    __m256i hs = _mm256_hadd_epi32(_mm256_hadd_epi32(iacc[k], iacc[k + 1]), \
+                                                   _mm256_hadd_epi32(iacc[k + 2], iacc[k + 3])); \
+                    _mm_storeu_si128((__m128i *)dq[k / 4][gi],                           \
+                                     _mm_add_epi32(_mm256_castsi256_si128(hs),           \
+                                                   _mm256_extracti128_si256(hs, 1)));    \
+                }                                                                        \
+            }                                                                            \
+            q4_dot_pass(w, r0, a, t0, dq, gc, gn, acc, K, NT);                           \
+        }                                                                                \
+        _Pragma("GCC unroll 8")                                                          \
+        for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];               \
+    }
+
+#define CK_DEFINE_Q6_I8(ATTR, NAME, TILE)                                                \
+    ATTR void NAME(const ck_q6 *w, int64_t r0, int rt, const ck_act *a, int64_t t0,      \
+                   int nt, float *res) {                                                 \
+        if (nt == 1) {                                                                   \
+            switch (rt) {                                                                \
+            case 4: TILE(w, r0, a, t0, res, 1, 4, 1); break;                             \
+            case 3: TILE(w, r0, a, t0, res, 1, 3, 1); break;                             \
+            case 2: TILE(w, r0, a, t0, res, 1, 2, 1); break;                             \
+            default: TILE(w, r0, a, t0, res, 1, 1, 1); break;                            \
+            }                                                                            \
+            return;                                                                      \
+        }                                                                                \
+        for (int r = 0; r < rt; r++) {                                                   \
+            switch (nt) {                                                                \
+            case 4: TILE(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;               \
+            case 3: TILE(w, r0 + r, a, t0, res + r * nt, nt, 1, 3); break;               \
+            default: TILE(w, r0 + r, a, t0, res + r * nt, nt, 1, 2); break;              \
+            }                                                                            \
+        }                                                                                \
     }
 
 #endif

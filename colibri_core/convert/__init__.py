@@ -4,9 +4,13 @@
 
 - Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (MLA attention, grouped
   sigmoid routing); see families.py for the config mapping and what is refused.
-- Precision (`bits`): 4 -> q4 (embedding, lm_head and attention K/V q8), 8 -> q8,
+- Precision (`bits`): 4 -> q4 (lm_head q6; embedding and attention K/V q8), 8 -> q8,
   16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
   checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.
+  Per tensor class (TENSOR_CLASSES: embed, lm_head, attn_qo, attn_kv, dense_ffn,
+  shared_ffn, experts) `tensor_bits` overrides it, and 6 -> q6 for the classes the C
+  pipeline runs at 6 bits (SIX_BIT_CLASSES); `lm_head_bits`, `embed_bits`, `kv_bits` are
+  the same for one class each. `tensor_classes(out_dir)` reports what each class got.
   `q4_clip`: "mse" (per group, the scale/zero point of smallest squared error among
   min/max and shrunk ranges) or "minmax" (plain min/max); see quant.quantize_q4. Default:
   "mse", or "minmax" with `calibration` (AWQ searches its own clipping on the output error;
@@ -37,16 +41,23 @@ import numpy as np
 from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..files import read_bytes, read_text
-from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q8
+from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8
 from ..weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
                   clip_groups)
 from .safetensors_reader import Checkpoint, f32_to_bf16
 
-VALID_BITS = (4, 8, 16, 32)
+VALID_BITS = (4, 8, 16, 32)           # --bits: every matrix not set otherwise
+ROLE_BITS = (4, 6, 8, 16, 32)         # 6: q6, for the classes below
+# Tensor classes, each set as a whole (`tensor_bits`); attn_qo is every attention matrix
+# but K/V (MLA: wq / wq_a / wq_b, wkv_a, wkv_b, wo).
+TENSOR_CLASSES = ("embed", "lm_head", "attn_qo", "attn_kv", "dense_ffn", "shared_ffn", "experts")
+# q6 where the C pipeline runs it: the embedding rows, the lm_head and the attention
+# projections. FFNs are q4 in the C expert block (the expert format is INT4).
+SIX_BIT_CLASSES = ("embed", "lm_head", "attn_qo", "attn_kv")
 
-__all__ = ["convert", "VALID_BITS"]
+__all__ = ["convert", "VALID_BITS", "ROLE_BITS", "TENSOR_CLASSES", "tensor_classes"]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -139,8 +150,11 @@ class _Writer:
             w = w * s.astype(np.float64)[None, :]
         if key in sc.clip:
             w = clip_groups(w, self.group, sc.clip[key])
-        t = quantize_q4(w, self.group, clip=self.q4_clip) if bits == 4 else quantize_q8(w, self.group)
-        return t, s
+        if bits == 4:
+            return quantize_q4(w, self.group, clip=self.q4_clip), s
+        if bits == 6:
+            return quantize_q6(w, self.group, clip=self.q4_clip), s
+        return quantize_q8(w, self.group), s
 
 
 def _sha256(path: Path) -> str:
@@ -149,16 +163,31 @@ def _sha256(path: Path) -> str:
 
 def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             lm_head_bits: Optional[int] = None, embed_bits: Optional[int] = None,
-            kv_bits: Optional[int] = None, calibration=None, calibration_tokens_max: int = 512,
+            kv_bits: Optional[int] = None, tensor_bits: Optional[dict] = None,
+            calibration=None, calibration_tokens_max: int = 512,
             q4_clip: Optional[str] = None, progress: bool = False,
             overwrite: bool = False) -> ModelConfig:
     """Convert; returns the written model config. Raises ConfigError (one line) for
-    unsupported architectures and options, ModelFormatError for broken checkpoints."""
+    unsupported architectures and options, ModelFormatError for broken checkpoints.
+    tensor_bits: {class: bits} for classes of TENSOR_CLASSES; lm_head_bits, embed_bits
+    and kv_bits, when given, win over its lm_head, embed and attn_kv entries."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    for name, b in (("--bits", bits), ("lm_head_bits", lm_head_bits), ("embed_bits", embed_bits),
-                    ("kv_bits", kv_bits)):
-        if b is not None and b not in VALID_BITS:
-            raise ConfigError(f"{name} {b}: must be one of {', '.join(map(str, VALID_BITS))}")
+    if bits not in VALID_BITS:
+        raise ConfigError(f"--bits {bits}: must be one of {', '.join(map(str, VALID_BITS))}")
+    tb = dict(tensor_bits or {})
+    for cls, b in (("lm_head", lm_head_bits), ("embed", embed_bits), ("attn_kv", kv_bits)):
+        if b is not None:
+            tb[cls] = b
+    for cls, b in tb.items():
+        if cls not in TENSOR_CLASSES:
+            raise ConfigError(f"--tensor-bits {cls}: unknown tensor class; expected one of "
+                              f"{', '.join(TENSOR_CLASSES)}")
+        ok = ROLE_BITS if cls in SIX_BIT_CLASSES else VALID_BITS
+        if b not in ok:
+            why = (f" (6 bits applies to {', '.join(SIX_BIT_CLASSES)}: FFN matrices are q4 "
+                   f"in the C expert block)" if b == 6 else "")
+            raise ConfigError(f"--tensor-bits {cls}={b}: must be one of "
+                              f"{', '.join(map(str, ok))}{why}")
     try:
         check_group(group_size)
     except ValueError as e:
@@ -176,16 +205,23 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                               "imported as it is (drop --calibration)")
         if bits not in (4, 8):
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
-    lm_bits = lm_head_bits or (8 if bits == 4 else bits)
+    # The lm_head at 6 bits under a 4-bit body: every token reads all of it (on the
+    # benchmark model 32.2 of 116.5 MiB at q8, 24.7 at q6), and on both trained models the
+    # q6 head left the converted model's KL to the float model within 2.2% and its
+    # perplexity within 0.4% of the q8 head's (benchmarks/precision_sensitivity.py,
+    # docs/BENCHMARKS.md "Precision by measured sensitivity").
+    lm_bits = tb.get("lm_head") or (6 if bits == 4 else bits)
     # The embedding at 8 bits under a 4-bit body too: decode reads one row of it per token,
     # so this costs file size only, and at 4 bits it is the largest single cause of logit
     # error (benchmarks/_peer_fidelity_ablation.py). Tied, it is the lm_head.
-    emb_bits = embed_bits or (lm_bits if fields.get("tie_word_embeddings")
-                              else (8 if bits == 4 else bits))
+    emb_bits = tb.get("embed") or (lm_bits if fields.get("tie_word_embeddings")
+                                   else (8 if bits == 4 else bits))
     # Attention K/V projections at 8 bits under a 4-bit body (as llama.cpp does): they are
     # small (kv_heads x head_dim rows) but carry a large share of the logit error (measured
     # by benchmarks/_peer_fidelity_ablation.py). An AWQ import keeps its own 4 bits.
-    kvb = kv_bits or (8 if bits == 4 and spec is None else bits)
+    kvb = tb.get("attn_kv") or (8 if bits == 4 and spec is None else bits)
+    cls_bits = {"embed": emb_bits, "lm_head": lm_bits, "attn_kv": kvb,
+                **{c: tb.get(c) or bits for c in ("attn_qo", "dense_ffn", "shared_ffn", "experts")}}
     method = "awq-import" if spec is not None else ("awq" if calibration is not None else "rtn")
     try:
         cfg = ModelConfig.model_validate(fields)
@@ -239,16 +275,20 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         quant = {"method": method, "bits": bits, "group_size": spec.group if spec else group_size,
                  "lm_head_bits": lm_bits, "embed_bits": emb_bits, "kv_bits": kvb,
                  "source_dtypes": sorted(ck.float_dtypes())}
-        if 4 in (bits, lm_bits, emb_bits, kvb):
+        other = {c: b for c, b in cls_bits.items()
+                 if c in ("attn_qo", "dense_ffn", "shared_ffn", "experts") and b != bits}
+        if other:                  # recorded only when set (earlier conversions stay as they were)
+            quant["tensor_bits"] = other
+        if {4, 6} & set(cls_bits.values()):
             quant["q4_clip"] = q4_clip
         if calibration is not None:
             quant["calibration"] = {"sha256": _sha256(Path(calibration)), "tokens": scales.tokens,
                                     **scales.summary()}
         cfg = cfg.model_copy(update={"quantization": quant})
 
-        main = _main_sections(wr, cfg, lm_bits, emb_bits, tick, kvb)
+        main = _main_sections(wr, cfg, cls_bits, tick)
         routing = list(_routing_sections(wr, cfg))
-        experts = _experts(wr, cfg, tick)
+        experts = _experts(wr, cfg, tick, cls_bits["experts"])
         n_main = 4 + sum(12 + 2 * n_attn + (8 if cfg.shared_expert_intermediate_size else 6)
                          for _ in cfg.layer_types)
         final = write_model_dir(staging, cfg, main, routing, experts,
@@ -269,10 +309,72 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
     return final
 
 
+# ----------------------------------------------------------------------------- report
+
+_ATTN_QO = ("wq", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b")
+
+
+def tensor_class(name: str) -> Optional[str]:
+    """The TENSOR_CLASSES entry of a model.bin matrix section (None: not a matrix class)."""
+    if name in ("embed", "lm_head"):
+        return name
+    last = name.rsplit(".", 1)[-1]
+    if last in ("wk", "wv"):
+        return "attn_kv"
+    if last in _ATTN_QO:
+        return "attn_qo"
+    if last in ("w1", "w3", "w2"):
+        return "dense_ffn"
+    if last.startswith("shared_w"):
+        return "shared_ffn"
+    return None
+
+
+def tensor_classes(model_dir) -> list[dict]:
+    """What each tensor class of a converted model was stored as, from the files' section
+    tables: [{class, count (matrices), formats (e.g. "q6 g128"), weights, bytes, bits
+    (stored bits per weight: data, scales and zero points)}], in TENSOR_CLASSES order."""
+    from ..modelfile import ContainerFile, MAX_EXPERT_TABLE_BYTES
+    model_dir = Path(model_dir)
+    acc: dict[str, dict] = {}
+
+    def add(cls: str, s, times: int = 1):
+        a = acc.setdefault(cls, {"class": cls, "count": 0, "formats": set(), "weights": 0,
+                                 "bytes": 0})
+        a["count"] += times
+        a["formats"].add(f"{s.dtype} g{s.group_size}" if s.group_size else s.dtype)
+        rows, cols = s.shape
+        a["weights"] += times * rows * cols
+        a["bytes"] += times * sum(n for _, n in s.parts.values())
+
+    f = ContainerFile(model_dir / "model.bin", "header")
+    try:
+        for s in f.sections.values():
+            cls = tensor_class(s.name)
+            if cls is not None and len(s.shape) == 2:
+                add(cls, s)
+    finally:
+        f.close()
+    experts = sorted(model_dir.glob("expert_*.bin"))
+    if experts:                          # every expert file has the same layout
+        e = ContainerFile(experts[0], "header", MAX_EXPERT_TABLE_BYTES)
+        try:
+            for m in ("w1", "w3", "w2"):
+                add("experts", e.sections[m], len(experts))
+        finally:
+            e.close()
+    out = []
+    for cls in TENSOR_CLASSES:
+        if cls in acc:
+            a = acc[cls]
+            out.append(dict(a, formats=", ".join(sorted(a["formats"])),
+                            bits=8.0 * a["bytes"] / max(a["weights"], 1)))
+    return out
+
+
 # ----------------------------------------------------------------------------- sections
 
-def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, tick,
-                   kv_bits: Optional[int] = None) -> Iterator:
+def _main_sections(wr: _Writer, cfg: ModelConfig, cls_bits: dict, tick) -> Iterator:
     ck = wr.ck
 
     def mat(name, src, key=None, bits=None):
@@ -282,7 +384,7 @@ def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, t
             yield name + ".act_scale", s
         tick()
 
-    yield from mat("embed", fam.Src("model.embed_tokens.weight"), bits=emb_bits)
+    yield from mat("embed", fam.Src("model.embed_tokens.weight"), bits=cls_bits["embed"])
     for L, kind in enumerate(cfg.layer_types):
         p, q = f"layer.{L}.", f"model.layers.{L}."
         yield p + "attn_norm", wr.vector(fam.Src(q + "input_layernorm.weight"))
@@ -290,21 +392,21 @@ def _main_sections(wr: _Writer, cfg: ModelConfig, lm_bits: int, emb_bits: int, t
         for name, src, k in fam.attention_sections(ck, cfg, L):
             if k == "matrix":
                 kv = name.endswith((".wk", ".wv"))
-                yield from mat(name, src, bits=kv_bits if kv else None)
+                yield from mat(name, src, bits=cls_bits["attn_kv" if kv else "attn_qo"])
             else:
                 yield name, wr.vector(src)
         if kind == "dense":
             for s, src in zip(("w1", "w3", "w2"), fam.dense_sources(ck, L)):
-                yield from mat(p + s, src)
+                yield from mat(p + s, src, bits=cls_bits["dense_ffn"])
         elif cfg.shared_expert_intermediate_size:
             for s, src in zip(("shared_w1", "shared_w3", "shared_w2"), fam.shared_sources(ck, L)):
-                yield from mat(p + s, src)
+                yield from mat(p + s, src, bits=cls_bits["shared_ffn"])
             if cfg.shared_expert_gate:
                 g = wr.vector(fam.shared_gate_source(ck, L))
                 yield p + "shared_gate", g.reshape(1, cfg.hidden_size)
     yield "final_norm", wr.vector(fam.Src("model.norm.weight"))
     if not cfg.tie_word_embeddings:
-        yield from mat("lm_head", fam.Src("lm_head.weight"), bits=lm_bits)
+        yield from mat("lm_head", fam.Src("lm_head.weight"), bits=cls_bits["lm_head"])
 
 
 def _routing_sections(wr: _Writer, cfg: ModelConfig) -> Iterator:
@@ -315,12 +417,13 @@ def _routing_sections(wr: _Writer, cfg: ModelConfig) -> Iterator:
             yield f"layer.{L}.router_bias", wr.vector(b)
 
 
-def _experts(wr: _Writer, cfg: ModelConfig, tick) -> Iterator:
+def _experts(wr: _Writer, cfg: ModelConfig, tick, bits: int) -> Iterator:
     I = cfg.expert_intermediate
     for L in cfg.moe_layers:
         for e in range(cfg.num_experts):
             srcs = fam.expert_sources(wr.ck, L, e, I)
-            got = [wr.matrix(src, f"expert.{L}.{e}.{m}") for m, src in zip(("w1", "w3", "w2"), srcs)]
+            got = [wr.matrix(src, f"expert.{L}.{e}.{m}", bits)
+                   for m, src in zip(("w1", "w3", "w2"), srcs)]
             ffn = FFNWeights(*(t for t, _ in got))
             ffn.act_scales = {m: s for m, (_, s) in zip(("w1", "w3", "w2"), got) if s is not None}
             yield L, e, ffn

@@ -38,6 +38,7 @@ refusal is one log line `REFUSED_LOG` naming the file and the rule.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -105,6 +106,9 @@ class HotplugManager:
             set and its decode plan there. It must not call back into drain().
         polling: watch the folder by polling (every file then waits to settle) instead
             of inotify, e.g. on a network filesystem.
+        slots_file: JSON {name: slot}, read when a name first gets a slot: a name listed
+            there gets that slot (a fleet's registry assigns them, so that every replica
+            numbers its experts alike), any other the next free one.
     """
 
     def __init__(self, experts_dir: str | os.PathLike, hidden_size: int,
@@ -113,7 +117,8 @@ class HotplugManager:
                  probe_timeout_s: float = 5.0, settle_s: float = 0.2,
                  on_event: EventCallback | None = None, *, watch: bool = True,
                  isolated_capacity: int = 64, probe_slots: int = 2,
-                 prepare: PrepareCallback | None = None, polling: bool = False):
+                 prepare: PrepareCallback | None = None, polling: bool = False,
+                 slots_file: str | os.PathLike | None = None):
         if isolation_default not in ISOLATION_MODES:
             raise ValueError(f"isolation_default {isolation_default!r}, expected one of"
                              f" {ISOLATION_MODES}")
@@ -135,6 +140,7 @@ class HotplugManager:
         self.probe_slots = int(probe_slots)
         self.prepare = prepare
         self.polling = polling
+        self.slots_file = None if slots_file is None else os.fspath(slots_file)
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -842,14 +848,35 @@ class HotplugManager:
         prep = self._prepare(info, sha, staged, path, isolation)
         with self._cond:
             if name not in self._records:
-                self._records[name] = NameRecord(slot=self._next_slot)
-                self._next_slot += 1
+                slot = self._assigned_slot(name)
+                self._records[name] = NameRecord(slot=slot)
+                self._next_slot = max(self._next_slot, slot + 1)
                 self._dirty = True
                 self._housekeep_soon()
             slot = self._records[name].slot
         prep.materialize(slot)
         with self._cond:
             self._batch.append(("upsert", prep, False))
+
+    def _assigned_slot(self, name: str) -> int:
+        """The slot a name new to this manager gets: the slots file's, else the next."""
+        if self.slots_file is None:
+            return self._next_slot
+        try:
+            with open(self.slots_file, encoding="utf-8") as f:
+                slot = json.load(f).get(name)
+        except (OSError, ValueError, AttributeError) as e:
+            log.error("slots file %s unreadable (%s): expert %s gets the next free slot %d",
+                      self.slots_file, e, name, self._next_slot)
+            return self._next_slot
+        taken = {r.slot for r in self._records.values()}
+        if not isinstance(slot, int) or slot < self.first_slot or slot in taken:
+            if slot is not None:
+                log.error("slots file %s: slot %r for %s is not a free slot >= %d: it gets "
+                          "the next free slot %d", self.slots_file, slot, name,
+                          self.first_slot, self._next_slot)
+            return self._next_slot
+        return slot
 
     def _refuse(self, path: str, e: BaseException, sha: str | None,
                 staged: str | None) -> None:

@@ -7,6 +7,8 @@
     chat.py        the checkpoint's chat template (sandboxed Jinja, as transformers)
     experts.py     expert-set generation/id, listing, refusals, routed tokens
     metrics.py     Prometheus registry; the status page's one-minute window
+    backend.py     what the routes run on: LocalBackend (one engine here); fleet/ has the
+                   same methods over Ray Serve replicas
     app.py         the Starlette app: routes, auth, request ids, errors, access log
     serve.py       engine + app + uvicorn from the command line's options
 
@@ -39,11 +41,13 @@ def add_arguments(p) -> None:
     p.add_argument("--expert-allowlist", dest="expert_allowlist", metavar="FILE",
                    help="sha256 digests (one per line) an uploaded expert may have")
     p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
-                   help="do not count routed tokens per expert (saves the decode path's "
-                        "routing hook; /metrics and the status page then show no shares)")
+                   help="do not count routed tokens per expert (saves a bincount per MoE "
+                        "layer and step; /metrics and the status page then show no shares)")
     p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
                    help="engine requests (one per choice or score call) that may wait for "
                         "admission before 429 (the engine's max_queued_requests; default 256)")
+    from .serve import add_speculation_arguments
+    add_speculation_arguments(p)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
 

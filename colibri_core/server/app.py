@@ -1,9 +1,9 @@
 """The ASGI app: OpenAI routes, /v1/score, /v1/experts, /metrics, /health, /ready, /.
 
-One `Server` object holds the engine (shared by every request: its scheduler batches
-them), the calls in flight (calls.py: each request's work in its own thread), the expert
-book, the metrics and the chat template; the route handlers below only read requests,
-submit work and shape answers. Every handler goes through `endpoint()`,
+One `Server` object holds the backend (backend.py: one engine in this process, or a
+fleet of engine replicas over Ray Serve, colibri_core/fleet/), the metrics and the chat
+template; the route handlers below only read requests, submit work to the backend and
+shape answers, whichever backend it is. Every handler goes through `endpoint()`,
 which does what all routes share: the request id (X-Request-ID echoed or generated),
 the API key on /v1 routes, errors as OpenAI JSON, the access-log line and the request
 counter.
@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -31,11 +30,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import params
-from .calls import Calls, Cancelled
+from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
-from .experts import ExpertBook
-from .generation import End, Token, run_generation, run_score, ScoreItem
+from .generation import End, Token
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
 
@@ -64,57 +62,36 @@ class Settings:
     request_timeout_s: Optional[float] = 600.0
     shutdown_timeout_s: float = 10.0
     model_id: str = "colibri"
-    routing_stats: bool = True          # count routed tokens per expert (a routing hook)
+    routing_stats: bool = True          # count routed tokens per expert
 
 
 class Server:
-    """The engine and everything the routes share."""
+    """The backend (backend.py: one engine here, or a fleet of replicas) and everything
+    the routes share."""
 
-    def __init__(self, engine, settings: Settings, book: Optional[ExpertBook] = None):
-        self.engine = engine
+    def __init__(self, backend, settings: Settings):
+        self.backend = backend
         self.settings = settings
-        self.book = book or ExpertBook(engine)
-        if settings.routing_stats:
-            # The routing hook costs the decode path ~30-60 us per MoE layer and token
-            # (docs/BENCHMARKS.md); --no-routing-stats leaves it out.
-            engine.register_plugin(self.book, name="colibri-server-book")
-        if engine.hotplug is not None:
-            self.book.attach(engine.hotplug)
-        self.calls = Calls(engine)
         self.metrics = ServerMetrics(self)
-        self.template = ChatTemplate.from_model_dir(engine.model_dir)
+        self.template = ChatTemplate.from_model_dir(backend.model_dir)
         self.ready = False
         self.started_at = time.time()
+        self.last_snapshot: dict = {}
         self._tasks: list = []
 
     # -- life cycle (the app's lifespan) ------------------------------------------------
     async def startup(self) -> None:
+        await self.backend.startup()
+        self.last_snapshot = await self.backend.snapshot()
         self._tasks = [asyncio.create_task(self._sample_every_second()),
-                       asyncio.create_task(self._watch_loop_lag()),
-                       asyncio.create_task(self._apply_expert_changes_while_idle())]
+                       asyncio.create_task(self._watch_loop_lag())]
         self.ready = True
 
     async def shutdown(self) -> None:
         self.ready = False
         for t in self._tasks:
             t.cancel()
-        await asyncio.to_thread(self.calls.stop, self.settings.shutdown_timeout_s)
-        self.engine.close()
-
-    async def _apply_expert_changes_while_idle(self, period: float = 0.2) -> None:
-        """The scheduler adopts queued expert changes before every step; while no step
-        runs, this does, so that a dropped expert goes live without waiting for traffic."""
-        if self.engine.hotplug is None:
-            return
-        sched = self.engine.scheduler
-        while True:
-            await asyncio.sleep(period)
-            if sched.running or sched.queued:
-                continue
-            try:
-                await asyncio.to_thread(self.engine.apply_expert_changes)
-            except Exception:  # noqa: BLE001 - retried at the next period
-                log.exception("applying expert changes while idle failed")
+        await self.backend.shutdown(self.settings.shutdown_timeout_s)
 
     async def _watch_loop_lag(self, period: float = 0.05) -> None:
         """A blocked event loop delays every stream: measure how late it wakes."""
@@ -127,7 +104,8 @@ class Server:
     async def _sample_every_second(self) -> None:
         while True:
             try:
-                self.metrics.sample(self.book)
+                self.last_snapshot = await self.backend.snapshot()
+                self.metrics.sample(self.last_snapshot["routed"])
             except Exception:  # noqa: BLE001 - the status window is best effort
                 log.exception("status sample failed")
             await asyncio.sleep(1.0)
@@ -145,8 +123,8 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
     def versions(self) -> tuple[int, str]:
-        """(expert_set_generation, expert_set_id) of the engine's current expert set."""
-        return self.book.stamp()
+        """(expert_set_generation, expert_set_id) of the current expert set."""
+        return self.backend.stamp()
 
 
 class Record:
@@ -225,7 +203,7 @@ def endpoint(server: Server, route: str, fn, auth: bool = True):
             rec.finish(499)
             raise
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style answer
-            response = _error_response(from_exception(e, rid, server.calls.retry_after_s()))
+            response = _error_response(from_exception(e, rid, server.backend.retry_after_s()))
         response.headers["X-Request-ID"] = rid
         if not rec.deferred:
             rec.finish(response.status_code)
@@ -287,7 +265,7 @@ async def _collect(request: Request, stream, rec: Record, until_token: bool) -> 
 
 def build_app(server: Server) -> Starlette:
     S = server
-    eng = server.engine
+    eng = server.backend              # the served model's config and tokenizer, and the work
     st = server.settings
 
     def version_headers(events) -> dict:
@@ -298,8 +276,7 @@ def build_app(server: Server) -> Starlette:
     async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
         rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
         created = int(time.time())
-        job = S.calls.submit(lambda ctx: run_generation(ctx, p, S.book),
-                             request_id=rec.rid, timeout_s=st.request_timeout_s)
+        job = eng.generate(p, rec.rid, st.request_timeout_s, stream)
         logprobs = p.logprobs is not None
         if not stream:
             try:
@@ -339,7 +316,7 @@ def build_app(server: Server) -> Starlette:
                 raise
             except Exception as e:  # noqa: BLE001 - sent in the stream, then [DONE]
                 finished = True
-                err = from_exception(e, rec.rid, S.calls.retry_after_s())
+                err = from_exception(e, rec.rid, S.backend.retry_after_s())
                 status = err.status
                 yield sse(err.body())
                 yield SSE_DONE
@@ -394,11 +371,7 @@ def build_app(server: Server) -> Starlette:
         if n_seq > MAX_SCORE_SEQUENCES:
             raise bad_request(f"{n_seq} candidates in one request, at most "
                               f"{MAX_SCORE_SEQUENCES}", param="items")
-
-        def work(ctx):
-            items = [_score_item(ctx.engine, x, i) for i, x in enumerate(raw)]
-            return run_score(ctx, items, experts, S.book)
-        job = S.calls.submit(work, request_id=rec.rid, timeout_s=st.request_timeout_s)
+        job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
         try:
             await _collect(request, job, rec, until_token=False)
         except Cancelled:
@@ -417,17 +390,10 @@ def build_app(server: Server) -> Starlette:
             "num_experts": eng.num_experts, "top_k": eng.model_cfg.top_k}]})
 
     async def experts(request, rec):
-        return JSONResponse(S.book.listing())
+        return JSONResponse(await eng.listing())
 
     async def rollback(request, rec):
-        name = request.path_params["name"]
-        if eng.hotplug is None:
-            raise ApiError(409, "this server watches no experts folder: nothing to roll back",
-                           code="no_hotplug")
-        eng.hotplug.rollback(name)
-        return JSONResponse({"name": name, "status": "queued", "detail": "the previous version "
-                             "goes live between two tokens; GET /v1/experts shows it"},
-                            status_code=202)
+        return JSONResponse(await eng.rollback(request.path_params["name"]), status_code=202)
 
     async def upload(request, rec):
         name = request.path_params["name"]
@@ -435,8 +401,6 @@ def build_app(server: Server) -> Starlette:
             raise ApiError(403, "expert upload is off: start the server with "
                                 "--allow-expert-upload (an upload runs native code)",
                            type="permission_error", code="upload_disabled")
-        if eng.hotplug is None:
-            raise ApiError(409, "this server watches no experts folder", code="no_hotplug")
         if not _NAME_RE.fullmatch(name):
             raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
                               f"'-' (1-64, not starting with '.')", param="name")
@@ -446,14 +410,7 @@ def build_app(server: Server) -> Starlette:
         if not allow or sha not in allow:
             raise ApiError(403, f"sha256 {sha} is not on the server's upload allowlist",
                            type="permission_error", code="allowlist")
-        folder = Path(eng.hotplug.experts_dir)
-        final = folder / (name if name.endswith(".so") else f"{name}.so")
-        tmp = folder / f".{final.name}.{os.getpid()}.upload"
-        await asyncio.to_thread(_write_atomically, tmp, final, data)
-        return JSONResponse({"name": name, "path": str(final), "sha256": sha,
-                             "status": "written", "detail": "the folder's checks and probe "
-                             "run next; GET /v1/experts shows adoption or refusal"},
-                            status_code=202)
+        return JSONResponse(await eng.upload(name, data, sha), status_code=202)
 
     async def health(request, rec):
         return JSONResponse({"status": "ok"})
@@ -466,22 +423,24 @@ def build_app(server: Server) -> Starlette:
                              "expert_set_generation": g, "expert_set_id": sid})
 
     async def metrics(request, rec):
+        S.last_snapshot = await eng.snapshot()
         data, ctype = S.metrics.render()
         return Response(data, media_type=ctype)
 
     async def status_json(request, rec):
-        listing = S.book.listing()
+        listing = await eng.listing()
+        snap = S.last_snapshot = await eng.snapshot()
         return JSONResponse({"model": st.model_id, "model_dir": str(eng.model_dir),
-                             "uptime_s": time.time() - S.started_at,
-                             "queue_depth": eng.scheduler.queued,
-                             "running": eng.scheduler.running,
-                             "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
-                                         "capacity_tokens": eng.kv_pool.capacity_tokens},
+                             "backend": eng.kind, "uptime_s": time.time() - S.started_at,
+                             "queue_depth": snap["queue_depth"],
+                             "running": snap["batch_size"], "kv_pool": snap["kv_pool"],
                              "expert_set_generation": listing["expert_set_generation"],
                              "expert_set_id": listing["expert_set_id"],
                              "experts": listing["data"], "refusals": listing["refusals"][:10],
                              "watched_folder": listing["watched_folder"],
                              "routing_stats": st.routing_stats,
+                             **{k: snap[k] for k in ("rollout", "replica_failures")
+                                if k in snap},
                              "window": S.metrics.window(60.0)})
 
     async def index(request, rec):
@@ -535,62 +494,6 @@ def build_app(server: Server) -> Starlette:
 
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={404: http_error, 405: http_error})
-
-
-def _score_item(eng, x, i: int) -> ScoreItem:
-    """{prompt, candidates} -> token ids: a text candidate's tokens are
-    tokenize(prompt + candidate) minus tokenize(prompt), as scoring harnesses count them."""
-    from ..errors import RequestError
-    if not isinstance(x, dict):
-        raise RequestError(f"items[{i}]: expected an object {{prompt, candidates}}")
-    prompt, cands = x.get("prompt"), x.get("candidates")
-    if not isinstance(cands, list) or not cands:
-        raise RequestError(f"items[{i}].candidates: expected a non-empty list")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError(f"items[{i}].prompt: empty text")
-        pids = eng.encode(prompt)
-    elif isinstance(prompt, list) and prompt:
-        pids = eng.prepare_ids(prompt, reserve=0)[0]
-    else:
-        raise RequestError(f"items[{i}].prompt: expected text or a non-empty list of token ids")
-    ctx = eng.model_cfg.max_position_embeddings
-    out = []
-    for j, c in enumerate(cands):
-        if isinstance(c, str):
-            if not isinstance(prompt, str):
-                raise RequestError(f"items[{i}].candidates[{j}]: a text candidate needs a "
-                                   f"text prompt")
-            ids = eng.encode(prompt + c)[len(pids):]
-        elif isinstance(c, list):
-            ids = eng.prepare_ids(c, reserve=0)[0] if c else []
-        else:
-            raise RequestError(f"items[{i}].candidates[{j}]: expected text or token ids")
-        if not ids:
-            raise RequestError(f"items[{i}].candidates[{j}]: no tokens after the prompt")
-        if len(pids) + len(ids) > ctx:
-            raise RequestError(f"items[{i}].candidates[{j}]: {len(pids) + len(ids)} tokens "
-                               f"with the prompt, over the model's context of {ctx}")
-        out.append(ids)
-    return ScoreItem(pids, out, list(cands))
-
-
-def _write_atomically(tmp: Path, final: Path, data: bytes) -> None:
-    """Temp file (dotted: the watcher ignores it), fsync, chmod 644, rename."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _html_escape(s: str) -> str:

@@ -141,6 +141,19 @@ class Call:
             g.close()
 
     # -- the event loop -------------------------------------------------------------------
+    async def batches(self):
+        """The events in lists of those ready at once (a fleet replica sends each list as
+        one message); the work's error is raised at the end, as by `async for`."""
+        async for first in self:
+            batch = [first]
+            while not self.events.empty():
+                item = self.events.get_nowait()
+                if item is _END:
+                    self.events.put_nowait(_END)
+                    break
+                batch.append(item)
+            yield batch
+
     def __aiter__(self):
         return self
 

@@ -17,7 +17,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..hookspecs import hookimpl
 from ..hotplug.errors import REFUSED_LOG
 from ..modelfile import expert_name
 
@@ -28,8 +27,8 @@ class ExpertBook:
     """The current expert set's generation and id, adoptions/refusals, routed tokens;
     thread-safe.
 
-    Registered as a plugin (colibri_routing observer) on the engine; `on_event` is chained
-    into the hot-plug manager's event callback.
+    Routed tokens come from the engine's own counter (Engine.count_routed_tokens);
+    `on_event` is chained into the hot-plug manager's event callback.
     """
 
     def __init__(self, engine, max_refusals: int = 50):
@@ -39,7 +38,6 @@ class ExpertBook:
         self.adoptions = 0
         self._refused: dict[str, int] = {}          # reason -> count since start
         self.listeners: list[Callable[[str, dict], None]] = []
-        self.routed: dict[int, np.ndarray] = {}          # layer -> int64 [slots] (engine thread)
         self._slot_names: dict[int, str] = {}
 
     # -- versions -----------------------------------------------------------------------
@@ -103,18 +101,10 @@ class ExpertBook:
             logger.removeHandler(h)
 
     # -- routed tokens ------------------------------------------------------------------
-    @hookimpl
-    def colibri_routing(self, layer: int, expert_ids: np.ndarray):
-        ids = expert_ids.ravel()
-        counts = np.bincount(ids[ids >= 0])
-        have = self.routed.get(layer)
-        if have is None or have.size < counts.size:
-            grown = np.zeros(max(counts.size, 8), np.int64)
-            if have is not None:
-                grown[:have.size] = have
-            self.routed[layer] = have = grown
-        have[:counts.size] += counts
-        return None
+    @property
+    def routed(self) -> dict[int, np.ndarray]:
+        """layer -> int64 routed tokens per slot (the engine's counter)."""
+        return self.engine.routed_tokens()
 
     def slot_name(self, layer: int, slot: int) -> str:
         if slot < self.engine.model_cfg.num_experts:

@@ -334,6 +334,49 @@ class ScoreItem:
     labels: list              # what the client sent for each candidate (text or ids)
 
 
+def score_items(eng, raw: list) -> list:
+    """The request's items ({prompt, candidates}, checked) -> ScoreItems."""
+    return [_score_item(eng, x, i) for i, x in enumerate(raw)]
+
+
+def _score_item(eng, x, i: int) -> ScoreItem:
+    """{prompt, candidates} -> token ids: a text candidate's tokens are
+    tokenize(prompt + candidate) minus tokenize(prompt), as scoring harnesses count them."""
+    if not isinstance(x, dict):
+        raise RequestError(f"items[{i}]: expected an object {{prompt, candidates}}")
+    prompt, cands = x.get("prompt"), x.get("candidates")
+    if not isinstance(cands, list) or not cands:
+        raise RequestError(f"items[{i}].candidates: expected a non-empty list")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(f"items[{i}].prompt: empty text")
+        pids = eng.encode(prompt)
+    elif isinstance(prompt, list) and prompt:
+        pids = eng.prepare_ids(prompt, reserve=0)[0]
+    else:
+        raise RequestError(f"items[{i}].prompt: expected text or a non-empty list of token ids")
+    ctx = eng.model_cfg.max_position_embeddings
+    out = []
+    for j, c in enumerate(cands):
+        if isinstance(c, str):
+            if not isinstance(prompt, str):
+                raise RequestError(f"items[{i}].candidates[{j}]: a text candidate needs a "
+                                   f"text prompt")
+            ids = eng.encode(prompt + c)[len(pids):]
+        elif isinstance(c, list):
+            ids = eng.prepare_ids(c, reserve=0)[0] if c else []
+        else:
+            raise RequestError(f"items[{i}].candidates[{j}]: expected text or token ids")
+        if not ids:
+            raise RequestError(f"items[{i}].candidates[{j}]: no tokens after the prompt")
+        if len(pids) + len(ids) > ctx:
+            raise RequestError(f"items[{i}].candidates[{j}]: {len(pids) + len(ids)} tokens "
+                               f"with the prompt, over the model's context of {ctx}")
+        out.append(ids)
+    return ScoreItem(pids, out, list(cands))
+
+
+
 def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     """Log-probs of each item's candidate continuations: all sequences (prompt +
     candidate) in one engine.score_batch, which the scheduler runs in as few steps as

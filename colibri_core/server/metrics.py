@@ -14,43 +14,42 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class _ExpertCollector:
-    """Read at scrape time from the engine side: no bookkeeping on the token path."""
+    """Read at scrape time from the backend's last snapshot (backend.py): no bookkeeping
+    on the token path. A fleet's snapshot sums its replicas and adds one series each."""
 
     def __init__(self, server):
         self.server = server
 
     def collect(self):
         s = self.server
-        book = s.book
-        g = GaugeMetricFamily("colibri_expert_set_generation",
-                              "Expert-set generation (grows by one per applied change)")
-        g.add_metric([], book.stamp()[0])
-        yield g
-        sched = s.engine.scheduler
-        q = GaugeMetricFamily("colibri_queue_depth", "Engine requests (sequences) waiting "
-                              "for admission (the scheduler's queue)")
-        q.add_metric([], sched.queued)
-        yield q
+        snap = s.last_snapshot or {}
+        for name, doc, key in (
+                ("colibri_expert_set_generation", "Expert-set generation (grows by one per "
+                 "applied change; a fleet's: the registry's)", "expert_set_generation"),
+                ("colibri_queue_depth", "Engine requests (sequences) waiting for admission "
+                 "(the scheduler's queue; a fleet's: summed over replicas)", "queue_depth"),
+                ("colibri_batch_size", "Engine requests admitted by the scheduler: their "
+                 "sequences share each step", "batch_size")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], snap.get(key, 0))
+            yield g
         r = GaugeMetricFamily("colibri_requests_running", "HTTP requests in flight")
-        r.add_metric([], s.calls.running)
+        r.add_metric([], s.backend.running)
         yield r
-        b = GaugeMetricFamily("colibri_batch_size", "Engine requests admitted by the "
-                              "scheduler: their sequences share each step")
-        b.add_metric([], sched.running)
-        yield b
         a = CounterMetricFamily("colibri_expert_adoptions", "Hot-plugged experts adopted")
-        a.add_metric([], book.adoptions)
+        a.add_metric([], snap.get("adoptions", 0))
         yield a
         ref = CounterMetricFamily("colibri_expert_refusals", "Expert files refused, by reason",
                                   labels=["reason"])
-        for reason, n in sorted(book.refusal_counts().items()):
+        for reason, n in sorted(snap.get("refusals", {}).items()):
             ref.add_metric([reason], n)
         yield ref
         rt = CounterMetricFamily("colibri_routed_tokens", "Tokens routed to each expert, "
                                  "summed over its layers", labels=["expert"])
-        for name, n in sorted(book.routed_by_name().items()):
+        for name, n in sorted(snap.get("routed", {}).items()):
             rt.add_metric([name], n)
         yield rt
+        yield from snap.get("families", ())          # a fleet's per-replica series
 
 
 class ServerMetrics:
@@ -80,9 +79,10 @@ class ServerMetrics:
     def completion_total(self) -> float:
         return self.tokens.labels("completion")._value.get()
 
-    def sample(self, book) -> None:
-        """One point of the status page's one-minute window (called every second)."""
-        self.history.append((time.monotonic(), self.completion_total(), book.routed_by_name()))
+    def sample(self, routed: dict) -> None:
+        """One point of the status page's one-minute window (called every second) from
+        the routed tokens by expert name so far."""
+        self.history.append((time.monotonic(), self.completion_total(), dict(routed)))
 
     def window(self, seconds: float = 60.0) -> dict:
         """tokens/s and each expert's share of routed tokens over the last `seconds`."""

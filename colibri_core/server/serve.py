@@ -16,9 +16,28 @@ from typing import Optional
 from ..errors import ConfigError
 from ..files import read_text
 from .app import Server, Settings, build_app
+from .backend import LocalBackend
 from .experts import ExpertBook
 
 API_KEY_ENV = "COLIBRI_API_KEY"
+
+
+def add_speculation_arguments(p) -> None:
+    """--speculative-decoding / --draft-tokens (colibri run and serve)."""
+    p.add_argument("--speculative-decoding", choices=["off", "prompt_lookup"],
+                   dest="speculative_decoding",
+                   help="self-speculative decoding: prompt_lookup drafts tokens from the "
+                        "text so far and verifies them in one step (same output; default "
+                        "off, docs/BENCHMARKS.md \"Self-speculative decoding\")")
+    p.add_argument("--draft-tokens", type=int, dest="draft_tokens", metavar="N",
+                   help="at most N draft tokens per decode step (default 4)")
+
+
+def speculation_overrides(args, overrides: dict) -> None:
+    if getattr(args, "speculative_decoding", None):
+        overrides["speculative_decoding"] = args.speculative_decoding
+    if getattr(args, "draft_tokens", None) is not None:
+        overrides["draft_tokens"] = args.draft_tokens
 
 
 def default_experts_dir(configured: Optional[str]) -> Optional[str]:
@@ -51,7 +70,8 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
         engine = engine_factory()
     try:
         book.engine = engine
-        server = Server(engine, settings, book=book)
+        backend = LocalBackend(engine, book, routing_stats=settings.routing_stats)
+        server = Server(backend, settings)
         sock = _bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
@@ -104,7 +124,7 @@ def _print_banner(engine, server: Server, url: str, out) -> None:
         names = ", ".join(f"{r['name']} {r['version']} (slot {r['slot']})" for r in live)
         print(f"colibri: experts: watching {engine.hotplug.experts_dir}; adopted "
               f"{len(live)}{': ' + names if names else ''}", file=out)
-        for r in server.book.listing()["refusals"]:
+        for r in server.backend.book.listing()["refusals"]:
             print(f"colibri: experts: refused {r['path']}: {r['reason']}", file=out)
     chat = "chat template " + ("yes" if server.template is not None else "none")
     auth = "API key required on /v1" if s.api_key else "no API key"
@@ -149,10 +169,10 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     model_id=args.model_id)
 
 
-def main(args) -> int:
-    """`colibri serve` (the options: colibri_core.server.add_arguments)."""
+def resolve(args):
+    """`colibri serve`'s options -> (model directory, EngineConfig, Settings); the
+    fleet (colibri_core/fleet/deploy.py) starts from the same three."""
     from ..config import EngineConfig, find_config, load_run_config, parse
-    from ..engine import Engine
     if args.model:
         base, model_dir = EngineConfig(), Path(args.model)
         model_id = args.model_id or model_dir.resolve().name
@@ -166,9 +186,16 @@ def main(args) -> int:
                  "max_queued_requests": args.queue_size, "when_full": "refuse"}
     if args.threads is not None:
         overrides["threads"] = args.threads
+    speculation_overrides(args, overrides)
     if args.plugins_dir:
         overrides["plugins_dir"] = args.plugins_dir
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
     args.model_id = model_id
-    settings = settings_from_args(args, engine_cfg)
+    return Path(model_dir), engine_cfg, settings_from_args(args, engine_cfg)
+
+
+def main(args) -> int:
+    """`colibri serve` (the options: colibri_core.server.add_arguments)."""
+    from ..engine import Engine
+    model_dir, engine_cfg, settings = resolve(args)
     return run_server(lambda: Engine(model_dir, engine_cfg), settings)

@@ -178,15 +178,8 @@ def dequantized_hf_model(model_dir: Path = MODEL_DIR):
     (so the new expert is trained against exactly the weights it will run beside)."""
     import torch
     import transformers
-    from colibri_core.quant import Q4Tensor, Q8Tensor, dequantize_q4, dequantize_q8
+    from colibri_core.ops import float_matrix as deq     # any stored format, as float32
     from colibri_core.weights import load_model
-
-    def deq(t):
-        if isinstance(t, Q4Tensor):
-            return dequantize_q4(t)
-        if isinstance(t, Q8Tensor):
-            return dequantize_q8(t)
-        return np.asarray(t, np.float64)
 
     model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**HF_CONFIG)).eval()
     sd = model.state_dict()

@@ -11,8 +11,9 @@ loss at the LABEL position. The next-field loss matters for what comes later: a 
 trained on the label alone keeps only what separates the old patterns, and a new expert
 then has too little to work with (a probe on layer 3's input separates card testing from
 legit traffic with F1 0.71 after label-only training, 0.85 with the next-field loss);
-convert it with `colibri_core.convert.convert` into examples/fraud/model/ (INT4,
-lm_head 8-bit); choose the decision threshold (best F1 on the validation stream, with the
+convert it with `colibri_core.convert.convert` into examples/fraud/model/ (INT4, the
+converter's defaults: the committed model predates format 1.1 and has its lm_head at 8
+bits, a rerun gets q6); choose the decision threshold (best F1 on the validation stream, with the
 converted weights; checked against Colibri itself on a subsample) and write it with the
 training summary to examples/fraud/scoring.json.
 

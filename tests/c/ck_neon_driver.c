@@ -173,6 +173,15 @@ static ck_mat q8_mat(int64_t rows, int64_t cols, int64_t group) {
     return (ck_mat){CK_W_Q8, d, s, NULL, rows, cols, group};
 }
 
+static ck_mat q6_mat(int64_t rows, int64_t cols, int64_t group) {
+    const int64_t cp = rup(cols, group), ng = cp / group, nb = rows * (cp / 64) * CK_Q6_BLOCK;
+    uint8_t *d = odd((size_t)nb), *z = odd((size_t)(rows * ng));
+    float *s = odd((size_t)(rows * ng) * 4);
+    for (int64_t i = 0; i < nb; i++) d[i] = (uint8_t)rnd();
+    for (int64_t i = 0; i < rows * ng; i++) { z[i] = (uint8_t)(rnd() % 64); stf(s, i, uni(0.001f, 0.05f)); }
+    return (ck_mat){CK_W_Q6, d, s, z, rows, cols, group};
+}
+
 static ck_q4 q4_view(const ck_mat *m) {
     int64_t cp = rup(m->cols, m->group);
     return (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
@@ -194,6 +203,12 @@ static double abs_dot(const ck_mat *m, int64_t r, const float *x) {
         if (m->kind == CK_W_Q4) {
             const uint8_t b = ((const uint8_t *)m->data)[r * cp / 2 + (k / 64) * 32 + k % 32];
             w = (double)((k % 64 < 32 ? b & 15 : b >> 4) - m->zeros[g]);
+        } else if (m->kind == CK_W_Q6) {
+            const uint8_t *blk = (const uint8_t *)m->data + r * (cp / 64) * CK_Q6_BLOCK +
+                                 (k / 64) * CK_Q6_BLOCK;
+            const int j = (int)(k % 64), b = blk[j % 32];
+            const int q = (j < 32 ? b & 15 : b >> 4) | (((blk[32 + j % 16] >> (2 * (j / 16))) & 3) << 4);
+            w = (double)(q - m->zeros[g]);
         } else {
             w = ((const int8_t *)m->data)[r * cp + k];
         }
@@ -257,12 +272,14 @@ static void shape(int i, int *rt, int *nt) { *rt = 1 + i % 4; *nt = 1 + i / 4; }
 static void test_int8_tiles(const ck_backend_t *be, const char *variant) {
     seed(2);
     report r4 = rep("q4_i8", variant, -1), r8 = rep("q8_i8", variant, -1);
+    report r6 = rep("q6_i8", variant, -1);
     for (int ci = 0; ci < LEN(COLS); ci++)
         for (int gi = 0; gi < LEN(GROUPS); gi++) {
             g_used = 0;
             const int64_t c = COLS[ci], G = GROUPS[gi];
-            ck_mat m4 = q4_mat(5, c, G), m8 = q8_mat(5, c, G);
+            ck_mat m4 = q4_mat(5, c, G), m8 = q8_mat(5, c, G), m6 = q6_mat(5, c, G);
             ck_q4 w4 = q4_view(&m4);
+            ck_q6 w6 = q4_view(&m6);   /* q6 uses ck_q4's fields */
             ck_q8 w8 = q8_view(&m8);
             ck_act a = quantized(floats(5 * c, 1.0f), 5, c, G);
             for (int i = 0; i < NSHAPES; i++) {
@@ -277,10 +294,14 @@ static void test_int8_tiles(const ck_backend_t *be, const char *variant) {
                 ck_backend_scalar.q8_i8(&w8, 1, rt, &a, 1, nt, ref);
                 be->q8_i8(&w8, 1, rt, &a, 1, nt, got);
                 rep_floats(&r8, got, ref, rt * nt, NULL, what);
+                ck_backend_scalar.q6_i8(&w6, 1, rt, &a, 1, nt, ref);
+                be->q6_i8(&w6, 1, rt, &a, 1, nt, got);
+                rep_floats(&r6, got, ref, rt * nt, NULL, what);
             }
         }
     rep_print(&r4);
     rep_print(&r8);
+    rep_print(&r6);
 }
 
 #define FLOAT_TOL 1e-5     /* as tests/test_kernels.py's FLOAT_TOL */
@@ -442,10 +463,10 @@ static void api_matmul(report *exact, report *tol) {
         for (int ni = 0; ni < LEN(ns); ni++) {
             g_used = 0;
             const int64_t rows = shapes[si][0], cols = shapes[si][1], G = shapes[si][2], n = ns[ni];
-            ck_mat m[2] = {q4_mat(rows, cols, G), q8_mat(rows, cols, G)};
+            ck_mat m[3] = {q4_mat(rows, cols, G), q8_mat(rows, cols, G), q6_mat(rows, cols, G)};
             float *x = floats(n * cols, 1.0f);
             double *sc = malloc((size_t)(n * rows) * sizeof *sc);
-            for (int w = 0; w < 2; w++)
+            for (int w = 0; w < 3; w++)
                 for (int act = 0; act < 2; act++) {
                     float *out[2] = {odd((size_t)(n * rows) * 4), odd((size_t)(n * rows) * 4)};
                     for (int b = 0; b < 2; b++) {
@@ -453,7 +474,8 @@ static void api_matmul(report *exact, report *tol) {
                         if (ck_matmul(&m[w], x, n, out[b], act)) { printf("  ck_matmul failed\n"); exit(2); }
                     }
                     char what[80];
-                    snprintf(what, sizeof what, "%s %ldx%ld g%ld n%ld %s threads %d", w ? "q8" : "q4",
+                    snprintf(what, sizeof what, "%s %ldx%ld g%ld n%ld %s threads %d",
+                             w == 2 ? "q6" : w ? "q8" : "q4",
                              (long)rows, (long)cols, (long)G, (long)n, act ? "int8" : "float",
                              ck_get_threads());
                     for (int64_t t = 0; t < n; t++)
@@ -550,7 +572,7 @@ static void api_step(report *exact, report *tol) {
     ck_attn_layer L;
     memset(&L, 0, sizeof L);
     L.wq = q4_mat(NH * D, H, 64); L.wk = q8_mat(NKV * D, H, 64);
-    L.wv = q4_mat(NKV * D, H, 64); L.wo = q4_mat(H, NH * D, 128);
+    L.wv = q6_mat(NKV * D, H, 64); L.wo = q4_mat(H, NH * D, 128);
     L.bq = floats(NH * D, 0.1f);
     L.norm = floats(H, 1.0f); L.ffn_norm = floats(H, 1.0f);
     L.hidden = H; L.nh = NH; L.nkv = NKV; L.d = D; L.eps = 1e-6f;
@@ -562,7 +584,9 @@ static void api_step(report *exact, report *tol) {
     for (int e = 0; e <= E; e++)
         table[e] = (ck_ffn){q4_mat(I, H, 64), q4_mat(I, H, 64), q4_mat(H, I, e % 2 ? 64 : 128)};
     ck_ffn_block fb = {table, E, &table[E], floats(H, 0.1f), H};
-    ck_mat head = q8_mat(V, H, 64);
+    ck_mat head = q8_mat(V, H, 64), head6 = q6_mat(V, H, 128);
+    float *logits6[2];
+    for (int b = 0; b < 2; b++) logits6[b] = odd((size_t)(NT * V) * 4);
     float *x0 = floats(NT * H, 1.0f);
     float *kc[2], *vc[2], *x[2], *xn[2], *logits[2];
     for (int b = 0; b < 2; b++) {
@@ -607,12 +631,14 @@ static void api_step(report *exact, report *tol) {
             ck_set_backend(b ? CK_NEON : CK_SCALAR);
             int rc = ck_step_experts(&fb, xn[b], NT, ids, wts, K, x[b], &s);
             rc = rc ? rc : ck_step_head(&head, L.norm, 1e-6f, x[b], NT, logits[b], &s);
+            rc = rc ? rc : ck_step_head(&head6, L.norm, 1e-6f, x[b], NT, logits6[b], &s);
             if (rc) { printf("  ck_step_experts/head: %d\n", rc); exit(2); }
         }
         char what[64];
         snprintf(what, sizeof what, "expert block + head step %d threads %d", step, ck_get_threads());
         rep_floats(exact, x[1], x[0], NT * H, NULL, what);
         rep_floats(exact, logits[1], logits[0], NT * V, NULL, what);
+        rep_floats(exact, logits6[1], logits6[0], NT * V, NULL, what);
         memcpy(x0, x[0], NT * H * 4);          /* the next step starts from this one */
     }
 }
@@ -640,6 +666,7 @@ int main(void) {
     else {
         rep_skip("q4_i8", "sdot", "(the CPU has no dotprod)");
         rep_skip("q8_i8", "sdot", "(the CPU has no dotprod)");
+        rep_skip("q6_i8", "sdot", "(the CPU has no dotprod)");
     }
     test_float_tiles(&ck_backend_neon);
     test_exp_softmax();

@@ -1,0 +1,149 @@
+"""What the routes run on: one engine in this process (LocalBackend), or a fleet of engine
+replicas (colibri_core/fleet/ingress.py's RayBackend, the same methods over Ray Serve).
+
+The routes (app.py) only parse, check, stream and answer; everything that touches an
+engine goes through these methods, so the API has one implementation whatever runs it:
+
+    model_cfg, tokenizer, model_dir, num_experts      the served model (what params check)
+    generate(p, request_id, timeout_s, stream) -> call a completion's events (calls.py's Call:
+    score(raw_items, experts, request_id, timeout_s)   `async for`, .result, .cancel(why))
+    stamp() -> (generation, id)                        the current expert set
+    await listing() / rollback(name) / upload(name, data)
+    await snapshot() -> dict                           what /metrics and the status page show
+    retry_after_s(), running                           a refused client's wait; calls in flight
+    await startup() / shutdown()                       the app's lifespan
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from .calls import Calls
+from .errors import ApiError
+from .experts import ExpertBook
+from .generation import run_generation, run_score, score_items
+
+log = logging.getLogger("colibri.server")
+
+
+class LocalBackend:
+    """One Engine in this process, shared by every request (its scheduler batches them)."""
+
+    kind = "engine"
+
+    def __init__(self, engine, book: ExpertBook | None = None, routing_stats: bool = True):
+        self.engine = engine
+        self.book = book or ExpertBook(engine)
+        if routing_stats:
+            engine.count_routed_tokens()        # the engine's own counter: no routing hook
+        if engine.hotplug is not None:
+            self.book.attach(engine.hotplug)
+        self.calls = Calls(engine)
+        self.model_cfg = engine.model_cfg
+        self.tokenizer = engine.tokenizer
+        self.model_dir = engine.model_dir
+        self.num_experts = engine.num_experts
+        self._tasks: list = []
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def startup(self) -> None:
+        self._tasks = [asyncio.create_task(self._apply_expert_changes_while_idle())]
+
+    async def shutdown(self, deadline_s: float) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.to_thread(self.calls.stop, deadline_s)
+        self.engine.close()
+
+    async def _apply_expert_changes_while_idle(self, period: float = 0.2) -> None:
+        """The scheduler adopts queued expert changes before every step; while no step
+        runs, this does, so that a dropped expert goes live without waiting for traffic."""
+        if self.engine.hotplug is None:
+            return
+        sched = self.engine.scheduler
+        while True:
+            await asyncio.sleep(period)
+            if sched.running or sched.queued:
+                continue
+            try:
+                await asyncio.to_thread(self.engine.apply_expert_changes)
+            except Exception:  # noqa: BLE001 - retried at the next period
+                log.exception("applying expert changes while idle failed")
+
+    # -- requests -----------------------------------------------------------------------
+    def generate(self, p, request_id: str, timeout_s, stream: bool = True):
+        return self.calls.submit(lambda ctx: run_generation(ctx, p, self.book),
+                                 request_id=request_id, timeout_s=timeout_s)
+
+    def score(self, raw: list, experts, request_id: str, timeout_s):
+        return self.calls.submit(lambda ctx: run_score(ctx, score_items(ctx.engine, raw),
+                                                       experts, self.book),
+                                 request_id=request_id, timeout_s=timeout_s)
+
+    def retry_after_s(self) -> int:
+        return self.calls.retry_after_s()
+
+    @property
+    def running(self) -> int:
+        return self.calls.running
+
+    # -- experts ------------------------------------------------------------------------
+    def stamp(self) -> tuple[int, str]:
+        return self.book.stamp()
+
+    async def listing(self) -> dict:
+        return self.book.listing()
+
+    def _hotplug(self, what: str):
+        if self.engine.hotplug is None:
+            raise ApiError(409, f"this server watches no experts folder: {what}",
+                           code="no_hotplug")
+        return self.engine.hotplug
+
+    async def rollback(self, name: str) -> dict:
+        self._hotplug("nothing to roll back").rollback(name)
+        return {"name": name, "status": "queued", "detail": "the previous version goes live "
+                "between two tokens; GET /v1/experts shows it"}
+
+    async def upload(self, name: str, data: bytes, sha: str) -> dict:
+        folder = Path(self._hotplug("nowhere to upload to").experts_dir)
+        final = folder / (name if name.endswith(".so") else f"{name}.so")
+        tmp = folder / f".{final.name}.{os.getpid()}.upload"
+        await asyncio.to_thread(write_atomically, tmp, final, data)
+        return {"name": name, "path": str(final), "sha256": sha, "status": "written",
+                "detail": "the folder's checks and probe run next; GET /v1/experts shows "
+                          "adoption or refusal"}
+
+    # -- what /metrics and the status page read -----------------------------------------
+    async def snapshot(self) -> dict:
+        return self.snapshot_now()
+
+    def snapshot_now(self) -> dict:
+        eng, book = self.engine, self.book
+        g, sid = book.stamp()
+        return {"expert_set_generation": g, "expert_set_id": sid,
+                "queue_depth": eng.scheduler.queued, "batch_size": eng.scheduler.running,
+                "requests_running": self.calls.running, "adoptions": book.adoptions,
+                "refusals": book.refusal_counts(), "routed": book.routed_by_name(),
+                "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
+                            "capacity_tokens": eng.kv_pool.capacity_tokens}}
+
+
+def write_atomically(tmp: Path, final: Path, data: bytes) -> None:
+    """Temp file (dotted: the watcher ignores it), fsync, chmod 644, rename."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,101 @@
+"""A real local Ray cluster for the fleet tests (tests/test_fleet_ray.py): `ray start
+--head` on 127.0.0.1 with free ports, 2 CPUs, no dashboard, no usage stats, a small
+object store, in a temp dir of its own; stopped by killing the processes it started
+(the head's processes and their descendants, by pid: another cluster on the machine is
+left alone; CI's `.ci/run` adds `ray stop --force` at teardown)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OBJECT_STORE_BYTES = 150 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    """The raylet's environment, which its workers inherit: this checkout first; workers
+    at the niceness of everything else (Ray's default, 15, starves the replicas beside
+    other work on a shared machine)."""
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_worker_niceness": "0"}
+
+
+class RayCluster:
+    def __init__(self, cpus: int = 2):
+        self.temp = tempfile.mkdtemp(prefix="cray", dir="/tmp")   # short: socket paths
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = ["ray", "start", "--head", "--node-ip-address", "127.0.0.1",
+               "--port", str(self.port), "--num-cpus", str(cpus),
+               "--include-dashboard=false", "--disable-usage-stats",
+               "--object-store-memory", str(OBJECT_STORE_BYTES), "--temp-dir", self.temp,
+               "--ray-client-server-port", str(free_port()),
+               "--dashboard-agent-listen-port", str(free_port()),
+               "--dashboard-agent-grpc-port", str(free_port()),
+               "--runtime-env-agent-port", str(free_port()),
+               "--metrics-export-port", str(free_port())]
+        r = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=180)
+        if r.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+    def _pids(self) -> list[int]:
+        """This cluster's processes: those naming its temp dir, and their descendants."""
+        parents: dict[int, int] = {}
+        roots = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ")
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+            if self.temp.encode() in cmd:
+                roots.append(int(d))
+        out, todo = set(), list(roots)
+        while todo:
+            p = todo.pop()
+            if p in out:
+                continue
+            out.add(p)
+            todo += [c for c, pp in parents.items() if pp == p]
+        out.discard(os.getpid())
+        return sorted(out)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self._pids()
+            for p in pids:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while pids and time.monotonic() < deadline:
+                pids = [p for p in pids if _alive(p)]
+                time.sleep(0.1)
+            if not pids:
+                break
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
