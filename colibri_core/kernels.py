@@ -110,6 +110,14 @@ def _set_matmul_min_tokens(n: int) -> int:
     return lib.ck_set_matmul_min_tokens(int(n))
 
 
+def _set_panel_min_tokens(n: int) -> int:
+    """Testing/benchmark aid: experts with at least this many tokens in a step run the
+    backend's panel kernel where it has one (AVX-512; 1: every expert; a large value:
+    never; <= 0: back to ck_step_moe.c's CK_PANEL_MIN_TOKENS). Returns the value now in
+    effect. Results do not depend on it."""
+    return lib.ck_set_panel_min_tokens(int(n))
+
+
 def rdtsc() -> int:
     """Raw cycle counter (rdtsc on x86, cntvct_el0 on aarch64, else nanoseconds)."""
     return lib.ck_rdtsc()

@@ -224,7 +224,7 @@ class Scratch:
         E = max(self.E, self.slots)
         pairs = min(_PAIRS_MAX, n * (kmax + 1))
         need = 4 * n * (4 * H + 2 * NH * D + 2 * NKV * D + E * self.nl + 4 * kmax * self.nl) \
-            + 2 * n * cp * 2 + pairs * (cp + 4 * self.hld + 2 * self.hcp)
+            + 2 * n * cp * 2 + pairs * (cp + 4 * self.hld + 2 * self.hcp) + (pairs + 16 * (E + 2)) * 2 * max(cp, self.hcp)
         if need > 64 << 20:
             check_memory(need, f"the forward scratch of a {n}-token step")
         k, s = Keep(), self.s
@@ -253,6 +253,12 @@ class Scratch:
         s.hs = k.buf(z(pairs * self.hcp // 64, np.float32), "float *")
         s.hsum = k.buf(z(pairs * self.hcp // 64, np.int32), "int32_t *")
         s.hld, s.hcp = self.hld, self.hcp
+        # the expert block's activation panels (AVX-512 batches, ck_step_moe.c): a piece's
+        # pairs, each job's rounded up to 16 tokens
+        s.p_cp = max(cp, self.hcp)
+        s.p_rows = pairs + 16 * (E + 2)
+        s.pq = k.buf(z(s.p_rows * s.p_cp, np.uint8), "uint8_t *")
+        s.ps = k.buf(z(s.p_rows * s.p_cp // 64, np.float32), "float *")
         s.counts = k.buf(z(2 * E + 1, np.int64), "int64_t *")
         s.jobs_max = E + 2
         s.jobs = k.buf(z((E + 2) * lib.ck_step_job_bytes(), np.uint8), "void *")

@@ -221,6 +221,42 @@ def test_avx512vnni_bit_identical_to_avx2(threads):
         K._set_parallel_threshold(-1)
 
 
+@pytest.mark.skipif(not {"avx2", "avx512vnni"} <= set(BACKENDS),
+                    reason="needs both the avx2 and avx512vnni backends")
+@pytest.mark.parametrize("threads", THREADS)
+def test_panels_bit_identical_to_tiles(threads):
+    """The AVX-512 panel kernel (tokens in the lanes, rows unpacked) against the AVX2
+    tiles bit for bit, and against numpy: rows not a multiple of 8, partial groups, a
+    tail of groups past the last 8, more groups than one float-pass chunk of 32 (43, 75),
+    partial last panels, more than one block of 64 panels (n = 1100)."""
+    old = K.get_threads()
+    K.set_threads(threads)
+    K._set_parallel_threshold(0 if threads > 1 else -1)
+    default = K._set_panel_min_tokens(0)
+    try:
+        rng = np.random.default_rng(23)
+        for rows, cols, group, ns in [(37, 300, 64, (8, 17, 33)), (259, 1000, 128, (16, 40)),
+                                      (67, 64 * 43, 64, (9, 64)), (13, 64 * 75, 128, (20,)),
+                                      (3, 130, 128, (31,)), (24, 256, 128, (1100,))]:
+            t = unaligned_q4(Q.quantize_q4(rng.standard_normal((rows, cols)).astype(np.float32), group))
+            for n in ns:
+                x = unaligned_f32(rng.standard_normal((n, cols)).astype(np.float32))
+                res = {}
+                for be, mt in (("avx2", 0), ("avx512vnni", 1 << 30), ("avx512vnni", 1)):
+                    K.set_backend(be)
+                    K._set_panel_min_tokens(mt)
+                    res[be, mt] = K.q4_matmul(t, x, np.empty((n, rows), np.float32))
+                for y in res.values():
+                    np.testing.assert_array_equal(y.view(np.int32), res["avx2", 0].view(np.int32),
+                                                  err_msg=f"{rows}x{cols} g{group} n{n}")
+                assert rel(res["avx512vnni", 1], Q.matvec_q4_q8_ref(t, x)) < INT8_TOL
+    finally:
+        K._set_panel_min_tokens(default)
+        K.set_backend("auto")
+        K.set_threads(old)
+        K._set_parallel_threshold(-1)
+
+
 def test_batch_equals_single_tokens(backend):
     """N > 1 tiles rows x tokens; each row must equal the decode (N = 1) answer."""
     t, x, _, _ = case(37, 300, 64, 7)

@@ -316,6 +316,55 @@ def test_expert_rows_are_batch_invariant(eng):
         assert np.array_equal(pieces, crowd)
 
 
+PANEL_POINTS = [1, 0, 5, 1 << 30]     # every job, the default, 5 tokens, never
+
+
+@pytest.mark.skipif("avx512vnni" not in K.available_backends(),
+                    reason="the panel kernel is AVX-512 VNNI's")
+def test_panels_change_no_bit(eng):
+    """The expert block and the attention projections give the same bits whether they
+    run the AVX-512 panels (tokens in the lanes) or the tiles, whichever token counts
+    switch, with the panels' scratch short (some jobs fall back), and on AVX2."""
+    m = eng.model
+    p, cfg = m.pipeline, m.cfg
+    t = p.tables_for(m.expert_set)
+    rng = np.random.default_rng(17)
+    H, n = cfg.hidden_size, 45                     # 45: a partial last panel
+    default = K._set_panel_min_tokens(0)
+    try:
+        for L, lw in enumerate(m.w.layers):
+            xn, x0 = hidden_rows(n, H, L), hidden_rows(n, H, L + 7)
+            if lw.kind == "moe":
+                ids = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False)
+                                for _ in range(n)])
+                ids[:30, 0] = 1                    # one expert with many tokens
+                T = t.layers[L]
+            else:
+                ids, T = np.zeros((n, 1), np.int64), None
+            w = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+            res = []
+            for be, mt, rows in [("avx512vnni", sp, None) for sp in PANEL_POINTS] + \
+                    [("avx512vnni", 1, 40), ("avx2", 1, None)]:
+                K.set_backend(be)
+                K._set_panel_min_tokens(mt)
+                saved = p.scratch.s.p_rows
+                if rows is not None:
+                    p.scratch.s.p_rows = rows      # room for some jobs' panels only
+                try:
+                    caches = [m.new_cache(32) for _ in range(3)]
+                    a_x, a_xn = run_attention(p, L, x0, [caches[i % 3] for i in range(n)],
+                                              [i // 3 for i in range(n)])
+                    res.append((a_x, a_xn, run_experts(p, L, T, xn, ids, w, x0)))
+                finally:
+                    p.scratch.s.p_rows = saved
+                    K.set_backend("auto")
+            for i, r in enumerate(res[1:]):
+                for a, b in zip(res[0], r):
+                    assert np.array_equal(a.view(np.int32), b.view(np.int32)), (L, i)
+    finally:
+        K._set_panel_min_tokens(default)
+
+
 # ----------------------------------------------------------------------------- lm_head
 
 def test_head_matches_the_reference_and_is_batch_invariant(eng):

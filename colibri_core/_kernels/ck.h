@@ -156,11 +156,18 @@ typedef struct {
     int64_t *counts;                         /* [2 * table size + 1] */
     void *jobs; int64_t jobs_max;            /* jobs_max * ck_step_job_bytes() bytes */
     float *mla; int64_t mla_per_token;       /* MLA: [n_max, ck_step_mla_floats] */
+    uint8_t *pq; float *ps;                  /* activation panels (AVX-512 batches): */
+    int64_t p_rows, p_cp;                    /*   [p_rows, p_cp], [p_rows, p_cp / 64]; */
+                                             /*   pq NULL: none (the tiles run) */
     int threads;                             /* at most this many threads (0: no cap) */
     int failed;                              /* set by a loop that could not finish */
 } ck_sscratch;
 
 int64_t ck_step_job_bytes(void);
+/* From this many tokens per expert the expert block runs the backend's panel kernel
+ * (AVX-512; ck_step_moe.c) if it has one; <= 0 restores the default. Never changes a
+ * bit (tests). Returns the value now in force. */
+int ck_set_panel_min_tokens(int n);
 
 /* A token's KV cache in ck_step_attention: tok [n, CK_TOK_COLS] = (pos, address of the
  * sequence's k cache, of its v cache, values per layer (capacity * nkv * d), the caches'

@@ -261,13 +261,49 @@ typedef struct {
     const void *w, *act;
     int64_t rows;
     float *out;
+    uint8_t *pq; float *ps; /* q4 int8 from ck_panel_min_tokens tokens: the panels */
 } matmul_ctx;
+
+/* q4 x int8 through the backend's panels (the same bits as the tiles): items of
+ * CK_PANEL_ROWS rows, each unpacked once for all the tokens */
+static void rows_all_panels(const matmul_ctx *c) {
+    const ck_backend_t *be = c->q.be;
+    const ck_q4 *w = c->w;
+    const ck_act *a = c->act;
+    const int64_t n = c->q.n, np = npanels(n), ld = np * CK_PANEL;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < ld; t++)
+        pack_panel_row(t < n ? a->q + t * a->cp : NULL, a->s + t * a->ng, a->cp, a->ng, c->pq,
+                       c->ps, t);
+    const ck_panel pn = {c->pq, c->ps, a->cp, a->ng};
+    const int64_t items = (c->rows + CK_PANEL_ROWS - 1) / CK_PANEL_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) {
+        int8_t wb[CK_PANEL_ROWS * w->cp];
+        int32_t wz[CK_PANEL_ROWS * w->ng];
+        float res[CK_PANEL_ROWS * 64 * CK_PANEL];
+        ck_unpacked u;
+        const int64_t r0 = i * CK_PANEL_ROWS;
+        const int rt = c->rows - r0 < CK_PANEL_ROWS ? (int)(c->rows - r0) : CK_PANEL_ROWS;
+        unpack_rows(be, w, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+        for (int64_t p0 = 0; p0 < np; p0 += 64) {   /* blocks of 64 panels */
+            const int64_t nb = np - p0 < 64 ? np - p0 : 64, t0 = p0 * CK_PANEL;
+            const ck_panel pb = {pn.q + p0 * CK_PANEL * pn.cp, pn.s + p0 * CK_PANEL * pn.ng,
+                                 pn.cp, pn.ng};
+            be->q4_panels(&u, &pb, nb, res, nb * CK_PANEL);
+            for (int64_t t = 0; t < nb * CK_PANEL && t0 + t < n; t++)
+                for (int r = 0; r < rt; r++)
+                    ck_stf(c->out + (t0 + t) * c->rows + r0 + r, res[r * nb * CK_PANEL + t]);
+        }
+    }
+}
 
 static void matmul_body(void *p) {
     const matmul_ctx *c = p;
     if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8 || c->kind == K_Q6_I8)
         quant_rows((void *)&c->q);                                               /* + barrier */
-    rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
+    if (c->pq) rows_all_panels(c);
+    else rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
 }
 
 int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_int8) {
@@ -281,9 +317,15 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
     const int k_f32 = m->kind == CK_W_Q4 ? K_Q4_F32 : m->kind == CK_W_Q6 ? K_Q6_F32 : K_Q8_F32;
     int64_t cp = round_up(cols, group), ng = cp / group;
     int nth = nthreads_for(rows * cp * n), rc = 0;
-    matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out};
+    matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out,
+                    NULL, NULL};
     if (act_int8) {
         act_buf b;
+        if (m->kind == CK_W_Q4 && g_be->q4_panels && n >= ck_panel_min_tokens && cp <= CK_PANEL_MAX_CP) {
+            c.pq = malloc((size_t)(npanels(n) * CK_PANEL * cp));
+            c.ps = malloc((size_t)(npanels(n) * CK_PANEL * ng) * sizeof(float));
+            if (!c.pq || !c.ps) { free(c.pq); free(c.ps); c.pq = NULL; c.ps = NULL; }
+        }
         if (act_buf_get(&b, n, cp, ng) == 0) {
             ck_act a = {b.q, b.s, b.sum, cp, ng};
             c.q.xq = b.q; c.q.xs = b.s; c.q.xsum = b.sum;
@@ -294,6 +336,7 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
             rc = -1;
         }
         act_buf_free(&b);
+        free(c.pq); free(c.ps);
     } else {
         float *tail = make_tail(x, n, cols);
         ck_xf xf = {x, cols, cols, tail};

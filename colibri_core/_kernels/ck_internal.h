@@ -46,6 +46,29 @@ typedef struct {               /* float activations */
     const float *tail;
 } ck_xf;
 
+/* Activation panels (the AVX-512 batch kernel, q4_panels below): the int8 rows of
+ * CK_PANEL tokens interleaved four bytes at a time, so that one 64-byte load holds bytes
+ * k..k+3 of all 16 tokens (one token per i32 lane of a zmm register), each byte stored
+ * as x + 128 (x ^ 0x80, an unsigned byte), with the group scales [ng][16]. Lanes past
+ * the last token hold x = 0 and scale 0. Built by ck_step.h's pack_panel. */
+#define CK_PANEL 16
+typedef struct {
+    const uint8_t *q;          /* [np][cp/4][16][4] */
+    const float *s;            /* [np][ng][16] */
+    int64_t cp, ng;
+} ck_panel;
+
+/* CK_PANEL_ROWS weight rows unpacked for q4_panels: row r's values minus its group's
+ * zero point as int8 (-15..15) in value order, w[r * cp + k]; wzs[r * ng + g] =
+ * -128 * sum over group g of those values; sw[r] its scales [ng]. */
+#define CK_PANEL_ROWS 8
+typedef struct {
+    const int8_t *w;           /* [CK_PANEL_ROWS][cp] */
+    const int32_t *wzs;        /* [CK_PANEL_ROWS][ng] */
+    const float *sw[CK_PANEL_ROWS];
+    int64_t cp, ng, group;
+} ck_unpacked;
+
 /* A tile computes res[r*nt + t] = dot(W row r0+r, activation row t0+t), r < rt, t < nt,
  * with rt <= CK_MAX_RT, nt <= CK_MAX_NT. */
 typedef struct {
@@ -70,6 +93,16 @@ typedef struct {
                  int64_t len, float scale, float *s, float *out);
     int rt;       /* preferred rows per tile */
     int nt_many;  /* tokens per tile for batches (n >= ck_core.c's switch point) */
+    /* Batches of many tokens (AVX-512 only, else NULL): q4_unpack writes rows r0..r0+rt
+     * (rt <= CK_PANEL_ROWS) of a q4 matrix into slots slot.. of u's buffers (wbuf, wzs:
+     * [CK_PANEL_ROWS][cp], [CK_PANEL_ROWS][ng]); q4_panels computes the CK_PANEL_ROWS
+     * unpacked rows against np panels: res[r * ldr + t], t < np * CK_PANEL. Each
+     * (row, token) result is bit for bit the q4_i8 tiles' (the same integer group dots,
+     * q4_dot_pass's float order lane by lane), so the switch costs no bit. */
+    void (*q4_unpack)(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
+                      int32_t *wzs);
+    void (*q4_panels)(const ck_unpacked *u, const ck_panel *p, int64_t np, float *res,
+                      int64_t ldr);
 } ck_backend_t;
 
 extern const ck_backend_t ck_backend_scalar;
@@ -136,5 +169,47 @@ static inline float ck_ldf(const float *p) { float v; memcpy(&v, p, 4); return v
 static inline void ck_stf(float *p, float v) { memcpy(p, &v, 4); }
 static inline int32_t ck_ldi(const int32_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline void ck_sti(int32_t *p, int32_t v) { memcpy(p, &v, 4); }
+
+/* ------------------------------------------------------------------ panels */
+
+/* From this many tokens (per expert in the step's expert block, per call in the
+ * attention projections and ck_matmul) the backend's panels run (ck_step_moe.c;
+ * ck_set_panel_min_tokens). The panel helpers below are shared by ck_core.c and
+ * ck_step*.c. */
+extern int ck_panel_min_tokens;
+
+static inline int64_t npanels(int64_t n) { return (n + CK_PANEL - 1) / CK_PANEL; }
+
+#define CK_PANEL_MAX_CP 16384   /* a row tile's unpacked rows live on the stack */
+
+/* token row t (q [cp] int8, s [ng] scales) into lane t % 16 of panel t / 16 of `pq`/`ps`
+ * (the ck_panel layout above), or x = 0, scale 0 when q is NULL (a padding lane) */
+static inline void pack_panel_row(const int8_t *q, const float *s, int64_t cp, int64_t ng,
+                                  uint8_t *pq, float *ps, int64_t t) {
+    uint8_t *d = pq + (t / CK_PANEL) * cp * CK_PANEL + (t % CK_PANEL) * 4;
+    float *ds = ps + (t / CK_PANEL) * ng * CK_PANEL + t % CK_PANEL;
+    for (int64_t k = 0; k < cp / 4; k++) {
+        uint32_t v = 0;
+        if (q) memcpy(&v, q + 4 * k, 4);
+        v ^= 0x80808080u;
+        memcpy(d + k * 4 * CK_PANEL, &v, 4);
+    }
+    for (int64_t g = 0; g < ng; g++) ds[g * CK_PANEL] = q ? ck_ldf(s + g) : 0.0f;
+}
+
+/* rows r0..r0+rt of w into slots slot..slot+n of u, the last row repeated past rt (its
+ * results are not used) */
+static inline void unpack_rows(const ck_backend_t *be, const ck_q4 *w, int64_t r0, int rt,
+                               int slot, int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
+    be->q4_unpack(w, r0, rt, slot, wb, wz);
+    for (int r = 0; r < n; r++) {
+        int64_t row = r0 + (r < rt ? r : rt - 1);
+        if (r >= rt) be->q4_unpack(w, row, 1, slot + r, wb, wz);
+        u->sw[slot + r] = w->scales + row * w->ng;
+    }
+    u->w = wb; u->wzs = wz;
+    u->cp = w->cp; u->ng = w->ng; u->group = w->group;
+}
+
 
 #endif

@@ -177,4 +177,52 @@ static inline void norm_rows(const float *x, const float *w, int64_t n, int64_t 
     ck_pool_for(norm_row, &c, n, n >= 16 ? nth : 1);
 }
 
+/* ------------------------------------------------------------------ panels */
+
+/* whether a step may run w against n tokens through the panels: the backend has them,
+ * w is q4, from ck_panel_min_tokens tokens, and the scratch's panel rows hold the n tokens */
+static inline int panels_fit(const ck_backend_t *be, const ck_sscratch *s, const wmat *w,
+                             int64_t n) {
+    return be->q4_panels && s->pq && w->kind == CK_W_Q4 && be->rt * 2 == CK_PANEL_ROWS &&
+           n >= ck_panel_min_tokens && npanels(n) * CK_PANEL <= s->p_rows && w->q4.cp <= s->p_cp &&
+           w->q4.cp <= CK_PANEL_MAX_CP;
+}
+
+typedef struct { const ck_act *a; int64_t n; uint8_t *q; float *s; } pack_ctx;
+
+static inline void pack_lane(void *p, int64_t t) {
+    pack_ctx *c = p;
+    const ck_act *a = c->a;
+    pack_panel_row(t < c->n ? a->q + t * a->cp : NULL, a->s + t * a->ng, a->cp, a->ng, c->q,
+                   c->s, t);
+}
+
+/* the n rows of a (cp and ng as its matrices') into the scratch's panels */
+static inline ck_panel pack_panels(const ck_act *a, int64_t n, ck_sscratch *s, int nth) {
+    pack_ctx c = {a, n, s->pq, s->ps};
+    ck_pool_for(pack_lane, &c, npanels(n) * CK_PANEL, n >= 64 ? nth : 1);
+    return (ck_panel){s->pq, s->ps, a->cp, a->ng};
+}
+
+/* rows r0..r0+rt (rt <= CK_PANEL_ROWS) of w against the n tokens of panels p, as
+ * rows_x_tokens (the same bits), in blocks of at most 64 panels */
+static inline void rows_x_panels(const ck_backend_t *be, const wmat *w, int64_t r0, int rt,
+                                 const ck_panel *p, int64_t n, emit_fn emit, void *ctx) {
+    enum { BLOCK = 64 };
+    const int64_t cp = w->q4.cp, ng = w->q4.ng;
+    int8_t wb[CK_PANEL_ROWS * cp];
+    int32_t wz[CK_PANEL_ROWS * ng];
+    float res[CK_PANEL_ROWS * BLOCK * CK_PANEL];
+    ck_unpacked u;
+    unpack_rows(be, &w->q4, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+    for (int64_t p0 = 0; p0 < npanels(n); p0 += BLOCK) {
+        const int64_t np = min64(BLOCK, npanels(n) - p0), t0 = p0 * CK_PANEL;
+        ck_panel pb = {p->q + p0 * CK_PANEL * p->cp, p->s + p0 * CK_PANEL * p->ng, p->cp, p->ng};
+        be->q4_panels(&u, &pb, np, res, np * CK_PANEL);
+        for (int r = 0; r < rt; r++)
+            for (int64_t t = 0; t < min64(np * CK_PANEL, n - t0); t++)
+                emit(ctx, t0 + t, r0 + r, res[r * np * CK_PANEL + t]);
+    }
+}
+
 #endif

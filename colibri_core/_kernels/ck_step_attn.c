@@ -157,7 +157,10 @@ typedef struct {
     wmat w[4];                 /* q, k, v, o */
     const ck_act *act[3];      /* xn for q, k, v */
     ck_act ao;                 /* the attention output, for o */
-    int64_t nt[3];             /* row tiles of q, k, v */
+    int64_t nt[3];             /* row items of q, k, v */
+    int rti;                   /* rows per item: CK_PANEL_ROWS with panels, else be->rt */
+    int pan[4];                /* matrix m runs the panels (of act[0], then of ao) */
+    ck_panel p;
     chunks qkv, o;
     float *x;
     int64_t n, layer;
@@ -184,16 +187,25 @@ static void emit_o(void *p, int64_t t, int64_t r, float v) {
     *x = *x + v;
 }
 
-/* q, k, v: the three matrices' row tiles as one loop, all tokens per tile */
+/* rows r0..r0+rti of matrix m for all tokens: the panels, or tiles of be->rt rows */
+static void item_rows(attn_ctx *c, int m, int64_t r0, const ck_act *a, emit_fn emit) {
+    const int64_t r1 = min64(r0 + c->rti, c->w[m].rows);
+    if (c->pan[m]) {
+        rows_x_panels(c->be, &c->w[m], r0, (int)(r1 - r0), &c->p, c->n, emit, c);
+        return;
+    }
+    for (; r0 < r1; r0 += c->be->rt)
+        rows_x_tokens(c->be, &c->w[m], r0, (int)min64(c->be->rt, r1 - r0), a, c->n, emit, c);
+}
+
+/* q, k, v: the three matrices' row items as one loop, all tokens per item */
 static void qkv_chunk(void *p, int64_t ch) {
     attn_ctx *c = p;
     static const emit_fn emits[3] = {emit_q, emit_k, emit_v};
-    const int rtp = c->be->rt;
     for (int64_t i = ch * c->qkv.per; i < chunk_end(c->qkv, ch); i++) {
         int m = i < c->nt[0] ? 0 : i < c->nt[0] + c->nt[1] ? 1 : 2;
-        int64_t r0 = (i - (m == 0 ? 0 : m == 1 ? c->nt[0] : c->nt[0] + c->nt[1])) * rtp;
-        int rt = (int)min64(rtp, c->w[m].rows - r0);
-        rows_x_tokens(c->be, &c->w[m], r0, rt, c->act[m], c->n, emits[m], c);
+        int64_t r0 = (i - (m == 0 ? 0 : m == 1 ? c->nt[0] : c->nt[0] + c->nt[1])) * c->rti;
+        item_rows(c, m, r0, c->act[m], emits[m]);
     }
 }
 
@@ -269,12 +281,8 @@ static void head_chunk(void *p, int64_t i) {
 
 static void o_chunk(void *p, int64_t ch) {
     attn_ctx *c = p;
-    const int rtp = c->be->rt;
-    for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++) {
-        int64_t r0 = i * rtp;
-        rows_x_tokens(c->be, &c->w[3], r0, (int)min64(rtp, c->w[3].rows - r0), &c->ao, c->n,
-                      emit_o, c);
-    }
+    for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++)
+        item_rows(c, 3, i * c->rti, &c->ao, emit_o);
 }
 
 
@@ -304,10 +312,13 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     for (int m = 0; m < 3 && !err; m++)
         c.act[m] = act_for(&A, s, be, s->xn, n, a->hidden, c.w[m].group, nth, &err);
     if (err) return err;
-    const int rtp = be->rt;
-    for (int m = 0; m < 3; m++) c.nt[m] = ntiles(c.w[m].rows, rtp);
-    c.qkv = chunking(c.nt[0] + c.nt[1] + c.nt[2], n * rtp * mat_bytes_per_row(&a->wq));
-    c.o = chunking(ntiles(c.w[3].rows, rtp), n * rtp * mat_bytes_per_row(&a->wo));
+    /* the panels (AVX-512 batches) for the matrices over the first activations, and o */
+    for (int m = 0; m < 4; m++) c.pan[m] = panels_fit(be, s, &c.w[m], n) && (m == 3 || c.act[m] == c.act[0]);
+    const int rti = c.rti = c.pan[0] || c.pan[3] ? CK_PANEL_ROWS : be->rt;
+    if (c.pan[0]) c.p = pack_panels(c.act[0], n, s, nth);
+    for (int m = 0; m < 3; m++) c.nt[m] = ntiles(c.w[m].rows, rti);
+    c.qkv = chunking(c.nt[0] + c.nt[1] + c.nt[2], n * rti * mat_bytes_per_row(&a->wq));
+    c.o = chunking(ntiles(c.w[3].rows, rti), n * rti * mat_bytes_per_row(&a->wo));
     ck_pool_for(qkv_chunk, &c, nchunks(c.qkv), nth);
     ck_pool_for(rope_chunk, &c, n, n >= 8 ? nth : 1);
     int64_t ctx_work = 0;
@@ -320,6 +331,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     int64_t cpo = rup(wo->cols, wo->group);
     quantize_rows(be, s->att, n, wo->cols, wo->cols, wo->group, s->aq, s->as, s->asum, nth);
     c.ao = (ck_act){s->aq, s->as, s->asum, cpo, cpo / wo->group};
+    if (c.pan[3]) c.p = pack_panels(&c.ao, n, s, nth);
     ck_pool_for(o_chunk, &c, nchunks(c.o), nth);
     norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
     return 0;

@@ -157,12 +157,31 @@ int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t 
  *   gather: each pair's token's quantized xn row, copied to the pair's scratch row;
  *   stage 1: gate and up, row tiles x the job's tokens: h = silu(gate) * up;
  *   hquant: h quantized per pair;
- *   stage 2: down, per output row tile, the piece's jobs in order, added to x. */
+ *   stage 2: down, per output row tile, the piece's jobs in order, added to x.
+ * A job of at least ck_panel_min_tokens tokens runs the backend's panel kernel where it
+ * has one (AVX-512: tokens in the lanes, ck_avx512.c): its gathered rows and its h rows
+ * are also packed into panels, and each row tile is unpacked once for all its tokens. The
+ * results are bit for bit the tiles' (so the switch is free to move): a job of fewer
+ * tokens, or one whose panels do not fit the scratch, runs the tiles. */
+
+/* Measured on the 2-core Sapphire Rapids-class VM of docs/BENCHMARKS.md ("Prefill
+ * through panels"), q4_matmul 1024x2816, 1 thread, hot, best of runs: n = 8 (one half
+ * empty panel) 65.8 G multiply-adds/s through either, n = 12 93.5 against 64.1 for the
+ * tiles, n = 16 124 against 70, n = 32 148 against 70; on 2 threads n = 8 was ~20%
+ * slower through the panels (bench_prefill.py's q4_matmul N=8), so they start at 12. */
+#define CK_PANEL_MIN_TOKENS 12
+int ck_panel_min_tokens = CK_PANEL_MIN_TOKENS;   /* ck_step.h */
+
+int ck_set_panel_min_tokens(int n) {
+    ck_panel_min_tokens = n <= 0 ? CK_PANEL_MIN_TOKENS : n;
+    return ck_panel_min_tokens;
+}
 
 typedef struct {
     wmat w1, w3, w2;
     int64_t off, cnt;         /* its pairs in the scratch */
     int64_t t1, t2;           /* its first stage-1 item, first hquant item */
+    int64_t pan;              /* its first panel in the scratch's panel rows, or -1: tiles */
 } ffn_job;
 
 typedef struct {
@@ -177,7 +196,15 @@ typedef struct {
     const ck_act *xa;         /* xn quantized per token (group of w1) */
     ck_act ga;                /* gathered: row p = xa's row pair_tok[p] */
     float *x;
+    int rt2;                  /* output rows per stage-2 item */
 } ffn_ctx;
+
+/* job f's panels of activations of `cp` bytes and `ng` groups per token */
+static inline ck_panel job_panel(const ffn_ctx *c, const ffn_job *f, int64_t cp, int64_t ng) {
+    const ck_sscratch *s = c->s;
+    return (ck_panel){s->pq + f->pan * CK_PANEL * s->p_cp,
+                      s->ps + f->pan * CK_PANEL * (s->p_cp / 64), cp, ng};
+}
 
 static inline int job_of(const ffn_ctx *c, int64_t i, int first_stage) {
     int j = 0;
@@ -194,10 +221,46 @@ static void gather_row(void *p, int64_t q) {
     memcpy((int32_t *)c->ga.sum + q * a->ng, a->sum + t * a->ng, (size_t)a->ng * sizeof(int32_t));
 }
 
+/* lane i of the piece's panel jobs (pairs off.. of the job, then padding to 16) */
+static void pack_x_lane(void *p, int64_t i) {
+    ffn_ctx *c = p;
+    for (int q = 0; q < c->m; q++) {
+        const ffn_job *f = &c->jobs[q];
+        if (f->pan < 0) continue;
+        int64_t l = i - f->pan * CK_PANEL;
+        if (l < 0 || l >= npanels(f->cnt) * CK_PANEL) continue;
+        const ck_act *a = &c->ga;
+        ck_panel pn = job_panel(c, f, a->cp, a->ng);
+        int64_t row = f->off + l;
+        pack_panel_row(l < f->cnt ? a->q + row * a->cp : NULL, a->s + row * a->ng, a->cp,
+                       a->ng, (uint8_t *)pn.q, (float *)pn.s, l);
+        return;
+    }
+}
+
+/* stage 1 through the panels: gate rows in slots 0..3, up rows in 4..7 */
+static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
+    const ck_backend_t *be = c->be;
+    const ck_sscratch *s = c->s;
+    const int64_t cp = f->w1.q4.cp, ng = f->w1.q4.ng, np = npanels(f->cnt), ld = np * CK_PANEL;
+    int8_t wb[CK_PANEL_ROWS * cp];
+    int32_t wz[CK_PANEL_ROWS * ng];
+    float res[CK_PANEL_ROWS * ld];
+    ck_unpacked u;
+    unpack_rows(be, &f->w1.q4, r0, rt, 0, 4, &u, wb, wz);
+    unpack_rows(be, &f->w3.q4, r0, rt, 4, 4, &u, wb, wz);
+    ck_panel pn = job_panel(c, f, c->ga.cp, c->ga.ng);
+    be->q4_panels(&u, &pn, np, res, ld);
+    for (int r = 0; r < rt; r++)
+        for (int64_t t = 0; t < f->cnt; t++)
+            s->h[(f->off + t) * s->hld + r0 + r] = ck_silu(res[r * ld + t]) * res[(4 + r) * ld + t];
+}
+
 /* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
 static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     const ck_backend_t *be = c->be;
     const ck_sscratch *s = c->s;
+    if (f->pan >= 0) { up_panels(c, f, r0, rt); return; }
     const int ntp = ck_tokens_per_tile(be, f->cnt);
     float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
     ck_act a = c->ga;
@@ -235,6 +298,33 @@ static void hquant_chunk(void *p, int64_t i) {
     int64_t q = f->off + (i - f->t2);
     c->be->act_quant(s->h + q * s->hld, f->w2.cols, f->w2.group, s->hq + q * s->hcp,
                      s->hs + q * (s->hcp / 64), s->hsum + q * (s->hcp / 64));
+    if (f->pan < 0) return;
+    const int64_t l = i - f->t2, cp = f->w2.q4.cp, ng = f->w2.q4.ng;
+    ck_panel pn = job_panel(c, f, cp, ng);
+    pack_panel_row(s->hq + q * s->hcp, s->hs + q * (s->hcp / 64), cp, ng, (uint8_t *)pn.q,
+                   (float *)pn.s, l);
+    if (l == f->cnt - 1)                              /* the last panel's padding lanes */
+        for (int64_t p = l + 1; p < npanels(f->cnt) * CK_PANEL; p++)
+            pack_panel_row(NULL, NULL, cp, ng, (uint8_t *)pn.q, (float *)pn.s, p);
+}
+
+/* stage 2 through the panels: rows r0..r0+rt of job f's down projection, added to x */
+static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
+    const ck_backend_t *be = c->be;
+    const int64_t cp = f->w2.q4.cp, ng = f->w2.q4.ng, np = npanels(f->cnt), ld = np * CK_PANEL;
+    int8_t wb[CK_PANEL_ROWS * cp];
+    int32_t wz[CK_PANEL_ROWS * ng];
+    float y[CK_PANEL_ROWS * ld];
+    ck_unpacked u;
+    unpack_rows(be, &f->w2.q4, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+    ck_panel pn = job_panel(c, f, cp, ng);
+    be->q4_panels(&u, &pn, np, y, ld);
+    for (int64_t t = 0; t < f->cnt; t++) {
+        int64_t pq = f->off + t;
+        float wt = c->pair_w[pq];
+        float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
+        for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * ld + t] * wt;
+    }
 }
 
 /* stage 2: output rows r0.. of every job of the piece, in job order, added to x */
@@ -242,29 +332,36 @@ static void down_chunk(void *p, int64_t ch) {
     ffn_ctx *c = p;
     const ck_backend_t *be = c->be;
     const ck_sscratch *s = c->s;
-    const int rtp = be->rt;
     float y[CK_MAX_RT * CK_MAX_NT];
     for (int64_t i = ch * c->s2.per; i < chunk_end(c->s2, ch); i++) {
-        int64_t r0 = i * rtp;
-        int rt = (int)min64(rtp, c->hidden - r0);
+        /* an item of rt2 rows: a panel job's all at once, the others' in tiles of be->rt;
+         * each value of x gets its jobs' terms in job order either way */
+        const int64_t r1 = min64((i + 1) * c->rt2, c->hidden);
         for (int q = 0; q < c->m; q++) {
             const ffn_job *f = &c->jobs[q];
+            if (f->pan >= 0) {
+                down_panels(c, f, i * c->rt2, (int)(r1 - i * c->rt2));
+                continue;
+            }
             /* h rows are the scratch's hcp apart (the tile reads row t at q + t * cp and
              * its scales at s + t * ng; the group count is the matrix's) */
             const int64_t hng = s->hcp / 64;
             ck_act a = {s->hq + f->off * s->hcp, s->hs + f->off * hng, s->hsum + f->off * hng,
                         s->hcp, hng};
             const int ntp = ck_tokens_per_tile(be, f->cnt);
-            for (int64_t t0 = 0; t0 < f->cnt;) {
-                int nt = ck_tile_tokens(ntp, f->cnt - t0);
-                be->q4_i8(&f->w2.q4, r0, rt, &a, t0, nt, y);
-                for (int t = 0; t < nt; t++) {
-                    int64_t pq = f->off + t0 + t;
-                    float wt = c->pair_w[pq];
-                    float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
-                    for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * nt + t] * wt;
+            for (int64_t r0 = i * c->rt2; r0 < r1; r0 += be->rt) {
+                const int rt = (int)min64(be->rt, r1 - r0);
+                for (int64_t t0 = 0; t0 < f->cnt;) {
+                    int nt = ck_tile_tokens(ntp, f->cnt - t0);
+                    be->q4_i8(&f->w2.q4, r0, rt, &a, t0, nt, y);
+                    for (int t = 0; t < nt; t++) {
+                        int64_t pq = f->off + t0 + t;
+                        float wt = c->pair_w[pq];
+                        float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
+                        for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * nt + t] * wt;
+                    }
+                    t0 += nt;
                 }
-                t0 += nt;
             }
         }
     }
@@ -283,10 +380,27 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
         work += 3 * jobs[q].w1.rows * c->hidden * jobs[q].cnt;
         down_row += jobs[q].w2.cols / 2;
     }
+    /* the jobs that run the panels: enough tokens, room in the scratch's panel rows */
+    const ck_sscratch *s = c->s;
+    int64_t pans = 0;
+    c->rt2 = be->rt;
+    for (int q = 0; q < m; q++) {
+        ffn_job *f = &jobs[q];
+        /* w1 and w3 share their shape, and the panel rows hold this job too */
+        const int fits = panels_fit(be, s, &f->w1, f->cnt) &&
+                         panels_fit(be, s, &f->w2, f->cnt) &&
+                         (pans + npanels(f->cnt)) * CK_PANEL <= s->p_rows;
+        f->pan = fits ? pans : -1;
+        if (f->pan >= 0) {
+            pans += npanels(f->cnt);
+            c->rt2 = CK_PANEL_ROWS;
+        }
+    }
     c->jobs = jobs; c->m = m;
     c->s1 = chunking(t1, 2 * be->rt * c->hidden / 2 * (np / m > 0 ? np / m : 1));
-    c->s2 = chunking(ntiles(c->hidden, be->rt), be->rt * down_row);
+    c->s2 = chunking(ntiles(c->hidden, c->rt2), c->rt2 * down_row);
     nth = nthreads(c->s, work) < nth ? nthreads(c->s, work) : nth;
+    if (pans) ck_pool_for(pack_x_lane, c, pans * CK_PANEL, nth);
     ck_pool_for(up_chunk, c, nchunks(c->s1), nth);
     ck_pool_for(hquant_chunk, c, t2, np >= 16 ? nth : 1);
     ck_pool_for(down_chunk, c, nchunks(c->s2), nth);

@@ -7,6 +7,8 @@
  *     time, 2 or 1, else 0). Decode (nt == 1) runs 4 rows at a time, sharing the
  *     activation loads; batches run 1 row x up to 4 tokens, sharing each unpacked weight
  *     vector (measured faster than 2x4, 2x2 and 4x2 tiles, which spill registers).
+ *     From ck_panel_min_tokens tokens the step and ck_matmul run the AVX-512 backend's
+ *     panels instead (ck_avx512.c), which give these tiles' bits.
  *   CK_DEFINE_Q8_I8(ATTR, name, tile): tile(w, r0, xr, xs, res, ldr, RT) computes RT rows
  *     of a q8 matrix against one token's activations; tokens go one by one.
  *   CK_DEFINE_Q6_I8_TILE / CK_DEFINE_Q6_I8: the q6 tile (below) and its dispatch, in the
@@ -22,7 +24,8 @@
  * - q4_dot_pass: acc[k] += sum_g sw[g]*xs[g]*(dot[g] - z[g]*xsum[g]) for the K = RT*NT
  *   (row, token) pairs of a tile over a chunk of gn groups starting at gc, with the
  *   zero-point correction in exact integer math (as quant.matvec_q4_q8_ref), 8 groups per
- *   step and then a scalar tail. One order for every backend: bit-identical floats.
+ *   step and then a scalar tail of fmas. One order for every backend: bit-identical
+ *   floats (ck_avx512.c's q4_panels runs the same order with tokens in lanes).
  * Needs CK_GCHUNK and hsum_ps. */
 #define CK_GCHUNK 32   /* groups whose integer dots are buffered before the float pass */
 
@@ -80,9 +83,10 @@
                 const float *sw = w->scales + wo, *xs = a->s + ao;                      \
                 const int32_t *xsum = a->sum + ao;                                      \
                 float tail = 0.0f;                                                      \
-                for (int gg = g; gg < gn; gg++)                                         \
-                    tail += (float)(dq[q][gg][j] - (int32_t)z[gg] * ck_ldi(xsum + gg)) * \
-                            (ck_ldf(sw + gg) * ck_ldf(xs + gg));                        \
+                for (int gg = g; gg < gn; gg++)   /* one fma each (q4_panels' order) */ \
+                    tail = __builtin_fmaf((float)(dq[q][gg][j] - (int32_t)z[gg] *       \
+                                              ck_ldi(xsum + gg)),                       \
+                                          ck_ldf(sw + gg) * ck_ldf(xs + gg), tail);     \
                 acc[k] += hsum_ps(facc[j]) + tail;                                      \
             }                                                                           \
         }                                                                               \
