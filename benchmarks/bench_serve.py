@@ -8,11 +8,11 @@
         --gguf benchmarks/out/vs_llamacpp/model-q4_0.gguf      # with the peer
 
 For each client count, that many asyncio clients send streaming completions (prompts of
---prompt random token ids, --tokens new tokens each with ignore_eos, greedy) until
---requests are done or --time-cap seconds passed. Reported per client count: first-token
-and per-token p50/p99 (client side), aggregate generated tokens/s, errors, the server's
-event-loop lag p99 (from its /metrics histogram: the bucket bound), and the load
-generator's own CPU time (it shares the machine's cores with the server).
+--prompt random token ids, distinct per client count and request; --tokens new tokens
+each with ignore_eos, greedy) until --requests are done or --time-cap seconds passed.
+Reported per client count: first-token and per-token p50/p99 (client side), aggregate
+generated tokens/s, errors, the server's event-loop lag p99 (from its /metrics
+histogram: the bucket bound), and the load generator's own CPU time (it shares the machine's cores with the server).
 
 One client is also compared side by side with the engine called directly in this process
 (target: per-token time within 1.1x): --pairs times a request on the engine, then the
@@ -306,6 +306,11 @@ def main(argv=None) -> int:
                          f"context of {cfg.max_position_embeddings}")
     levels = [int(x) for x in args.clients.split(",")]
     ps = prompts(cfg.vocab_size, max(levels) * 2, args.prompt)
+    # each client count its own prompts, the same for both servers: llama-server keeps a
+    # slot's prompt in its KV cache (cache_prompt), so prompts repeated from an earlier
+    # client count would reach their first token without a prefill there, not here
+    level_ps = {c: prompts(cfg.vocab_size, max(args.requests, c), args.prompt, seed=1000 + c)
+                for c in levels}
     load = os.getloadavg()
     print(f"# bench_serve: {mdir.name}, prompt {args.prompt} ids, {args.tokens} tokens, "
           f"threads {args.threads}, routing stats {'on' if args.routing_stats else 'off'}; "
@@ -325,7 +330,7 @@ def main(argv=None) -> int:
         for c in levels:
             before = lag_buckets(srv.metrics())
             cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-            row = asyncio.run(run_level(srv.url, c, ps, args.requests, args.tokens,
+            row = asyncio.run(run_level(srv.url, c, level_ps[c], args.requests, args.tokens,
                                         args.time_cap))
             cpu1 = resource.getrusage(resource.RUSAGE_SELF)
             row["generator_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime -
@@ -346,7 +351,7 @@ def main(argv=None) -> int:
                                   keepalive=False))                              # warm-up
             for c in levels:
                 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-                row = asyncio.run(run_level(peer.url, c, ps, args.requests, args.tokens,
+                row = asyncio.run(run_level(peer.url, c, level_ps[c], args.requests, args.tokens,
                                             args.time_cap, keepalive=False))
                 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
                 row["generator_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (
