@@ -12,7 +12,8 @@ For each client count, that many asyncio clients send streaming completions (pro
 each with ignore_eos, greedy) until --requests are done or --time-cap seconds passed.
 Reported per client count: first-token and per-token p50/p99 (client side), aggregate
 generated tokens/s, errors, the server's event-loop lag p99 (from its /metrics
-histogram: the bucket bound), and the load generator's own CPU time (it shares the machine's cores with the server).
+histogram: the bucket bound), and the load generator's own CPU time (it shares the
+machine's cores with the server).
 
 One client is also compared side by side with the engine called directly in this process
 (target: per-token time within 1.1x): --pairs times a request on the engine, then the
