@@ -9,6 +9,7 @@ setup(
         "colibri_core.convert",
         "colibri_core.hotplug",
         "colibri_core.server",
+        "colibri_core.fleet",
         "colibri_core.configs",
         "colibri_core.builtin_plugins",
     ],

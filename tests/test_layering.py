@@ -226,3 +226,17 @@ def test_every_kind_of_routed_expert_is_an_Expert(tiny_model_dir):
         assert hot.ffn is None and hot.nbytes == 0 and ex.nbytes > 0
     finally:
         w.close()
+
+
+def test_every_package_is_installed_by_setup_py():
+    """`pip install .` (not editable) installs only the packages setup.py lists: a new
+    subpackage missing there imports fine in the editable checkout and fails for users."""
+    import ast
+    root = Path(__file__).resolve().parent.parent
+    tree = ast.parse((root / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) == "setup")
+    listed = set(ast.literal_eval(next(k.value for k in call.keywords if k.arg == "packages")))
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "colibri_core").rglob("__init__.py")}
+    assert found - listed == set(), f"add {sorted(found - listed)} to setup.py's packages"
