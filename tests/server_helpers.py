@@ -1,6 +1,7 @@
 """A live `colibri serve` in a subprocess, on 127.0.0.1 and a free port, for the tests."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -75,3 +76,36 @@ def metric(text: str, name: str, labels: str = "") -> float:
                 (labels == "" and line.startswith(name + " ")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def wait_until(pred, what: str, timeout: float = 30.0, period: float = 0.05):
+    """pred()'s first truthy value within `timeout` seconds (a deadline, not a latency)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(period)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+async def stream_completion(url: str, prompt, n: int):
+    """One greedy streaming completion of n tokens (ignore_eos):
+    ([text of each token], [expert-set generation at each token])."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        async with c.stream("POST", url + "/v1/completions", json={
+                "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            assert r.status_code == 200, await r.aread()
+            text, gens, gen = [], [], None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                assert "error" not in d, d
+                gen = d.get("expert_set_generation", gen)
+                for ch in d["choices"]:
+                    if ch["text"]:
+                        text.append(ch["text"])
+                        gens.append(gen)
+            return text, gens

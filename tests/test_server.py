@@ -5,7 +5,6 @@ log-probs equal a float64 log-softmax of the engine's own logits."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import LiveServer, metric  # noqa: E402
+from server_helpers import LiveServer, metric, stream_completion, wait_until  # noqa: E402
 
 PROMPTS = ["The assert statement", "The import system", "A class definition",
            "Exceptions are", "The with statement", "Lists and tuples", "Integer literals",
@@ -343,37 +342,6 @@ def _experts(server):
     return httpx.get(server.url + "/v1/experts").json()
 
 
-def _wait(pred, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
-
-
-async def _stream(url, prompt, n):
-    """One streaming completion: ([text of each token], [generation of each token])."""
-    async with httpx.AsyncClient(timeout=120) as c:
-        async with c.stream("POST", url + "/v1/completions", json={
-                "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            assert r.status_code == 200, await r.aread()
-            text, gens, gen = [], [], None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                assert "error" not in d, d
-                gen = d.get("expert_set_generation", gen)
-                for ch in d["choices"]:
-                    if ch["text"]:
-                        text.append(ch["text"])
-                        gens.append(gen)
-            return text, gens
-
-
 def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, ref):
     from colibri_core.hotplug.testing import compile_test_expert
     base_gen = _experts(server)["expert_set_generation"]
@@ -389,7 +357,7 @@ def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, re
         waves go on until one stream has run with the new set (deadline 60 s)."""
         done, deadline = [], time.monotonic() + 60
         while time.monotonic() < deadline:
-            tasks = [asyncio.create_task(_stream(server.url, p, N)) for p in prompts]
+            tasks = [asyncio.create_task(stream_completion(server.url, p, N)) for p in prompts]
             if not done:
                 await asyncio.sleep(0.2)        # streams are running: drop the expert
                 so.rename(server.experts_dir / "srv_live.so")
@@ -398,7 +366,7 @@ def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, re
                 return done
         raise AssertionError("no stream ran with the dropped expert within 60 s")
     results = asyncio.run(load())
-    listing = _wait(lambda: (lambda x: x if any(e["name"] == "srv_live" and
+    listing = wait_until(lambda: (lambda x: x if any(e["name"] == "srv_live" and
                                                  e["status"] == "active"
                                                  for e in x["data"]) else None)(
         _experts(server)), "the dropped expert is adopted")
@@ -428,20 +396,20 @@ def test_rollback_and_refusals(server):
     from colibri_core.hotplug.testing import compile_test_expert
     d = server.experts_dir
     compile_test_expert(d / "srv_rb.so", hidden=128, layer=3, name="srv_rb", version="1.0")
-    _wait(lambda: any(e["name"] == "srv_rb" and e["version"] == "1.0" and e["status"] ==
+    wait_until(lambda: any(e["name"] == "srv_rb" and e["version"] == "1.0" and e["status"] ==
                       "active" for e in _experts(server)["data"]), "v1 adopted")
     r = httpx.post(server.url + "/v1/experts/srv_rb/rollback")
     assert r.status_code == 409 and r.json()["error"]["code"] == "rollback"
     compile_test_expert(d / "srv_rb.so", hidden=128, layer=3, name="srv_rb", version="2.0",
                         scale=2.0)
-    _wait(lambda: any(e["name"] == "srv_rb" and e["version"] == "2.0"
+    wait_until(lambda: any(e["name"] == "srv_rb" and e["version"] == "2.0"
                       for e in _experts(server)["data"]), "v2 adopted")
     assert httpx.post(server.url + "/v1/experts/srv_rb/rollback").status_code == 202
-    _wait(lambda: any(e["name"] == "srv_rb" and e["version"] == "1.0" and e["status"] ==
+    wait_until(lambda: any(e["name"] == "srv_rb" and e["version"] == "1.0" and e["status"] ==
                       "active" for e in _experts(server)["data"]), "rolled back to v1")
     assert httpx.post(server.url + "/v1/experts/nope/rollback").status_code == 404
     compile_test_expert(d / "srv_bad.so", hidden=64, layer=1, name="srv_bad")
-    ref = _wait(lambda: [x for x in _experts(server)["refusals"]
+    ref = wait_until(lambda: [x for x in _experts(server)["refusals"]
                          if x["path"].endswith("srv_bad.so")], "the wrong-size expert refused")
     assert ref[0]["reason"] and "64" in ref[0]["message"]
     text = httpx.get(server.url + "/metrics").text

@@ -5,14 +5,13 @@ Deadlines only, no latencies."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_helpers import LiveServer
+from server_helpers import LiveServer, stream_completion, wait_until
 
 PROMPTS = ["The assert statement", "The import system", "A class definition",
            "Exceptions are", "The with statement", "Lists and tuples", "Integer literals",
@@ -31,30 +30,8 @@ def _status(url):
     return httpx.get(url + "/status.json", timeout=10).json()
 
 
-def _until(pred, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
-
-
-async def _stream(url, prompt, n):
-    async with httpx.AsyncClient(timeout=120) as c:
-        async with c.stream("POST", url + "/v1/completions", json={
-                "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            assert r.status_code == 200, await r.aread()
-            text = []
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                assert "error" not in d, d
-                text += [ch["text"] for ch in d["choices"]]
-            return "".join(text)
+async def _text(url, prompt, n):
+    return "".join((await stream_completion(url, prompt, n))[0])
 
 
 def test_32_streams_batch_and_each_gets_its_solo_tokens(experts_dir):
@@ -75,7 +52,7 @@ def test_32_streams_batch_and_each_gets_its_solo_tokens(experts_dir):
                 time.sleep(0.05)
 
         async def load():
-            return await asyncio.gather(*(_stream(srv.url, p, N) for p in prompts))
+            return await asyncio.gather(*(_text(srv.url, p, N) for p in prompts))
         w = threading.Thread(target=watch)
         w.start()
         try:
@@ -121,7 +98,7 @@ def test_disconnect_frees_place_and_kv_and_full_queue_is_429(experts_dir, tmp_pa
         t.start()
         try:
             assert first.wait(30), "the stream started"
-            _until(lambda: _status(u)["queue_depth"] == 1, "a second choice waits")
+            wait_until(lambda: _status(u)["queue_depth"] == 1, "a second choice waits")
             refused = httpx.post(u + "/v1/completions",
                                  json={**LONG, "prompt": PROMPTS[2]}, timeout=60)
             assert refused.status_code == 429, refused.text
@@ -131,7 +108,7 @@ def test_disconnect_frees_place_and_kv_and_full_queue_is_429(experts_dir, tmp_pa
         finally:
             leave.set()               # the client goes away: its sequences leave the engine
             t.join(60)
-        _until(lambda: (lambda s: s["running"] == 0 and s["queue_depth"] == 0 and
+        wait_until(lambda: (lambda s: s["running"] == 0 and s["queue_depth"] == 0 and
                         s["kv_pool"]["free_tokens"] == full)(_status(u)),
                "the KV pool is back to full")
         ok = httpx.post(u + "/v1/completions", json={**LONG, "prompt": PROMPTS[1]}, timeout=60)
