@@ -154,7 +154,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=str(HERE / "out" / "vs_llamacpp" / "colibri_q4"))
     ap.add_argument("--gguf", default=str(HERE / "out" / "vs_llamacpp" / "model-q4_0.gguf"))
-    main_bin = Path("/work/main/build/llamacpp/build/bin")
+    main_bin = HERE.parent / "build" / "llamacpp" / "build" / "bin"   # _llamacpp_tools.py
     ap.add_argument("--llama-bin", default=str(main_bin) if main_bin.is_dir() else "")
     a = ap.parse_args(argv)
     if a.parts:

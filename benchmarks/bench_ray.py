@@ -47,7 +47,7 @@ from bench_serve import Server, model_dir, prompts, run_level  # noqa: E402
 from common import OUT, git_commit, machine  # noqa: E402
 from ray_helpers import REPO, RayCluster, free_port, worker_env  # noqa: E402
 
-BENCH_Q4 = Path("/work/main/benchmarks/out/vs_llamacpp/colibri_q4")
+BENCH_Q4 = HERE / "out" / "vs_llamacpp" / "colibri_q4"   # bench_vs_llamacpp.py makes it
 
 
 class Fleet:
