@@ -28,9 +28,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,9 +41,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from bench_serve import Server, model_dir, prompts, run_level  # noqa: E402
+from bench_serve import Server, launch, model_dir, prompts, run_level  # noqa: E402
 from common import OUT, git_commit, machine  # noqa: E402
-from ray_helpers import REPO, RayCluster, free_port, worker_env  # noqa: E402
+from ray_helpers import RayCluster, free_port, worker_env  # noqa: E402
 
 BENCH_Q4 = HERE / "out" / "vs_llamacpp" / "colibri_q4"   # bench_vs_llamacpp.py makes it
 
@@ -64,22 +62,7 @@ class Fleet:
                "--replica-cpus", str(cpus), "--port", str(port), "--queue-size", str(queue),
                "--experts-dir", str(self.experts),
                "--registry-dir", str(Path(self.tmp.name) / "registry")]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.url, self.log = None, []
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.log.append(line.rstrip())
-                m = re.search(r"serving (http://\S+)", line)
-                if m:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or self.url is None:
-            raise SystemExit("fleet did not start:\n" + "\n".join(self.log[-30:]))
+        self.proc, self.url, self.log = launch(cmd, "fleet", 300, env=worker_env())
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -110,6 +110,30 @@ def paired(direct: Direct, url: str, ps: list, tokens: int, pairs: int) -> dict:
             "ratio": float(np.median(s_mean) / np.median(d_mean))}
 
 
+def launch(cmd: list, what: str, timeout_s: float, env: dict | None = None):
+    """Start a `colibri serve` command; -> (process, its URL, its output lines so far: a
+    thread keeps reading, access-log lines left out) once it prints "serving URL"."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    log: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if "colibri: access:" not in line:
+                log.append(line.rstrip())
+            m = re.search(r"serving (http://\S+)", line)
+            if m and not found:
+                found.append(m.group(1))
+                ready.set()
+        ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout_s) or not found:
+        raise SystemExit(f"{what} did not start:\n" + "\n".join(log[-30:]))
+    return proc, found[0], log
+
+
 class Server:
     def __init__(self, mdir: Path, threads: int, queue: int, extra: list):
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
@@ -118,24 +142,7 @@ class Server:
         cmd = [sys.executable, "-m", "colibri_core", "serve", "--model", str(mdir), "--port",
                "0", "--threads", str(threads), "--experts-dir", str(experts),
                "--queue-size", str(queue), *extra]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.url = None
-        self.log: list[str] = []
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                if "colibri: access:" not in line:
-                    self.log.append(line.rstrip())
-                m = re.search(r"serving (http://\S+)", line)
-                if m:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(120) or self.url is None:
-            raise SystemExit("server did not start:\n" + "\n".join(self.log))
+        self.proc, self.url, self.log = launch(cmd, "server", 120)
 
     def metrics(self) -> str:
         import httpx
