@@ -5,7 +5,11 @@
 Decodes one sequence after a 64-token prefill through the engine's own pipeline
 (pipeline.py), with its C calls wrapped in a timer, and prints the median per step of the
 attention blocks, the routers, the expert blocks, the lm_head and the rest (Python
-between the calls), with the bytes of weights each reads and the rate that makes.
+between the calls), with the bytes of weights each reads and the rate that makes; and
+the synchronization inside those calls: the time the calling thread waited at the end of
+the thread pool's loops for chunks other threads still ran (ck_pool.c's statistics, read
+where the pipeline's thread control reads them), with the share of chunks the other
+threads ran.
 Default model: the one bench_vs_llamacpp.py converts.
 """
 from __future__ import annotations
@@ -33,9 +37,12 @@ class TimedLib:
     def __init__(self, lib):
         self._lib = lib
         self.t: dict = defaultdict(float)
+        self.pool: dict = defaultdict(int)
 
     def __getattr__(self, name):
         f = getattr(self._lib, name)
+        if name == "ck_pool_stats":               # the thread control's read, every step
+            return self._pool_stats
         part = PARTS.get(name)
         if part is None:
             return f
@@ -48,6 +55,18 @@ class TimedLib:
             return rc
         return timed
 
+    def _pool_stats(self, out):
+        self._lib.ck_pool_stats(out)              # mine, others' chunks, loop, wait cycles
+        for i, key in enumerate(("mine", "others", "loop_cycles", "wait_cycles")):
+            self.pool[key] += int(out[i])
+
+
+def cycles_per_second(lib) -> float:
+    """The rate of ck_rdtsc's counter (the pool's statistics count in it)."""
+    t0, c0 = time.perf_counter(), int(lib.ck_rdtsc())
+    time.sleep(0.2)
+    return (int(lib.ck_rdtsc()) - c0) / (time.perf_counter() - t0)
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,7 +74,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=150)
     a = ap.parse_args(argv)
-    from colibri_core import pipeline
+    from colibri_core import pipeline, steptables
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
 
@@ -65,13 +84,16 @@ def main(argv=None):
     cache = m.new_cache(64 + a.steps + 1)
     m.forward([np.arange(1, 65)], [cache])
     timed = TimedLib(pipeline.lib)
-    pipeline.lib = timed
+    pipeline.lib = steptables.lib = timed
+    hz = cycles_per_second(timed._lib)
     pc = time.perf_counter
     parts = {p: [] for p in ("attention", "router", "ffn", "lm_head", "python", "step")}
+    sync, shares = [], []
     tok = 5
     try:
         for it in range(a.steps):
             timed.t.clear()
+            timed.pool.clear()
             t0 = pc()
             tok = int(m.decode_step(tok, cache, k).argmax())
             total = pc() - t0
@@ -81,8 +103,12 @@ def main(argv=None):
                 parts[p].append(timed.t[p])
             parts["step"].append(total)
             parts["python"].append(total - sum(timed.t.values()))
+            sync.append(timed.pool["wait_cycles"] / hz)
+            ran = timed.pool["mine"] + timed.pool["others"]
+            if ran:
+                shares.append(timed.pool["others"] / ran)
     finally:
-        pipeline.lib = timed._lib
+        pipeline.lib = steptables.lib = timed._lib
     w = m.w
     att_bytes = sum(nbytes(getattr(lw.attn, n)) for lw in w.layers for n in ("wq", "wk", "wv", "wo"))
     ffn_bytes = 0
@@ -105,6 +131,9 @@ def main(argv=None):
         mb = f"{b / 1e6:.1f}" if b else ""
         rate = f"{b / (ms * 1e-3) / 1e9:.1f}" if b else ""
         print(f"| {p} | {ms:.3f} | {mb} | {rate} |")
+    other = f"{statistics.median(shares):.2f}" if shares else "no parallel loops"
+    print(f"| synchronization (inside the parts above) | {statistics.median(sync) * 1e3:.3f} |"
+          f" | chunks run by the other threads: {other} |")
     eng.close()
 
 

@@ -43,6 +43,12 @@ static inline chunks chunking(int64_t n, int64_t item_bytes) {
 static inline int64_t nchunks(chunks c) { return (c.n + c.per - 1) / c.per; }
 static inline int64_t chunk_end(chunks c, int64_t ch) { return min64((ch + 1) * c.per, c.n); }
 
+/* A float multiply-add of attention over the context (scores, softmax, values) costs about
+ * as much as 8 int8 multiply-adds of a weight matrix, the unit of the pool's threshold
+ * (measured on Zen 4: 6.7 G float MACs/s against ~58 G int8 MACs/s per thread). Without
+ * the weight a decode token's context ran on one thread up to position ~256. */
+#define CK_ATTN_MAC_COST 8
+
 /* threads for `work` multiply-adds, under the caller's cap (pipeline.py's thread control) */
 static inline int nthreads(const ck_sscratch *s, int64_t work) {
     int n = ck_threads_for(work);

@@ -324,7 +324,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     int64_t ctx_work = 0;
     for (int64_t t = 0; t < n; t++) ctx_work += 2 * a->nh * a->d * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
-    ck_pool_for(head_chunk, &c, n * a->nkv, nthreads(s, ctx_work));
+    ck_pool_for(head_chunk, &c, n * a->nkv, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
     if (s->failed) return CK_E_MEMORY;
     /* the o projection's input, quantized per token (buffer a: q, k, v are done with it) */
     const wmat *wo = &c.w[3];
@@ -555,7 +555,7 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
     int64_t ctx_work = 0;
     for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
-    ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, ctx_work));
+    ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
     if (s->failed) return CK_E_MEMORY;
     /* o projection of out [n, nh*v], quantized per token */
     const int64_t vcols = a->nh * a->v, cpo = rup(vcols, a->wo.group);
