@@ -51,7 +51,7 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
                          float *res, int ldr, const int RT, const int NT, const int BPG) {
     const int K = RT * NT, K4 = (K + 3) / 4 * 4;   /* K <= 8 */
     const int64_t rb = w->cp / 2, ng = w->ng, bpg = BPG ? BPG : w->group / 64;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m4h = _mm256_set1_epi8((char)0xF0);
     const uint8_t *wr = w->data + r0 * rb;
     const int8_t *xr = a->q + t0 * a->cp;
     const int64_t pf = RT * rb + CK_PF_BYTES;
@@ -78,7 +78,7 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
                         _mm_prefetch((const char *)(wr + r * rb + b * 32 + pf), _MM_HINT_T1);
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wr + r * rb + b * 32));
                     lo[r] = _mm256_and_si256(v, m4);
-                    hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    hi[r] = _mm256_and_si256(v, m4h);      /* 16 x the high nibble */
                 }
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
@@ -94,11 +94,12 @@ VNNI_INL void q4_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0
             }
 #pragma GCC unroll 2
             for (int k = 0; k < K4; k += 4) {   /* 4 x (8 lanes) -> 4 sums */
+                /* ihi holds 16 x the high nibbles' dots: exact multiples of 16 */
                 __m256i h = _mm256_hadd_epi32(
-                    _mm256_hadd_epi32(_mm256_add_epi32(ilo[k], ihi[k]),
-                                      _mm256_add_epi32(ilo[k + 1], ihi[k + 1])),
-                    _mm256_hadd_epi32(_mm256_add_epi32(ilo[k + 2], ihi[k + 2]),
-                                      _mm256_add_epi32(ilo[k + 3], ihi[k + 3])));
+                    _mm256_hadd_epi32(_mm256_add_epi32(ilo[k], _mm256_srai_epi32(ihi[k], 4)),
+                                      _mm256_add_epi32(ilo[k + 1], _mm256_srai_epi32(ihi[k + 1], 4))),
+                    _mm256_hadd_epi32(_mm256_add_epi32(ilo[k + 2], _mm256_srai_epi32(ihi[k + 2], 4)),
+                                      _mm256_add_epi32(ilo[k + 3], _mm256_srai_epi32(ihi[k + 3], 4))));
                 _mm_storeu_si128((__m128i *)dq[k / 4][gi],
                                  _mm_add_epi32(_mm256_castsi256_si128(h),
                                                _mm256_extracti128_si256(h, 1)));
