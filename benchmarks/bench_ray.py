@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from bench_serve import Server, launch, model_dir, prompts, run_level  # noqa: E402
 from common import OUT, git_commit, machine  # noqa: E402
-from ray_helpers import RayCluster, free_port, worker_env  # noqa: E402
+from ray_helpers import RayCluster, free_port  # noqa: E402
 
 BENCH_Q4 = HERE / "out" / "vs_llamacpp" / "colibri_q4"   # bench_vs_llamacpp.py makes it
 
@@ -62,7 +62,7 @@ class Fleet:
                "--replica-cpus", str(cpus), "--port", str(port), "--queue-size", str(queue),
                "--experts-dir", str(self.experts),
                "--registry-dir", str(Path(self.tmp.name) / "registry")]
-        self.proc, self.url, self.log = launch(cmd, "fleet", 300, env=worker_env())
+        self.proc, self.url, self.log = launch(cmd, "fleet", 300, env=cluster.env)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
