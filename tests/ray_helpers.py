@@ -95,6 +95,31 @@ class RayCluster:
         out.discard(os.getpid())
         return sorted(out)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) so far of this cluster's live processes, summed by
+        what each is: a Ray worker by its actor ("ray::ServeReplica:colibri:colibri-
+        ingress", "ray::ServeController"; the method it runs left out), another process
+        by its program ("haproxy", "raylet")."""
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in self._pids():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            head = argv[0].decode(errors="replace")
+            if head.startswith("ray::"):
+                name = head.split(" ")[0].split(".")[0]
+            elif os.path.basename(head).startswith("python"):
+                args = [a.decode(errors="replace") for a in argv[1:] if a]
+                rest = [a for a in args if not a.startswith("-")]
+                name = os.path.basename(rest[0]) if rest else "python"
+            else:
+                name = os.path.basename(head)
+            out[name] = out.get(name, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+        return out
+
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = self._pids()
