@@ -440,7 +440,7 @@ class Pipeline:
         """The routed experts `wave` (ascending ids): C experts in one call -- one call
         per expert when a load is still in flight (each computes as soon as it is read)
         or a plugin times experts --, hot-plugged code (ffn_forward) between."""
-        model, sc = self.model, self.scratch
+        sc = self.scratch
         layer, table, block = L["index"], T["table"], L["block"]
         x, xn = sc.x[:n], sc.xn[:n]
         run_ids = sc.rows("run_ids", -1, n, kmax)

@@ -12,7 +12,6 @@ dim, E experts, K experts per token, V vocab, S cached positions of one sequence
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional, Sequence
 
@@ -21,13 +20,11 @@ import numpy as np
 from . import kernels, mla, ops
 from .kvcache import KVCache, new_cache
 from .config import EngineConfig, ModelConfig
-from .errors import ExpertError, RequestError
+from .errors import RequestError
 from .expertset import ExpertSet
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 from .routing import LayerTrace, route
 from .weights import FFNWeights, LayerWeights, ModelWeights, run_own_code
-
-log = logging.getLogger("colibri")
 
 
 class ReferenceModel:
@@ -45,7 +42,6 @@ class ReferenceModel:
                                              # (converter calibration); None in normal use
         self.last_routing: list[LayerTrace] = []
         self.expert_set = ExpertSet.from_weights(weights)
-        self._warned: set = set()
 
     # ------------------------------------------------------------------ small blocks
     def new_cache(self, capacity: int, dtype: Optional[str] = None) -> KVCache:

@@ -7,8 +7,6 @@ naming the field): see set_ffn and check_attention.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from . import ops
