@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
 from .errors import ConfigError
 from .kernels import ffi, lib
 from .kvcache import check_memory
@@ -105,11 +104,10 @@ _MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C ML
 def check_attention(model, lw) -> None:
     """Refuse, naming the field, what the attention block cannot run."""
     cfg, a = model.cfg, lw.attn
-    rope = len(ops.rope_frequencies(cfg)[0]) * 2
-    if cfg.attention != "mla" and rope != cfg.head_size:
-        raise ConfigError(f"layer {lw.index}: partial rotary embedding (rope over {rope} of "
-                          f"head_size {cfg.head_size}) is not supported")
     if cfg.attention != "mla":
+        if cfg.head_size % 2:
+            raise ConfigError(f"head_size {cfg.head_size} is odd: the rotate-half rope needs "
+                              f"an even head size")
         f32 = model.act != "int8"
         keys = {(64 if f32 or not is_q(m) else m.group, id(a.act_scales.get(n)))
                 for n, m in (("wq", a.wq), ("wk", a.wk), ("wv", a.wv))

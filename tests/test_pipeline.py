@@ -397,12 +397,24 @@ def test_every_configuration_runs_the_c_pipeline_and_matches_the_reference(model
         assert np.array_equal(alone, crowd)
 
 
-def test_an_ffn_whose_gate_and_up_inputs_differ_is_refused(models):
+def _gate_up_scales(w):
+    f = w.layers[0].dense
+    f.act_scales = {"w1": np.ones(f.w1.cols, np.float32), "w3": np.full(f.w1.cols, 2.0, np.float32)}
+
+
+def _three_qkv_inputs(w):
+    a = w.layers[1].attn
+    a.act_scales = {n: np.full(a.wq.cols, v, np.float32) for n, v in (("wq", 1), ("wk", 2), ("wv", 3))}
+
+
+@pytest.mark.parametrize("change,error", [
+    (_gate_up_scales, "layer 0 dense FFN: act_scales w1 and w3 differ"),
+    (_three_qkv_inputs, "layer 1: wq, wk, wv need more than two kinds of input")])
+def test_what_the_c_calls_cannot_run_is_refused_at_load(models, change, error):
+    """Rare layouts the C calls do not take are refused when the pipeline is made, with
+    the field named, rather than run by another path."""
     from colibri_core.errors import ConfigError
     with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
-        m = eng.model
-        f = m.w.layers[0].dense
-        H = f.w1.cols
-        f.act_scales = {"w1": np.ones(H, np.float32), "w3": np.full(H, 2.0, np.float32)}
-        with pytest.raises(ConfigError, match="act_scales w1 and w3 differ"):
-            Pipeline(m)
+        change(eng.model.w)
+        with pytest.raises(ConfigError, match=error):
+            Pipeline(eng.model)

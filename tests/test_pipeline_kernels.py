@@ -475,10 +475,19 @@ def test_pool_runs_every_chunk_exactly_once(n, nth):
 
 # ----------------------------------------------------------------------------- MLA
 
+def _mla_awq(w, rng):
+    for lw in w.layers:
+        a = lw.attn
+        a.act_scales = {n: rng.uniform(0.5, 2.0, getattr(a, n).cols).astype(np.float32)
+                        for n in a.MATRICES if getattr(a, n) is not None}
+
+
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v3_plain_q", "deepseek_v2",
-                                        "deepseek_v3_over_budget", "deepseek_v2_float_act"])
+                                        "deepseek_v3_over_budget", "deepseek_v2_float_act",
+                                        "deepseek_v3_awq", "deepseek_v3_awq_over_budget"])
 def mla_eng(request, tmp_path_factory):
-    """over_budget: W_UK / W_UV past the float budget, read from wkv_b's quantized rows."""
+    """over_budget: W_UK / W_UV past the float budget, read from wkv_b's quantized rows;
+    awq: activation scales on every MLA matrix (wkv_b's divided out of its columns)."""
     from hf_helpers import make_hf_model, save, write_tokenizer
     from colibri_core import pipeline as P
     from colibri_core.convert import convert
@@ -491,6 +500,9 @@ def mla_eng(request, tmp_path_factory):
     convert(src, d / "c")
     kw = {"activations": "float"} if name.endswith("float_act") else {}
     with Engine(d / "c", EngineConfig(threads=2, **kw)) as e:
+        if "_awq" in name:
+            _mla_awq(e.model.w, np.random.default_rng(8))
+            e.model.pipeline = Pipeline(e.model)
         if name.endswith("over_budget"):
             saved, P._MLA_DEQUANT_BUDGET = P._MLA_DEQUANT_BUDGET, 0
             try:
