@@ -223,14 +223,19 @@ class Scratch:
         self.control = ThreadControl(self.s)
 
     def _ffn_sizes(self, ffns) -> bool:
-        """Grow hld / hcp (and float_rows) to what `ffns` need; True if anything grew."""
-        hld, hcp, fr = self.hld, self.hcp, self.float_rows
+        """Grow hld / hcp / cp_max (and float_rows) to what `ffns` need (before cp_max is
+        set: hld, hcp and float_rows only); True if anything grew."""
+        hld, hcp, fr, cp = self.hld, self.hcp, self.float_rows, getattr(self, "cp_max", None)
         for f in ffns:
             hld = max(hld, -(-_shape(f.w1)[0] // 64) * 64)
             hcp = max(hcp, padded_cols(_shape(f.w2)[1], f.w2.group if is_q(f.w2) else 64))
             fr |= bool(f.act_scales) or not (is_q(f.w1) and is_q(f.w2))
-        grew = (hld, hcp, fr) != (self.hld, self.hcp, self.float_rows)
+            if cp is not None and is_q(f.w1):       # its input quantized with its own group
+                cp = max(cp, padded_cols(self.cfg.hidden_size, f.w1.group))
+        grew = (hld, hcp, fr, cp) != (self.hld, self.hcp, self.float_rows, getattr(self, "cp_max", None))
         self.hld, self.hcp, self.float_rows = hld, hcp, fr
+        if cp is not None:
+            self.cp_max = cp
         return grew
 
     def fit_ffns(self, ffns) -> None:

@@ -418,3 +418,32 @@ def test_what_the_c_calls_cannot_run_is_refused_at_load(models, change, error):
         change(eng.model.w)
         with pytest.raises(ConfigError, match=error):
             Pipeline(eng.model)
+
+
+def test_an_expert_larger_than_the_models_grows_the_scratch(models):
+    """A hot-plugged INT4 expert with a wider intermediate and a group size none of the
+    model's matrices has: the new set's tables grow the step's scratch to it (between two
+    steps), and the C call runs it."""
+    from types import SimpleNamespace
+
+    from colibri_core.quant import quantize_q4
+    from colibri_core.weights import FFNWeights
+    rng = np.random.default_rng(3)
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        H, cp0, hld0 = m.cfg.hidden_size, m.pipeline.scratch.cp_max, m.pipeline.scratch.hld
+        m.forward([np.array([1, 2])], [m.new_cache(16)])           # a step at the old size
+        mat = lambda r, c: quantize_q4(rng.standard_normal((r, c)) / np.sqrt(c), 320)  # noqa: E731
+        es = m.expert_set
+        es.experts[1] = [SimpleNamespace(layer=1, index=e, ffn=FFNWeights(mat(448, H), mat(448, H),
+                                                                          mat(H, 448)),
+                                         file=None, name=f"big{e}", address=0, nbytes=0)
+                         for e in range(len(es.experts[1]))]
+        m.drop_tables()
+        ref = ReferenceModel(m.w, eng.config)
+        c, r = m.new_cache(16), ref.new_cache(16)
+        a = m.forward([np.arange(3, 9)], [c], all_logits=True)[0]
+        b = ref.forward([np.arange(3, 9)], [r], all_logits=True, expert_set=es)[0]
+        sc = m.pipeline.scratch
+        assert sc.cp_max > cp0 and sc.hld > hld0
+        assert rel(a, b) < 0.03
