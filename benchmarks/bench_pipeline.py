@@ -326,12 +326,13 @@ def child_batch(job: dict, eng) -> dict:
 
 
 def _decode_path(eng, job) -> str:
-    """Which forward ran: the one pipeline (naming its reference blocks, if any), or on
-    a checkout from before it the decode fast path or the general path."""
+    """Which forward ran: the one pipeline (naming its reference blocks on a checkout
+    that still had them), or on a checkout from before it the decode fast path or the
+    general path."""
     m = eng.model
     pipeline = getattr(m, "pipeline", None)
     if pipeline is not None:
-        ref = pipeline.blocks
+        ref = getattr(pipeline, "blocks", None)
         return "pipeline" + (" (reference: " + ", ".join(f"{b}: {why}" for b, why in ref.items()) + ")"
                              if ref else "")
     if job["kind"] == "batch":

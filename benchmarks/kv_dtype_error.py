@@ -4,7 +4,7 @@
 
 For each model (a random one from colibri_core.testing and the built-in one), the f32
 cache decodes `steps` greedy tokens after a fixed 128-token prompt, with int8 activations
-(the default: the C pipeline) and with float activations (the reference blocks, where no
+(the default) and with float activations (the C pipeline's float tiles, where no
 int8 rounding of the attention's output hides the cache's own error); the f16 and q8 caches are then
 fed the same tokens (teacher forcing), so every step compares logits of the same
 context. Reported per storage type: the largest relative logit error over the steps

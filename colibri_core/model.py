@@ -41,9 +41,6 @@ class Model:
         self.engine = engine
         self.hooks = hooks                   # plugins.HookRelay or None
         self.act = engine.activations
-        # the reference blocks (reference.py) for what has no C block yet, and the
-        # wrapper that runs hot-plugged experts' own code
-        self.ref = ReferenceModel(weights, engine)
         prefetch = {"none": None, "willneed": MADV_WILLNEED,
                     "populate": MADV_POPULATE_READ}[engine.prefetch]
         # What stays resident: the madvise prefetch alone, or the memory budget's expert
@@ -55,6 +52,15 @@ class Model:
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
         self.pipeline = Pipeline(self)
+
+    @property
+    def ref(self) -> ReferenceModel:
+        """The numpy reference model of these weights (reference.py), made on first use:
+        the tests' reference, never the runtime path."""
+        got = self.__dict__.get("_ref")
+        if got is None:
+            got = self._ref = ReferenceModel(self.w, self.engine)
+        return got
 
     @property
     def last_routing(self) -> list[LayerTrace]:
@@ -91,7 +97,9 @@ class Model:
     def close(self) -> None:
         """Drop every reference into the mapped weights (before they are unmapped)."""
         self.pipeline.close()
-        self.expert_set = self.ref.expert_set = None
+        self.expert_set = None
+        if self.__dict__.get("_ref") is not None:
+            self._ref.expert_set = None
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],

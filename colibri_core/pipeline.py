@@ -7,9 +7,10 @@ arithmetic: the plugin hooks (free when no plugin implements them), the routing 
 check, the memory budget's expert cache, hot-plugged experts that bring their own code.
 Every step allocates nothing once its scratch has grown to the step's size.
 
-Blocks without a C kernel yet run the reference block of reference.py inside the same
-loop (`Pipeline.blocks` lists them with the reason): float activations, AWQ activation
-scales, weights stored as floats. Every routing (fixed-point or float softmax, sigmoid
+Every configuration runs in these C calls: int8 or float activations, AWQ activation
+scales, q4 / q6 / q8 or float-stored weights, experts of any group size; what they cannot
+run is refused at load (steptables.set_ffn, check_attention). numpy is only the tests'
+reference (reference.py). Every routing (fixed-point or float softmax, sigmoid
 scores with the correction bias, group limits) is chosen in C; only tokens whose router
 logits are not finite take routing.route's fallback.
 
@@ -30,8 +31,9 @@ from . import ops
 from .expertcache import Pending as _PENDING
 from .kernels import ffi, lib
 from .routing import LayerTrace, Routing, route
-from .steptables import Keep, Scratch, SetTables, attention_in_c, ffn_in_c, is_q, mla_in_c, \
+from .steptables import _MLA_DEQUANT_BUDGET, Keep, _shape, Scratch, SetTables, check_attention, \
     set_ffn, set_mat
+from .weights import run_own_code
 
 log = logging.getLogger("colibri")
 
@@ -50,66 +52,38 @@ class Pipeline:
         self.keep = keep = Keep()
         self.scratch = Scratch(model)
         self.eps = float(cfg.rms_norm_eps)
-        inv_freq, factor = model.ref._inv_freq, model.ref._rope_factor
+        inv_freq, factor = ops.rope_frequencies(cfg)
         p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
-        self.blocks: dict[str, str] = {}            # block -> why it runs the reference
         # routed tokens per MoE layer and router slot, counted after the routing hook while
         # on (Engine.count_routed_tokens): a bincount per layer, no hook on the decode path
         self.routed: Optional[dict[int, np.ndarray]] = None
         self.layers = []
-        mla_bytes = 0                               # float W_UK / W_UV kept so far
+        self.mla_bytes = 0                          # float W_UK / W_UV kept so far
         for lw in w.layers:
+            check_attention(model, lw)
             L = {"index": lw.index, "moe": lw.kind == "moe", "lw": lw, "attn": None, "mla": None}
             if cfg.attention == "mla":
-                nbytes = 4 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
-                why = mla_in_c(model, lw, mla_bytes + nbytes)
-                if why is None:
-                    mla_bytes += nbytes
-                    L["mla"] = self._mla_layer(lw, p_inv, factor)
+                L["mla"] = self._mla_layer(lw, p_inv, factor)
             else:
-                why = attention_in_c(model, lw)
-                if why is None:
-                    L["attn"] = self._attn_layer(lw, p_inv, factor)
-            if why is not None:
-                self.blocks.setdefault("attention", why)
+                L["attn"] = self._attn_layer(lw, p_inv, factor)
             block = keep.new("ck_ffn_block *")
             block.hidden = cfg.hidden_size
             L["block"] = block
             if lw.kind == "dense":
-                why = ffn_in_c(lw.dense, model.act)
-                if why is None:
-                    t = keep.new("ck_ffn[1]")
-                    set_ffn(keep, t[0], lw.dense)
-                    block.table, block.n_table = t, 1
-                    L["dense_c"] = True
-                else:
-                    L["dense_c"] = False
-                    self.blocks.setdefault("dense FFN", why)
+                t = keep.new("ck_ffn[1]")
+                set_ffn(keep, t[0], lw.dense, f"layer {lw.index} dense FFN")
+                block.table, block.n_table = t, 1
             elif lw.shared is not None:
-                why = ffn_in_c(lw.shared, model.act)
-                if why is None:
-                    sh = keep.new("ck_ffn *")
-                    set_ffn(keep, sh, lw.shared)
-                    block.shared = sh
-                    block.shared_gate = keep.f32(lw.shared_gate)
-                    L["shared_c"] = True
-                else:
-                    L["shared_c"] = False
-                    self.blocks.setdefault("shared expert", why)
+                sh = keep.new("ck_ffn *")
+                set_ffn(keep, sh, lw.shared, f"layer {lw.index} shared expert")
+                block.shared = sh
+                block.shared_gate = keep.f32(lw.shared_gate)
             self.layers.append(L)
-        why = None if (is_q(w.lm_head) and model.act == "int8") else \
-            ("float activations" if model.act != "int8" else "lm_head not stored as q4/q6/q8")
-        self.head = None
-        if why is None:
-            self.head = keep.new("ck_mat *")
-            set_mat(keep, self.head, w.lm_head)
-        else:
-            self.blocks["lm_head"] = why
+        self.head = keep.new("ck_mat *")
+        set_mat(keep, self.head, w.lm_head, what="lm_head")
         self.final_norm = keep.f32(w.final_norm)
-        self.embed_mat = None
-        if is_q(w.embed):
-            self.embed_mat = keep.new("ck_mat *")
-            set_mat(keep, self.embed_mat, w.embed)
+        self.embed_mat = keep.new("ck_mat *")
+        set_mat(keep, self.embed_mat, w.embed, what="embed")
         self._tables: Optional[SetTables] = None
         self._pinned: dict = {}                     # id(es) -> tables of an older, pinned set
         self._last_tables: Optional[SetTables] = None   # the last step's (the trace's)
@@ -123,7 +97,7 @@ class Pipeline:
         cfg, a, keep = self.cfg, lw.attn, self.keep
         al = keep.new("ck_attn_layer *")
         for n in ("wq", "wk", "wv", "wo"):
-            set_mat(keep, getattr(al, n), getattr(a, n))
+            set_mat(keep, getattr(al, n), getattr(a, n), a.act_scales.get(n), f"layer {lw.index} {n}")
         al.bq, al.bk, al.bv = keep.f32(a.bq), keep.f32(a.bk), keep.f32(a.bv)
         al.qk_norm = {"none": 0, "per_head": 1, "full": 2}[cfg.qk_norm]
         al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
@@ -137,19 +111,26 @@ class Pipeline:
         from .mla import LORA_NORM_EPS, softmax_scale
         cfg, a, keep = self.cfg, lw.attn, self.keep
         m = keep.new("ck_mla_layer *")
-        if a.wq is not None:
-            set_mat(keep, m.wq, a.wq)
-        else:
-            set_mat(keep, m.wq_a, a.wq_a)
-            set_mat(keep, m.wq_b, a.wq_b)
+        sc = a.act_scales
+        names = ("wq", "wkv_a", "wo") if a.wq is not None else ("wq_a", "wq_b", "wkv_a", "wo")
+        for n in names:
+            set_mat(keep, getattr(m, n), getattr(a, n), sc.get(n), f"layer {lw.index} {n}")
+        if a.wq is None:
             m.q_a_norm = keep.f32(a.q_a_norm)
             m.q_lora = cfg.q_lora_rank
-        set_mat(keep, m.wkv_a, a.wkv_a)
-        set_mat(keep, m.wo, a.wo)
         m.kv_a_norm = keep.f32(a.kv_a_norm)
-        wkv_b = ops.float_matrix(a.wkv_b).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                                  cfg.kv_lora_rank)
-        m.wkv_b = keep.f32(wkv_b)
+        # W_UK / W_UV as float32 [nh, nope + v, r] (the act scale divided out) while they
+        # fit the budget; past it the block dequantizes wkv_b's rows as it reads them
+        s_b = sc.get("wkv_b")
+        free = isinstance(a.wkv_b, np.ndarray) and a.wkv_b.dtype == np.float32 and s_b is None
+        nbytes = 0 if free else 4 * int(np.prod(_shape(a.wkv_b)))
+        if self.mla_bytes + nbytes <= _MLA_DEQUANT_BUDGET:
+            self.mla_bytes += nbytes
+            wkv_b = ops.float_matrix(a.wkv_b)
+            m.wkv_b = keep.f32(wkv_b if s_b is None else wkv_b / np.asarray(s_b, np.float32))
+        else:
+            m.wkv_b = ffi.NULL
+            set_mat(keep, m.wkv_b_q, a.wkv_b, s_b, f"layer {lw.index} wkv_b")
         m.norm, m.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
         m.hidden, m.nh = cfg.hidden_size, cfg.num_heads
         m.nope, m.rope, m.v, m.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -170,6 +151,7 @@ class Pipeline:
             # an older snapshot a pinned request keeps (scheduler.py): its own tables,
             # beside the current set's, until keep_pinned() lets them go
             side = self._pinned[id(es)] = SetTables(self.model, es)
+            self.scratch.fit_ffns(side.ffns)
             self.scratch.grow_slots(max((v["slots"] for v in side.layers.values()), default=1))
             return side
         self.adopt(es, SetTables(self.model, es))
@@ -195,6 +177,7 @@ class Pipeline:
         if tables.es is not es:
             raise ValueError("Pipeline.adopt: the tables were made for another expert set")
         old, self._tables = self._tables, tables
+        self.scratch.fit_ffns(tables.ffns)
         self.scratch.grow_slots(max((v["slots"] for v in tables.layers.values()), default=1))
         return old
 
@@ -291,27 +274,17 @@ class Pipeline:
         hooks = model.hooks
         if res.active:
             res.begin_forward(n, [c for _, _, c in spans])
-        xn = sc.prefix("xn", n)
         for i, L in enumerate(self.layers):
             lw = L["lw"]
             if hooks is not None and hooks.before_layer is not None:
                 hooks.before_layer(layer=lw.index, hidden=x)
             if L["attn"] is not None:
                 self._check(lib.ck_step_attention(L["attn"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
-            elif L["mla"] is not None:
+            else:
                 self._check(lib.ck_step_mla_attention(L["mla"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
-            else:                                   # the reference block (reference.py)
-                ref = model.ref
-                x += ref._attention(lw, ref._rmsnorm(x, lw.attn_norm), tok[:n, 0], spans)
-                xn[...] = ref._rmsnorm(x, lw.ffn_norm)
             if not L["moe"]:
-                if L["dense_c"]:
-                    self._check(lib.ck_step_experts(L["block"], sc.p_xn, n, sc.p_dense_ids,
-                                                    sc.p_dense_w, 1, sc.p_x, s))
-                else:
-                    y = np.empty_like(xn)
-                    model.ref._ffn(lw.dense, np.ascontiguousarray(xn), y)
-                    x += y
+                self._check(lib.ck_step_experts(L["block"], sc.p_xn, n, sc.p_dense_ids,
+                                                sc.p_dense_w, 1, sc.p_x, s))
             else:
                 self._moe(i, L, t.layers[lw.index], n, kmax)
             if res.speculative:                     # guess the next MoE layer's experts
@@ -342,20 +315,14 @@ class Pipeline:
         return results
 
     def _embed(self, ids: np.ndarray, x: np.ndarray) -> None:
-        if self.embed_mat is not None:
-            if len(ids) == 1:
-                lib.ck_mat_row(self.embed_mat, int(ids[0]), self.scratch.p_x)
-                return
-            for r, tid in enumerate(ids.tolist()):
-                lib.ck_mat_row(self.embed_mat, tid, ffi.cast("float *", ffi.from_buffer(x[r])))
-        else:                                       # f32 / f16 / bf16 rows
-            x[...] = self.model.ref._embed(ids)
+        if len(ids) == 1:
+            lib.ck_mat_row(self.embed_mat, int(ids[0]), self.scratch.p_x)
+            return
+        for r, tid in enumerate(ids.tolist()):
+            lib.ck_mat_row(self.embed_mat, tid, ffi.cast("float *", ffi.from_buffer(x[r])))
 
     def _head(self, hx: np.ndarray, reuse: bool) -> np.ndarray:
         n = hx.shape[0]
-        if self.head is None:
-            ref = self.model.ref
-            return ref.linear(self.model.w.lm_head, ref._rmsnorm(hx, self.model.w.final_norm))
         if reuse and n == 1:
             if self._logits1 is None:
                 self._logits1 = np.zeros((1, self.head.rows), np.float32)
@@ -444,11 +411,10 @@ class Pipeline:
         if L.get("tables") is not T["token"]:       # the expert set's table, once per set
             block.table, block.n_table = T["table"], T["n"]
             L["tables"] = T["token"]                # (not T: that would keep the set alive)
-        if not (T["custom"] or T["ref"] or res.active or timing is not None or prefetch is not None
+        if not (T["custom"] or res.active or timing is not None or prefetch is not None
                 or not res.all_prefetched(layer)):
             # the common case: the routed and the shared experts in one C call
             self._check(lib.ck_step_experts(block, sc.p_xn, n, p_ids, p_w, kmax, sc.p_x, sc.s))
-            self._shared_ref(L, n)
             return
         run_ids = sc.rows("run_ids", -1, n, kmax)
         np.copyto(run_ids, idv)
@@ -469,13 +435,12 @@ class Pipeline:
         if shared != ffi.NULL:
             run_ids[...] = -1
             self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
-        self._shared_ref(L, n)
 
     def _run_wave(self, L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, budget) -> None:
         """The routed experts `wave` (ascending ids): C experts in one call -- one call
         per expert when a load is still in flight (each computes as soon as it is read)
-        or a plugin times experts --, custom and reference ones between."""
-        model, sc = self.model, self.scratch
+        or a plugin times experts --, hot-plugged code (ffn_forward) between."""
+        sc = self.scratch
         layer, table, block = L["index"], T["table"], L["block"]
         x, xn = sc.x[:n], sc.xn[:n]
         run_ids = sc.rows("run_ids", -1, n, kmax)
@@ -483,10 +448,10 @@ class Pipeline:
         batch = []
         for e in (int(e) for e in wave):
             c0, t0 = _cycles(), time.perf_counter()
-            if e in T["custom"] or e in T["ref"]:
+            if e in T["custom"]:                    # its own code, between the C calls
                 rows, slot = np.nonzero(idv == e)
                 out = np.zeros((len(rows), x.shape[1]), np.float32)
-                model.ref._run_expert(run[e], np.ascontiguousarray(xn[rows]), out, wv[rows, slot])
+                run_own_code(run[e], np.ascontiguousarray(xn[rows]), out, wv[rows, slot])
                 x[rows] += out
             else:
                 if budget and T["bound"].get(e) is not run[e]:   # where the cache holds it now
@@ -507,18 +472,6 @@ class Pipeline:
             else:
                 np.copyto(run_ids, np.where(np.isin(idv, batch), idv, -1))
             self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
-
-    def _shared_ref(self, L, n: int) -> None:
-        lw = L["lw"]
-        if lw.shared is None or L.get("shared_c", True):
-            return
-        sc = self.scratch
-        xn = np.ascontiguousarray(sc.xn[:n])
-        sh = np.empty_like(xn)
-        self.model.ref._ffn(lw.shared, xn, sh)
-        if lw.shared_gate is not None:
-            sh *= ops.sigmoid(xn @ np.asarray(lw.shared_gate, np.float32).T)
-        sc.x[:n] += sh
 
     @staticmethod
     def _check(rc: int) -> None:

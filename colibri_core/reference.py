@@ -6,16 +6,12 @@ It is not the engine's runtime path -- that is pipeline.py's one pipeline -- but
     block of the same name here);
   - the converter's calibration forward (convert/awq.py attaches an `observer` that sees
     every linear's input, which the fused C calls cannot offer);
-  - the pipeline's block for configurations that have no C block yet (pipeline.py's
-    `Pipeline.blocks` names them: MLA attention, float activations, AWQ activation
-    scales, float-stored weights), so every configuration runs through the same loop.
 
 Shape legend: T tokens in the batch, H hidden, NH / NKV query / key-value heads, D head
 dim, E experts, K experts per token, V vocab, S cached positions of one sequence.
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional, Sequence
 
@@ -24,13 +20,11 @@ import numpy as np
 from . import kernels, mla, ops
 from .kvcache import KVCache, new_cache
 from .config import EngineConfig, ModelConfig
-from .errors import ExpertError, RequestError
+from .errors import RequestError
 from .expertset import ExpertSet
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 from .routing import LayerTrace, route
-from .weights import FFNWeights, LayerWeights, ModelWeights
-
-log = logging.getLogger("colibri")
+from .weights import FFNWeights, LayerWeights, ModelWeights, run_own_code
 
 
 class ReferenceModel:
@@ -48,7 +42,6 @@ class ReferenceModel:
                                              # (converter calibration); None in normal use
         self.last_routing: list[LayerTrace] = []
         self.expert_set = ExpertSet.from_weights(weights)
-        self._warned: set = set()
 
     # ------------------------------------------------------------------ small blocks
     def new_cache(self, capacity: int, dtype: Optional[str] = None) -> KVCache:
@@ -168,17 +161,7 @@ class ReferenceModel:
         if ex.ffn is not None:
             self._ffn(ex.ffn, x, out, row_weights=rw, accumulate=True)
             return
-        y = np.empty_like(x)                       # hot-plugged custom code: ffn_forward
-        try:
-            ex.forward(x, y)
-        except ExpertError as e:
-            # A failing hot expert contributes nothing to this token; the hot-plug manager
-            # removes it at the next token boundary. The engine goes on.
-            if ex.name not in self._warned:
-                self._warned.add(ex.name)
-                log.warning("%s failed (%s); it contributes nothing until it is removed", ex.name, e)
-            return
-        out += y * rw[:, None]
+        run_own_code(ex, x, out, rw)               # hot-plugged custom code: ffn_forward
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],

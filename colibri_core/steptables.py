@@ -2,14 +2,14 @@
 routers that ck_step.c reads, the tables that depend on the expert set, the step's scratch
 buffers and the thread control of ck_pool.c's threads. pipeline.py runs the step on them.
 
-What has no C block is said here, once (`*_in_c` return the reason, None when C runs it).
+Every block runs in C; what the C blocks cannot run is refused at load (ConfigError,
+naming the field): see set_ffn and check_attention.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
+from .errors import ConfigError
 from .kernels import ffi, lib
 from .kvcache import check_memory
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
@@ -45,65 +45,76 @@ def is_q(w) -> bool:
     return isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor))
 
 
-def set_mat(keep: Keep, m, w) -> None:
+_FLOAT_KINDS = {np.dtype(np.float32): lib.CK_W_F32, np.dtype(np.float16): lib.CK_W_F16,
+                np.dtype(np.uint16): lib.CK_W_BF16}     # bf16 stored as uint16 (ops.float_matrix)
+
+
+def _shape(w) -> tuple:
+    return (w.rows, w.cols) if is_q(w) else np.shape(w)
+
+
+def set_mat(keep: Keep, m, w, act_scale=None, what: str = "matrix") -> None:
+    """ck_mat m describes w (q4 / q6 / q8, or a float32 / float16 / bf16 array), with its
+    AWQ activation scale (the input is divided by it) or none."""
     if isinstance(w, (Q4Tensor, Q6Tensor)):
         m.kind = lib.CK_W_Q4 if isinstance(w, Q4Tensor) else lib.CK_W_Q6
         m.zeros = keep.buf(w.zeros, "uint8_t *")
-    else:
+    elif isinstance(w, Q8Tensor):
         m.kind, m.zeros = lib.CK_W_Q8, ffi.NULL
+    else:
+        a = np.asarray(w)
+        kind = _FLOAT_KINDS.get(a.dtype)
+        if kind is None or a.ndim != 2:
+            raise ConfigError(f"{what}: weights of type {a.dtype} {list(a.shape)} are not "
+                              f"supported (q4, q6, q8, f32, f16 or bf16 matrices)")
+        m.kind, m.zeros, m.scales = kind, ffi.NULL, ffi.NULL
+        m.data = keep.buf(a, "void *")
+        m.rows, m.cols = a.shape
+        m.group = 64
+        m.act_scale = keep.f32(act_scale)
+        return
     m.data = keep.buf(w.data, "void *")
     m.scales = keep.buf(w.scales, "float *")
     m.rows, m.cols, m.group = w.rows, w.cols, w.group
+    m.act_scale = keep.f32(act_scale)
 
 
-def set_ffn(keep: Keep, dst, ffn) -> None:
-    for name in ("w1", "w3", "w2"):
-        set_mat(keep, getattr(dst, name), getattr(ffn, name))
+def set_ffn(keep: Keep, dst, ffn, what: str = "FFN") -> None:
+    """ck_ffn dst describes ffn. Gate and up read one input in the expert block: an FFN
+    whose gate and up inputs differ (AWQ scales, or floats beside quantized weights) is
+    refused."""
+    sc = ffn.act_scales
+    s1, s3 = sc.get("w1"), sc.get("w3")
+    if s1 is not s3 and (s1 is None or s3 is None or not np.array_equal(s1, s3)):
+        raise ConfigError(f"{what}: act_scales w1 and w3 differ (gate and up must share "
+                          f"their input scale)")
+    if is_q(ffn.w1) != is_q(ffn.w3) or (is_q(ffn.w1) and ffn.w1.group != ffn.w3.group):
+        raise ConfigError(f"{what}: w1 and w3 differ in number type or group size "
+                          f"(gate and up must share their input)")
+    set_mat(keep, dst.w1, ffn.w1, s1, what + ".w1")
+    set_mat(keep, dst.w3, ffn.w3, None, what + ".w3")
+    dst.w3.act_scale = dst.w1.act_scale                 # one pointer: one input
+    set_mat(keep, dst.w2, ffn.w2, sc.get("w2"), what + ".w2")
 
 
-def ffn_in_c(ffn, act: str) -> Optional[str]:
-    """Why this FFN has no C block (None: it has)."""
-    if act != "int8":
-        return "float activations"
-    if ffn.act_scales:
-        return "AWQ activation scales"
-    if not all(isinstance(getattr(ffn, n), Q4Tensor) for n in ("w1", "w3", "w2")):
-        return "an FFN not stored as q4"
-    if ffn.w1.group != ffn.w3.group:
-        return "gate and up with different groups"
-    return None
+_MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C MLA blocks;
+                                  # past it, the blocks read wkv_b's quantized rows
 
 
-_MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C MLA blocks
-
-
-def mla_in_c(model, lw, dequantized: int) -> Optional[str]:
-    a = lw.attn
-    if model.act != "int8":
-        return "float activations"
-    if a.act_scales:
-        return "AWQ activation scales"
-    names = ("wq_a", "wq_b", "wkv_a", "wo") if a.wq is None else ("wq", "wkv_a", "wo")
-    if not all(is_q(getattr(a, n)) for n in names):
-        return "MLA weights not stored as q4/q6/q8"
-    if dequantized > _MLA_DEQUANT_BUDGET:
-        return "MLA: float W_UK/W_UV over budget (the reference block dequantizes per call)"
-    return None
-
-
-def attention_in_c(model, lw) -> Optional[str]:
+def check_attention(model, lw) -> None:
+    """Refuse, naming the field, what the attention block cannot run."""
     cfg, a = model.cfg, lw.attn
-    if model.act != "int8":
-        return "float activations"
-    if a.act_scales:
-        return "AWQ activation scales"
-    if not all(is_q(getattr(a, n)) for n in ("wq", "wk", "wv", "wo")):
-        return "attention weights not stored as q4/q6/q8"
-    if len(model.ref._inv_freq) * 2 != cfg.head_size:
-        return "partial rotary embedding"
-    if len({getattr(a, n).group for n in ("wq", "wk", "wv")}) > 2:
-        return "q/k/v with more than two group sizes"
-    return None
+    if cfg.attention != "mla":
+        if cfg.head_size % 2:
+            raise ConfigError(f"head_size {cfg.head_size} is odd: the rotate-half rope needs "
+                              f"an even head size")
+        f32 = model.act != "int8"
+        keys = {(64 if f32 or not is_q(m) else m.group, id(a.act_scales.get(n)))
+                for n, m in (("wq", a.wq), ("wk", a.wk), ("wv", a.wv))
+                if is_q(m) or f32 or a.act_scales.get(n) is not None}
+        if len(keys) > 2:
+            raise ConfigError(f"layer {lw.index}: wq, wk, wv need more than two kinds of "
+                              f"input (group sizes / act_scales); at most two are supported")
 
 
 # ----------------------------------------------------------------------------- threads
@@ -166,9 +177,12 @@ class Scratch:
     def __init__(self, model):
         cfg, w = model.cfg, model.w
         self.cfg = cfg
+        self.cfg_act_f32 = model.act != "int8"
         H = cfg.hidden_size
-        groups, hld, hcp, ffns = {64}, 64, 64, []
+        groups, ffns = {64, 128, 256}, []     # (and hot-plugged experts' usual groups)
+        self.float_rows = model.act != "int8"  # af / bf / gf: float rows are needed
         for lw in w.layers:
+            self.float_rows |= bool(getattr(lw.attn, "act_scales", None))   # AWQ: divided rows
             for n in ("wq", "wk", "wv", "wo"):
                 m = getattr(lw.attn, n, None)
                 if is_q(m):
@@ -177,12 +191,13 @@ class Scratch:
             ffns += [ex.ffn for ex in lw.experts if ex.ffn is not None]
         if is_q(w.lm_head):
             groups.add(w.lm_head.group)
+        self.hld = self.hcp = 64
+        if cfg.moe_layers:                      # copy-in experts are read later: the config's
+            I = cfg.expert_intermediate         # size, any of the usual groups
+            self.hld, self.hcp = -(-I // 64) * 64, max(padded_cols(I, g) for g in groups)
+        self._ffn_sizes(ffns)
         for f in ffns:
-            if isinstance(f.w1, Q4Tensor) and isinstance(f.w2, Q4Tensor):
-                groups.update((f.w1.group, f.w2.group))
-                hld = max(hld, -(-f.w1.rows // 64) * 64)
-                hcp = max(hcp, padded_cols(f.w2.cols, f.w2.group))
-        self.hld, self.hcp = hld, hcp
+            groups.update(m.group for m in (f.w1, f.w2) if is_q(m))
         cols = [H, cfg.num_heads * cfg.head_size]
         self.mla_per = 0
         if cfg.attention == "mla":
@@ -206,6 +221,27 @@ class Scratch:
         self.slots = 0
         self._keep = Keep()
         self.control = ThreadControl(self.s)
+
+    def _ffn_sizes(self, ffns) -> bool:
+        """Grow hld / hcp / cp_max (and float_rows) to what `ffns` need (before cp_max is
+        set: hld, hcp and float_rows only); True if anything grew."""
+        hld, hcp, fr, cp = self.hld, self.hcp, self.float_rows, getattr(self, "cp_max", None)
+        for f in ffns:
+            hld = max(hld, -(-_shape(f.w1)[0] // 64) * 64)
+            hcp = max(hcp, padded_cols(_shape(f.w2)[1], f.w2.group if is_q(f.w2) else 64))
+            fr |= bool(f.act_scales) or not (is_q(f.w1) and is_q(f.w2))
+            if cp is not None and is_q(f.w1):       # its input quantized with its own group
+                cp = max(cp, padded_cols(self.cfg.hidden_size, f.w1.group))
+        grew = (hld, hcp, fr, cp) != (self.hld, self.hcp, self.float_rows, getattr(self, "cp_max", None))
+        self.hld, self.hcp, self.float_rows = hld, hcp, fr
+        if cp is not None:
+            self.cp_max = cp
+        return grew
+
+    def fit_ffns(self, ffns) -> None:
+        """Room for these FFNs too (a new expert set's), reallocating if they need more."""
+        if self._ffn_sizes(ffns) and self.n_max:
+            self._alloc(self.n_max, self.kmax)
 
     def grow_slots(self, slots: int) -> None:
         """The expert block's per-layer tables of `slots` router slots (hot-plugging adds
@@ -238,6 +274,9 @@ class Scratch:
             setattr(s, p + "s", k.buf(z(n * cp // 64, np.float32), "float *"))
             setattr(s, p + "sum", k.buf(z(n * cp // 64, np.int32), "int32_t *"))
         s.cp_max = cp
+        s.act_f32 = self.cfg_act_f32
+        fz = (lambda m: k.buf(z(m, np.float32), "float *")) if self.float_rows else (lambda m: ffi.NULL)
+        s.af, s.bf = fz(n * cp), fz(n * cp)
         s.q = k.buf(z(n * NH * D, np.float32), "float *")
         s.k = k.buf(z(n * NKV * D, np.float32), "float *")
         s.v = k.buf(z(n * NKV * D, np.float32), "float *")
@@ -249,6 +288,7 @@ class Scratch:
         s.gs = k.buf(z(pairs * cp // 64, np.float32), "float *")
         s.gsum = k.buf(z(pairs * cp // 64, np.int32), "int32_t *")
         s.h = k.buf(z(pairs * self.hld, np.float32), "float *")
+        s.gf = fz(pairs * cp)
         s.hq = k.buf(z(pairs * self.hcp, np.int8), "int8_t *")
         s.hs = k.buf(z(pairs * self.hcp // 64, np.float32), "float *")
         s.hsum = k.buf(z(pairs * self.hcp // 64, np.int32), "int32_t *")
@@ -340,6 +380,7 @@ class SetTables:
         cfg = model.cfg
         self.exp2 = keep.buf(_EXP2_TABLE.astype(np.int64), "int64_t *")
         self.layers: dict = {}
+        self.ffns: list = []                            # the scratch must hold them
         for lw in model.w.layers:
             if lw.kind != "moe":
                 continue
@@ -358,25 +399,18 @@ class SetTables:
             rt.n_group, rt.topk_group = cfg.n_group, cfg.topk_group
             rt.exp2_q30 = self.exp2
             table = keep.new("ck_ffn[]", max(len(experts), 1))
-            custom, refs = set(), set()
-            # one C call quantizes xn once per step for every expert of the layer: an
-            # expert whose gate/up group differs from the layer's (a hot-plugged INT4
-            # expert converted with another group size) runs the reference block
-            lw_ffn = lw.shared if lw.shared is not None else next(
-                (ex.ffn for ex in lw.experts if ex.ffn is not None), None)
-            group = getattr(getattr(lw_ffn, "w1", None), "group", None)
+            custom = set()
             for e, ex in enumerate(experts):
                 if ex is None:
                     continue
-                if ex.ffn is None:                      # hot-plugged code: ffn_forward
+                if ex.ffn is not None:
+                    set_ffn(keep, table[e], ex.ffn, f"expert {L}/{e}")
+                elif hasattr(ex, "forward"):            # hot-plugged code: ffn_forward
                     custom.add(e)
-                elif ffn_in_c(ex.ffn, model.act) is not None or \
-                        (group is not None and ex.ffn.w1.group != group):
-                    refs.add(e)                         # the reference block runs it
-                else:
-                    set_ffn(keep, table[e], ex.ffn)
+                # else a copy-in expert (load_mode "copy"): bound to its frame when loaded
+            self.ffns += [ex.ffn for ex in experts if ex is not None and ex.ffn is not None]
             self.layers[L] = {"router": rt, "table": table, "n": len(experts),
-                              "custom": frozenset(custom), "ref": frozenset(refs),
+                              "custom": frozenset(custom),
                               "experts": experts, "slots": router.shape[0],
                               "select_bias": es.select_bias[L],
                               # under a budget: what each table entry points at now

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,3 +398,24 @@ def verify_checksums(path: Path) -> list[str]:
         except ModelFormatError as e:        # not a regular file (sha256_file, check_regular)
             problems.append(str(e))
     return problems
+
+
+_failed_once: set = set()
+
+
+def run_own_code(ex, x: np.ndarray, out: np.ndarray, row_weights: np.ndarray) -> None:
+    """A hot-plugged expert that brings its own code (ffn_forward, `ex.ffn` is None) on
+    rows x [m, H]: out [m, H] += its output * row_weights [m]. The pipeline calls it
+    between two C calls. A failing expert contributes nothing to these rows (logged once
+    per expert); the hot-plug manager removes it at the next token boundary."""
+    from .errors import ExpertError
+    y = np.empty_like(x)
+    try:
+        ex.forward(x, y)
+    except ExpertError as e:
+        if ex.name not in _failed_once:
+            _failed_once.add(ex.name)
+            logging.getLogger("colibri").warning(
+                "%s failed (%s); it contributes nothing until it is removed", ex.name, e)
+        return
+    out += y * np.asarray(row_weights, np.float32)[:, None]

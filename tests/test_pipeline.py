@@ -17,6 +17,8 @@ from colibri_core.config import EngineConfig
 from colibri_core.engine import Engine
 from colibri_core.errors import RequestError
 from colibri_core.hookspecs import hookimpl
+from colibri_core.kernels import lib
+from colibri_core.pipeline import Pipeline
 from colibri_core.reference import ReferenceModel
 from colibri_core.testing import write_random_model
 
@@ -57,7 +59,6 @@ def test_pipeline_matches_the_reference_model(models, shape, backend, threads):
     try:
         with Engine(models[shape], EngineConfig(threads=threads)) as eng:
             m = eng.model
-            assert m.pipeline.blocks == {}           # every block of this model runs in C
             ref = ReferenceModel(m.w, eng.config)
             prompt = np.random.default_rng(1).integers(0, 299, 7)
             c, r = m.new_cache(96), ref.new_cache(96)
@@ -120,17 +121,24 @@ def test_generation_is_the_same_with_a_budget_that_holds_the_model(models):
         assert a == b
 
 
-def test_blocks_without_a_c_kernel_are_named(models):
+@pytest.mark.parametrize("act", ["float", "int8"])
+def test_float_activations_run_in_c_and_match_the_reference(models, act):
+    """Float activations run the same C calls (the float tiles) as int8 ones; numpy is
+    only the reference, built on first use."""
     d = models["mixed_shared_odd"]
-    with Engine(d, EngineConfig(activations="float", routing="float")) as eng:
-        blocks = eng.model.pipeline.blocks
-        assert blocks["attention"] == "float activations" and "lm_head" in blocks
-        assert "routing" not in blocks              # float routing runs in C too
-        ref = ReferenceModel(eng.model.w, eng.config)
-        c, r = eng.model.new_cache(16), ref.new_cache(16)
-        a = eng.model.forward([np.array([3, 4, 5])], [c])[0]
+    with Engine(d, EngineConfig(activations=act, routing="float")) as eng:
+        m = eng.model
+        assert not hasattr(m.pipeline, "blocks")
+        c = m.new_cache(16)
+        a = m.forward([np.array([3, 4, 5])], [c])[0]
+        a2 = m.decode_step(7, c, m.cfg.top_k).copy()
+        assert "_ref" not in m.__dict__            # the reference model is the tests' only
+        ref = ReferenceModel(m.w, eng.config)
+        r = ref.new_cache(16)
         b = ref.forward([np.array([3, 4, 5])], [r])[0]
-        assert rel(a, b) < 1e-4                 # the same blocks, in the same loop
+        b2 = ref.forward([np.array([7])], [r])[0]
+        tol = 1e-4 if act == "float" else 0.03
+        assert rel(a, b) < tol and rel(a2, b2) < tol
 
 
 class LayerWatcher:
@@ -282,47 +290,160 @@ def test_thread_control_falls_back_and_probes_with_backoff():
     assert t.c.single_steps >= 15 and t2.c.single_steps == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_unquantized_embedding_rows(models, dtype):
-    """An embedding kept at 16/32 bits (`--embed-bits 16|32`) is read through the model's
-    own row conversion (bf16 sections are uint16: widened, not cast)."""
+    """An embedding kept at 16/32 bits (`--embed-bits 16|32`) is read by the C row
+    conversion (ck_mat_row; bf16 sections are uint16: widened, not cast), bit for bit as
+    the reference's."""
     from colibri_core.quant import dequantize_q4
     with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
         m = eng.model
         e = dequantize_q4(m.w.embed).astype(np.float32)
         if dtype == "bfloat16":
             e = (e.view(np.uint32) >> 16).astype(np.uint16)     # truncated to bf16 bits
+        elif dtype == "float16":
+            e = e.astype(np.float16)
         m.w.embed = e
-        m.pipeline.embed_mat = None             # as a model converted with --embed-bits 16
+        m.pipeline = Pipeline(m)                # as a model converted with --embed-bits 16
+        assert m.pipeline.embed_mat.kind == {"float32": lib.CK_W_F32, "float16": lib.CK_W_F16,
+                                             "bfloat16": lib.CK_W_BF16}[dtype]
         ref = ReferenceModel(m.w, eng.config)
+        x = np.zeros((3, m.cfg.hidden_size), np.float32)
+        m.pipeline._embed(np.array([3, 4, 7]), x)
+        assert np.array_equal(x, ref._embed(np.array([3, 4, 7])))
         c, r = m.new_cache(16), ref.new_cache(16)
         a = m.forward([np.array([3, 4, 7])], [c])[0]
         b = ref.forward([np.array([3, 4, 7])], [r])[0]
         assert rel(a, b) < 0.03
 
 
-def test_an_expert_of_another_group_size_runs_the_reference_block(models):
-    """One C call quantizes a layer's input once for all its experts; an expert stored
-    with another group size (a hot-plugged INT4 expert converted differently) is run by the
-    reference block in the same loop, and the layer's result matches the reference."""
+@pytest.mark.parametrize("act", ["int8", "float"])
+def test_an_expert_of_another_group_size_runs_in_c(models, act):
+    """One C call quantizes a layer's input once for the experts of its group; an expert
+    stored with another group size (a hot-plugged INT4 expert converted differently)
+    quantizes its own rows inside the same call, and the layer's result matches the
+    reference."""
     from types import SimpleNamespace
 
     from colibri_core.quant import dequantize_q4, quantize_q4
     from colibri_core.weights import FFNWeights
-    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+    with Engine(models["mixed_shared_odd"], EngineConfig(activations=act)) as eng:
         m = eng.model
         es = m.expert_set
-        old = es.experts[1][2]
         regroup = lambda t: quantize_q4(dequantize_q4(t).astype(np.float32), group=64)  # noqa: E731
-        ffn = FFNWeights(regroup(old.ffn.w1), regroup(old.ffn.w3), regroup(old.ffn.w2))
         es.experts[1] = list(es.experts[1])
-        es.experts[1][2] = SimpleNamespace(layer=1, index=2, ffn=ffn, file=None, name="e1_2",
-                                           address=0, nbytes=0)
+        for e in (0, 2, 4):                         # half the layer's experts
+            old = es.experts[1][e]
+            ffn = FFNWeights(regroup(old.ffn.w1), regroup(old.ffn.w3), regroup(old.ffn.w2))
+            es.experts[1][e] = SimpleNamespace(layer=1, index=e, ffn=ffn, file=None,
+                                               name=f"e1_{e}", address=0, nbytes=0)
         m.drop_tables()
         tables = m.pipeline.tables_for(es)
-        assert 2 in tables.layers[1]["ref"]
+        assert tables.layers[1]["table"][2].w1.group == 64
+        ref = ReferenceModel(m.w, eng.config)
+        prompt = np.arange(3, 15)
+        c, r = m.new_cache(16), ref.new_cache(16)
+        a = m.forward([prompt], [c], all_logits=True)[0]
+        b = ref.forward([prompt], [r], all_logits=True, expert_set=es)[0]
+        assert rel(a, b) < (0.03 if act == "int8" else 1e-4)
+        ids = next(t.routing.ids for t in m.last_routing if t.layer == 1)
+        assert np.isin(ids, [0, 2, 4]).any() and np.isin(ids, [1, 3, 5]).any()
+
+
+E2E = {"awq": ("awq", {}), "f16 weights, float activations": ("f16_float_act", {}),
+       "bf16 weights": ("bf16", {}), "q8 FFNs": ("q8_ffn", {}), "q6 FFNs": ("q6_ffn", {}),
+       "experts of two group sizes": ("expert_groups", {}),
+       "copy-in experts, float activations": (None, dict(activations="float", max_resident_mb=64,
+                                                          load_mode="copy"))}
+
+
+@pytest.mark.parametrize("name", list(E2E))
+def test_every_configuration_runs_the_c_pipeline_and_matches_the_reference(models, name):
+    """The configurations that once ran numpy blocks at run time, end to end through the C
+    calls: a prompt and decode steps against the reference model, and a sequence's logits
+    alone and beside another (batch invariance)."""
+    from test_pipeline_kernels import VARIANTS
+    variant, over = E2E[name]
+    kw, change = VARIANTS[variant] if variant else ({}, None)
+    d = models["mixed_shared_odd"]
+    with Engine(d, EngineConfig(routing="float", **kw, **over)) as eng, \
+            Engine(d, EngineConfig(routing="float", **kw)) as mapped:
+        m = eng.model
+        if change is not None:
+            change(m.w, np.random.default_rng(5))
+            m.pipeline = Pipeline(m)
+        # (copy-in: the reference reads the mapped weights of the same files)
+        ref = ReferenceModel(mapped.model.w if over else m.w, eng.config)
+        prompt = np.random.default_rng(2).integers(0, 299, 9)
+        c, r, c2 = m.new_cache(32), ref.new_cache(32), m.new_cache(32)
+        a = m.forward([prompt], [c], all_logits=True)[0]
+        b = ref.forward([prompt], [r], all_logits=True)[0]
+        floats = m.act == "float" or name == "bf16 weights"
+        bound = 1e-4 if floats else 0.03
+        assert rel(a, b) < bound
+        m.forward([prompt[:4]], [c2])
+        tok = int(b[-1].argmax())
+        for _ in range(4):
+            a = m.decode_step(tok, c, m.cfg.top_k).copy()
+            b = ref.forward([np.array([tok])], [r])[0]
+            assert rel(a, b) < bound
+            tok = int(b.argmax())
+        # batch invariance: the same step alone and beside another sequence
+        x1, x2 = m.new_cache(32), m.new_cache(32)
+        m.forward([prompt], [x1])
+        m.forward([prompt], [x2])
+        alone = m.forward([[tok]], [x1])[0].copy()
+        crowd = m.forward([[tok], prompt[:3]], [x2, m.new_cache(32)])[0]
+        assert np.array_equal(alone, crowd)
+
+
+def _gate_up_scales(w):
+    f = w.layers[0].dense
+    f.act_scales = {"w1": np.ones(f.w1.cols, np.float32), "w3": np.full(f.w1.cols, 2.0, np.float32)}
+
+
+def _three_qkv_inputs(w):
+    a = w.layers[1].attn
+    a.act_scales = {n: np.full(a.wq.cols, v, np.float32) for n, v in (("wq", 1), ("wk", 2), ("wv", 3))}
+
+
+@pytest.mark.parametrize("change,error", [
+    (_gate_up_scales, "layer 0 dense FFN: act_scales w1 and w3 differ"),
+    (_three_qkv_inputs, "layer 1: wq, wk, wv need more than two kinds of input")])
+def test_what_the_c_calls_cannot_run_is_refused_at_load(models, change, error):
+    """Rare layouts the C calls do not take are refused when the pipeline is made, with
+    the field named, rather than run by another path."""
+    from colibri_core.errors import ConfigError
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        change(eng.model.w)
+        with pytest.raises(ConfigError, match=error):
+            Pipeline(eng.model)
+
+
+def test_an_expert_larger_than_the_models_grows_the_scratch(models):
+    """A hot-plugged INT4 expert with a wider intermediate and a group size none of the
+    model's matrices has: the new set's tables grow the step's scratch to it (between two
+    steps), and the C call runs it."""
+    from types import SimpleNamespace
+
+    from colibri_core.quant import quantize_q4
+    from colibri_core.weights import FFNWeights
+    rng = np.random.default_rng(3)
+    with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
+        m = eng.model
+        H, cp0, hld0 = m.cfg.hidden_size, m.pipeline.scratch.cp_max, m.pipeline.scratch.hld
+        m.forward([np.array([1, 2])], [m.new_cache(16)])           # a step at the old size
+        mat = lambda r, c: quantize_q4(rng.standard_normal((r, c)) / np.sqrt(c), 320)  # noqa: E731
+        es = m.expert_set
+        es.experts[1] = [SimpleNamespace(layer=1, index=e, ffn=FFNWeights(mat(448, H), mat(448, H),
+                                                                          mat(H, 448)),
+                                         file=None, name=f"big{e}", address=0, nbytes=0)
+                         for e in range(len(es.experts[1]))]
+        m.drop_tables()
         ref = ReferenceModel(m.w, eng.config)
         c, r = m.new_cache(16), ref.new_cache(16)
-        a = m.forward([np.array([3, 4, 5, 6])], [c], all_logits=True)[0]
-        b = ref.forward([np.array([3, 4, 5, 6])], [r], all_logits=True, expert_set=es)[0]
+        a = m.forward([np.arange(3, 9)], [c], all_logits=True)[0]
+        b = ref.forward([np.arange(3, 9)], [r], all_logits=True, expert_set=es)[0]
+        sc = m.pipeline.scratch
+        assert sc.cp_max > cp0 and sc.hld > hld0
         assert rel(a, b) < 0.03

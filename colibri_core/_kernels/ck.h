@@ -38,15 +38,17 @@ const char *ck_cycle_counter_name(void);
 
 /* ------------------------------------------------------------------ descriptors */
 
-enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3 };
+enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3, CK_W_F32 = 4, CK_W_F16 = 5, CK_W_BF16 = 6 };
 
-typedef struct {               /* a q4, q6 or q8 matrix [rows, cols] in the docs/FORMAT.md layout */
-    int kind;                  /* CK_W_Q4, CK_W_Q6 or CK_W_Q8 */
+typedef struct {               /* a matrix [rows, cols]: q4, q6 or q8 in the docs/FORMAT.md
+                                  layout, or floats (the step calls only) */
+    int kind;                  /* CK_W_Q4, CK_W_Q6, CK_W_Q8, CK_W_F32, CK_W_F16, CK_W_BF16 */
     const void *data;          /* q4: uint8 [rows, cp/2]; q6: uint8 [rows, cp/64*48];
-                                  q8: int8 [rows, cp] */
-    const float *scales;       /* [rows, ng] */
-    const uint8_t *zeros;      /* q4, q6: [rows, ng]; q8: NULL */
-    int64_t rows, cols, group;
+                                  q8: int8 [rows, cp]; floats: [rows, cols] (bf16: uint16) */
+    const float *scales;       /* [rows, ng]; floats: NULL */
+    const uint8_t *zeros;      /* q4, q6: [rows, ng]; q8, floats: NULL */
+    int64_t rows, cols, group; /* floats: group 64 */
+    const float *act_scale;    /* AWQ (step calls): [cols], the input is divided by it; or NULL */
 } ck_mat;
 
 typedef struct { ck_mat w1, w3, w2; } ck_ffn;   /* gate, up [I, H]; down [H, I]; all q4 */
@@ -107,7 +109,8 @@ typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V
     ck_mat wkv_a, wo;            /* [r + rope, H], [H, nh*v] */
     const float *q_a_norm;       /* [q_lora] (low-rank q) */
     const float *kv_a_norm;      /* [r] */
-    const float *wkv_b;          /* [nh, nope + v, r] float32: W_UK rows then W_UV rows */
+    const float *wkv_b;          /* [nh, nope + v, r] float32: W_UK rows then W_UV rows, */
+    ck_mat wkv_b_q;              /*   or NULL: these rows [nh*(nope+v), r], read row by row */
     const float *norm, *ffn_norm;  /* the layer's RMSNorm weights [H] */
     int64_t hidden, nh, nope, rope, v, r, q_lora;
     float eps, lora_eps, scale;  /* RMSNorm eps, the q_a / kv_a norms' eps, softmax scale */
@@ -159,6 +162,10 @@ typedef struct {
     uint8_t *pq; float *ps;                  /* activation panels (AVX-512 batches): */
     int64_t p_rows, p_cp;                    /*   [p_rows, p_cp], [p_rows, p_cp / 64]; */
                                              /*   pq NULL: none (the tiles run) */
+    int act_f32;                             /* float activations (no int8 rows) */
+    float *af, *bf;                          /* float rows (float activations, AWQ):
+                                                [n_max, cp_max] each, or NULL */
+    float *gf;                               /* expert block, float rows: [pairs_max, cp_max] */
     int threads;                             /* at most this many threads (0: no cap) */
     int failed;                              /* set by a loop that could not finish */
 } ck_sscratch;

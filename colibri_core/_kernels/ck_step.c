@@ -5,7 +5,7 @@
 
 /* ------------------------------------------------------------------ lm_head */
 
-typedef struct { const ck_backend_t *be; wmat w; const ck_act *a; float *out; int64_t n; chunks ch; } head_ctx;
+typedef struct { const ck_backend_t *be; wmat w; const sact *a; float *out; int64_t n; chunks ch; } head_ctx;
 
 static void emit_logit(void *p, int64_t t, int64_t r, float v) {
     head_ctx *c = p;
@@ -32,7 +32,7 @@ int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, 
     int err = 0;
     int nth = nthreads(s, n * w->rows * w->cols);
     norm_rows(x, norm, n, w->cols, eps, s->xn, nth);
-    c.a = act_for(&A, s, be, s->xn, n, w->cols, w->group, nth, &err);
+    c.a = act_for(&A, s, be, s->xn, n, w->cols, &c.w, nth, &err);
     if (err) return err;
     ck_pool_for(lm_chunk, &c, nchunks(c.ch), nth);
     return 0;
@@ -41,6 +41,16 @@ int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, 
 /* ------------------------------------------------------------------ small pieces */
 
 void ck_mat_row(const ck_mat *w, int64_t r, float *out) {
+    if (is_float_kind(w->kind)) {
+        const wmat f = to_w(w);
+        float buf[256];
+        for (int64_t k0 = 0; k0 < w->cols; k0 += 256) {
+            const int64_t m = min64(256, w->cols - k0);
+            wf_load(&f, r, k0, m, buf);
+            memcpy(out + k0, buf, (size_t)m * sizeof(float));
+        }
+        return;
+    }
     int64_t cp = rup(w->cols, w->group), ng = cp / w->group;
     const float *s = w->scales + r * ng;
     if (w->kind == CK_W_Q4) {

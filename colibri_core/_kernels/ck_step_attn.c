@@ -39,21 +39,6 @@ static inline uint16_t f2h(float x) {
     return (uint16_t)(o | (sign >> 16));
 }
 
-/* IEEE half -> float, exact: the half's bits moved into a float and scaled by 2^112
- * (normals and subnormals alike), Inf/NaN given the float's all-ones exponent */
-static inline float h2f(uint16_t h) {
-    const uint32_t em = h & 0x7fffu;
-    uint32_t u = em << 13;
-    float f;
-    memcpy(&f, &u, 4);
-    f *= 0x1p112f;
-    memcpy(&u, &f, 4);
-    u = em >= 0x7c00u ? 0x7f800000u | (em << 13) : u;
-    u |= (uint32_t)(h & 0x8000u) << 16;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline size_t kv_elem(int kind) { return kind == CK_KV_F32 ? 4 : kind == CK_KV_F16 ? 2 : 1; }
 
 /* one row of d values into the storage type; q8: symmetric, scale max|x| / 127, codes
@@ -155,8 +140,8 @@ typedef struct {
     const ck_attn_layer *L;
     ck_sscratch *s;
     wmat w[4];                 /* q, k, v, o */
-    const ck_act *act[3];      /* xn for q, k, v */
-    ck_act ao;                 /* the attention output, for o */
+    const sact *act[3];        /* xn for q, k, v */
+    const sact *ao;            /* the attention output, for o */
     int64_t nt[3];             /* row items of q, k, v */
     int rti;                   /* rows per item: CK_PANEL_ROWS with panels, else be->rt */
     int pan[4];                /* matrix m runs the panels (of act[0], then of ao) */
@@ -188,7 +173,7 @@ static void emit_o(void *p, int64_t t, int64_t r, float v) {
 }
 
 /* rows r0..r0+rti of matrix m for all tokens: the panels, or tiles of be->rt rows */
-static void item_rows(attn_ctx *c, int m, int64_t r0, const ck_act *a, emit_fn emit) {
+static void item_rows(attn_ctx *c, int m, int64_t r0, const sact *a, emit_fn emit) {
     const int64_t r1 = min64(r0 + c->rti, c->w[m].rows);
     if (c->pan[m]) {
         rows_x_panels(c->be, &c->w[m], r0, (int)(r1 - r0), &c->p, c->n, emit, c);
@@ -282,7 +267,7 @@ static void head_chunk(void *p, int64_t i) {
 static void o_chunk(void *p, int64_t ch) {
     attn_ctx *c = p;
     for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++)
-        item_rows(c, 3, i * c->rti, &c->ao, emit_o);
+        item_rows(c, 3, i * c->rti, c->ao, emit_o);
 }
 
 
@@ -302,7 +287,8 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     c.be = be; c.L = a; c.s = s; c.x = x; c.n = n; c.layer = layer; c.tok = tok;
     c.scale = a->scale;
     c.w[0] = to_w(&a->wq); c.w[1] = to_w(&a->wk); c.w[2] = to_w(&a->wv); c.w[3] = to_w(&a->wo);
-    if (rup(c.w[3].cols, c.w[3].group) > s->cp_max) return CK_E_SCRATCH;
+    if (rup(c.w[3].cols, is_float_kind(c.w[3].kind) ? 64 : c.w[3].group) > s->cp_max)
+        return CK_E_SCRATCH;
     int64_t work = 0;
     for (int m = 0; m < 4; m++) work += c.w[m].rows * c.w[m].cols;
     work *= n;
@@ -310,12 +296,12 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
     act_set A = {0};
     for (int m = 0; m < 3 && !err; m++)
-        c.act[m] = act_for(&A, s, be, s->xn, n, a->hidden, c.w[m].group, nth, &err);
+        c.act[m] = act_for(&A, s, be, s->xn, n, a->hidden, &c.w[m], nth, &err);
     if (err) return err;
     /* the panels (AVX-512 batches) for the matrices over the first activations, and o */
     for (int m = 0; m < 4; m++) c.pan[m] = panels_fit(be, s, &c.w[m], n) && (m == 3 || c.act[m] == c.act[0]);
     const int rti = c.rti = c.pan[0] || c.pan[3] ? CK_PANEL_ROWS : be->rt;
-    if (c.pan[0]) c.p = pack_panels(c.act[0], n, s, nth);
+    if (c.pan[0]) c.p = pack_panels(&c.act[0]->q, n, s, nth);
     for (int m = 0; m < 3; m++) c.nt[m] = ntiles(c.w[m].rows, rti);
     c.qkv = chunking(c.nt[0] + c.nt[1] + c.nt[2], n * rti * mat_bytes_per_row(&a->wq));
     c.o = chunking(ntiles(c.w[3].rows, rti), n * rti * mat_bytes_per_row(&a->wo));
@@ -326,12 +312,11 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     s->failed = 0;
     ck_pool_for(head_chunk, &c, n * a->nkv, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
     if (s->failed) return CK_E_MEMORY;
-    /* the o projection's input, quantized per token (buffer a: q, k, v are done with it) */
-    const wmat *wo = &c.w[3];
-    int64_t cpo = rup(wo->cols, wo->group);
-    quantize_rows(be, s->att, n, wo->cols, wo->cols, wo->group, s->aq, s->as, s->asum, nth);
-    c.ao = (ck_act){s->aq, s->as, s->asum, cpo, cpo / wo->group};
-    if (c.pan[3]) c.p = pack_panels(&c.ao, n, s, nth);
+    /* the o projection's input, per token (buffers a, b: q, k, v are done with them) */
+    act_set B = {0};
+    c.ao = act_for(&B, s, be, s->att, n, c.w[3].cols, &c.w[3], nth, &err);
+    if (err) return err;
+    if (c.pan[3]) c.p = pack_panels(&c.ao->q, n, s, nth);
     ck_pool_for(o_chunk, &c, nchunks(c.o), nth);
     norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
     return 0;
@@ -354,7 +339,7 @@ typedef struct {
     /* projections of one loop: up to two matrices over the same activations */
     int nm;
     wmat w[2];
-    const ck_act *act[2];
+    const sact *act[2];
     float *out[2];
     int64_t ld[2], nt0;
     chunks ch;
@@ -414,8 +399,8 @@ static void mla_o_chunk(void *p, int64_t ch) {
 }
 
 /* one or two matrices against the same token rows: out_m[t * ld_m + row] */
-static void mla_project(mla_ctx *c, int nm, const ck_mat *m0, const ck_act *a0, float *o0,
-                        int64_t ld0, const ck_mat *m1, const ck_act *a1, float *o1, int64_t ld1,
+static void mla_project(mla_ctx *c, int nm, const ck_mat *m0, const sact *a0, float *o0,
+                        int64_t ld0, const ck_mat *m1, const sact *a1, float *o1, int64_t ld1,
                         int nth) {
     const int rtp = c->be->rt;
     c->nm = nm;
@@ -443,6 +428,17 @@ static void mla_rope(float *x, const float *cs, const float *sn, int64_t half, i
     memcpy(x, tmp, (size_t)(2 * half) * sizeof(float));
 }
 
+/* row i of wkv_b as float32: the float copy's, or (over the float budget) dequantized
+ * into buf [r], its AWQ scale divided out */
+static inline const float *wkv_b_row(const ck_mla_layer *L, int64_t i, float *buf) {
+    if (L->wkv_b) return L->wkv_b + i * L->r;
+    ck_mat_row(&L->wkv_b_q, i, buf);
+    const float *xs = L->wkv_b_q.act_scale;
+    if (xs)
+        for (int64_t j = 0; j < L->r; j++) buf[j] /= ck_ldf(xs + j);
+    return buf;
+}
+
 /* token t: latent c and k_pe into its cache row, rope of q_pe, q_lat = q_nope W_UK */
 static void mla_token_chunk(void *p, int64_t t) {
     mla_ctx *c = p;
@@ -465,11 +461,10 @@ static void mla_token_chunk(void *p, int64_t t) {
     for (int64_t h = 0; h < nh; h++) {
         float *qh = q + h * (N + R);
         mla_rope(qh + N, cs, sn, half, L->interleave);
-        const float *wuk = L->wkv_b + h * (N + V) * r;          /* [N, r] of head h */
-        float *o = ql + h * r;
+        float *o = ql + h * r, buf[r];
         for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
-        for (int64_t i = 0; i < N; i++) {
-            const float a = qh[i], *w = wuk + i * r;
+        for (int64_t i = 0; i < N; i++) {               /* W_UK: rows h*(N+V) .. +N */
+            const float a = qh[i], *w = wkv_b_row(L, h * (N + V) + i, buf);
             for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
         }
     }
@@ -505,9 +500,8 @@ static void mla_head_chunk(void *p, int64_t i) {
         for (int64_t k = 0; k < r; k++) o[k] += pj * row[k];
     }
     if (sc != stack) free(sc);
-    const float *wuv = L->wkv_b + (h * (N + V) + N) * r;      /* [V, r] of head h */
-    float *out = mla_out(c, t) + h * V;
-    for (int64_t k = 0; k < V; k++) out[k] = dot_f32(wuv + k * r, o, r);
+    float *out = mla_out(c, t) + h * V, buf[r];              /* W_UV: rows h*(N+V)+N .. +V */
+    for (int64_t k = 0; k < V; k++) out[k] = dot_f32(wkv_b_row(L, h * (N + V) + N + k, buf), o, r);
 }
 
 typedef struct { const mla_ctx *c; const float *w; int64_t off, cols; float eps; } lnorm_ctx;
@@ -535,8 +529,9 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
     const int nth = nthreads(s, work);
     norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
     act_set A = {0};
-    const ck_act *aq = act_for(&A, s, be, s->xn, n, a->hidden, wq_first->group, nth, &err);
-    const ck_act *akv = err ? NULL : act_for(&A, s, be, s->xn, n, a->hidden, a->wkv_a.group, nth, &err);
+    const wmat wq0 = to_w(wq_first), wkva = to_w(&a->wkv_a);
+    const sact *aq = act_for(&A, s, be, s->xn, n, a->hidden, &wq0, nth, &err);
+    const sact *akv = err ? NULL : act_for(&A, s, be, s->xn, n, a->hidden, &wkva, nth, &err);
     if (err) return err;
     /* q (or q_a) and kv_a in one loop */
     float *q0 = lora ? mla_qa(&c, 0) : mla_q(&c, 0);
@@ -544,12 +539,11 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
     if (lora) {                                    /* q = wq_b(rmsnorm(q_a)) */
         lnorm_ctx k = {&c, a->q_a_norm, 0, a->q_lora, a->lora_eps};
         ck_pool_for(qa_norm_row, &k, n, n >= 16 ? nth : 1);
-        int64_t cp = rup(a->q_lora, a->wq_b.group);
-        if (cp > s->cp_max) return CK_E_SCRATCH;
-        quantize_rows(be, mla_qa(&c, 0), n, c.per, a->q_lora, a->wq_b.group, s->bq, s->bs,
-                      s->bsum, nth);
-        ck_act ab = {s->bq, s->bs, s->bsum, cp, cp / a->wq_b.group};
-        mla_project(&c, 1, &a->wq_b, &ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
+        act_set B = {0};
+        const wmat wqb = to_w(&a->wq_b);
+        const sact *ab = act_for(&B, s, be, mla_qa(&c, 0), n, c.per, &wqb, nth, &err);
+        if (err) return err;
+        mla_project(&c, 1, &a->wq_b, ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
     }
     ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
     int64_t ctx_work = 0;
@@ -558,12 +552,10 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
     ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
     if (s->failed) return CK_E_MEMORY;
     /* o projection of out [n, nh*v], quantized per token */
-    const int64_t vcols = a->nh * a->v, cpo = rup(vcols, a->wo.group);
-    if (cpo > s->cp_max) return CK_E_SCRATCH;
-    quantize_rows(be, mla_out(&c, 0), n, c.per, vcols, a->wo.group, s->aq, s->as, s->asum, nth);
+    act_set B = {0};
     c.w[0] = to_w(&a->wo);
-    ck_act ao = {s->aq, s->as, s->asum, cpo, cpo / a->wo.group};
-    c.act[0] = &ao;
+    c.act[0] = act_for(&B, s, be, mla_out(&c, 0), n, c.per, &c.w[0], nth, &err);
+    if (err) return err;
     c.ch = chunking(ntiles(a->wo.rows, be->rt), n * be->rt * mat_bytes_per_row(&a->wo));
     ck_pool_for(mla_o_chunk, &c, nchunks(c.ch), nth);
     norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);

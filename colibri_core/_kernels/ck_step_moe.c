@@ -179,6 +179,8 @@ int ck_set_panel_min_tokens(int n) {
 
 typedef struct {
     wmat w1, w3, w2;
+    int i8x, i8h;             /* int8 inputs of gate/up and of down, else float rows */
+    int own;                  /* its input rows prepared per pair, not copied from xa */
     int64_t off, cnt;         /* its pairs in the scratch */
     int64_t t1, t2;           /* its first stage-1 item, first hquant item */
     int64_t pan;              /* its first panel in the scratch's panel rows, or -1: tiles */
@@ -193,8 +195,12 @@ typedef struct {
     int64_t hidden;
     const int64_t *pair_tok;  /* [pairs_max] the token of scratch row p */
     const float *pair_w;      /* [pairs_max] its routing weight */
-    const ck_act *xa;         /* xn quantized per token (group of w1) */
-    ck_act ga;                /* gathered: row p = xa's row pair_tok[p] */
+    const float *xn;          /* [n, hidden] */
+    const ck_act *xa;         /* xn quantized per token (the plain jobs' group), or NULL */
+    ck_act ga;                /* gathered int8 rows: row p = xa's row pair_tok[p] (cp, ng:
+                                 strides, the largest of the jobs') */
+    int64_t gld;              /* float rows: row p of s->gf, gld apart */
+    int mixed;                /* some job prepares its own rows (gather_row looks it up) */
     float *x;
     int rt2;                  /* output rows per stage-2 item */
 } ffn_ctx;
@@ -212,13 +218,47 @@ static inline int job_of(const ffn_ctx *c, int64_t i, int first_stage) {
     return j;
 }
 
+/* pair row q's input: its token's row of xa, or (a job with its own group, an AWQ scale
+ * or float inputs) prepared from xn as act_for does */
 static void gather_row(void *p, int64_t q) {
     ffn_ctx *c = p;
     const ck_act *a = c->xa;
-    int64_t t = c->pair_tok[q];
-    memcpy((int8_t *)c->ga.q + q * a->cp, a->q + t * a->cp, (size_t)a->cp);
-    memcpy((float *)c->ga.s + q * a->ng, a->s + t * a->ng, (size_t)a->ng * sizeof(float));
-    memcpy((int32_t *)c->ga.sum + q * a->ng, a->sum + t * a->ng, (size_t)a->ng * sizeof(int32_t));
+    const int64_t t = c->pair_tok[q], H = c->hidden;
+    const ffn_job *f = c->jobs;
+    if (c->mixed)
+        for (int j = 1; j < c->m && q >= c->jobs[j].off; j++) f = &c->jobs[j];
+    int8_t *gq = (int8_t *)c->ga.q + q * c->ga.cp;
+    float *gs = (float *)c->ga.s + q * c->ga.ng;
+    int32_t *gsum = (int32_t *)c->ga.sum + q * c->ga.ng;
+    if (f->i8x && !f->own) {
+        memcpy(gq, a->q + t * a->cp, (size_t)a->cp);
+        memcpy(gs, a->s + t * a->ng, (size_t)a->ng * sizeof(float));
+        memcpy(gsum, a->sum + t * a->ng, (size_t)a->ng * sizeof(int32_t));
+    } else if (f->i8x) {
+        float row[H];
+        scale_row(c->xn + t * H, f->w1.xs, H, H, row);
+        c->be->act_quant(row, H, f->w1.group, gq, gs, gsum);
+    } else {
+        scale_row(c->xn + t * H, f->w1.xs, H, c->gld, c->s->gf + q * c->gld);
+    }
+}
+
+/* job f's inputs of gate and up (its rows from 0), and of down */
+static inline sact job_in(const ffn_ctx *c, const ffn_job *f) {
+    const ck_act *g = &c->ga;
+    sact a = {{g->q + f->off * g->cp, g->s + f->off * g->ng, g->sum + f->off * g->ng, g->cp, g->ng},
+              {c->s->gf ? c->s->gf + f->off * c->gld : NULL, c->gld, c->hidden, NULL}, f->i8x};
+    return a;
+}
+
+static inline sact job_h(const ffn_ctx *c, const ffn_job *f) {
+    const ck_sscratch *s = c->s;
+    const int64_t hng = s->hcp / 64;
+    /* h rows are the scratch's hcp apart (the tile reads row t at q + t * cp and its
+     * scales at s + t * ng; the group count is the matrix's) */
+    sact a = {{s->hq + f->off * s->hcp, s->hs + f->off * hng, s->hsum + f->off * hng, s->hcp, hng},
+              {s->h + f->off * s->hld, s->hld, f->w2.cols, NULL}, f->i8h};
+    return a;
 }
 
 /* lane i of the piece's panel jobs (pairs off.. of the job, then padding to 16) */
@@ -249,7 +289,7 @@ static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     ck_unpacked u;
     unpack_rows(be, &f->w1.q4, r0, rt, 0, 4, &u, wb, wz);
     unpack_rows(be, &f->w3.q4, r0, rt, 4, 4, &u, wb, wz);
-    ck_panel pn = job_panel(c, f, c->ga.cp, c->ga.ng);
+    ck_panel pn = job_panel(c, f, cp, ng);
     be->q4_panels(&u, &pn, np, res, ld);
     for (int r = 0; r < rt; r++)
         for (int64_t t = 0; t < f->cnt; t++)
@@ -263,12 +303,11 @@ static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     if (f->pan >= 0) { up_panels(c, f, r0, rt); return; }
     const int ntp = ck_tokens_per_tile(be, f->cnt);
     float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
-    ck_act a = c->ga;
-    a.q += f->off * a.cp; a.s += f->off * a.ng; a.sum += f->off * a.ng;
+    const sact a = job_in(c, f);
     for (int64_t t0 = 0; t0 < f->cnt;) {
         int nt = ck_tile_tokens(ntp, f->cnt - t0);
-        be->q4_i8(&f->w1.q4, r0, rt, &a, t0, nt, g);
-        be->q4_i8(&f->w3.q4, r0, rt, &a, t0, nt, u);
+        mat_tile(be, &f->w1, r0, rt, &a, t0, nt, g);
+        mat_tile(be, &f->w3, r0, rt, &a, t0, nt, u);
         for (int r = 0; r < rt; r++)
             for (int t = 0; t < nt; t++)
                 s->h[(f->off + t0 + t) * s->hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
@@ -296,7 +335,14 @@ static void hquant_chunk(void *p, int64_t i) {
     int j = job_of(c, i, 0);
     const ffn_job *f = &c->jobs[j];
     int64_t q = f->off + (i - f->t2);
-    c->be->act_quant(s->h + q * s->hld, f->w2.cols, f->w2.group, s->hq + q * s->hcp,
+    float *h = s->h + q * s->hld;
+    if (f->w2.xs)                                   /* AWQ: down's input / its scale */
+        for (int64_t k = 0; k < f->w2.cols; k++) h[k] /= ck_ldf(f->w2.xs + k);
+    if (!f->i8h) {                                  /* float rows: whole 64-blocks */
+        for (int64_t k = f->w2.cols; k < s->hld; k++) h[k] = 0.0f;
+        return;
+    }
+    c->be->act_quant(h, f->w2.cols, f->w2.group, s->hq + q * s->hcp,
                      s->hs + q * (s->hcp / 64), s->hsum + q * (s->hcp / 64));
     if (f->pan < 0) return;
     const int64_t l = i - f->t2, cp = f->w2.q4.cp, ng = f->w2.q4.ng;
@@ -331,7 +377,6 @@ static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) 
 static void down_chunk(void *p, int64_t ch) {
     ffn_ctx *c = p;
     const ck_backend_t *be = c->be;
-    const ck_sscratch *s = c->s;
     float y[CK_MAX_RT * CK_MAX_NT];
     for (int64_t i = ch * c->s2.per; i < chunk_end(c->s2, ch); i++) {
         /* an item of rt2 rows: a panel job's all at once, the others' in tiles of be->rt;
@@ -343,17 +388,13 @@ static void down_chunk(void *p, int64_t ch) {
                 down_panels(c, f, i * c->rt2, (int)(r1 - i * c->rt2));
                 continue;
             }
-            /* h rows are the scratch's hcp apart (the tile reads row t at q + t * cp and
-             * its scales at s + t * ng; the group count is the matrix's) */
-            const int64_t hng = s->hcp / 64;
-            ck_act a = {s->hq + f->off * s->hcp, s->hs + f->off * hng, s->hsum + f->off * hng,
-                        s->hcp, hng};
+            const sact a = job_h(c, f);
             const int ntp = ck_tokens_per_tile(be, f->cnt);
             for (int64_t r0 = i * c->rt2; r0 < r1; r0 += be->rt) {
                 const int rt = (int)min64(be->rt, r1 - r0);
                 for (int64_t t0 = 0; t0 < f->cnt;) {
                     int nt = ck_tile_tokens(ntp, f->cnt - t0);
-                    be->q4_i8(&f->w2.q4, r0, rt, &a, t0, nt, y);
+                    mat_tile(be, &f->w2, r0, rt, &a, t0, nt, y);
                     for (int t = 0; t < nt; t++) {
                         int64_t pq = f->off + t0 + t;
                         float wt = c->pair_w[pq];
@@ -387,7 +428,8 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
     for (int q = 0; q < m; q++) {
         ffn_job *f = &jobs[q];
         /* w1 and w3 share their shape, and the panel rows hold this job too */
-        const int fits = panels_fit(be, s, &f->w1, f->cnt) &&
+        const int fits = f->i8x && !f->own && c->ga.cp == f->w1.q4.cp && c->ga.ng == f->w1.q4.ng &&
+                         panels_fit(be, s, &f->w1, f->cnt) && f->w3.kind == CK_W_Q4 &&
                          panels_fit(be, s, &f->w2, f->cnt) &&
                          (pans + npanels(f->cnt)) * CK_PANEL <= s->p_rows;
         f->pan = fits ? pans : -1;
@@ -400,6 +442,7 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
     c->s1 = chunking(t1, 2 * be->rt * c->hidden / 2 * (np / m > 0 ? np / m : 1));
     c->s2 = chunking(ntiles(c->hidden, c->rt2), c->rt2 * down_row);
     nth = nthreads(c->s, work) < nth ? nthreads(c->s, work) : nth;
+    ck_pool_for(gather_row, c, np, np >= 64 ? nth : 1);
     if (pans) ck_pool_for(pack_x_lane, c, pans * CK_PANEL, nth);
     ck_pool_for(up_chunk, c, nchunks(c->s1), nth);
     ck_pool_for(hquant_chunk, c, t2, np >= 16 ? nth : 1);
@@ -441,7 +484,8 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     for (int64_t e = 0; e < ne; e++) {
         if (!count[e]) continue;
         const ck_ffn *f = &table[e];
-        jobs[q] = (ffn_job){to_w(&f->w1), to_w(&f->w3), to_w(&f->w2), off, count[e], 0, 0};
+        jobs[q] = (ffn_job){.w1 = to_w(&f->w1), .w3 = to_w(&f->w3), .w2 = to_w(&f->w2), .off = off,
+                            .cnt = count[e]};
         first[e] = off;
         off += count[e];
         q++;
@@ -460,7 +504,8 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
             pair_w[p] = ck_ldf(weights + t * kmax + j);
         }
     if (shared) {
-        jobs[q] = (ffn_job){to_w(&shared->w1), to_w(&shared->w3), to_w(&shared->w2), off, n, 0, 0};
+        jobs[q] = (ffn_job){.w1 = to_w(&shared->w1), .w3 = to_w(&shared->w3), .w2 = to_w(&shared->w2),
+                            .off = off, .cnt = n};
         for (int64_t t = 0; t < n; t++) {
             float gd = b->shared_gate ? dot_f32(xn + t * hidden, b->shared_gate, hidden) : 0.0f;
             pair_tok[off + t] = t;
@@ -468,16 +513,27 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         }
         q++;
     }
-    /* checks: one input group for all, scratch sizes */
-    int64_t group = jobs[0].w1.group;
+    /* checks: gate and up alike, scratch sizes; what each job's inputs are */
+    int64_t group = 0, G = 0, GN = 0;
     for (int i = 0; i < njobs; i++) {
         ffn_job *f = &jobs[i];
-        if (f->w1.kind != CK_W_Q4 || f->w3.kind != CK_W_Q4 || f->w2.kind != CK_W_Q4)
+        if (is_float_kind(f->w1.kind) != is_float_kind(f->w3.kind) || f->w1.xs != f->w3.xs ||
+            (!is_float_kind(f->w1.kind) && f->w1.group != f->w3.group))
+            return CK_E_GROUPS;
+        f->i8x = !s->act_f32 && !is_float_kind(f->w1.kind);
+        f->i8h = !s->act_f32 && !is_float_kind(f->w2.kind);
+        if (f->w1.rows > s->hld || f->w2.cols != f->w1.rows || (!f->i8x && !s->gf) ||
+            (f->i8h && (rup(f->w2.cols, f->w2.group) > s->hcp || f->w2.group % 64)))
             return CK_E_SCRATCH;
-        if (f->w1.group != group || f->w3.group != group) return CK_E_GROUPS;
-        if (f->w1.rows > s->hld || rup(f->w2.cols, f->w2.group) > s->hcp || f->w2.group % 64)
-            return CK_E_SCRATCH;
+        if (f->i8x && !f->w1.xs && !group) group = f->w1.group;
+        f->own = !f->i8x || f->w1.xs || f->w1.group != group;
+        if (f->i8x) {
+            const int64_t cp = rup(hidden, f->w1.group);
+            G = cp > G ? cp : G;
+            GN = cp / f->w1.group > GN ? cp / f->w1.group : GN;
+        }
     }
+    if (G > s->cp_max || rup(hidden, 64) > s->cp_max) return CK_E_SCRATCH;
     int64_t work = 0;
     for (int i = 0; i < njobs; i++) work += 3 * jobs[i].w1.rows * hidden * jobs[i].cnt;
     int nth = nthreads(s, work);
@@ -486,8 +542,15 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     ffn_ctx c;
     memset(&c, 0, sizeof c);
     c.be = be; c.s = s; c.hidden = hidden; c.x = x; c.pair_tok = pair_tok; c.pair_w = pair_w;
-    c.xa = act_for(&A, s, be, xn, n, hidden, group, nth, &err);
-    if (err) return err;
+    c.xn = xn;
+    c.gld = rup(hidden, 64);
+    for (int i = 0; i < njobs; i++) c.mixed |= jobs[i].own;
+    if (group) {
+        const wmat wx = {.kind = CK_W_Q4, .rows = 1, .cols = hidden, .group = group};
+        c.xa = &act_for(&A, s, be, xn, n, hidden, &wx, nth, &err)->q;
+        if (err) return err;
+    }
+    c.ga = (ck_act){s->gq, s->gs, s->gsum, G, GN};
     /* pieces of whole jobs within pairs_max rows of h (a job larger than that alone: its
      * tokens in turn, which changes nothing for any token: a token's sum is per expert) */
     int i = 0;
@@ -503,8 +566,6 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
                 part.cnt = min64(s->pairs_max, big.cnt - t0);
                 c.pair_tok = pair_tok + big.off + t0;
                 c.pair_w = pair_w + big.off + t0;
-                c.ga = (ck_act){s->gq, s->gs, s->gsum, c.xa->cp, c.xa->ng};
-                ck_pool_for(gather_row, &c, part.cnt, part.cnt >= 64 ? nth : 1);
                 run_piece(&c, &part, 1, nth);
             }
             c.pair_tok = pair_tok; c.pair_w = pair_w;
@@ -515,12 +576,9 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         for (int q2 = i; q2 < j; q2++) jobs[q2].off -= base;
         c.pair_tok = pair_tok + base;
         c.pair_w = pair_w + base;
-        c.ga = (ck_act){s->gq, s->gs, s->gsum, c.xa->cp, c.xa->ng};
-        ck_pool_for(gather_row, &c, rows, rows >= 64 ? nth : 1);
         run_piece(&c, jobs + i, j - i, nth);
         c.pair_tok = pair_tok; c.pair_w = pair_w;
         i = j;
     }
     return 0;
 }
-

@@ -535,7 +535,24 @@ static void api_attention(report *exact, report *tol) {
 
 /* The pipeline step (ck_step*.c): a few steps of one layer over NT tokens of one sequence
  * (attention block, a routed expert block with a shared expert, the lm_head), scalar
- * and NEON each from the same start. */
+ * and NEON each from the same start; with int8 activations, then (g_step_f32) float ones.
+ * Experts 1 and 2 hold q8 and f32 / bf16 matrices (the float kinds' tile is portable C). */
+static int g_step_f32;
+
+static ck_mat float_mat(int64_t rows, int64_t cols, int kind) {
+    float *f = floats(rows * cols, 1.0f / sqrtf((float)cols));
+    if (kind == CK_W_BF16) {
+        uint16_t *b = odd((size_t)(rows * cols) * 2);
+        for (int64_t i = 0; i < rows * cols; i++) {
+            uint32_t u;
+            memcpy(&u, f + i, 4);
+            b[i] = (uint16_t)(u >> 16);
+        }
+        return (ck_mat){kind, b, NULL, NULL, rows, cols, 64};
+    }
+    return (ck_mat){kind, f, NULL, NULL, rows, cols, 64};
+}
+
 static ck_sscratch scratch(int64_t n, int64_t H, int64_t nh, int64_t d, int64_t hld,
                            int64_t hcp, int64_t kmax, int64_t ne) {
     const int64_t cp_max = rup(H > nh * d ? H : nh * d, 384);   /* whole groups of 64, 128, 192 */
@@ -561,6 +578,9 @@ static ck_sscratch scratch(int64_t n, int64_t H, int64_t nh, int64_t d, int64_t 
     s.pair_tok = odd((size_t)pairs * 8); s.pair_w = odd((size_t)pairs * 4);
     s.counts = odd((size_t)(2 * ne + 1) * 8);
     s.jobs_max = ne + 2; s.jobs = odd((size_t)((ne + 2) * ck_step_job_bytes()));
+    s.act_f32 = g_step_f32;
+    s.af = odd((size_t)(n * cp_max) * 4); s.bf = odd((size_t)(n * cp_max) * 4);
+    s.gf = odd((size_t)(pairs * cp_max) * 4);
     return s;
 }
 
@@ -583,6 +603,9 @@ static void api_step(report *exact, report *tol) {
     ck_ffn table[E + 1];
     for (int e = 0; e <= E; e++)
         table[e] = (ck_ffn){q4_mat(I, H, 64), q4_mat(I, H, 64), q4_mat(H, I, e % 2 ? 64 : 128)};
+    table[1].w2 = q8_mat(H, I, 64);
+    table[2] = (ck_ffn){float_mat(I, H, CK_W_F32), float_mat(I, H, CK_W_F32),
+                        float_mat(H, I, CK_W_BF16)};
     ck_ffn_block fb = {table, E, &table[E], floats(H, 0.1f), H};
     ck_mat head = q8_mat(V, H, 64), head6 = q6_mat(V, H, 128);
     float *logits6[2];
@@ -636,9 +659,10 @@ static void api_step(report *exact, report *tol) {
         }
         char what[64];
         snprintf(what, sizeof what, "expert block + head step %d threads %d", step, ck_get_threads());
-        rep_floats(exact, x[1], x[0], NT * H, NULL, what);
-        rep_floats(exact, logits[1], logits[0], NT * V, NULL, what);
-        rep_floats(exact, logits6[1], logits6[0], NT * V, NULL, what);
+        report *r = g_step_f32 ? tol : exact;    /* float tiles: their own sum orders */
+        rep_floats(r, x[1], x[0], NT * H, NULL, what);
+        rep_floats(r, logits[1], logits[0], NT * V, NULL, what);
+        rep_floats(r, logits6[1], logits6[0], NT * V, NULL, what);
         memcpy(x0, x[0], NT * H * 4);          /* the next step starts from this one */
     }
 }
@@ -685,6 +709,10 @@ int main(void) {
     e = rep("step_experts_head", v, -1); t = rep("step_attention", v, ATTN_TOL);
     both_threads(api_step, &e, &t);
     rep_print(&e); rep_print(&t);
+    g_step_f32 = 1;
+    t = rep("step_float", v, FLOAT_TOL);
+    both_threads(api_step, &t, &t);
+    rep_print(&t);
 
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("SUMMARY dotprod=%d selected=%s kernels=%d failures=%d seconds=%.2f\n", dotprod, sel,
