@@ -19,6 +19,26 @@ from .errors import ModelFormatError
 from .files import open_regular
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 
+# 2 MB pages for the weights. Decode streams ~100 MB of weights a token, with a page
+# walk per 4 KB page. With madvise(2) HUGEPAGE on a file's mapping (residency.py's
+# preload), a page that is not cached yet is read in a 2 MB folio (file systems with
+# large folios: ext4 from Linux 6.16, xfs) and the mapping maps it whole. A 2 MB range
+# that already holds a small cached page cannot become one, so: the header's pages read
+# with pread are dropped again, and write_container leaves what it wrote out of the
+# page cache.
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+HUGE_PAGE = 2 << 20
+
+
+def _drop_cached(fd: int, length: int) -> None:
+    """Drop the file's pages in its first `length` bytes (0: all) from the page cache:
+    clean, unmapped ones only (the kernel keeps what another mapping uses; a partial page
+    stays). Best effort."""
+    try:
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
 MAGIC = b"COLIBRI\x00"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 1        # the newest minor version this Colibri reads and writes (1.1: q6)
@@ -184,6 +204,10 @@ def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
             f.write(table)
             f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
             f.truncate(end)
+            if end >= HUGE_PAGE:       # on disk, then out of the cache: read back in 2 MB pages
+                f.flush()
+                os.fdatasync(f.fileno())
+                _drop_cached(f.fileno(), 0)
         os.replace(tmp, path)
         return minor
     except BaseException:
@@ -406,6 +430,8 @@ class ContainerFile:
                 # The table is read with pread, not through the mapping: a fault there
                 # would read around it (read_ahead_kb, often MBs: a whole expert file).
                 head = _read_header(fd, self.size, self.path, max_table)
+                if self.size >= HUGE_PAGE:
+                    _drop_cached(fd, -(-len(head) // mmap.PAGESIZE) * mmap.PAGESIZE)
                 try:
                     self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
                 except OSError as e:

@@ -48,8 +48,10 @@ and holds `Residency`; the cache itself (`BudgetResidency`) and the choice betwe
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -58,8 +60,8 @@ import numpy as np
 
 from .config import EngineConfig, ModelConfig, load_model_config
 from .errors import ConfigError
-from .memstat import PAGE
-from .modelfile import expert_file_name
+from .memstat import MADV_POPULATE_READ, MADV_WILLNEED, PAGE, madvise
+from .modelfile import MADV_HUGEPAGE, expert_file_name
 from .weights import ModelWeights
 
 log = logging.getLogger("colibri")
@@ -324,6 +326,8 @@ class Residency:
         self._advised: set = set()
         self._to_advise = {lw.index: sum(ex.file is not None for ex in lw.experts)
                            for lw in weights.layers}
+        self._preloader: Optional[threading.Thread] = None
+        self._stop_preload = threading.Event()
 
     def waves(self, used):
         return (used,)
@@ -332,9 +336,23 @@ class Residency:
         """Advise every file of the model at once (EngineConfig.preload): pages that are
         not in the page cache (a cold start, or pages the kernel evicted while the model
         sat unused -- this development machine's DAMON pages out page cache idle for a
-        minute) are read before, not during, the first tokens that need them."""
+        minute) are read before, not during, the first tokens that need them.
+
+        The mappings get MADV_HUGEPAGE first (modelfile.py: pages not cached yet are
+        read in 2 MB folios, mapped whole), and MADV_WILLNEED ("willneed") is done by a
+        thread that faults the files in through their mappings instead
+        (MADV_POPULATE_READ, one file after another): the kernel's WILLNEED readahead
+        would fill the page cache in small folios. Not under a memory budget, whose
+        faults must read no more than they need."""
         for f in self.weights.files:
-            f.madvise(advice)
+            f.madvise(MADV_HUGEPAGE)
+        if advice == MADV_WILLNEED:
+            self._preloader = threading.Thread(target=self._populate_files, daemon=True,
+                                               name="colibri-preload")
+            self._preloader.start()
+        else:
+            for f in self.weights.files:
+                f.madvise(advice)
         if self._advice is not None:                 # the per-expert prefetch is done too
             for lw in self.weights.layers:
                 for ex in lw.experts:
@@ -395,5 +413,25 @@ class Residency:
             r["page_cache"] = self.model_cache_bytes()
         return r
 
+    def _populate_files(self) -> None:
+        for f in self.weights.files:
+            if self._stop_preload.is_set():
+                return
+            if f.buf is None:
+                continue
+            err = madvise(f.base_address, -(-f.size // PAGE) * PAGE, MADV_POPULATE_READ)
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):   # before Linux 5.14
+                f.madvise(MADV_WILLNEED)
+            # other errors (a file truncated under its mapping: EFAULT) are the kernels'
+            # to meet when they read it (mapguard.py)
+
+    def wait_preload(self) -> None:
+        """Return once the background preload (if any) has read every file."""
+        if self._preloader is not None:
+            self._preloader.join()
+
     def close(self) -> None:
-        pass
+        """Stop the preload between two files and wait for it: the files are unmapped
+        next (engine.close)."""
+        self._stop_preload.set()
+        self.wait_preload()

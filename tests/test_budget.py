@@ -294,17 +294,20 @@ def test_cli_reports_memory(model_dir):
 
 def test_preload_brings_the_model_in_at_load(model_dir):
     """EngineConfig.preload (no budget): "populate" returns with every model file in the
-    page cache (mincore), "none" leaves the files where they were (dropped: nothing)."""
+    page cache (mincore), "willneed" has them there once its background thread is done,
+    "none" leaves the files where they were (dropped: nothing)."""
     from colibri_core.memstat import drop_file_cache
     files = sorted(model_dir.glob("*.bin"))
     total = sum(f.stat().st_size for f in files)
-    for mode in ("none", "populate"):
+    for mode in ("none", "populate", "willneed"):
         gc.collect()
         for f in files:
             drop_file_cache(f, sync=True)
         with Engine(model_dir, EngineConfig(preload=mode)) as eng:
+            if mode == "willneed":
+                eng.model.residency.wait_preload()
             cached = sum(file_cache_bytes(f) for f in files)
-            if mode == "populate":
+            if mode != "none":
                 assert cached >= total - 4096 * len(files), (cached, total)
                 assert all(eng.model.residency.all_prefetched(L) for L in eng.model_cfg.moe_layers)
             else:

@@ -150,3 +150,28 @@ def test_shape_mismatch_names_section(tiny_model_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFormatError, match=r"section 'w1' has shape \[128, 128\], expected \[64, 128\]"):
         load_model(d)
+
+
+def test_large_files_are_written_out_of_the_page_cache(tmp_path):
+    """write_container syncs a file of 2 MB or more and drops it from the page cache, so
+    that the engine's first load reads it in 2 MB folios (modelfile.py, "2 MB pages");
+    a smaller file stays cached. Where the file system keeps pages whatever is asked
+    (tmpfs), there is nothing to check."""
+    from colibri_core.memstat import drop_file_cache, file_cache_bytes
+    rng = np.random.default_rng(0)
+    big = quantize_q4(rng.standard_normal((4096, 1024)).astype(np.float32), 128)   # ~2.2 MB
+    small = quantize_q4(rng.standard_normal((64, 1024)).astype(np.float32), 128)
+    write_container(tmp_path / "big.bin", [("w", big)])
+    write_container(tmp_path / "small.bin", [("w", small)])
+    size = (tmp_path / "big.bin").stat().st_size
+    assert size >= 2 << 20
+    cached_big = file_cache_bytes(tmp_path / "big.bin")
+    assert file_cache_bytes(tmp_path / "small.bin") > 0
+    drop_file_cache(tmp_path / "small.bin", sync=True)
+    if file_cache_bytes(tmp_path / "small.bin") > 0:
+        pytest.skip("this file system keeps pages in the page cache when asked to drop them")
+    assert cached_big == 0, (cached_big, size)
+    f = ContainerFile(tmp_path / "big.bin")          # the header's pages are dropped again
+    assert file_cache_bytes(tmp_path / "big.bin") == 0
+    np.testing.assert_array_equal(f.tensor("w").data, big.data)
+    f.close()
