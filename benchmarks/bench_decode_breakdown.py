@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-PARTS = {"ck_step_attention": "attention", "ck_step_route": "router",
+PARTS = {"ck_step_attention": "attention", "ck_step_mla_attention": "attention", "ck_step_route": "router",
          "ck_step_experts": "ffn", "ck_step_head": "lm_head"}
 
 
@@ -110,7 +110,9 @@ def main(argv=None):
     finally:
         pipeline.lib = steptables.lib = timed._lib
     w = m.w
-    att_bytes = sum(nbytes(getattr(lw.attn, n)) for lw in w.layers for n in ("wq", "wk", "wv", "wo"))
+    att_bytes = sum(nbytes(getattr(lw.attn, n)) for lw in w.layers   # GQA's or MLA's matrices
+                    for n in ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b")
+                    if getattr(lw.attn, n, None) is not None)
     ffn_bytes = 0
     for lw in w.layers:
         if lw.kind == "dense":

@@ -439,14 +439,14 @@ static inline const float *wkv_b_row(const ck_mla_layer *L, int64_t i, float *bu
     return buf;
 }
 
-/* token t: latent c and k_pe into its cache row, rope of q_pe, q_lat = q_nope W_UK */
+/* token t: latent c and k_pe into its cache row, rope of q_pe (q_lat: mla_absorb_chunk) */
 static void mla_token_chunk(void *p, int64_t t) {
     mla_ctx *c = p;
     const ck_mla_layer *L = c->L;
-    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v, half = R / 2;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, half = R / 2;
     const int64_t *tk = c->tok + CK_TOK_COLS * t;
     const int64_t cap = tk[3] / r;
-    float *q = mla_q(c, t), *kv = mla_kv(c, t), *ql = mla_qlat(c, t);
+    float *q = mla_q(c, t), *kv = mla_kv(c, t);
     float cs[half > 0 ? half : 1], sn[half > 0 ? half : 1];
     for (int64_t i = 0; i < half; i++) {
         double ang = (double)tk[0] * L->inv_freq[i];
@@ -458,15 +458,22 @@ static void mla_token_chunk(void *p, int64_t t) {
     rmsnorm(kv, L->kv_a_norm, r, L->lora_eps, crow);
     memcpy(krow, kv + r, (size_t)R * sizeof(float));
     mla_rope(krow, cs, sn, half, L->interleave);
-    for (int64_t h = 0; h < nh; h++) {
-        float *qh = q + h * (N + R);
-        mla_rope(qh + N, cs, sn, half, L->interleave);
-        float *o = ql + h * r, buf[r];
-        for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
-        for (int64_t i = 0; i < N; i++) {               /* W_UK: rows h*(N+V) .. +N */
-            const float a = qh[i], *w = wkv_b_row(L, h * (N + V) + i, buf);
-            for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
-        }
+    for (int64_t h = 0; h < nh; h++) mla_rope(q + h * (N + R) + N, cs, sn, half, L->interleave);
+}
+
+/* token t = i / nh, head h = i % nh: its q_nope absorbed into latent space through W_UK
+ * (a loop of its own so that a decode token's heads run on every thread) */
+static void mla_absorb_chunk(void *p, int64_t i) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
+    const int64_t t = i / nh, h = i % nh;
+    const float *qh = mla_q(c, t) + h * (N + R);
+    float *o = mla_qlat(c, t) + h * r, buf[r];
+    for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
+    for (int64_t k = 0; k < N; k++) {                   /* W_UK: rows h*(N+V) .. +N */
+        const float a = qh[k], *w = wkv_b_row(L, h * (N + V) + k, buf);
+        for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
     }
 }
 
@@ -546,6 +553,8 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
         mla_project(&c, 1, &a->wq_b, ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
     }
     ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
+    ck_pool_for(mla_absorb_chunk, &c, n * a->nh,
+                nthreads(s, CK_ATTN_MAC_COST * n * a->nh * a->nope * a->r));
     int64_t ctx_work = 0;
     for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
