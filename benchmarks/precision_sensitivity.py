@@ -23,11 +23,17 @@ class alone -- then the mixes the converter offers. Per row: perplexity of the h
 next tokens, mean KL(reference || row) per position (nats), top-1 agreement with the
 reference, and the class's stored bits per weight (data, scales, zero points).
 
-llama.cpp at the nearest bits per weight (its formats, per 32 or 256 values): Q4_0 4.50,
-Q4_K 4.50, Q6_K 6.5625, Q8_0 8.50, F16 16. A GGUF of these models cannot be measured
-here: the K-quants need rows that are multiples of 256 values (both models have hidden
-size 128), llama-perplexity is not among the built tools, and the `gguf` package is not
-installed; so the comparison is at the bits level only (docs/BENCHMARKS.md).
+llama.cpp on the same models: `--llamacpp` (on when llama-cpp-python and gguf are
+installed) writes each checkpoint as an F32 GGUF for llama.cpp's qwen2moe graph (its dense
+first layer rewritten as an MoE layer that computes exactly the dense FFN:
+_qwen2moe_gguf.py), quantizes it with llama.cpp's own quantizer (Q4_0, Q8_0: llama.cpp's
+default type per tensor for that file type; the K-quants need rows of a multiple of 256
+values and these models' hidden size is 128, so the quantizer falls back for them), and
+scores the same held-out positions through llama-cpp-python with its default settings
+(f16 KV cache). The F32 row checks the rewrite: its KL against the reference is the f16 KV
+cache's alone. Bits per weight count the stored weights of the same tensors as Colibri's
+(embedding, lm_head, attention, FFNs and experts; not norms, routers, biases), each at
+its llama.cpp type's size. `--no-classes` skips the one-class-at-a-time sweep.
 """
 from __future__ import annotations
 
@@ -50,6 +56,11 @@ from colibri_core.convert import (SIX_BIT_CLASSES, TENSOR_CLASSES, convert,  # n
 from colibri_core.engine import Engine  # noqa: E402
 
 LLAMA_CPP_BPW = {4: ("Q4_0 / Q4_K", 4.5), 6: ("Q6_K", 6.5625), 8: ("Q8_0", 8.5), 16: ("F16", 16.0)}
+GGML_BPW = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5,
+            "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q3_K": 3.4375,
+            "Q2_K": 2.625}
+LLAMACPP_ROWS = (("llama.cpp F32 (the rewrite's check)", "ALL_F32"),
+                 ("llama.cpp Q4_0", "MOSTLY_Q4_0"), ("llama.cpp Q8_0", "MOSTLY_Q8_0"))
 FLOAT = {c: 32 for c in TENSOR_CLASSES}
 # The mixes the converter offers: its default (the first: choose() measures against it),
 # format 1.0's default (lm_head q8) and the other q6 alternatives.
@@ -125,7 +136,56 @@ def check_builtin_source(hf: Path, tmp: Path) -> str:
         "WARNING: does not reproduce colibri_core/models/builtin (another checkpoint)"
 
 
-def sweep(name: str, hf: Path, seqs: list, tmp: Path, log) -> dict:
+def llamacpp_bits(hf: Path, types: dict, dense: list) -> float:
+    """Bits per weight of the model's own matrices (not the rewrite's copies and padding) at
+    the types llama.cpp's quantizer gave their GGUF tensors."""
+    c = json.loads((hf / "config.json").read_text())
+    H, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    E, I, S, D = (c["num_experts"], c["moe_intermediate_size"],
+                  c["shared_expert_intermediate_size"], c["intermediate_size"])
+    hd = H // nh
+    n = {"token_embd.weight": V * H, "output.weight": V * H}
+    for i in range(L):
+        n.update({f"blk.{i}.attn_q.weight": H * H, f"blk.{i}.attn_k.weight": H * nkv * hd,
+                  f"blk.{i}.attn_v.weight": H * nkv * hd, f"blk.{i}.attn_output.weight": H * H})
+        for m in ("gate", "up", "down"):
+            if i in dense:
+                n[f"blk.{i}.ffn_{m}_exps.weight"] = D * H
+            else:
+                n[f"blk.{i}.ffn_{m}_exps.weight"] = E * I * H
+                n[f"blk.{i}.ffn_{m}_shexp.weight"] = S * H
+    return sum(k * GGML_BPW[types[t]] for t, k in n.items()) / sum(n.values())
+
+
+def llamacpp_rows(hf: Path, seqs: list, ref_lp: np.ndarray, targets: np.ndarray, tmp: Path,
+                  log, ref_ppl: float) -> list:
+    from _qwen2moe_gguf import llamacpp_logits, quantize, tensor_types, write_qwen2moe_gguf
+    f32 = tmp / "llamacpp-f32.gguf"
+    info = write_qwen2moe_gguf(hf, f32)
+    log(f"  llama.cpp (qwen2moe GGUF; dense layers {info['dense_layers']} rewritten as MoE of "
+        f"width {info['expert_width']}):")
+    rows = []
+    for label, ftype in LLAMACPP_ROWS:
+        g = f32 if ftype == "ALL_F32" else quantize(f32, tmp / f"llamacpp-{ftype}.gguf", ftype)
+        types = tensor_types(g)
+        m = metrics(log_softmax(llamacpp_logits(g, seqs)), ref_lp, targets)
+        m.update(label=label, bits=llamacpp_bits(hf, types, info["dense_layers"]), types={
+            k: types[k] for k in ("token_embd.weight", "output.weight", "blk.1.attn_q.weight",
+                                  "blk.1.attn_k.weight", "blk.1.attn_v.weight",
+                                  "blk.1.ffn_down_exps.weight")})
+        rows.append(m)
+        log(f"  {label:<44} ppl {m['ppl']:8.4f} ({100 * (m['ppl'] / ref_ppl - 1):+6.2f}%)  "
+            f"KL {m['kl']:.5f}  p99 {m['kl_p99']:.4f}  top1 {m['top1']:.4f}  "
+            f"{m['bits']:5.2f} bits/w  {m['types']}")
+        if g != f32:
+            g.unlink()
+    f32.unlink()
+    return rows
+
+
+def sweep(name: str, hf: Path, seqs: list, tmp: Path, log, classes: bool = True,
+          llamacpp: bool = False) -> dict:
     t0 = time.time()
     targets = targets_of(seqs)
     ref_dir = tmp / f"{name}_f32"
@@ -155,8 +215,9 @@ def sweep(name: str, hf: Path, seqs: list, tmp: Path, log) -> dict:
     # float weights multiply float activations in the default engine too (int8 activations
     # are for quantized matrices): only the fixed-point routing differs from the reference
     res["f32_default"] = run("f32 weights, default engine", 32, {})
-    log("  one class at a time, the others f32:")
-    for cls in TENSOR_CLASSES:
+    if classes:
+        log("  one class at a time, the others f32:")
+    for cls in TENSOR_CLASSES if classes else ():
         for b in ((4, 6, 8, 16) if cls in SIX_BIT_CLASSES else (4, 8, 16)):
             try:
                 m = run(f"{cls} {b}-bit", 32, {**FLOAT, cls: b}, cls)
@@ -167,6 +228,8 @@ def sweep(name: str, hf: Path, seqs: list, tmp: Path, log) -> dict:
     log("  the converter's mixes (--bits 4):")
     for label, tb in MIXES.items():
         res["mixes"].append(run(label, 4, tb))
+    if llamacpp:
+        res["llamacpp"] = llamacpp_rows(hf, seqs, ref_lp, targets, tmp, log, ref["ppl"])
     log(f"  ({time.time() - t0:.0f} s)")
     return res
 
@@ -192,23 +255,34 @@ def main() -> int:
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--fraud-rows", type=int, default=1500)
+    ap.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=None,
+                    help="also score llama.cpp's Q4_0 / Q8_0 of the same checkpoints (default: "
+                         "when llama-cpp-python and gguf are installed)")
+    ap.add_argument("--classes", action=argparse.BooleanOptionalAction, default=True,
+                    help="the one-class-at-a-time sweep (--no-classes: the mixes only)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "out" / "precision_sensitivity.json"))
     a = ap.parse_args()
     log = lambda *x: print(*x, flush=True)   # noqa: E731
+    if a.llamacpp is None:
+        import importlib.util
+        a.llamacpp = all(importlib.util.find_spec(m) for m in ("llama_cpp", "gguf"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     out = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         hf = Path(a.builtin_hf)
         log(f"built-in model checkpoint {hf}: {check_builtin_source(hf, tmp)}")
-        out.append(sweep("builtin", hf, builtin_data(hf, a.seqs, a.seq_len), tmp, log))
+        out.append(sweep("builtin", hf, builtin_data(hf, a.seqs, a.seq_len), tmp, log,
+                         a.classes, a.llamacpp))
         fh = Path(a.fraud_hf)
         if (fh / "config.json").exists():
-            out.append(sweep("fraud", fh, fraud_data(a.fraud_rows), tmp, log))
+            out.append(sweep("fraud", fh, fraud_data(a.fraud_rows), tmp, log, a.classes,
+                             a.llamacpp))
         else:
             log(f"\nfraud: {fh} not found (python examples/fraud/train_base.py writes it)")
     log("\nllama.cpp at the nearest bits per weight: " +
         ", ".join(f"{b}-bit ~ {n} {bpw}" for b, (n, bpw) in LLAMA_CPP_BPW.items()))
-    for r in out:
+    for r in out if a.classes else ():
         r["choice_5pct"] = choose(r, 0.05)
         log(f"{r['model']}: fewest bits whose KL alone is <= 5% of the default mix's: "
             f"{r['choice_5pct']}")

@@ -1,0 +1,209 @@
+"""A Qwen2-MoE Hugging Face checkpoint as an F32 GGUF for llama.cpp's `qwen2moe` graph,
+for fidelity comparisons on the trained models (precision_sensitivity.py).
+
+llama.cpp's qwen2moe builds every layer as MoE (routed experts of one width, softmax
+weights not renormalized, plus a shared expert behind a sigmoid gate); our trained models
+have a dense first layer. That layer is written as an MoE layer that computes exactly the
+dense FFN:
+
+- every routed expert is the dense FFN itself, its down projection scaled by E / k, and
+  the router is zero: softmax gives each expert 1/E, any k of them sum to 1/E * k * E/k = 1
+  (E / k is a power of two for both models, so the scaling is exact in F32, and Q4_0's
+  per-block scale absorbs it exactly);
+- the shared expert's weights are zero (its gate vector a tiny constant: llama.cpp's
+  sigmoid is silu(x) / x, which a zero vector would make 0 / 0).
+
+The routed experts' width is the larger of the dense and the MoE widths; narrower experts
+are padded with zero rows (gate, up) and zero columns (down). A zero row gives silu(0) * 0
+= 0 and the padded columns are whole 32-value blocks of zeros (both widths are multiples
+of 32), so the padding adds nothing to any sum and Q4_0 quantizes every real block as it
+would unpadded. The result is llama.cpp running *this* model, at the cost of larger
+tensors; it is for fidelity only, never for timing.
+
+No tokenizer: the GGUF says `tokenizer.ggml.model = none` with the vocabulary's size, and
+the caller feeds token ids.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class Checkpoint:
+    """The checkpoint's tensors by name (one or several safetensors files), as float32."""
+
+    def __init__(self, hf: Path):
+        from safetensors import safe_open
+        files = sorted(hf.glob("*.safetensors"))
+        if not files:
+            raise SystemExit(f"{hf}: no *.safetensors files")
+        self._where = {}
+        self._open = [safe_open(str(f), "np") for f in files]
+        for h in self._open:
+            for k in h.keys():
+                self._where[k] = h
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self._where[name].get_tensor(name), np.float32)
+
+
+def _experts(ck: Checkpoint, L: int, E: int):
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) of layer L's routed experts."""
+    p = f"model.layers.{L}.mlp.experts"
+    if f"{p}.gate_up_proj" in ck:                 # transformers 5's fused layout
+        gu, down = ck[f"{p}.gate_up_proj"], ck[f"{p}.down_proj"]
+        I = gu.shape[1] // 2
+        return gu[:, :I], gu[:, I:], down
+    st = lambda n: np.stack([ck[f"{p}.{e}.{n}.weight"] for e in range(E)])  # noqa: E731
+    return st("gate_proj"), st("up_proj"), st("down_proj")
+
+
+def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:          # [..., I, H] -> [..., n, H]
+    pad = [(0, 0)] * a.ndim
+    pad[-2] = (0, n - a.shape[-2])
+    return np.pad(a, pad)
+
+
+def _pad_cols(a: np.ndarray, n: int) -> np.ndarray:          # [..., H, I] -> [..., H, n]
+    pad = [(0, 0)] * a.ndim
+    pad[-1] = (0, n - a.shape[-1])
+    return np.pad(a, pad)
+
+
+def write_qwen2moe_gguf(hf: Path, path: Path) -> dict:
+    """Write `path` (F32 GGUF, arch qwen2moe) from the checkpoint in `hf`; returns a summary
+    (which layers were dense, the widths used)."""
+    import gguf
+    c = json.loads((hf / "config.json").read_text())
+    if c.get("model_type") != "qwen2_moe":
+        raise SystemExit(f"{hf}: model_type {c.get('model_type')!r}, expected 'qwen2_moe'")
+    if c.get("norm_topk_prob"):
+        raise SystemExit(f"{hf}: norm_topk_prob is true; llama.cpp's qwen2moe never renormalizes")
+    H, L = c["hidden_size"], c["num_hidden_layers"]
+    nh, nkv, V = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+    E, K = c["num_experts"], c["num_experts_per_tok"]
+    I_moe, S = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    D = c["intermediate_size"]
+    if H % nh or (c.get("head_dim") or H // nh) != H // nh:
+        raise SystemExit(f"{hf}: head_dim must be hidden_size / num_attention_heads for qwen2moe")
+    theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+    ck = Checkpoint(hf)
+    dense = [i for i in range(L) if f"model.layers.{i}.mlp.gate_proj.weight" in ck]
+    width = max([I_moe] + [D] * bool(dense))
+    for n in {width, I_moe, D, S}:
+        if n % 32:
+            raise SystemExit(f"{hf}: FFN width {n} is not a multiple of 32 (Q4_0's block)")
+    scale = E / K
+    if scale != 2.0 ** round(np.log2(scale)):
+        raise SystemExit(f"{hf}: num_experts / num_experts_per_tok = {scale}: not a power of two, "
+                         "so the dense layer's rewrite would not be exact")
+
+    tmp = path.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), "qwen2moe")
+    w.add_name(hf.name)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_block_count(L)
+    w.add_feed_forward_length(D)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(float(theta))
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_expert_feed_forward_length(width)
+    w.add_expert_shared_feed_forward_length(S)
+    w.add_vocab_size(V)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("none")
+
+    w.add_tensor("token_embd.weight", ck["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", ck["model.norm.weight"])
+    head = "lm_head.weight" if "lm_head.weight" in ck else "model.embed_tokens.weight"
+    w.add_tensor("output.weight", ck[head])
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ck[p + "input_layernorm.weight"])
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+            w.add_tensor(f"blk.{i}.attn_{ours}.weight", ck[p + f"self_attn.{theirs}.weight"])
+            if p + f"self_attn.{theirs}.bias" in ck:
+                w.add_tensor(f"blk.{i}.attn_{ours}.bias", ck[p + f"self_attn.{theirs}.bias"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", ck[p + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ck[p + "post_attention_layernorm.weight"])
+        if i in dense:
+            g, u, d = (ck[p + f"mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+            gate = np.broadcast_to(_pad_rows(g, width), (E, width, H))
+            up = np.broadcast_to(_pad_rows(u, width), (E, width, H))
+            down = np.broadcast_to(_pad_cols(d * np.float32(scale), width), (E, H, width))
+            router = np.zeros((E, H), np.float32)
+            s_gate = s_up = np.zeros((S, H), np.float32)
+            s_down = np.zeros((H, S), np.float32)
+            s_inp = np.full(H, 1e-20, np.float32)
+        else:
+            gate, up, down = _experts(ck, i, E)
+            gate, up, down = _pad_rows(gate, width), _pad_rows(up, width), _pad_cols(down, width)
+            router = ck[p + "mlp.gate.weight"]
+            s_gate, s_up, s_down = (ck[p + f"mlp.shared_expert.{n}.weight"]
+                                    for n in ("gate_proj", "up_proj", "down_proj"))
+            s_inp = ck[p + "mlp.shared_expert_gate.weight"].reshape(H)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(down))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", s_inp)
+        w.add_tensor(f"blk.{i}.ffn_gate_shexp.weight", s_gate)
+        w.add_tensor(f"blk.{i}.ffn_up_shexp.weight", s_up)
+        w.add_tensor(f"blk.{i}.ffn_down_shexp.weight", s_down)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return {"dense_layers": dense, "expert_width": width, "moe_width": I_moe, "dense_width": D}
+
+
+def quantize(src: Path, dst: Path, ftype_name: str, threads: int = 2) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize through llama-cpp-python), with its
+    default choice of types per tensor for `ftype_name` (e.g. "MOSTLY_Q4_0")."""
+    import ctypes
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype_name}")
+    tmp = dst.with_suffix(".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({ftype_name}) returned {rc}")
+    os.replace(tmp, dst)
+    return dst
+
+
+def tensor_types(path: Path) -> dict:
+    """{tensor name: ggml type name} of a GGUF file, and its bits per stored weight over the
+    tensors of a real model (the rewrite's padding and copies excluded: see weights())."""
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    return {t.name: t.tensor_type.name for t in r.tensors}
+
+
+def llamacpp_logits(path: Path, seqs: list, threads: int = 2) -> np.ndarray:
+    """Next-token logits at every position of every sequence, [N positions, V] float64,
+    from llama.cpp (llama-cpp-python, logits for all positions, one sequence at a time)."""
+    import llama_cpp
+    n_ctx = max(len(s) for s in seqs)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(n_ctx, 32), n_batch=512, n_ubatch=512,
+                          n_threads=threads, n_threads_batch=threads, logits_all=True,
+                          use_mmap=True, verbose=False)
+    out = []
+    for s in seqs:
+        llm.reset()
+        llm.eval(list(s))
+        out.append(np.array(llm.scores[:len(s)], np.float64))
+    llm.close()
+    return np.concatenate(out)
