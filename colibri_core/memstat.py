@@ -117,6 +117,22 @@ def proc_read_bytes() -> Optional[int]:
     return None
 
 
+def file_pmd_mapped() -> dict:
+    """{start address: bytes mapped with 2 MB page-table entries} of this process's file
+    mappings (/proc/self/smaps FilePmdMapped); {} where the kernel does not say."""
+    out, start = {}, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    start = int(line.split("-", 1)[0], 16)
+                elif line.startswith("FilePmdMapped:") and start is not None:
+                    out[start] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def proc_memory() -> dict:
     """VmRSS, VmHWM (peak RSS), RssAnon, RssFile, RssShmem of this process, in bytes."""
     out = {}

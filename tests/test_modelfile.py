@@ -175,3 +175,52 @@ def test_large_files_are_written_out_of_the_page_cache(tmp_path):
     assert file_cache_bytes(tmp_path / "big.bin") == 0
     np.testing.assert_array_equal(f.tensor("w").data, big.data)
     f.close()
+
+
+def test_preload_rereads_a_file_cached_in_small_folios(tmp_path):
+    """A weights file the page cache holds in 4 KB folios (read by something else with
+    readahead off) stays mapped in 4 KB pages whatever MADV_HUGEPAGE says; the no-budget
+    preload drops it and reads it again, in 2 MB folios where the file system has large
+    folios (residency.py, _reread_small_folios). The bytes are unchanged."""
+    from types import SimpleNamespace
+    from colibri_core.memstat import (MADV_POPULATE_READ, drop_file_cache, file_pmd_mapped,
+                                      madvise)
+    from colibri_core.modelfile import HUGE_PAGE, MADV_HUGEPAGE
+    from colibri_core.residency import Residency
+    rng = np.random.default_rng(1)
+    big = quantize_q4(rng.standard_normal((8192, 1024)).astype(np.float32), 128)   # ~4.4 MB
+    path = tmp_path / "big.bin"
+    write_container(path, [("w", big)])
+    size = path.stat().st_size
+    if not file_pmd_mapped():
+        pytest.skip("the kernel does not report FilePmdMapped (/proc/self/smaps)")
+
+    def pmd(f):
+        return file_pmd_mapped().get(f.base_address, 0)
+
+    def mapped(f):
+        f.madvise(MADV_HUGEPAGE)
+        madvise(f.base_address, -(-size // 4096) * 4096, MADV_POPULATE_READ)
+        return pmd(f)
+
+    f = ContainerFile(path)                 # read cold: are there 2 MB file pages here?
+    if mapped(f) == 0:
+        f.close()
+        pytest.skip("no 2 MB file pages on this file system (no large folios, or THP off)")
+    f.close()
+    drop_file_cache(path, sync=True)        # cold again, then 4 KB folios, readahead off
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    for off in range(0, size, 4096):
+        os.pread(fd, 4096, off)
+    os.close(fd)
+    f = ContainerFile(path)
+    if mapped(f) > 0:
+        f.close()
+        pytest.skip("4 KB reads with readahead off still gave 2 MB folios here")
+    res = Residency(SimpleNamespace(files=[f], layers=[]), None)
+    res.preload(MADV_POPULATE_READ)
+    assert res.reread_files == 1
+    assert pmd(f) >= HUGE_PAGE, pmd(f)
+    np.testing.assert_array_equal(f.tensor("w").data, big.data)
+    f.close()
