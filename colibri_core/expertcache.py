@@ -116,27 +116,15 @@ class _Entry:
 
 
 def _populate(f):
-    """Read a mapped expert file `f` (a ContainerFile) in and map it (MADV_POPULATE_READ);
-    on kernels without it, read the file once (into the page cache) and let the kernels
-    fault it in. EFAULT means the file is shorter than its mapping: truncated in place."""
-    addr, size, path = f.base_address, f.size, f.path
-    err = madvise(addr, size, MADV_POPULATE_READ)
-    if err in (_errno.EINVAL, _errno.ENOSYS, _errno.EOPNOTSUPP):
-        fd = open_regular(path)
-        try:
-            buf = bytearray(1 << 20)
-            off = 0
-            while off < size and os.preadv(fd, [buf], off) > 0:
-                off += len(buf)
-        finally:
-            os.close(fd)
-        madvise(addr, size, MADV_WILLNEED)
-    elif err == _errno.EFAULT:
+    """Read a mapped expert file `f` (a ContainerFile) in and map it; a file shorter than
+    its mapping (truncated in place) is damaged for good."""
+    err = f.populate()
+    if err == _errno.EFAULT:
         if f.guard is not None:
             f.guard.mark_damaged()          # every later use fails the same way
-        raise ModelFileDamaged(path)
-    elif err:
-        raise ModelFormatError(f"{path}: cannot read expert ({os.strerror(err)})")
+        raise ModelFileDamaged(f.path)
+    if err:
+        raise ModelFormatError(f"{f.path}: cannot read expert ({os.strerror(err)})")
 
 
 def _read_into(path: Path, view: memoryview, offset: int, direct: bool) -> None:

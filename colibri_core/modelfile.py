@@ -3,6 +3,7 @@ maps them into zero-copy numpy views. No math here. Layout: docs/FORMAT.md.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -523,6 +524,29 @@ class ContainerFile:
                 self._mm.madvise(advice)
             except OSError:
                 pass  # e.g. MADV_POPULATE_READ on an old kernel: prefetch is best effort
+
+    def populate(self) -> int:
+        """Read the whole file in and map it (MADV_POPULATE_READ, Linux 5.14 on); on older
+        kernels read it once into the page cache and advise WILLNEED, so that the kernels'
+        faults find it there. Returns 0 or MADV_POPULATE_READ's errno (EFAULT: the file is
+        shorter than its mapping, truncated in place); what that means is the caller's."""
+        from .memstat import MADV_POPULATE_READ, MADV_WILLNEED, madvise
+        if self._mm is None or self.buf is None:
+            return 0
+        addr, size = self.base_address, -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        err = madvise(addr, size, MADV_POPULATE_READ)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return err
+        fd = open_regular(self.path)
+        try:
+            buf = bytearray(1 << 20)
+            off = 0
+            while off < self.size and os.preadv(fd, [buf], off) > 0:
+                off += len(buf)
+        finally:
+            os.close(fd)
+        madvise(addr, size, MADV_WILLNEED)
+        return 0
 
     def close(self) -> None:
         self.sections = {}

@@ -48,7 +48,6 @@ and holds `Residency`; the cache itself (`BudgetResidency`) and the choice betwe
 """
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import threading
@@ -352,11 +351,13 @@ class Residency:
             self._preloader = threading.Thread(target=self._populate_files, daemon=True,
                                                name="colibri-preload")
             self._preloader.start()
+        elif advice == MADV_POPULATE_READ:
+            for f in self.weights.files:
+                f.populate()
+            self._reread_small_folios()
         else:
             for f in self.weights.files:
                 f.madvise(advice)
-            if advice == MADV_POPULATE_READ:
-                self._reread_small_folios()
         if self._advice is not None:                 # the per-expert prefetch is done too
             for lw in self.weights.layers:
                 for ex in lw.experts:
@@ -421,14 +422,8 @@ class Residency:
         for f in self.weights.files:
             if self._stop_preload.is_set():
                 return
-            if f.buf is None:
-                continue
-            err = madvise(f.base_address, -(-f.size // PAGE) * PAGE, MADV_POPULATE_READ)
-            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):   # before Linux 5.14
-                f.madvise(MADV_WILLNEED)
-                return
-            # other errors (a file truncated under its mapping: EFAULT) are the kernels'
-            # to meet when they read it (mapguard.py)
+            f.populate()   # an error (a file truncated under its mapping: EFAULT) is the
+            #                kernels' to meet when they read it (mapguard.py)
         self._reread_small_folios()
 
     def _reread_small_folios(self) -> None:
@@ -453,7 +448,7 @@ class Residency:
             n = -(-f.size // PAGE) * PAGE
             madvise(f.base_address, n, MADV_DONTNEED)       # our page-table entries
             drop_file_cache(f.path)                         # then the cached small folios
-            madvise(f.base_address, n, MADV_POPULATE_READ)
+            f.populate()
             self.reread_files += 1
             if i == 0 and file_pmd_mapped().get(f.base_address, 0) == 0:
                 return
