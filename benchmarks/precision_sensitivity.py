@@ -260,6 +260,7 @@ def main() -> int:
                          "when llama-cpp-python and gguf are installed)")
     ap.add_argument("--classes", action=argparse.BooleanOptionalAction, default=True,
                     help="the one-class-at-a-time sweep (--no-classes: the mixes only)")
+    ap.add_argument("--models", default="builtin,fraud", help="which of builtin,fraud")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "out" / "precision_sensitivity.json"))
     a = ap.parse_args()
     log = lambda *x: print(*x, flush=True)   # noqa: E731
@@ -270,12 +271,18 @@ def main() -> int:
     out = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        hf = Path(a.builtin_hf)
-        log(f"built-in model checkpoint {hf}: {check_builtin_source(hf, tmp)}")
-        out.append(sweep("builtin", hf, builtin_data(hf, a.seqs, a.seq_len), tmp, log,
-                         a.classes, a.llamacpp))
+        models = {m.strip() for m in a.models.split(",") if m.strip()}
+        if models - {"builtin", "fraud"}:
+            raise SystemExit(f"--models: {a.models!r}; choose from builtin,fraud")
+        if "builtin" in models:
+            hf = Path(a.builtin_hf)
+            log(f"built-in model checkpoint {hf}: {check_builtin_source(hf, tmp)}")
+            out.append(sweep("builtin", hf, builtin_data(hf, a.seqs, a.seq_len), tmp, log,
+                             a.classes, a.llamacpp))
         fh = Path(a.fraud_hf)
-        if (fh / "config.json").exists():
+        if "fraud" not in models:
+            pass
+        elif (fh / "config.json").exists():
             out.append(sweep("fraud", fh, fraud_data(a.fraud_rows), tmp, log, a.classes,
                              a.llamacpp))
         else:
