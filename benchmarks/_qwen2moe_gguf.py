@@ -185,8 +185,8 @@ def quantize(src: Path, dst: Path, ftype_name: str, threads: int = 2) -> Path:
 
 
 def tensor_types(path: Path) -> dict:
-    """{tensor name: ggml type name} of a GGUF file, and its bits per stored weight over the
-    tensors of a real model (the rewrite's padding and copies excluded: see weights())."""
+    """{tensor name: ggml type name} of a GGUF file (the types llama.cpp's quantizer
+    chose per tensor)."""
     import gguf
     r = gguf.GGUFReader(str(path))
     return {t.name: t.tensor_type.name for t in r.tensors}
