@@ -76,10 +76,10 @@ def _pad_cols(a: np.ndarray, n: int) -> np.ndarray:          # [..., H, I] -> [.
     return np.pad(a, pad)
 
 
-def write_qwen2moe_gguf(hf: Path, path: Path) -> dict:
-    """Write `path` (F32 GGUF, arch qwen2moe) from the checkpoint in `hf`; returns a summary
-    (which layers were dense, the widths used)."""
-    import gguf
+def qwen2moe_tensors(hf: Path):
+    """(hparams, summary, tensors) of the checkpoint in `hf` as llama.cpp's qwen2moe graph
+    reads it: hparams the GGUF keys' values, tensors an iterator of (GGUF name, float32
+    array in row-major [.., rows, cols] order) with the dense layers rewritten (above)."""
     c = json.loads((hf / "config.json").read_text())
     if c.get("model_type") != "qwen2_moe":
         raise SystemExit(f"{hf}: model_type {c.get('model_type')!r}, expected 'qwen2_moe'")
@@ -103,69 +103,74 @@ def write_qwen2moe_gguf(hf: Path, path: Path) -> dict:
     if scale != 2.0 ** round(np.log2(scale)):
         raise SystemExit(f"{hf}: num_experts / num_experts_per_tok = {scale}: not a power of two, "
                          "so the dense layer's rewrite would not be exact")
+    hp = dict(context_length=c["max_position_embeddings"], embedding_length=H, block_count=L,
+              feed_forward_length=D, head_count=nh, head_count_kv=nkv,
+              layer_norm_rms_eps=c["rms_norm_eps"], rope_freq_base=float(theta),
+              expert_count=E, expert_used_count=K, expert_feed_forward_length=width,
+              expert_shared_feed_forward_length=S, vocab_size=V)
+    summary = {"dense_layers": dense, "expert_width": width, "moe_width": I_moe, "dense_width": D}
 
+    def tensors():
+        yield "token_embd.weight", ck["model.embed_tokens.weight"]
+        yield "output_norm.weight", ck["model.norm.weight"]
+        head = "lm_head.weight" if "lm_head.weight" in ck else "model.embed_tokens.weight"
+        yield "output.weight", ck[head]
+        for i in range(L):
+            p, b = f"model.layers.{i}.", f"blk.{i}."
+            yield b + "attn_norm.weight", ck[p + "input_layernorm.weight"]
+            for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+                yield b + f"attn_{ours}.weight", ck[p + f"self_attn.{theirs}.weight"]
+                if p + f"self_attn.{theirs}.bias" in ck:
+                    yield b + f"attn_{ours}.bias", ck[p + f"self_attn.{theirs}.bias"]
+            yield b + "attn_output.weight", ck[p + "self_attn.o_proj.weight"]
+            yield b + "ffn_norm.weight", ck[p + "post_attention_layernorm.weight"]
+            if i in dense:
+                g, u, d = (ck[p + f"mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+                gate = np.broadcast_to(_pad_rows(g, width), (E, width, H))
+                up = np.broadcast_to(_pad_rows(u, width), (E, width, H))
+                down = np.broadcast_to(_pad_cols(d * np.float32(scale), width), (E, H, width))
+                router = np.zeros((E, H), np.float32)
+                s_gate = s_up = np.zeros((S, H), np.float32)
+                s_down = np.zeros((H, S), np.float32)
+                s_inp = np.full(H, 1e-20, np.float32)
+            else:
+                gate, up, down = _experts(ck, i, E)
+                gate, up, down = _pad_rows(gate, width), _pad_rows(up, width), _pad_cols(down, width)
+                router = ck[p + "mlp.gate.weight"]
+                s_gate, s_up, s_down = (ck[p + f"mlp.shared_expert.{n}.weight"]
+                                        for n in ("gate_proj", "up_proj", "down_proj"))
+                s_inp = ck[p + "mlp.shared_expert_gate.weight"].reshape(H)
+            yield b + "ffn_gate_inp.weight", router
+            yield b + "ffn_gate_exps.weight", np.ascontiguousarray(gate)
+            yield b + "ffn_up_exps.weight", np.ascontiguousarray(up)
+            yield b + "ffn_down_exps.weight", np.ascontiguousarray(down)
+            yield b + "ffn_gate_inp_shexp.weight", s_inp
+            yield b + "ffn_gate_shexp.weight", s_gate
+            yield b + "ffn_up_shexp.weight", s_up
+            yield b + "ffn_down_shexp.weight", s_down
+    return hp, summary, tensors()
+
+
+def write_qwen2moe_gguf(hf: Path, path: Path) -> dict:
+    """Write `path` (F32 GGUF, arch qwen2moe) from the checkpoint in `hf`; returns a summary
+    (which layers were dense, the widths used)."""
+    import gguf
+    hp, summary, tensors = qwen2moe_tensors(hf)
     tmp = path.with_suffix(".partial")
     w = gguf.GGUFWriter(str(tmp), "qwen2moe")
     w.add_name(hf.name)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(H)
-    w.add_block_count(L)
-    w.add_feed_forward_length(D)
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_freq_base(float(theta))
-    w.add_expert_count(E)
-    w.add_expert_used_count(K)
-    w.add_expert_feed_forward_length(width)
-    w.add_expert_shared_feed_forward_length(S)
-    w.add_vocab_size(V)
+    for key, value in hp.items():
+        getattr(w, f"add_{key}")(value)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("none")
-
-    w.add_tensor("token_embd.weight", ck["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", ck["model.norm.weight"])
-    head = "lm_head.weight" if "lm_head.weight" in ck else "model.embed_tokens.weight"
-    w.add_tensor("output.weight", ck[head])
-    for i in range(L):
-        p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ck[p + "input_layernorm.weight"])
-        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
-            w.add_tensor(f"blk.{i}.attn_{ours}.weight", ck[p + f"self_attn.{theirs}.weight"])
-            if p + f"self_attn.{theirs}.bias" in ck:
-                w.add_tensor(f"blk.{i}.attn_{ours}.bias", ck[p + f"self_attn.{theirs}.bias"])
-        w.add_tensor(f"blk.{i}.attn_output.weight", ck[p + "self_attn.o_proj.weight"])
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ck[p + "post_attention_layernorm.weight"])
-        if i in dense:
-            g, u, d = (ck[p + f"mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
-            gate = np.broadcast_to(_pad_rows(g, width), (E, width, H))
-            up = np.broadcast_to(_pad_rows(u, width), (E, width, H))
-            down = np.broadcast_to(_pad_cols(d * np.float32(scale), width), (E, H, width))
-            router = np.zeros((E, H), np.float32)
-            s_gate = s_up = np.zeros((S, H), np.float32)
-            s_down = np.zeros((H, S), np.float32)
-            s_inp = np.full(H, 1e-20, np.float32)
-        else:
-            gate, up, down = _experts(ck, i, E)
-            gate, up, down = _pad_rows(gate, width), _pad_rows(up, width), _pad_cols(down, width)
-            router = ck[p + "mlp.gate.weight"]
-            s_gate, s_up, s_down = (ck[p + f"mlp.shared_expert.{n}.weight"]
-                                    for n in ("gate_proj", "up_proj", "down_proj"))
-            s_inp = ck[p + "mlp.shared_expert_gate.weight"].reshape(H)
-        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
-        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
-        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(down))
-        w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", s_inp)
-        w.add_tensor(f"blk.{i}.ffn_gate_shexp.weight", s_gate)
-        w.add_tensor(f"blk.{i}.ffn_up_shexp.weight", s_up)
-        w.add_tensor(f"blk.{i}.ffn_down_shexp.weight", s_down)
+    for name, a in tensors:
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     os.replace(tmp, path)
-    return {"dense_layers": dense, "expert_width": width, "moe_width": I_moe, "dense_width": D}
+    return summary
 
 
 def quantize(src: Path, dst: Path, ftype_name: str, threads: int = 2) -> Path:

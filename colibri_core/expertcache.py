@@ -117,21 +117,10 @@ class _Entry:
 
 def _populate(f):
     """Read a mapped expert file `f` (a ContainerFile) in and map it; a file shorter than
-    its mapping (truncated in place) is damaged for good. The whole file's read is asked
-    for first (POSIX_FADV_WILLNEED: its readahead in flight at once, not a window at a
-    time behind the faults): one 4.7 MB expert read cold in 5.7-6.8 ms against 6.5-7.3
-    (0.75 against 0.64 GB/s, this development machine's virtio disk)."""
-    try:
-        fd = open_regular(f.path)
-    except ModelFormatError:
-        fd = None                          # populate() below meets the same error
-    if fd is not None:
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    its mapping (truncated in place) is damaged for good. (Asking for the whole file
+    first with POSIX_FADV_WILLNEED made one cold 4.7 MB expert 0.75 against 0.64 GB/s in
+    isolation, but did not help a half-model budget's decode: 109 / 82 ms a token with
+    it, 74 / 79 without, the disk's own rate moving 0.4-1.2 GB/s; not kept.)"""
     err = f.populate()
     if err == _errno.EFAULT:
         if f.guard is not None:
