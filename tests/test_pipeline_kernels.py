@@ -446,6 +446,43 @@ def test_panels_change_no_bit(eng):
         K._set_panel_min_tokens(default)
 
 
+@pytest.mark.skipif("avx512vnni" not in K.available_backends(),
+                    reason="the panel kernel is AVX-512 VNNI's")
+def test_head_panels_change_no_bit(eng):
+    """The lm_head (q4, q6 or q8 by the variant) gives the same bits through the AVX-512
+    panels (q4 and q6 heads, from the panel switch point on) or the tiles, with the panels'
+    scratch short (the tiles then), and on AVX2."""
+    m = eng.model
+    p = m.pipeline
+    n = 45                                         # a partial last panel
+    x = hidden_rows(n, m.cfg.hidden_size, 91)
+    sc = p.scratch
+    sc.ensure(n, 1)
+    default = K._set_panel_min_tokens(0)
+    res = []
+    try:
+        for be, mt, rows in [("avx512vnni", sp, None) for sp in PANEL_POINTS] + \
+                [("avx512vnni", 1, 40), ("avx2", 1, None)]:
+            K.set_backend(be)
+            K._set_panel_min_tokens(mt)
+            saved = sc.s.p_rows
+            if rows is not None:
+                sc.s.p_rows = rows
+            try:
+                out = np.zeros((n, m.cfg.vocab_size), np.float32)
+                sc.head_x[:n] = x
+                assert lib.ck_step_head(p.head, p.final_norm, p.eps, sc.p_head_x, n, fp(out),
+                                        sc.s) == 0
+                res.append(out)
+            finally:
+                sc.s.p_rows = saved
+                K.set_backend("auto")
+    finally:
+        K._set_panel_min_tokens(default)
+    for i, r in enumerate(res[1:]):
+        assert np.array_equal(res[0].view(np.int32), r.view(np.int32)), i
+
+
 # ----------------------------------------------------------------------------- lm_head
 
 def test_head_matches_the_reference_and_is_batch_invariant(eng):

@@ -180,6 +180,42 @@ VNNI_FN void q4_unpack(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbu
     }
 }
 
+/* q4_unpack for a q6 matrix: each 64-value block's low nibbles and top two bits put
+ * together as the q6 tile does (ck_tiles.h, CK_DEFINE_Q6_I8_TILE), then w - z */
+VNNI_FN void q6_unpack(const ck_q6 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
+                       int32_t *wzs) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i shl = _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m256i shr = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i zero = _mm256_setzero_si256();
+    const int64_t rb = w->cp / 64 * CK_Q6_BLOCK, ng = w->ng, bpg = w->group / 64;
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *row = w->data + (r0 + r) * rb;
+        const uint8_t *zp = w->zeros + (r0 + r) * ng;
+        int8_t *dst = wbuf + (slot + r) * w->cp;
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256i zv = _mm256_set1_epi8((char)zp[g]);
+            __m256i sad = zero;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                const uint8_t *p = row + b * CK_Q6_BLOCK;
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)p);
+                const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 32)));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(ql, m4),
+                                                   _mm256_and_si256(_mm256_sllv_epi32(h, shl), m2));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                                                   _mm256_and_si256(_mm256_srlv_epi32(h, shr), m2));
+                sad = _mm256_add_epi64(sad, _mm256_add_epi64(_mm256_sad_epu8(lo, zero),
+                                                             _mm256_sad_epu8(hi, zero)));
+                _mm256_storeu_si256((__m256i *)(dst + b * 64), _mm256_sub_epi8(lo, zv));
+                _mm256_storeu_si256((__m256i *)(dst + b * 64 + 32), _mm256_sub_epi8(hi, zv));
+            }
+            __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            int64_t sum = _mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1);
+            wzs[(slot + r) * ng + g] = (int32_t)(-128 * (sum - (int64_t)zp[g] * w->group));
+        }
+    }
+}
+
 /* acc[r][tt] = the exact dots (w - z) . x of unpacked row r and the 16 tokens of panel
  * tt over group g. Named accumulators and a straight inner loop: with arrays GCC copied
  * every accumulator through another register on each step (see dpbusd512). */
@@ -277,7 +313,7 @@ VNNI_FN void q4_panels(const ck_unpacked *u, const ck_panel *p, int64_t np, floa
 
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
-    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels,
+    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels, q6_unpack,
 };
 
 #else

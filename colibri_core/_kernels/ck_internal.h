@@ -103,6 +103,11 @@ typedef struct {
                       int32_t *wzs);
     void (*q4_panels)(const ck_unpacked *u, const ck_panel *p, int64_t np, float *res,
                       int64_t ldr);
+    /* q4_unpack's job for a q6 matrix (values 0..63: w - z fits int8 and q4_panels'
+     * integer dots stay exact); its panels give the q6_i8 tiles' bits, whose integer dots
+     * go through the same q4_dot_pass. NULL: q6 matrices run the tiles. */
+    void (*q6_unpack)(const ck_q6 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
+                      int32_t *wzs);
 } ck_backend_t;
 
 extern const ck_backend_t ck_backend_scalar;
@@ -199,16 +204,24 @@ static inline void pack_panel_row(const int8_t *q, const float *s, int64_t cp, i
 
 /* rows r0..r0+rt of w into slots slot..slot+n of u, the last row repeated past rt (its
  * results are not used) */
-static inline void unpack_rows(const ck_backend_t *be, const ck_q4 *w, int64_t r0, int rt,
-                               int slot, int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
-    be->q4_unpack(w, r0, rt, slot, wb, wz);
+typedef void (*ck_unpack_fn)(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
+                             int32_t *wzs);
+
+static inline void unpack_rows_with(ck_unpack_fn unpack, const ck_q4 *w, int64_t r0, int rt,
+                                    int slot, int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
+    unpack(w, r0, rt, slot, wb, wz);
     for (int r = 0; r < n; r++) {
         int64_t row = r0 + (r < rt ? r : rt - 1);
-        if (r >= rt) be->q4_unpack(w, row, 1, slot + r, wb, wz);
+        if (r >= rt) unpack(w, row, 1, slot + r, wb, wz);
         u->sw[slot + r] = w->scales + row * w->ng;
     }
     u->w = wb; u->wzs = wz;
     u->cp = w->cp; u->ng = w->ng; u->group = w->group;
+}
+
+static inline void unpack_rows(const ck_backend_t *be, const ck_q4 *w, int64_t r0, int rt,
+                               int slot, int n, ck_unpacked *u, int8_t *wb, int32_t *wz) {
+    unpack_rows_with(be->q4_unpack, w, r0, rt, slot, n, u, wb, wz);
 }
 
 

@@ -5,7 +5,12 @@
 
 /* ------------------------------------------------------------------ lm_head */
 
-typedef struct { const ck_backend_t *be; wmat w; const sact *a; float *out; int64_t n; chunks ch; } head_ctx;
+typedef struct {
+    const ck_backend_t *be; wmat w; const sact *a; float *out; int64_t n; chunks ch;
+    int rti;          /* rows per item: CK_PANEL_ROWS with panels, else be->rt */
+    int pan;          /* the panels (AVX-512 batches: q4 and q6 heads) */
+    ck_panel p;
+} head_ctx;
 
 static void emit_logit(void *p, int64_t t, int64_t r, float v) {
     head_ctx *c = p;
@@ -14,10 +19,13 @@ static void emit_logit(void *p, int64_t t, int64_t r, float v) {
 
 static void lm_chunk(void *p, int64_t ch) {
     head_ctx *c = p;
-    const int rtp = c->be->rt;
     for (int64_t i = ch * c->ch.per; i < chunk_end(c->ch, ch); i++) {
-        int64_t r0 = i * rtp;
-        rows_x_tokens(c->be, &c->w, r0, (int)min64(rtp, c->w.rows - r0), c->a, c->n, emit_logit, c);
+        int64_t r0 = i * c->rti;
+        int rt = (int)min64(c->rti, c->w.rows - r0);
+        if (c->pan)
+            rows_x_panels(c->be, &c->w, r0, rt, &c->p, c->n, emit_logit, c);
+        else
+            rows_x_tokens(c->be, &c->w, r0, rt, c->a, c->n, emit_logit, c);
     }
 }
 
@@ -26,14 +34,21 @@ int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, 
     const ck_backend_t *be = ck_active_backend();
     if (n > s->n_max) return CK_E_SCRATCH;
     if (n <= 0) return 0;
-    head_ctx c = {be, to_w(w), NULL, logits, n,
-                  chunking(ntiles(w->rows, be->rt), n * be->rt * mat_bytes_per_row(w))};
+    head_ctx c = {be, to_w(w), NULL, logits, n, {0, 0}, be->rt, 0, {0}};
     act_set A = {0};
     int err = 0;
     int nth = nthreads(s, n * w->rows * w->cols);
     norm_rows(x, norm, n, w->cols, eps, s->xn, nth);
     c.a = act_for(&A, s, be, s->xn, n, w->cols, &c.w, nth, &err);
     if (err) return err;
+    /* a batch's head through the panels: each row tile unpacked once for all tokens, the
+     * tokens in the lanes (the same bits as the tiles) */
+    c.pan = panels_fit(be, s, &c.w, n);
+    if (c.pan) {
+        c.p = pack_panels(&c.a->q, n, s, nth);
+        c.rti = CK_PANEL_ROWS;
+    }
+    c.ch = chunking((w->rows + c.rti - 1) / c.rti, n * c.rti * mat_bytes_per_row(w));
     ck_pool_for(lm_chunk, &c, nchunks(c.ch), nth);
     return 0;
 }

@@ -287,7 +287,8 @@ static inline void norm_rows(const float *x, const float *w, int64_t n, int64_t 
  * w is q4, from ck_panel_min_tokens tokens, and the scratch's panel rows hold the n tokens */
 static inline int panels_fit(const ck_backend_t *be, const ck_sscratch *s, const wmat *w,
                              int64_t n) {
-    return be->q4_panels && s->pq && !s->act_f32 && w->kind == CK_W_Q4 && be->rt * 2 == CK_PANEL_ROWS &&
+    return be->q4_panels && s->pq && !s->act_f32 &&
+           (w->kind == CK_W_Q4 || (w->kind == CK_W_Q6 && be->q6_unpack)) && be->rt * 2 == CK_PANEL_ROWS &&
            n >= ck_panel_min_tokens && npanels(n) * CK_PANEL <= s->p_rows && w->q4.cp <= s->p_cp &&
            w->q4.cp <= CK_PANEL_MAX_CP;
 }
@@ -318,7 +319,8 @@ static inline void rows_x_panels(const ck_backend_t *be, const wmat *w, int64_t 
     int32_t wz[CK_PANEL_ROWS * ng];
     float res[CK_PANEL_ROWS * BLOCK * CK_PANEL];
     ck_unpacked u;
-    unpack_rows(be, &w->q4, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+    unpack_rows_with(w->kind == CK_W_Q6 ? be->q6_unpack : be->q4_unpack, &w->q4, r0, rt, 0,
+                     CK_PANEL_ROWS, &u, wb, wz);
     for (int64_t p0 = 0; p0 < npanels(n); p0 += BLOCK) {
         const int64_t np = min64(BLOCK, npanels(n) - p0), t0 = p0 * CK_PANEL;
         ck_panel pb = {p->q + p0 * CK_PANEL * p->cp, p->s + p0 * CK_PANEL * p->ng, p->cp, p->ng};

@@ -429,8 +429,8 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
         ffn_job *f = &jobs[q];
         /* w1 and w3 share their shape, and the panel rows hold this job too */
         const int fits = f->i8x && !f->own && c->ga.cp == f->w1.q4.cp && c->ga.ng == f->w1.q4.ng &&
-                         panels_fit(be, s, &f->w1, f->cnt) && f->w3.kind == CK_W_Q4 &&
-                         panels_fit(be, s, &f->w2, f->cnt) &&
+                         f->w1.kind == CK_W_Q4 && f->w3.kind == CK_W_Q4 && f->w2.kind == CK_W_Q4 &&
+                         panels_fit(be, s, &f->w1, f->cnt) && panels_fit(be, s, &f->w2, f->cnt) &&
                          (pans + npanels(f->cnt)) * CK_PANEL <= s->p_rows;
         f->pan = fits ? pans : -1;
         if (f->pan >= 0) {
