@@ -153,6 +153,22 @@ CK_DEFINE_Q6_I8(VNNI_FN, q6_i8, q6_i8_tile)
  * test_kernels.py). A tile is 8 rows x 2 panels (16 zmm accumulators; per 4 values, 2
  * panel loads and 8 broadcasts for 16 vpdpbusd). */
 
+/* one 64-value block of unpacked values (lo: 0..31, hi: 32..63) stored as w - z, their
+ * sum added to sad; and a group's wzs from that sum (q4_unpack and q6_unpack) */
+VNNI_INL void unpack_store(int8_t *dst, __m256i lo, __m256i hi, __m256i zv, __m256i *sad) {
+    const __m256i zero = _mm256_setzero_si256();
+    *sad = _mm256_add_epi64(*sad, _mm256_add_epi64(_mm256_sad_epu8(lo, zero),
+                                                   _mm256_sad_epu8(hi, zero)));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_sub_epi8(lo, zv));
+    _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_sub_epi8(hi, zv));
+}
+
+VNNI_INL int32_t unpack_wzs(__m256i sad, uint8_t z, int64_t group) {
+    __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+    int64_t sum = _mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1);
+    return (int32_t)(-128 * (sum - (int64_t)z * group));
+}
+
 VNNI_FN void q4_unpack(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
                        int32_t *wzs) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
@@ -166,16 +182,10 @@ VNNI_FN void q4_unpack(const ck_q4 *w, int64_t r0, int rt, int slot, int8_t *wbu
             __m256i sad = zero;
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * 32));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                sad = _mm256_add_epi64(sad, _mm256_add_epi64(_mm256_sad_epu8(lo, zero),
-                                                             _mm256_sad_epu8(hi, zero)));
-                _mm256_storeu_si256((__m256i *)(dst + b * 64), _mm256_sub_epi8(lo, zv));
-                _mm256_storeu_si256((__m256i *)(dst + b * 64 + 32), _mm256_sub_epi8(hi, zv));
+                unpack_store(dst + b * 64, _mm256_and_si256(v, m4),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), zv, &sad);
             }
-            __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-            int64_t sum = _mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1);
-            wzs[(slot + r) * ng + g] = (int32_t)(-128 * (sum - (int64_t)zp[g] * w->group));
+            wzs[(slot + r) * ng + g] = unpack_wzs(sad, zp[g], w->group);
         }
     }
 }
@@ -204,14 +214,9 @@ VNNI_FN void q6_unpack(const ck_q6 *w, int64_t r0, int rt, int slot, int8_t *wbu
                                                    _mm256_and_si256(_mm256_sllv_epi32(h, shl), m2));
                 const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
                                                    _mm256_and_si256(_mm256_srlv_epi32(h, shr), m2));
-                sad = _mm256_add_epi64(sad, _mm256_add_epi64(_mm256_sad_epu8(lo, zero),
-                                                             _mm256_sad_epu8(hi, zero)));
-                _mm256_storeu_si256((__m256i *)(dst + b * 64), _mm256_sub_epi8(lo, zv));
-                _mm256_storeu_si256((__m256i *)(dst + b * 64 + 32), _mm256_sub_epi8(hi, zv));
+                unpack_store(dst + b * 64, lo, hi, zv, &sad);
             }
-            __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-            int64_t sum = _mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1);
-            wzs[(slot + r) * ng + g] = (int32_t)(-128 * (sum - (int64_t)zp[g] * w->group));
+            wzs[(slot + r) * ng + g] = unpack_wzs(sad, zp[g], w->group);
         }
     }
 }
