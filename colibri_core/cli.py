@@ -649,6 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_arguments(sv)
     fleet_arguments(sv)
     sv.set_defaults(func=cmd_serve)
+    from . import replay
+    rp = sub.add_parser("replay", help="re-score an audit log's items under the expert set "
+                                       "each names; report outputs that differ (docs/SERVE.md)")
+    replay.add_arguments(rp)
+    rp.set_defaults(func=replay.main)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     c.add_argument("hf_dir", metavar="HF_DIR",

@@ -21,28 +21,21 @@ import numpy as np
 
 from . import kernels
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
-from .errors import (ConfigError, EngineClosedError, RequestCancelled, RequestError,
-                     RequestTooLarge)
+from .errors import ConfigError, EngineClosedError, RequestError
 from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
                             same_changes, with_change)
 from .generate import Generation
+from .hotplug.events import ExpertEvents
 from .kvcache import KVPool
-from .model import Model, check_memory
+from .model import Model
 from .kselect import check_k, split_mode_prefix
 from .sampler import Sampler
-from .scheduler import Request, Scheduler, ScoreJob, ensure_not_on_thread
+from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 from .weights import load_model
 
 log = logging.getLogger("colibri")
 _request_ids = itertools.count(1)
-
-
-class _Closer:
-    """What score_batch's `track` receives: close() cancels the request."""
-
-    def __init__(self, req: Request):
-        self.close = req.cancel
 
 
 class Engine:
@@ -55,6 +48,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.hotplug = None
         self.hooks = None
+        self.audit = None                     # audit.AuditLog once start_audit() is called
         # every request, from any thread, runs on the scheduler's one thread
         self.scheduler = Scheduler(self, str(self.model_dir))
         self._released = False
@@ -110,6 +104,7 @@ class Engine:
         self._snapshot_refs: dict = {}        # weakrefs that release experts with a snapshot
         # Hot-plug changes adopted from a set prepared by the worker / built on this thread.
         self.expert_change_stats = {"prepared": 0, "built_here": 0}
+        self.expert_events = ExpertEvents()   # the recent history, with its INFO lines
         if config.experts_dir is not None:
             self._start_hotplug(config)
         if self.hooks.engine_start is not None:
@@ -220,6 +215,8 @@ class Engine:
             if self.hooks is not None and self.hooks.engine_stop is not None:
                 self.hooks.engine_stop(engine=self)
         finally:
+            if self.audit is not None:          # every line queued so far, written
+                self.audit.close()
             if self.hotplug is not None:
                 self.hotplug.close()            # joins the worker: nothing is prepared after
                 self.hotplug = None
@@ -260,6 +257,13 @@ class Engine:
     def expert_set_generation(self) -> int:
         """The current expert set's counter: only grows, +1 per applied change."""
         return self.model.expert_set.generation
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The model's fingerprint (fingerprint.py; worked out once, on first use): what
+        a hot-plugged expert built for this model records as its base_model."""
+        from .fingerprint import model_fingerprint
+        return model_fingerprint(self.weights)
 
     @property
     def expert_set_id(self) -> str:
@@ -386,44 +390,30 @@ class Engine:
         tokens is refused. Blocks until done (from any thread but a plugin hook's).
         `track(handle)` is called once the call is queued: `handle.close()` from any
         thread cancels it (its sequences leave at the next step) and this call raises
-        RequestCancelled."""
-        if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
-            raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
-                               f"of token-id lists")
-        if not len(sequences):
-            return []
-        prepared = []
-        for i, seq in enumerate(sequences):
-            if isinstance(seq, str):
-                raise RequestError(f"sequence {i} is text: score_batch takes token ids "
-                                   f"(engine.encode(text) gives them)")
-            try:
-                prepared.append(self.prepare_ids(seq, reserve=0)[0])
-            except RequestError as e:
-                raise RequestError(f"sequence {i}: {e}") from None
-        total = sum(len(p) for p in prepared)
+        RequestCancelled. Engine.score gives each result with its expert set."""
+        return [s.logits for s in self.score(sequences, top_k, all_positions, track)]
+
+    def score(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
+              all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
+              request_id: Optional[str] = None) -> list:
+        """score_batch with provenance: one scoring.Scored per sequence (`logits`,
+        `expert_set` {generation, id} of the one set that computed it, `k`, `tokens`);
+        each sequence is pinned to the set current at its admission (scoring.py)."""
+        from .scoring import score
+        return score(self, sequences, top_k, all_positions, track,
+                     request_id or f"req-{next(_request_ids)}")
+
+    def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:
+        """Write one audit line per scored item and generated sequence to `path`
+        (audit.py; rotated past `max_mb` per file). Off until called."""
+        from .audit import AuditLog, RouteSink
+        if self.audit is not None:
+            raise RequestError(f"the audit log is on already ({self.audit.path})")
         cfg = self.config
-        if total > cfg.max_call_tokens:
-            raise RequestTooLarge(f"score_batch of {total} tokens: more than max_call_tokens="
-                                  f"{cfg.max_call_tokens} (engine config); split the call")
-        V = self.model_cfg.vocab_size
-        out_rows = total if all_positions else len(prepared)
-        check_memory(4 * V * out_rows, f"logits of {out_rows} positions")
-        rid = f"req-{next(_request_ids)}"
-        k, _ = self.choose_k(max(len(p) for p in prepared), top_k, None, {"id": rid})
-        ensure_not_on_thread(self.scheduler, "score_batch")
-        req = Request(rid)
-        req.jobs = [ScoreJob(req, p, k, all_positions) for p in prepared]
-        self.scheduler.submit(req)
-        try:
-            if track is not None:
-                track(_Closer(req))
-            req.wait()
-        finally:
-            req.cancel()                 # interrupted while waiting: not wanted any more
-        if any(j.result is None for j in req.jobs):
-            raise RequestCancelled(f"score_batch {rid} was cancelled before it finished")
-        return [j.result for j in req.jobs]
+        self.audit = AuditLog(path, max_mb, {
+            "model_dir": str(self.model_dir), "activations": cfg.activations,
+            "kv_dtype": cfg.kv_dtype, "routing": cfg.routing})
+        self.model.route_sink = RouteSink(self.model.pipeline)
 
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:
@@ -437,7 +427,7 @@ class Engine:
             allowlist=hp.allowlist, isolation_default=hp.isolation,
             probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event,
             probe_slots=hp.probe_slots, prepare=self._prepare_changes,
-            slots_file=hp.slots_file)
+            slots_file=hp.slots_file, model_fingerprint=self.model_fingerprint)
         self.hotplug.start()
         # The folder's existing experts go through the same checks before the first token.
         self.hotplug.wait_idle(hp.startup_timeout_s)
@@ -569,6 +559,7 @@ class Engine:
                 release_all(self.hotplug, never_used)
         while self._events:
             kind, info = self._events.popleft()
+            self.expert_events.record(kind, info, es.generation, es.id)   # es: now live
             hook = {"loaded": self.hooks.expert_loaded, "unloaded": self.hooks.expert_unloaded,
                     "rejected": self.hooks.expert_rejected}.get(kind)
             if hook is None:

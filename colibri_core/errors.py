@@ -22,6 +22,14 @@ class ConfigError(ColibriError, ValueError):
     code = "invalid_config"
 
 
+class AuditLogError(ColibriError, ValueError):
+    """An audit log line that cannot be read, or an expert set replay cannot rebuild
+    (the message names the file, the line and the field or the missing expert)."""
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_audit_log"
+
+
 class ModelFormatError(ColibriError, ValueError):
     """A model directory or one of its files is missing, truncated or malformed."""
     code = "model_error"

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Protocol
 import numpy as np
 
 from .config import EngineConfig, ModelConfig
+from .audit import generation_record, merge_routes
 from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
@@ -49,6 +50,12 @@ class TokenEvent:
     expert_set_generation: int  # the expert set the token was computed with: its counter
     expert_set_id: str          # ... and its digest (expertset.expert_set_id)
     latency_s: float           # time from the previous token (or the request's admission)
+
+    @property
+    def expert_set(self) -> dict:
+        """{generation, id} of the set that computed the token: the one name used
+        everywhere (expert_set_generation / expert_set_id are its two parts)."""
+        return {"generation": self.expert_set_generation, "id": self.expert_set_id}
 
 
 @dataclass
@@ -82,6 +89,17 @@ class Generation:
         d = None if self._request is None else self._request.jobs[0]
         return {"rounds": d.rounds if d else 0, "drafted": d.drafted_total if d else 0,
                 "accepted": d.accepted_total if d else 0}
+
+    @property
+    def expert_set(self) -> Optional[dict]:
+        """{generation, id} of the one expert set that computed every token so far
+        (always one with pin_experts=True); None before the first token, or when a
+        change came between two of its tokens (each TokenEvent names its own)."""
+        sets = {(ev.expert_set_generation, ev.expert_set_id) for ev in self.events}
+        if len(sets) != 1:
+            return None
+        g, i = sets.pop()
+        return {"generation": g, "id": i}
 
     @property
     def queue_wait_s(self) -> Optional[float]:
@@ -248,6 +266,11 @@ class _Stream(Request):
         if h is not None and h.request_end is not None:
             h.request_end(request_id=self.id, n_tokens=self.n_tokens,
                           stop_reason=self.stop_reason)
+        d = self.jobs[0]
+        if d.audit is not None and d.prompt_routed:     # its line (a dict: written elsewhere)
+            d.audit.put(generation_record(self.id, d.tokens, d.sets, d.k, d.out_tokens,
+                                          self.stop_reason, merge_routes(d.routes, d.k),
+                                          d.sampling), [es for _, es in d.sets])
 
 
 class Decode(Job):
@@ -281,6 +304,15 @@ class Decode(Job):
             self.lookup = PromptLookup(gen.prompt_ids, cfg.draft_ngram_max, cfg.draft_ngram_min)
         self.draft: list[int] = []          # what the running step feeds after `feed`
         self.rounds = self.drafted_total = self.accepted_total = 0
+        # the audit log (audit.py): the prompt's routing, the tokens and their sets
+        self.audit = getattr(eng, "audit", None)
+        self.sink = eng.model.route_sink if self.audit is not None else None
+        self.prompt_routed = False
+        self.routes: list = []
+        self.out_tokens: list[int] = []
+        self.sets: list = []                # [(first token index, es)]
+        inner = getattr(gen.sampler, "inner", gen.sampler)      # the server's wraps one
+        self.sampling = getattr(inner, "audit_params", None) if self.audit is not None else None
 
     def ready(self) -> bool:
         return self.feed is not None and len(self.request.events) < self.request._sched.ahead
@@ -306,6 +338,11 @@ class Decode(Job):
         self.done = True
 
     def after_step(self, logits: np.ndarray, es, final: bool) -> None:
+        if self.sink is not None:
+            parts = self.sink.take(self.cache)
+            if not self.prompt_routed:          # the prompt's chunks; decode rows dropped
+                self.routes += parts
+                self.prompt_routed = final
         if not final:
             return
         if self.step >= self.max_new_tokens:
@@ -354,6 +391,10 @@ class Decode(Job):
         self.t_prev = now
         req = self.request
         req.n_tokens += 1
+        if self.audit is not None:
+            self.out_tokens.append(tok)
+            if not self.sets or self.sets[-1][1] is not es:
+                self.sets.append((self.step, es))
         hooks = self.hooks
         if hooks is not None and hooks.token is not None:
             hooks.token(request_id=self.request_id, step=self.step, token_id=tok, text=piece,

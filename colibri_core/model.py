@@ -52,6 +52,9 @@ class Model:
         # The current expert set (the engine swaps it between tokens for hot-plugging).
         self.expert_set = ExpertSet.from_weights(weights)
         self.pipeline = Pipeline(self)
+        # The audit log's routing recorder (audit.RouteSink), called after every forward
+        # while the log is on; None (one test per forward) while it is off.
+        self.route_sink = None
 
     @property
     def ref(self) -> ReferenceModel:
@@ -160,6 +163,8 @@ class Model:
         self.file_check.check()                  # a damaged model computes nothing more
         out = self.pipeline.run(ids, spans, kt, es, all_logits, reuse)
         self.file_check.check()                  # a fault during this step: not a result
+        if self.route_sink is not None:
+            self.route_sink(spans)
         return out
 
     def decode_step(self, token: int, cache, k: int, expert_set: Optional[ExpertSet] = None) -> np.ndarray:

@@ -32,6 +32,13 @@ class Sampler:
             self.bias = (np.fromiter(logit_bias.keys(), np.int64, len(logit_bias)),
                          np.fromiter(logit_bias.values(), np.float64, len(logit_bias)))
         self.rng = np.random.default_rng(seed)
+        self.seed = seed
+
+    @property
+    def audit_params(self) -> dict:
+        """What the audit log records of the sampling (audit.py)."""
+        return {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                "top_k": self.top_k, "seed": self.seed, "logit_bias": self.bias is not None}
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.bias is not None:

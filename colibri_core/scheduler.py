@@ -51,7 +51,7 @@ IDLE_EXIT_S = 2.0       # the thread ends after this long without work (restarte
 
 class Job:
     """One sequence: its prompt, k and KV capacity, and what it does with its logits
-    (subclasses: generate.Decode, ScoreJob). Fields below `feed` belong to the scheduler."""
+    (subclasses: generate.Decode, scoring.ScoreJob). Fields below `feed` belong to the scheduler."""
 
     all_logits = False          # every position's logits (scoring), or the last token's
     decodes = False             # a stream: after its prompt, one token per step
@@ -83,25 +83,6 @@ class Job:
         it was a decode token). Set `feed` to go on, or `done`. On the scheduler thread;
         an exception fails this job's request only."""
         raise NotImplementedError
-
-
-class ScoreJob(Job):
-    """A scored sequence (score_batch): its prompt only; `result` the logits."""
-
-    def __init__(self, request, tokens, k: int, all_logits: bool):
-        super().__init__(request, tokens, k, len(tokens))
-        self.all_logits = all_logits
-        self.parts: list = []
-        self.result = None
-
-    def after_step(self, logits, es, final: bool) -> None:
-        if self.all_logits:
-            self.parts.append(logits)
-        if final:
-            self.result = logits if not self.all_logits else (
-                self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts, axis=0))
-            self.parts = []
-            self.done = True
 
 
 class Request:
