@@ -82,7 +82,8 @@ def build_pool(out: Path, specs: list[tuple[str, str, int, int]]) -> dict:
                      w2=rng.standard_normal((H, I)) / np.sqrt(I),
                      router_row=(rng.standard_normal(H) * 0.05).astype(np.float32),
                      router_bias=np.float32(0.0))
-            build_expert(npz, so, layer=layer, name=name, version=version)
+            build_expert(npz, so, layer=layer, name=name, version=version,
+                         portable=True)       # random weights: no base model
             npz.unlink()
         got[(name, version)] = so
     return got

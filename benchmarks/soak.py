@@ -141,7 +141,8 @@ def build_pool(build: Path, seed: int) -> dict:
                      router_row=(rng.standard_normal(HIDDEN) / np.sqrt(HIDDEN)).astype(np.float32),
                      router_bias=np.float32(2.0))
             so = build / f"{name}-{version}.so"
-            build_expert(npz, so, layer=layers, name=name, version=version)
+            build_expert(npz, so, layer=layers, name=name, version=version,
+                         portable=True)       # random weights: no base model
             pool[(name, version)] = so
     return pool
 

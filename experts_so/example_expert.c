@@ -8,7 +8,9 @@
  *     make -C experts_so                  # -> experts_so/example_expert.so (HIDDEN=128 LAYER=1)
  *
  * and it is picked up by a running engine whose model has hidden_size 128 and an MoE layer
- * 1, such as the built-in model (MoE layers 1-3); `make HIDDEN=... LAYER=...` for others.
+ * 1, such as the built-in model (MoE layers 1-3); `make HIDDEN=... LAYER=... MODEL=...` for
+ * others. The Makefile records the model's fingerprint (COLIBRI_BASE_MODEL, from
+ * `python -m colibri_core.fingerprint --c MODEL`): another model refuses the expert.
  * Everything the engine needs is below: the metadata record, the router row and
  * ffn_forward. Read colibri_core/include/colibri_expert.h for the contract.
  */
@@ -37,7 +39,12 @@ const colibri_expert_meta_t colibri_expert_meta = {
     .magic = COLIBRI_EXPERT_MAGIC,
     .abi_version = COLIBRI_EXPERT_ABI_VERSION,
     .struct_size = sizeof(colibri_expert_meta_t),
+#ifdef COLIBRI_BASE_MODEL                     /* the model it is built for */
     .flags = COLIBRI_FLAG_THREAD_SAFE,          /* no shared state: safe on any thread */
+    .base_model = COLIBRI_BASE_MODEL,
+#else                                         /* make PORTABLE=1: any model of its shape */
+    .flags = COLIBRI_FLAG_THREAD_SAFE | COLIBRI_FLAG_PORTABLE,
+#endif
     .hidden_size = COLIBRI_HIDDEN,
     .n_layers = 1,
     .layers = {COLIBRI_LAYER},

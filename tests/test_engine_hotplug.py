@@ -25,7 +25,8 @@ def _npz(path, seed, bias):
 
 def _build(tmp, name, version, seed, bias=50.0):
     so = tmp / f"{name}-{version}.so"
-    build_expert(_npz(tmp / f"{name}-{version}.npz", seed, bias), so, layer=1, name=name, version=version)
+    build_expert(_npz(tmp / f"{name}-{version}.npz", seed, bias), so, layer=1, name=name, version=version,
+                 portable=True)
     return so
 
 

@@ -202,13 +202,15 @@ def test_built_expert_keeps_its_validated_recall_and_precision(tmp_path):
     0.80 -> 0.63; precision 0.92 -> 0.90), which is how the documented figures once
     drifted (full demo: 78.6 % -> 60.7 %)."""
     from colibri_core.engine import Engine
+    from colibri_core.fingerprint import fingerprint_of_dir
     from colibri_core.hotplug.builder import build_expert
     meta = json.loads(common.EXPERT_JSON.read_text())
     assert meta["q4_clip"] == common.expert_q4_clip() == "minmax"
     folder = tmp_path / "experts"
     folder.mkdir(mode=0o700)
     info = build_expert(common.EXPERT_NPZ, folder / "card_testing.so", common.NEW_EXPERT_LAYER,
-                        "card_testing", "1", q4_clip=common.expert_q4_clip())
+                        "card_testing", "1", q4_clip=common.expert_q4_clip(),
+                        base_model=fingerprint_of_dir(common.MODEL_DIR))
     assert info.meta.target.endswith("q4-clip=minmax")
     with Engine.from_config(common.CONFIG, experts_dir=str(folder)) as eng:
         assert eng.expert_set_generation == 1

@@ -139,7 +139,8 @@ def experts(tmp_path_factory):
     rng = np.random.default_rng(0)
     np.savez(d / "w.npz", w1=rng.standard_normal((64, 128)), w3=rng.standard_normal((64, 128)),
              w2=rng.standard_normal((128, 64)), router_row=rng.standard_normal(128).astype(np.float32))
-    build_expert(d / "w.npz", d / "q4.so", layer=2, name="q4", version="1")
+    build_expert(d / "w.npz", d / "q4.so", layer=2, name="q4", version="1",
+                 portable=True)
     return {"plain": ElfLayout(a), "q4": ElfLayout(d / "q4.so")}
 
 

@@ -340,7 +340,7 @@ def test_refused_expert_build_leaves_nothing_at_output(tmp_path, how, rc, match)
     out = tmp_path / "out"
     out.mkdir()
     args = ("expert", "build", tmp_path / "w.npz", "--layer", "1", "--name", "x",
-            "--version", "1", "--cc", cc)
+            "--version", "1", "--cc", cc, "--portable")
     r = cli(*args, "-o", out / "new.so")
     assert match in r.stderr and "new.so" in r.stderr and ".tmp" not in r.stderr, r.stderr
     assert list(out.iterdir()) == []                 # nothing at -o, no temporary file

@@ -46,7 +46,8 @@ def weights(tmp_path_factory):
 def built(weights, tmp_path_factory):
     npz, _ = weights
     out = tmp_path_factory.mktemp("so") / "fraud.so"
-    info = build_expert(npz, out, [1, 3], "fraud_pattern_7", "2024.06.1", group_size=G)
+    info = build_expert(npz, out, [1, 3], "fraud_pattern_7", "2024.06.1", group_size=G,
+                        portable=True)
     return out, info
 
 
@@ -120,7 +121,7 @@ def test_cli_main_and_errors(weights, tmp_path, capsys):
     out = tmp_path / "cli.so"
     rc = main([str(npz), "-o", str(out), "--layer", "2", "--name", "cli_expert",
                "--version", "0.1", "--group-size", "64", "--router-bias", "1.5",
-               "--keep-sources", str(tmp_path / "src")])
+               "--keep-sources", str(tmp_path / "src"), "--portable"])
     assert rc == 0 and "built" in capsys.readouterr().out
     info = read_expert_file(str(out), H, {2})
     assert info.meta.router_bias == 1.5 and info.meta.layers == (2,)
@@ -142,7 +143,7 @@ def test_q4_clip_is_the_setting_given_and_recorded(weights, tmp_path):
     npz, w = weights
     parts = {}
     for clip in ("minmax", "mse"):
-        info = build_expert(npz, tmp_path / f"{clip}.so", 1, "c", "1", group_size=G,
+        info = build_expert(npz, tmp_path / f"{clip}.so", 1, "c", "1", group_size=G, portable=True,
                             q4_clip=clip)
         assert info.meta.target.endswith(f" q4-clip={clip}")
         raw = (tmp_path / f"{clip}.so").read_bytes()

@@ -362,7 +362,8 @@ def test_build_from_c_makes_a_regular_expert(make_manager, folder, tmp_path, cap
     row = np.linspace(-1, 1, H).astype(np.float64)          # any float dtype: made float32
     np.save(tmp_path / "row.npy", row)
     rc = cli_main(["expert", "build", "--from-c", str(src), "--router-row",
-                   str(tmp_path / "row.npy"), "--layer", "3", "--router-bias", "0.75"])
+                   str(tmp_path / "row.npy"), "--layer", "3", "--router-bias", "0.75",
+                   "--portable"])
     assert rc == 0, capsys.readouterr().err
     assert "built" in capsys.readouterr().out
     out = src.with_suffix(".so")                            # the default output
@@ -392,7 +393,7 @@ def test_build_from_c_errors(tmp_path, capsys):
                       "int ffn_forward(const float *x, float *y, int n, int h)"
                       " { (void)x; (void)y; (void)n; (void)h; return 0; }\n")
     assert main(["--from-c", str(hidden), "--router-row", str(tmp_path / "row.npy"),
-                 "--layer", "1"]) == 2
+                 "--layer", "1", "--portable"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("colibri: error: ") and len(err.strip().splitlines()) == 1
     assert "no exported function 'ffn_forward'" in err

@@ -499,7 +499,8 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
         rng = np.random.default_rng(v)
         np.savez(build / f"w{v}.npz", w1=rng.standard_normal((I, H)), w3=rng.standard_normal((I, H)),
                  w2=rng.standard_normal((H, I)), router_row=np.zeros(H, np.float32))
-        build_expert(build / f"w{v}.npz", build / f"x{v}.so", layer=1, name="x", version=str(v))
+        build_expert(build / f"w{v}.npz", build / f"x{v}.so", layer=1, name="x", version=str(v),
+                     portable=True)
         sos.append(build / f"x{v}.so")
     from colibri_core.hotplug.expert import _ffi
     kept = len(getattr(_ffi, "_libraries", []))

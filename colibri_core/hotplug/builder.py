@@ -43,8 +43,10 @@ import numpy as np
 
 from ..files import open_regular
 from ..quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
+from . import buildsrc
 from .errors import ExpertBuildError, ExpertRejected, HotplugError
-from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
+from .meta import (MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo,
+                   read_expert_file)
 
 DEFAULT_CFLAGS = ("-O3",)
 BASE_FLAGS = ("-shared", "-fPIC", "-fvisibility=hidden")
@@ -130,10 +132,15 @@ def compile_shared(sources: Sequence[str | os.PathLike], out_so: str | os.PathLi
 def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
                  layer: int | Sequence[int], name: str, version: str, *,
                  group_size: int = DEFAULT_GROUP, router_bias: float | None = None,
-                 q4_clip: str = BUILD_Q4_CLIP,
+                 q4_clip: str = BUILD_Q4_CLIP, base_model: str | None = None,
+                 portable: bool = False,
                  cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                  keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
     """Build a hot-pluggable expert .so from an .npz of float weights; return its checked info.
+
+    `base_model`: the fingerprint (fingerprint.py) of the model the weights were trained
+    for, recorded in the metadata: another model refuses the expert. `portable=True`
+    instead, for an expert meant to run on any model of its shape. One of them is required.
 
     `layer` is one global layer index or several. `router_bias` overrides the .npz's.
     `q4_clip` is the q4 rounding ("mse" or "minmax", quant.q4_group_params): pass the one
@@ -146,6 +153,7 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
         raise ExpertBuildError(f"{out_so}: q4 clip {q4_clip!r}, expected one of"
                                f" {', '.join(Q4_CLIPS)}", path=str(out_so))
     w1, w3, w2, row, bias = _load_npz(npz_path)
+    binding = _binding_defines(out_so, base_model, portable)
     if router_bias is not None:
         bias = float(router_bias)
     inter, hidden = w1.shape
@@ -163,17 +171,18 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
             blobs[f"colibri_{m}_data"] = np.ascontiguousarray(t.data, np.uint8).tobytes()
             blobs[f"colibri_{m}_scales"] = np.ascontiguousarray(t.scales, "<f4").tobytes()
             blobs[f"colibri_{m}_zeros"] = np.ascontiguousarray(t.zeros, np.uint8).tobytes()
-        asm = [_ASM_HEAD]
+        asm = [buildsrc.ASM_HEAD]
         for sym, payload in blobs.items():
             blob = (work / f"{sym}.bin").resolve()
             blob.write_bytes(payload)
-            asm.append(_ASM_BLOB.format(sym=sym, path=_asm_path(blob)))
+            asm.append(buildsrc.ASM_BLOB.format(sym=sym, path=_asm_path(blob)))
         (work / "expert_data.S").write_text("".join(asm))
-        (work / "expert.c").write_text(_C_SOURCE)
+        (work / "expert.c").write_text(buildsrc.C_SOURCE)
         defines = {"H": hidden, "I": inter, "G": group_size,
                    "LAYERS": "{" + ",".join(map(str, layers)) + "}", "N_LAYERS": len(layers),
                    "ROUTER_BIAS": f"{bias!r}f",
-                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
+                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version),
+                   **binding}
         out_so.parent.mkdir(parents=True, exist_ok=True)
         compile_shared([work / "expert.c", work / "expert_data.S"], out_so, cc=cc,
                        cflags=cflags, defines=defines, target_suffix=f"q4-clip={q4_clip}",
@@ -184,13 +193,14 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
 def build_from_c(source: str | os.PathLike, out_so: str | os.PathLike,
                  router_row: str | os.PathLike, layer: int | Sequence[int], name: str,
                  version: str, *, router_bias: float = 0.0, thread_safe: bool = False,
-                 cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
+                 base_model: str | None = None, portable: bool = False, cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
                  keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
     """Build a regular expert .so from a reference-design C source (only `ffn_forward`)
     and its router row (.npy, [hidden]); return its checked info.
 
     The hidden size is the router row's length. `thread_safe` sets COLIBRI_FLAG_THREAD_SAFE
-    (default: calls are serialized). Raises ExpertBuildError, or an ExpertRejected subclass
+    (default: calls are serialized). `base_model` / `portable`: as build_expert's.
+    Raises ExpertBuildError, or an ExpertRejected subclass
     when the result is not a valid expert (e.g. the source does not export ffn_forward).
     """
     source, out_so, row_path = Path(source), Path(out_so), Path(router_row)
@@ -213,18 +223,21 @@ def build_from_c(source: str | os.PathLike, out_so: str | os.PathLike,
     if not np.isfinite(np.float32(router_bias)):
         raise ExpertBuildError(f"{out_so}: router bias {router_bias}, expected a finite"
                                " number", path=str(out_so))
+    binding = _binding_defines(out_so, base_model, portable)
     with tempfile.TemporaryDirectory(prefix="colibri-build-") as tmpdir:
         work = Path(keep_sources) if keep_sources is not None else Path(tmpdir)
         work.mkdir(parents=True, exist_ok=True)
         blob = (work / "colibri_router_row.bin").resolve()
         blob.write_bytes(row.tobytes())
         (work / "expert_data.S").write_text(
-            _ASM_HEAD + _ASM_BLOB.format(sym="colibri_router_row", path=_asm_path(blob)))
-        (work / "expert_meta.c").write_text(_META_C_SOURCE)
+            buildsrc.ASM_HEAD + buildsrc.ASM_BLOB.format(sym="colibri_router_row", path=_asm_path(blob)))
+        (work / "expert_meta.c").write_text(buildsrc.METAbuildsrc.C_SOURCE)
         defines = {"H": row.size, "LAYERS": "{" + ",".join(map(str, layers)) + "}",
                    "N_LAYERS": len(layers), "ROUTER_BIAS": f"{float(router_bias)!r}f",
-                   "FLAGS": "COLIBRI_FLAG_THREAD_SAFE" if thread_safe else "0u",
-                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version)}
+                   "FLAGS": f"({'COLIBRI_FLAG_THREAD_SAFE' if thread_safe else '0u'}"
+                            f" | {binding.pop('EXTRA_FLAGS')})",
+                   "EXPERT_NAME": _c_string(name), "EXPERT_VERSION": _c_string(version),
+                   **binding}
         out_so.parent.mkdir(parents=True, exist_ok=True)
         compile_shared([source.resolve(), work / "expert_meta.c", work / "expert_data.S"],
                        out_so, cc=cc, cflags=cflags, defines=defines,
@@ -245,6 +258,26 @@ def _check_identity(out_so: Path, layer, name: str, version: str) -> list[int]:
         raise ExpertBuildError(f"{out_so}: version {version!r}, expected printable text of"
                                f" at most {VERSION_LEN - 1} bytes", path=str(out_so))
     return layers
+
+
+def _binding_defines(out_so: Path, base_model: str | None, portable: bool) -> dict:
+    """-D options for the metadata's base_model and PORTABLE flag (one of them required)."""
+    from ..fingerprint import parse_fingerprint
+    if base_model is None and not portable:
+        raise ExpertBuildError(f"{out_so}: no base model: expected the model the expert is built"
+                               " for (--config NAME, --model DIR or --base-model HEX; Python:"
+                               " base_model=), or --portable", path=str(out_so))
+    try:
+        fp = parse_fingerprint(base_model, "base_model") if base_model is not None else None
+    except ValueError as e:
+        raise ExpertBuildError(f"{out_so}: {e}", path=str(out_so)) from None
+    return {"BASE_MODEL": c_bytes(fp) if fp else "{0}",
+            "EXTRA_FLAGS": "COLIBRI_FLAG_PORTABLE" if portable else "0u"}
+
+
+def c_bytes(hex_text: str) -> str:
+    """A C initializer {0x12,0x34,...} of the bytes of `hex_text` (for base_model)."""
+    return "{" + ",".join(f"0x{b:02x}" for b in bytes.fromhex(hex_text)) + "}"
 
 
 def _load_npz(path: Path):
@@ -298,132 +331,6 @@ def _asm_path(path: Path) -> str:
     return s
 
 
-_ASM_HEAD = """\
-/* Generated by colibri expert build: the expert's data, embedded with .incbin. */
-\t.section .note.GNU-stack,"",@progbits
-\t.section .rodata.colibri_expert,"a",@progbits
-"""
-
-_ASM_BLOB = """\
-\t.globl {sym}
-\t.type {sym}, @object
-\t.balign 64
-{sym}:
-\t.incbin "{path}"
-\t.size {sym}, . - {sym}
-"""
-
-# The metadata record of every generated expert. FLAGS, META_I and META_G are defined by
-# the source that includes it; H, LAYERS, names... come from -D options.
-_META_INIT = r"""
-const colibri_expert_meta_t colibri_expert_meta = {
-    .magic = COLIBRI_EXPERT_MAGIC,
-    .abi_version = COLIBRI_EXPERT_ABI_VERSION,
-    .struct_size = sizeof(colibri_expert_meta_t),
-    .flags = FLAGS,
-    .hidden_size = H,
-    .intermediate_size = META_I,
-    .group_size = META_G,
-    .n_layers = N_LAYERS,
-    .layers = LAYERS,
-    .router_bias = ROUTER_BIAS,
-    .name = EXPERT_NAME,
-    .version = EXPERT_VERSION,
-    .target = EXPERT_TARGET,
-};
-"""
-
-# --from-c: only the metadata (no INT4 weights); ffn_forward is the user's source.
-_META_C_SOURCE = r"""/* Generated by colibri expert build --from-c. */
-#include "colibri_expert.h"
-
-#define META_I 0
-#define META_G 0
-""" + _META_INIT
-
-# The generated C part: metadata + the INT4 fallback ffn_forward (thread-safe: no globals
-# written, scratch on the heap per call). H, I, G, LAYERS... come from -D options.
-_C_SOURCE = r"""/* Generated by colibri expert build. */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "colibri_expert.h"
-
-#define HP (((H) + (G) - 1) / (G) * (G))
-#define IP (((I) + (G) - 1) / (G) * (G))
-#define FLAGS (COLIBRI_FLAG_THREAD_SAFE | COLIBRI_FLAG_HAS_Q4)
-#define META_I I
-#define META_G G
-""" + _META_INIT + r"""
-
-extern const uint8_t colibri_w1_data[], colibri_w1_zeros[];
-extern const uint8_t colibri_w3_data[], colibri_w3_zeros[];
-extern const uint8_t colibri_w2_data[], colibri_w2_zeros[];
-extern const float colibri_w1_scales[], colibri_w3_scales[], colibri_w2_scales[];
-
-/* Sum of each group of G values of v [n_padded]. */
-static void group_sums(const float *v, int n_padded, float *sums)
-{
-    for (int g = 0; g < n_padded / G; g++) {
-        float s = 0.0f;
-        for (int k = 0; k < G; k++)
-            s += v[g * G + k];
-        sums[g] = s;
-    }
-}
-
-/* out[r] = sum_c W[r, c] v[c], W in q4 layout [rows, cols_padded]; v zero-padded.
-   Per group: scale * (sum q*v - zero * sum v). */
-static void q4_matvec(const uint8_t *data, const float *scales, const uint8_t *zeros,
-                      int rows, int cols_padded, const float *v, const float *vsum,
-                      float *out)
-{
-    const int ng = cols_padded / G, half = cols_padded / 2;
-    for (int r = 0; r < rows; r++) {
-        const uint8_t *d = data + (long)r * half;
-        float acc = 0.0f;
-        for (int g = 0; g < ng; g++) {
-            float s = 0.0f;
-            for (int b = g * (G / 64); b < (g + 1) * (G / 64); b++) {
-                const uint8_t *blk = d + b * 32;
-                const float *vb = v + b * 64;
-                for (int j = 0; j < 32; j++)
-                    s += (float)(blk[j] & 15) * vb[j] + (float)(blk[j] >> 4) * vb[32 + j];
-            }
-            acc += scales[(long)r * ng + g] * (s - (float)zeros[(long)r * ng + g] * vsum[g]);
-        }
-        out[r] = acc;
-    }
-}
-
-COLIBRI_EXPORT int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
-{
-    if (hidden != H || n_tokens < 1)
-        return 1;
-    float *buf = malloc(sizeof(float) * (HP + HP / G + 2 * IP + IP / G));
-    if (!buf)
-        return 2;
-    float *xp = buf, *xs = xp + HP, *h = xs + HP / G, *u = h + IP, *hs = u + IP;
-    memset(buf, 0, sizeof(float) * (HP + HP / G + 2 * IP + IP / G));
-    for (int t = 0; t < n_tokens; t++) {
-        memcpy(xp, x + (long)t * H, sizeof(float) * H);
-        group_sums(xp, HP, xs);
-        q4_matvec(colibri_w1_data, colibri_w1_scales, colibri_w1_zeros, I, HP, xp, xs, h);
-        q4_matvec(colibri_w3_data, colibri_w3_scales, colibri_w3_zeros, I, HP, xp, xs, u);
-        for (int i = 0; i < I; i++)
-            h[i] = h[i] / (1.0f + expf(-h[i])) * u[i];     /* silu(gate) * up */
-        group_sums(h, IP, hs);
-        q4_matvec(colibri_w2_data, colibri_w2_scales, colibri_w2_zeros, H, IP, h, hs,
-                  y + (long)t * H);
-    }
-    free(buf);
-    return 0;
-}
-"""
-
-
 def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap = parser_class(prog="colibri expert build",
                       description="Build a hot-pluggable expert .so from an .npz"
@@ -463,6 +370,17 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
                          "smaller squared error) or minmax (plain round-to-nearest); use the "
                          f"one the weights were validated with (default {BUILD_Q4_CLIP}; "
                          "recorded in the metadata)")
+    bind = ap.add_mutually_exclusive_group()
+    bind.add_argument("--config", metavar="NAME|FILE", default=None,
+                      help="the run config whose model the expert is built for: its "
+                           "fingerprint is recorded and other models refuse the expert")
+    bind.add_argument("--model", metavar="DIR", default=None,
+                      help="the model directory the expert is built for (as --config)")
+    bind.add_argument("--base-model", dest="base_model", metavar="HEX", default=None,
+                      help="that model's fingerprint, 64 hex digits (`colibri experts "
+                           "fingerprint`)")
+    bind.add_argument("--portable", action="store_true",
+                      help="built to run on any model of its hidden size and layers")
     ap.add_argument("--router-bias", type=float, default=None,
                     help="added to the expert's router logit (overrides the .npz's)")
     ap.add_argument("--cc", default=os.environ.get("CC", "gcc"),
@@ -501,16 +419,24 @@ def main(argv: Sequence[str] | None = None, parser_class=argparse.ArgumentParser
                      " router_row)")
         out, name, version = args.output, args.name, args.version
     try:
+        base_model = args.base_model
+        if args.config is not None or args.model is not None:
+            from ..fingerprint import fingerprint_for
+            try:
+                base_model = fingerprint_for(args.config, args.model)
+            except (ValueError, OSError) as e:   # (ConfigError is a ValueError)
+                ap.error(f"--{'config' if args.config else 'model'}: {e}")
+        bind = {"base_model": base_model, "portable": args.portable}
         if args.from_c is not None:
             info = build_from_c(args.from_c, out, args.router_row, args.layer, name, version,
                                 router_bias=args.router_bias or 0.0,
-                                thread_safe=args.thread_safe, cc=args.cc,
+                                thread_safe=args.thread_safe, cc=args.cc, **bind,
                                 cflags=shlex.split(args.cflags),
                                 keep_sources=args.keep_sources)
         else:
             info = build_expert(args.npz, out, args.layer, name, version,
                                 group_size=args.group_size, router_bias=args.router_bias,
-                                q4_clip=args.q4_clip, cc=args.cc,
+                                q4_clip=args.q4_clip, cc=args.cc, **bind,
                                 cflags=shlex.split(args.cflags),
                                 keep_sources=args.keep_sources)
     except HotplugError as e:
@@ -521,12 +447,17 @@ def main(argv: Sequence[str] | None = None, parser_class=argparse.ArgumentParser
         print(f"built {out}: expert {m.name} {m.version} from {args.from_c}, layers"
               f" {list(m.layers)}, hidden {m.hidden_size}, router bias {m.router_bias:g},"
               f" {'thread-safe' if m.thread_safe else 'serialized calls'}, {info.size} bytes,"
-              f" target {m.target!r}")
+              f" target {m.target!r}, {_binding_text(m)}")
         return 0
     print(f"built {out}: expert {m.name} {m.version}, layers {list(m.layers)},"
           f" hidden {m.hidden_size}, intermediate {m.intermediate_size}, group"
-          f" {m.group_size}, q4 clip {args.q4_clip}, {info.size} bytes, target {m.target!r}")
+          f" {m.group_size}, q4 clip {args.q4_clip}, {info.size} bytes, target {m.target!r},"
+          f" {_binding_text(m)}")
     return 0
+
+
+def _binding_text(m) -> str:
+    return "portable" if m.portable else f"base model {m.base_model}"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ an expert is accepted as a bundle, a folder `NAME.expert/` (moved in with one `m
 holding exactly
 
     one `*.so`        exports `ffn_forward` (docs/HOTPLUG.md), and no colibri_expert_meta
-    expert.toml       name, version, layers, optional router_bias, thread_safe, abi_version
+    expert.toml       name, version, layers, optional router_bias, thread_safe, abi_version,
+                      base_model (the model's fingerprint) or portable = true (neither: an
+                      unbound expert, loaded with a warning)
     router_row.npy    float32 [hidden], the expert's row of the router (np.save)
 
 The bundle provides what the metadata record would: the hidden size is the router row's
@@ -36,7 +38,7 @@ import numpy as np
 
 from .elf import STT_FUNC, ElfFile, check_host
 from .errors import ExpertAbiError, ExpertMetadataError, ExpertRejected, ExpertSecurityError
-from .meta import (FLAG_THREAD_SAFE, MAX_LAYERS, NAME_RE, SUPPORTED_ABI_VERSIONS, SYM_FORWARD,
+from .meta import (FLAG_PORTABLE, FLAG_THREAD_SAFE, MAX_LAYERS, NAME_RE, SUPPORTED_ABI_VERSIONS, SYM_FORWARD,
                    SYM_META, VERSION_LEN, ExpertFileInfo, ExpertMeta, Part,
                    check_against_model, read_expert_file)
 from .staging import FileChanged, FileSig, check_owner_and_mode, stage_file
@@ -45,7 +47,8 @@ BUNDLE_SUFFIX = ".expert"
 TOML_NAME = "expert.toml"
 ROW_NAME = "router_row.npy"
 ENTRY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
-TOML_KEYS = ("name", "version", "layers", "router_bias", "thread_safe", "abi_version")
+TOML_KEYS = ("name", "version", "layers", "router_bias", "thread_safe", "abi_version",
+             "base_model", "portable")
 MAX_TOML_BYTES = 64 * 1024
 
 
@@ -204,15 +207,17 @@ def remove_staged(entry: str) -> None:
 
 
 def read_staged(staged: str, hidden_size: int | None = None,
-                moe_layers: set[int] | frozenset[int] | None = None) -> ExpertFileInfo:
+                moe_layers: set[int] | frozenset[int] | None = None,
+                fingerprint: str | None = None) -> ExpertFileInfo:
     """read_expert_file for a staged .so, read_bundle for the .so of a staged bundle."""
     if staging_entry(staged) != staged:
-        return read_bundle(staged, hidden_size, moe_layers)
-    return read_expert_file(staged, hidden_size, moe_layers)
+        return read_bundle(staged, hidden_size, moe_layers, fingerprint)
+    return read_expert_file(staged, hidden_size, moe_layers, fingerprint)
 
 
 def read_bundle(so_path: str, hidden_size: int | None = None,
-                moe_layers: set[int] | frozenset[int] | None = None) -> ExpertFileInfo:
+                moe_layers: set[int] | frozenset[int] | None = None,
+                fingerprint: str | None = None) -> ExpertFileInfo:
     """Parse and check a bundle (its .so's path given) without loading it. In the order of
     the checks of a .so: the ELF file (architecture, abi), then the metadata."""
     folder = os.path.dirname(so_path)
@@ -238,12 +243,14 @@ def read_bundle(so_path: str, hidden_size: int | None = None,
                                   f" hidden size), expected the model's hidden_size"
                                   f" {hidden_size}", path=row_path)
     meta = ExpertMeta(abi_version=fields["abi_version"],
-                      flags=FLAG_THREAD_SAFE if fields["thread_safe"] else 0,
+                      flags=(FLAG_THREAD_SAFE if fields["thread_safe"] else 0)
+                      | (FLAG_PORTABLE if fields["portable"] else 0),
                       hidden_size=hidden, intermediate_size=0, group_size=0,
                       layers=fields["layers"], router_bias=fields["router_bias"],
                       name=fields["name"], version=fields["version"],
-                      target=f"bundle {os.path.basename(so_path)}")
-    check_against_model(toml_path, meta, hidden_size, moe_layers)
+                      target=f"bundle {os.path.basename(so_path)}",
+                      base_model=fields["base_model"])
+    check_against_model(toml_path, meta, hidden_size, moe_layers, fingerprint)
     return ExpertFileInfo(so_path, size, meta, Part(offset, 4 * hidden), None,
                           router_file=row_path)
 
@@ -306,13 +313,24 @@ def _read_toml(path: str) -> dict:
     thread_safe = doc.get("thread_safe", False)
     if type(thread_safe) is not bool:
         raise bad("thread_safe", "true or false")
+    portable = doc.get("portable", False)
+    if type(portable) is not bool:
+        raise bad("portable", "true or false")
+    base_model = doc.get("base_model", "")
+    if "base_model" in doc:
+        from ..fingerprint import parse_fingerprint
+        try:
+            base_model = parse_fingerprint(base_model, "base_model") if \
+                isinstance(base_model, str) else parse_fingerprint("?", "")
+        except ValueError:
+            raise bad("base_model", "the model's fingerprint, 64 hex digits") from None
     abi = doc.get("abi_version", 1)
     if type(abi) is not int or abi not in SUPPORTED_ABI_VERSIONS:
         raise ExpertAbiError(f"{path}: abi_version = {abi!r}, expected one of"
                              f" {sorted(SUPPORTED_ABI_VERSIONS)}", path=path)
     return {"name": name, "version": version, "layers": tuple(layers),
             "router_bias": float(np.float32(bias)), "thread_safe": thread_safe,
-            "abi_version": abi}
+            "abi_version": abi, "base_model": base_model, "portable": portable}
 
 
 def _read_row(path: str) -> tuple[int, np.ndarray]:

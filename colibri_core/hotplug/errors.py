@@ -70,6 +70,12 @@ class ExpertMetadataError(ExpertRejected):
     reason = "metadata"
 
 
+class ModelMismatch(ExpertMetadataError):
+    """An expert built for another model (its base_model is not this model's fingerprint)."""
+
+    reason = "base-model"
+
+
 class ExpertSecurityError(ExpertRejected):
     """Symlink, group/world-writable file or folder, foreign owner, allowlist miss."""
 

@@ -82,6 +82,8 @@ class HotExpert:
     target: str                      # compiler + flags recorded by the builder
     lib: object | None               # cffi lib (in-process), kept alive until release()
     status: str = "active"           # active | replaced | removed | crashed | released
+    base_model: str = ""             # fingerprint of the model it was built for ("": none)
+    binding: str = "unbound"         # bound | portable | unbound (meta.ExpertMeta.binding)
     _runner: IsolatedRunner | None = field(default=None, repr=False)
     _lock: threading.Lock | None = field(default=None, repr=False)
     _fn: object = field(default=None, repr=False)
@@ -216,7 +218,7 @@ class PreparedExpert:
         self.lib = self._fn = None
         self.expert: HotExpert | None = None
         self.record = VersionRecord(sha256, staged, source, meta.version, isolation,
-                                    tuple(meta.layers))     # for the state file
+                                    tuple(meta.layers), meta.binding)   # for the state file
         if isolation == ISOLATED:
             self.runner = IsolatedRunner(staged, meta.hidden_size, capacity=capacity,
                                          call_timeout_s=call_timeout_s)
@@ -260,7 +262,7 @@ class PreparedExpert:
             router_row=self.router_row, router_bias=meta.router_bias, q4=self.q4,
             thread_safe=meta.thread_safe, isolation=self.isolation,
             hidden_size=meta.hidden_size, target=meta.target, lib=self.lib,
-            _runner=self.runner, _lock=lock, _fn=self._fn, _mm=self._mm)
+            base_model=meta.base_model, binding=meta.binding, _runner=self.runner, _lock=lock, _fn=self._fn, _mm=self._mm)
         return self.expert
 
     def discard(self) -> None:

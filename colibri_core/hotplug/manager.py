@@ -57,12 +57,14 @@ from .probe import interpret
 from .probepool import ProbePool
 from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
                       open_source, stage_file)
-from .state import NameRecord, VersionRecord, load_state, save_state
+from .listing import manager_rows, resolve_name
+from .state import NameRecord, VersionRecord, load_state, lock_state_dir, save_state
 from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
 log = logging.getLogger("colibri.hotplug")
-LOCK_FILE = "hotplug.lock"
 RECHECK_S = 0.5    # how often the idle worker looks at a refused folder, and at bundles
+UNBOUND_LOG = ("%s: expert %s %s records no base model (built before ABI 2): adopted"
+               " unbound, unchecked against this model; rebuild it with --config/--model")
 
 EventCallback = Callable[[str, dict], None]
 PrepareCallback = Callable[[list], None]
@@ -109,6 +111,8 @@ class HotplugManager:
         slots_file: JSON {name: slot}, read when a name first gets a slot: a name listed
             there gets that slot (a fleet's registry assigns them, so that every replica
             numbers its experts alike), any other the next free one.
+        model_fingerprint: the model's (fingerprint.py): an expert built for another model
+            is refused (`base-model`) unless portable; None: not checked.
     """
 
     def __init__(self, experts_dir: str | os.PathLike, hidden_size: int,
@@ -118,7 +122,8 @@ class HotplugManager:
                  on_event: EventCallback | None = None, *, watch: bool = True,
                  isolated_capacity: int = 64, probe_slots: int = 2,
                  prepare: PrepareCallback | None = None, polling: bool = False,
-                 slots_file: str | os.PathLike | None = None):
+                 slots_file: str | os.PathLike | None = None,
+                 model_fingerprint: str | None = None):
         if isolation_default not in ISOLATION_MODES:
             raise ValueError(f"isolation_default {isolation_default!r}, expected one of"
                              f" {ISOLATION_MODES}")
@@ -127,6 +132,8 @@ class HotplugManager:
         self.experts_dir = os.path.abspath(os.fspath(experts_dir))
         self.hidden_size = int(hidden_size)
         self.moe_layers = frozenset(int(v) for v in moe_layers)
+        self.model_fingerprint = model_fingerprint
+        self._model = (self.hidden_size, self.moe_layers, model_fingerprint)  # read_staged
         self.first_slot = int(first_slot)
         self.state_dir = os.path.abspath(os.fspath(state_dir))
         self.staging_dir = os.path.join(self.state_dir, "staging")
@@ -193,7 +200,7 @@ class HotplugManager:
         except ExpertSecurityError as e:
             self._reject(self.experts_dir, e)
             raise
-        self._lock_fd = _lock_state_dir(self.state_dir)
+        self._lock_fd = lock_state_dir(self.state_dir)
         try:
             self._load()
         except BaseException:
@@ -420,7 +427,9 @@ class HotplugManager:
         Raises RollbackError when `name` is not active or has no previous version, or an
         ExpertRejected subclass when the previous staged file no longer passes the checks.
         The version rolled back from is not adopted again from the folder (a new file is).
+        `name` may also be the file (in the watched folder) the expert came from.
         """
+        name = resolve_name(self, name)
         with self._lock:
             cur = self._active.get(name)
             rec = self._records.get(name)
@@ -441,40 +450,16 @@ class HotplugManager:
             self._ops.append(("upsert", prep, True))
 
     def list(self) -> list[dict]:
-        """Rows for `colibri experts list`: active experts, then known inactive names."""
-        rows = []
-        with self._lock:
-            for e in sorted(self._active.values(), key=lambda e: e.slot):
-                rows.append({"slot": e.slot, "name": e.name, "version": e.version,
-                             "layers": list(e.layers), "origin": "hot-plugged",
-                             "sha256": e.sha256, "isolation": e.isolation,
-                             "status": e.status if e.status != "active" or e.alive
-                             else "crashed",
-                             "refused": self._refusal_of(e.source_path)})
-            for name, rec in sorted(self._records.items(), key=lambda kv: kv[1].slot):
-                if name in self._active:
-                    continue
-                last = rec.last
-                rows.append({"slot": rec.slot, "name": name,
-                             "version": last.version if last else "",
-                             "layers": list(last.layers) if last else [],
-                             "origin": "hot-plugged",
-                             "sha256": last.sha256 if last else "",
-                             "isolation": last.isolation if last else "",
-                             "status": "disabled" if rec.disabled and rec.current is None
-                             else "removed",
-                             "refused": self._refusal_of(last.source) if last else None})
-        return rows
+        """Rows for `colibri experts list`: active experts, then known inactive names
+        (listing.py)."""
+        return manager_rows(self)
 
     def refused(self) -> list[dict]:
         """The files refused now (path, reason, message, sha256), by path: each stays listed
-        until the file passes the checks or is deleted."""
+        until the file passes the checks or is deleted (a newer file rolled back from is
+        listed too, reason `rolled-back`)."""
         with self._lock:
             return [dict(r) for _, r in sorted(self._refused.items())]
-
-    def _refusal_of(self, path: str) -> dict | None:
-        r = self._refused.get(path)
-        return dict(r) if r is not None else None
 
     def active(self) -> dict[str, HotExpert]:
         """name -> active HotExpert (a snapshot)."""
@@ -518,7 +503,8 @@ class HotplugManager:
                               "layers": list(expert.layers), "path": expert.source_path,
                               "staged": expert.staged_path, "isolation": expert.isolation,
                               "previous_version": cur.version if cur else None,
-                              "rollback": rollback, "set_version": version})
+                              "rollback": rollback, "set_version": version,
+                              "binding": expert.binding})
         changes = [ExpertChange(kind, expert, cur, version, "rollback" if rollback else "")]
         with self._lock:                      # the file now provides another name
             stale = [e for n, e in self._active.items()
@@ -545,6 +531,7 @@ class HotplugManager:
                                 "slot": expert.slot, "layers": list(expert.layers),
                                 "sha256": expert.sha256,
                                 "path": expert.source_path, "reason": reason,
+                                "binding": expert.binding,
                                 "message": message, "set_version": version})
         return ExpertChange("remove", expert, None, version, reason)
 
@@ -753,7 +740,7 @@ class HotplugManager:
             if self.allowlist is not None and sha not in self.allowlist:
                 raise ExpertSecurityError(f"{path}: sha256 {sha} is not on the allowlist",
                                           reason="allowlist", path=path)
-            info = read_staged(staged, self.hidden_size, self.moe_layers)
+            info = read_staged(staged, *self._model)
             name = info.meta.name
             with self._lock:
                 rec = self._records.get(name)
@@ -764,11 +751,14 @@ class HotplugManager:
                                          " file version", reason="disabled", path=path)
                 pinned = rec.current if (rec is not None and sha in rec.rolled_back
                                          and rec.current is not None) else None
+            held = None                       # a newer file rolled back from, listed
             if pinned is not None:            # rolled back from: keep the pinned version
-                log.info("%s: %s %s was rolled back; keeping %s", path, name, sha[:12],
-                         pinned.version)
+                msg = (f"{path}: {name} {info.meta.version} (sha256 {sha[:12]}…) was rolled"
+                       f" back: not adopted again; {pinned.version} stays active")
+                log.info(msg)
+                held = {"path": path, "reason": "rolled-back", "message": msg, "sha256": sha}
                 sha, staged = pinned.sha256, pinned.staged
-                info = read_staged(staged, self.hidden_size, self.moe_layers)
+                info = read_staged(staged, *self._model)
             elif sha in (rec.rolled_back if rec else ()):
                 raise ExpertRejected(f"{path}: expert {name} {sha[:12]}… was rolled back:"
                                      " expected a new file version", reason="rolled-back",
@@ -780,13 +770,13 @@ class HotplugManager:
                     self._seen.pop(path, None)
                     return True
             if self._latest_sha(name) == sha:
-                self._passed(path, name)
+                self._passed(path, name, held)
                 return True                   # same bytes as what is (or will be) active
             if sha not in known:
                 self._start_probe(_Probing(path, sig, info, sha, staged))
                 return True
             self._adopt(path, info, sha, staged)
-            self._passed(path, name)
+            self._passed(path, name, held)
         except FileChanged:
             self._seen.pop(path, None)
             self._request(path)
@@ -844,6 +834,8 @@ class HotplugManager:
     def _adopt(self, path: str, info, sha: str, staged: str) -> None:
         """A file that passed every check: load it and queue it for the next batch."""
         name = info.meta.name
+        if info.meta.binding == "unbound":   # built before experts recorded their model
+            log.warning(UNBOUND_LOG, path, name, info.meta.version)
         isolation = isolation_from_name(os.path.basename(path), self.isolation_default)
         prep = self._prepare(info, sha, staged, path, isolation)
         with self._cond:
@@ -898,10 +890,13 @@ class HotplugManager:
         self._forget_staged(staged)
 
     # ------------------------------------------------------------------ one rule for refusals
-    def _passed(self, path: str, name: str) -> None:
-        """`path` passed the checks (it provides `name`): its refusal, if any, is over."""
+    def _passed(self, path: str, name: str, held: dict | None = None) -> None:
+        """`path` passed the checks (it provides `name`): its refusal, if any, is over
+        (`held`: but its bytes were rolled back from; shown beside the version kept)."""
         with self._lock:
             self._refused.pop(path, None)
+            if held is not None:
+                self._refused[path] = held
         self._restored(path, name)
 
     def _refuse_file(self, path: str, err: HotplugError, sha: str | None = None) -> None:
@@ -959,7 +954,7 @@ class HotplugManager:
         if self.allowlist is not None and vrec.sha256 not in self.allowlist:
             raise ExpertSecurityError(f"{vrec.staged}: sha256 {vrec.sha256} is not on the"
                                       " allowlist", reason="allowlist", path=vrec.staged)
-        return read_staged(vrec.staged, self.hidden_size, self.moe_layers)
+        return read_staged(vrec.staged, *self._model)
 
     def _prepare_batch(self) -> list:
         """The checked batch, once `prepare` saw what it will change (the worker hands it
@@ -1054,19 +1049,3 @@ class HotplugManager:
             save_state(self.state_dir, next_slot, records)
         except OSError as e:
             log.error("cannot save hot-plug state in %s: %s", self.state_dir, e)
-
-
-def _lock_state_dir(state_dir: str) -> int:
-    """Hold an exclusive flock on the state folder: one manager per state folder."""
-    import fcntl
-
-    path = os.path.join(state_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HotplugStateError(f"{state_dir}: hot-plug state folder is in use by another"
-                                " manager (another engine?): expected one manager per state"
-                                " folder", path=state_dir) from None
-    return fd

@@ -14,20 +14,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from .elf import STT_FUNC, ElfFile, check_host
-from .errors import ExpertAbiError, ExpertMetadataError
+from .errors import ExpertAbiError, ExpertMetadataError, ModelMismatch
 
-ABI_VERSION = 1
-SUPPORTED_ABI_VERSIONS = frozenset({1})
+ABI_VERSION = 2            # 2: base_model in what ABI 1 reserved (same 360 bytes), +PORTABLE
+SUPPORTED_ABI_VERSIONS = frozenset({1, 2})
 MAGIC = 0x45584C43                       # b"CLXE"
 MAX_LAYERS = 16
 NAME_LEN, VERSION_LEN, TARGET_LEN = 64, 32, 128
 FLAG_THREAD_SAFE = 0x1
 FLAG_HAS_Q4 = 0x2
+FLAG_PORTABLE = 0x4                      # ABI 2: built to run on any model of its shape
 KNOWN_FLAGS = FLAG_THREAD_SAFE | FLAG_HAS_Q4
+KNOWN_FLAGS_BY_ABI = {1: KNOWN_FLAGS, 2: KNOWN_FLAGS | FLAG_PORTABLE}
+BASE_MODEL_LEN = 32                      # sha256 of the model (fingerprint.py), raw bytes
 
 # magic, abi_version, struct_size, flags, hidden, intermediate, group, n_layers,
-# layers[16], router_bias, reserved0, name[64], version[32], target[128], reserved[8]
-META_STRUCT = struct.Struct(f"<8I{MAX_LAYERS}ifI{NAME_LEN}s{VERSION_LEN}s{TARGET_LEN}s8I")
+# layers[16], router_bias, reserved0, name[64], version[32], target[128],
+# base_model[32] (ABI 2; ABI 1's reserved[8] u32, zeros)
+META_STRUCT = struct.Struct(f"<8I{MAX_LAYERS}ifI{NAME_LEN}s{VERSION_LEN}s{TARGET_LEN}s"
+                            f"{BASE_MODEL_LEN}s")
 META_SIZE = META_STRUCT.size             # 360
 assert META_SIZE == 360
 
@@ -53,6 +58,16 @@ class ExpertMeta:
     name: str
     version: str
     target: str
+    base_model: str = ""     # hex fingerprint of the model it was built for; "": none
+
+    @property
+    def portable(self) -> bool:
+        return bool(self.flags & FLAG_PORTABLE)
+
+    @property
+    def binding(self) -> str:
+        """"bound" (to base_model), "portable", or "unbound" (built before ABI 2)."""
+        return "portable" if self.portable else "bound" if self.base_model else "unbound"
 
     @property
     def thread_safe(self) -> bool:
@@ -69,7 +84,7 @@ class ExpertMeta:
                                 self.hidden_size, self.intermediate_size, self.group_size,
                                 len(self.layers), *layers, self.router_bias, 0,
                                 self.name.encode(), self.version.encode(),
-                                self.target.encode(), *([0] * 8))
+                                self.target.encode(), bytes.fromhex(self.base_model))
 
 
 @dataclass(frozen=True)
@@ -111,12 +126,13 @@ def q4_symbol(part: str) -> str:
 
 
 def read_expert_file(path: str, hidden_size: int | None = None,
-                     moe_layers: set[int] | frozenset[int] | None = None) -> ExpertFileInfo:
+                     moe_layers: set[int] | frozenset[int] | None = None,
+                     fingerprint: str | None = None) -> ExpertFileInfo:
     """Parse and check an expert .so without loading it; raise an ExpertRejected subclass."""
     with ElfFile(path) as elf:
         check_host(elf)
         meta = _read_meta(elf)
-        check_against_model(path, meta, hidden_size, moe_layers)
+        check_against_model(path, meta, hidden_size, moe_layers, fingerprint)
         fwd = elf.symbol(SYM_FORWARD)
         if fwd is None or not fwd.dynamic or fwd.type != STT_FUNC:
             raise ExpertAbiError(f"{path}: no exported function {SYM_FORWARD!r}: expected"
@@ -172,10 +188,11 @@ def _read_meta(elf: ElfFile) -> ExpertMeta:
                              " pointers): expected plain constant data", path=p)
     f = META_STRUCT.unpack(raw)
     (_, _, _, flags, hidden, inter, group, n_layers), layers_raw = f[:8], f[8:8 + MAX_LAYERS]
-    bias, _, name_b, version_b, target_b = f[8 + MAX_LAYERS:13 + MAX_LAYERS]
-    if flags & ~KNOWN_FLAGS:
-        raise ExpertAbiError(f"{p}: unknown flags {flags & ~KNOWN_FLAGS:#x} for ABI {abi}:"
-                             f" expected only bits of {KNOWN_FLAGS:#x}", path=p)
+    bias, _, name_b, version_b, target_b, base_b = f[8 + MAX_LAYERS:14 + MAX_LAYERS]
+    known = KNOWN_FLAGS_BY_ABI[abi]
+    if flags & ~known:
+        raise ExpertAbiError(f"{p}: unknown flags {flags & ~known:#x} for ABI {abi}:"
+                             f" expected only bits of {known:#x}", path=p)
     if not 1 <= n_layers <= MAX_LAYERS:
         raise ExpertMetadataError(f"{p}: n_layers {n_layers}, expected 1..{MAX_LAYERS}",
                                   path=p)
@@ -198,12 +215,20 @@ def _read_meta(elf: ElfFile) -> ExpertMeta:
             raise ExpertMetadataError(f"{p}: q4 weights with group_size {group} and"
                                       f" intermediate_size {inter}, expected a positive"
                                       " multiple of 64 and a positive size", path=p)
+    base_model = base_b.hex() if abi >= 2 and any(base_b) else ""
+    if abi >= 2 and not base_model and not flags & FLAG_PORTABLE:
+        raise ExpertMetadataError(f"{p}: base_model is all zeros and flags lack PORTABLE"
+                                  f" ({FLAG_PORTABLE:#x}): expected the fingerprint of the model"
+                                  " it was built for (`colibri expert build --config NAME`) or"
+                                  " COLIBRI_FLAG_PORTABLE", path=p)
     return ExpertMeta(abi, flags, hidden, inter, group, layers, float(bias), name, version,
-                      _text(p, target_b, "target"))
+                      _text(p, target_b, "target"), base_model)
 
 
 def check_against_model(p: str, meta: ExpertMeta, hidden: int | None,
-                         moe_layers) -> None:
+                         moe_layers, fingerprint: str | None = None) -> None:
+    """Refuse an expert this model cannot run: hidden size, layers, and (`fingerprint`: the
+    model's, fingerprint.py) an expert bound to another model."""
     if hidden is not None and meta.hidden_size != hidden:
         raise ExpertMetadataError(f"{p}: expert hidden_size {meta.hidden_size}, expected the"
                                   f" model's hidden_size {hidden}", path=p)
@@ -213,6 +238,10 @@ def check_against_model(p: str, meta: ExpertMeta, hidden: int | None,
             raise ExpertMetadataError(f"{p}: target layer(s) {bad} are not MoE layers of the"
                                       f" model, expected some of {sorted(moe_layers)}",
                                       path=p)
+    if fingerprint and meta.binding == "bound" and meta.base_model != fingerprint:
+        raise ModelMismatch(f"{p}: expert {meta.name} {meta.version} was built for model"
+                            f" {meta.base_model}, this model is {fingerprint}: rebuild it for"
+                            " this model, or build it portable", path=p)
 
 
 def _data_part(elf: ElfFile, name: str, nbytes: int, expected: str) -> Part:

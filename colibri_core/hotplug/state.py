@@ -39,6 +39,7 @@ class VersionRecord:
     version: str
     isolation: str
     layers: tuple[int, ...] = ()
+    binding: str = ""                  # bound | portable | unbound; "": not recorded
 
 
 @dataclass
@@ -104,3 +105,40 @@ def save_state(state_dir: str, next_slot: int, records: dict[str, NameRecord]) -
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+LOCK_FILE = "hotplug.lock"
+
+
+def lock_state_dir(state_dir: str) -> int:
+    """Hold an exclusive flock on the state folder: one manager per state folder."""
+    import fcntl
+
+    path = os.path.join(state_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HotplugStateError(f"{state_dir}: hot-plug state folder is in use by another"
+                                " manager (another engine?): expected one manager per state"
+                                " folder", path=state_dir) from None
+    return fd
+
+
+def state_dir_in_use(state_dir: str) -> bool:
+    """Whether a manager holds `state_dir` now (its flock taken), tested without taking it
+    for more than an instant and without creating anything."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(state_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False                        # no lock file: no manager ever ran there
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                        # (closing drops a shared lock we got)
+    return False

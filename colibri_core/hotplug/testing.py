@@ -13,8 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .builder import compile_shared
-from .meta import FLAG_THREAD_SAFE
+from .builder import c_bytes, compile_shared
+from .meta import FLAG_PORTABLE, FLAG_THREAD_SAFE
 
 FAULTS = {
     "none": 0,
@@ -44,6 +44,9 @@ TEST_EXPERT_C = r"""
 #ifndef ABI
 #define ABI COLIBRI_EXPERT_ABI_VERSION
 #endif
+#ifndef BASE_MODEL
+#define BASE_MODEL {0}
+#endif
 
 const colibri_expert_meta_t colibri_expert_meta = {
     .magic = COLIBRI_EXPERT_MAGIC,
@@ -57,6 +60,7 @@ const colibri_expert_meta_t colibri_expert_meta = {
     .name = EXPERT_NAME,
     .version = EXPERT_VERSION,
     .target = EXPERT_TARGET,
+    .base_model = BASE_MODEL,
 };
 
 COLIBRI_EXPORT const float colibri_router_row[HIDDEN] = {[0] = 1.0f, [HIDDEN - 1] = -1.0f};
@@ -127,15 +131,22 @@ int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
 def compile_test_expert(out_so: str | os.PathLike, *, hidden: int = 64, layer: int = 1,
                         name: str = "test_expert", version: str = "1.0",
                         fault: str = "none", scale: float = 1.0, abi: int | None = None,
-                        thread_safe: bool = True, cc: str = "gcc",
-                        cflags: tuple[str, ...] = ("-O2",)) -> Path:
-    """Compile the test expert to `out_so` (atomically) and return its path."""
+                        thread_safe: bool = True, base_model: str | None = None,
+                        cc: str = "gcc", cflags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compile the test expert to `out_so` (atomically) and return its path.
+
+    `base_model` (hex fingerprint) binds it to a model; without one it is portable (its
+    y = scale * tanh(x) means the same in any model), except with `abi=1` (unbound)."""
+    portable = base_model is None and (abi is None or abi >= 2)
     defines = {"HIDDEN": hidden, "LAYER": layer, "FAULT": FAULTS[fault],
                "SCALE": f"{float(scale)!r}f", "MAGIC_INPUT": f"{MAGIC_INPUT!r}f",
-               "FLAGS": FLAG_THREAD_SAFE if thread_safe else 0,
+               "FLAGS": (FLAG_THREAD_SAFE if thread_safe else 0)
+               | (FLAG_PORTABLE if portable else 0),
                "EXPERT_NAME": f'"{name}"', "EXPERT_VERSION": f'"{version}"'}
     if abi is not None:
         defines["ABI"] = f"{abi}u"
+    if base_model is not None:
+        defines["BASE_MODEL"] = c_bytes(base_model)
     with tempfile.TemporaryDirectory(prefix="colibri-test-expert-") as d:
         src = Path(d) / "test_expert.c"
         src.write_text(TEST_EXPERT_C)

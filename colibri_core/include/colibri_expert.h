@@ -1,5 +1,5 @@
 /*
- * colibri_expert.h — the C ABI of a Colibri hot-plugged expert (ABI version 1).
+ * colibri_expert.h — the C ABI of a Colibri hot-plugged expert (ABI version 2).
  *
  * A hot-plugged expert is a shared object (.so) dropped into the engine's watched folder
  * (`experts_so/` by default). The engine reads this file's metadata straight from the ELF
@@ -39,7 +39,7 @@
 extern "C" {
 #endif
 
-#define COLIBRI_EXPERT_ABI_VERSION 1u
+#define COLIBRI_EXPERT_ABI_VERSION 2u  /* 1: no base_model (loads unbound, with a warning) */
 #define COLIBRI_EXPERT_MAGIC       0x45584C43u  /* bytes "CLXE" in little-endian order */
 
 #define COLIBRI_MAX_LAYERS   16   /* target layers per expert (global layer indices) */
@@ -50,6 +50,8 @@ extern "C" {
 /* flags */
 #define COLIBRI_FLAG_THREAD_SAFE 0x1u  /* ffn_forward may run on several threads at once  */
 #define COLIBRI_FLAG_HAS_Q4      0x2u  /* the nine colibri_w* symbols are present         */
+#define COLIBRI_FLAG_PORTABLE    0x4u  /* ABI 2: runs on any model of its hidden size and
+                                          layers, whatever base_model says               */
 
 /*
  * The metadata record. Fixed layout, 360 bytes, every field 4-byte aligned, no padding,
@@ -70,7 +72,10 @@ typedef struct colibri_expert_meta {
     char     name[COLIBRI_NAME_LEN];       /* 104: identity of the expert (replace = same)  */
     char     version[COLIBRI_VERSION_LEN]; /* 168                                           */
     char     target[COLIBRI_TARGET_LEN];   /* 200: e.g. "x86_64 gcc 12.2.0 -O3"             */
-    uint32_t reserved[8];                  /* 328: 0                                        */
+    uint8_t  base_model[32];               /* 328: fingerprint (sha256) of the model it was
+                                                   built for (docs/HOTPLUG.md "Binding"); all
+                                                   zero only with COLIBRI_FLAG_PORTABLE. ABI 1:
+                                                   reserved, zeros                              */
 } colibri_expert_meta_t;                   /* 360                                           */
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L

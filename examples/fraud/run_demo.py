@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER,  # noqa: E402
+from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
                     PLOT_INSTALL, episode_bootstrap, expert_q4_clip, fmt_ci, fraud_prob,
                     group_metrics, load_scoring, newcombe_diff, wilson)
 from fraud_stream import OLD_PATTERNS, SEQ_LEN, StreamConfig, generate  # noqa: E402
@@ -225,7 +225,9 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     so = out / "card_testing.so"
     clip = expert_q4_clip()
-    info = build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=clip)
+    from colibri_core.fingerprint import fingerprint_of_dir
+    info = build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=clip,
+                        base_model=fingerprint_of_dir(MODEL_DIR))   # bound to this model
     say(f"built {so.name}: layer {list(info.meta.layers)}, hidden {info.meta.hidden_size}, "
         f"intermediate {info.meta.intermediate_size}, q4 clip {clip}, {info.size} bytes "
         f"({time.perf_counter() - t:.1f}s)")

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, NEW_EXPERT_LAYER, REPO,  # noqa: E402
-                          expert_q4_clip, fraud_prob, load_scoring)
+from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
+                          REPO, expert_q4_clip, fraud_prob, load_scoring)
 from fraud_stream import FRAUD  # noqa: E402
 from run_demo import make_stream  # noqa: E402
 
@@ -94,7 +94,9 @@ def main(argv=None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     so = out / "card_testing.so"
-    build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=expert_q4_clip())
+    from colibri_core.fingerprint import fingerprint_of_dir
+    build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=expert_q4_clip(),
+                 base_model=fingerprint_of_dir(MODEL_DIR))       # bound to the fraud model
     folder = out / "experts_so"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(mode=0o700)
