@@ -32,6 +32,8 @@ from typing import Optional
 
 import numpy as np
 
+from .errors import ConfigError
+
 log = logging.getLogger("colibri")
 
 FORMAT = 1                  # the "v" of every line
@@ -141,7 +143,8 @@ class AuditLog:
 
     def __init__(self, path, max_mb: float = DEFAULT_MAX_MB, engine_info: Optional[dict] = None):
         if not max_mb > 0:
-            raise ValueError(f"audit max_mb={max_mb!r}: expected a size in MB > 0")
+            raise ConfigError(f"audit log max_mb={max_mb!r} (--audit-max-mb): expected a size "
+                              f"in MB > 0")
         self.path = Path(path)
         self.max_bytes = int(max_mb * 1024 * 1024)
         self.keep_dir = Path(str(self.path) + ".experts")

@@ -395,13 +395,14 @@ class Engine:
 
     def score(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
               all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
-              request_id: Optional[str] = None) -> list:
+              request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None) -> list:
         """score_batch with provenance: one scoring.Scored per sequence (`logits`,
         `expert_set` {generation, id} of the one set that computed it, `k`, `tokens`);
-        each sequence is pinned to the set current at its admission (scoring.py)."""
+        each sequence is pinned to the set current at its admission, sequences with the
+        same `groups` label to the set of the first of them admitted (scoring.py)."""
         from .scoring import score
         return score(self, sequences, top_k, all_positions, track,
-                     request_id or f"req-{next(_request_ids)}")
+                     request_id or f"req-{next(_request_ids)}", groups)
 
     def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:
         """Write one audit line per scored item and generated sequence to `path`

@@ -26,15 +26,26 @@ _score_ids = itertools.count(1)
 class ScoreJob(Job):
     """A scored sequence: its prompt only, pinned; `result` the logits, `es` (set at
     admission) the expert set every chunk of it ran with; `routes` the routing parts
-    while the audit is on."""
+    while the audit is on. Jobs sharing a `box` (an item's candidates) share one set:
+    the first of them admitted pins it for all."""
 
-    def __init__(self, request, tokens, k: int, all_logits: bool, sink=None):
+    def __init__(self, request, tokens, k: int, all_logits: bool, sink=None, box=None):
+        self._box = box if box is not None else [None]
         super().__init__(request, tokens, k, len(tokens), pin=True)
         self.all_logits = all_logits
         self.parts: list = []
         self.result = None
         self.sink = sink
         self.routes: list = []
+
+    @property
+    def es(self):
+        return self._box[0]
+
+    @es.setter
+    def es(self, value) -> None:        # the scheduler's pin at admission: first one wins
+        if self._box[0] is None:
+            self._box[0] = value
 
     def after_step(self, logits, es, final: bool) -> None:
         if self.sink is not None:
@@ -67,8 +78,11 @@ class _Closer:
 
 def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
           all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
-          request_id: Optional[str] = None) -> list[Scored]:
-    """Engine.score's body (see Engine.score_batch for the contract)."""
+          request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None
+          ) -> list[Scored]:
+    """Engine.score's body (see Engine.score_batch for the contract). `groups`: one
+    label per sequence; sequences with the same label (an item's candidates) run under
+    one expert set."""
     if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
         raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
                            f"of token-id lists")
@@ -97,7 +111,12 @@ def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
     audit = eng.audit
     sink = eng.model.route_sink if audit is not None else None
     req = Request(rid)
-    req.jobs = [ScoreJob(req, p, k, all_positions, sink) for p in prepared]
+    if groups is not None and len(groups) != len(prepared):
+        raise RequestError(f"groups: {len(groups)} labels for {len(prepared)} sequences")
+    boxes: dict = {}
+    req.jobs = [ScoreJob(req, p, k, all_positions, sink,
+                         None if groups is None else boxes.setdefault(groups[i], [None]))
+                for i, p in enumerate(prepared)]
     eng.scheduler.submit(req)
     try:
         if track is not None:

@@ -50,6 +50,11 @@ def add_arguments(p) -> None:
     add_speculation_arguments(p)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
+    p.add_argument("--audit-log", dest="audit_log", metavar="PATH",
+                   help="write one JSON line per scored item and generated sequence (its "
+                        "expert set, k, input, output, routing; docs/SERVE.md); off by default")
+    p.add_argument("--audit-max-mb", dest="audit_max_mb", type=float, default=1024,
+                   help="rotate the audit log past this size in MB (default 1024)")
 
 
 def main(args) -> int:

@@ -168,8 +168,9 @@ def run_generation(ctx, p: GenParams, book) -> dict:
                 raise RequestError(f"sampling settings: {e}") from None
             sampler = RecordingSampler(inner, p.logprobs, eos, texts)
             rid = f"{ctx.request_id}.{choice}" if many else ctx.request_id
+            # pinned: a choice is computed under one expert set, the one it names
             gen = eng.generate(prompt, max_new_tokens=n_new, top_k=p.experts, stop=[],
-                               sampler=sampler, request_id=rid)
+                               sampler=sampler, request_id=rid, pin_experts=True)
             c = _Choice(choice, gen, sampler, p.stop)
             start = Start(choice, gen.prompt_ids)
             if p.echo:
@@ -272,7 +273,8 @@ def _advance(ctx, c: _Choice, p: GenParams, book) -> bool:
         # text held back by the UTF-8 decoder or as a possible stop's start
         tail = c.cut.finish(gen.text[len(c.cut.text):])
         if tail:
-            g, sid = book.stamp()
+            g, sid = (gen.events[-1].expert_set_generation, gen.events[-1].expert_set_id) \
+                if gen.events else book.stamp()
             ctx.emit(Token(c.index, -1, tail, None, g, sid))
         reason = FINISH.get(gen.stop_reason or "length", "stop")
     ctx.emit(End(c.index, reason, len(gen.prompt_ids), c.n_out))
@@ -389,14 +391,16 @@ def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     sums: dict = {}
     per_tok: dict = {}
     ctx.check()
-    before = book.stamp()
-    try:
-        outs = eng.score_batch([s for _, _, s in seqs], top_k=experts, all_positions=True,
-                               track=ctx.track)
+    try:        # an item's candidates run under one expert set, the one its result names
+        scored = eng.score([s for _, _, s in seqs], top_k=experts, all_positions=True,
+                           track=ctx.track, request_id=ctx.request_id,
+                           groups=[ii for ii, _, _ in seqs])
     except RequestCancelled:
         ctx.check()                  # why it was cancelled: disconnect, timeout, shutdown
         raise
     ctx.check()
+    outs = [x.logits for x in scored]
+    item_set = {ii: x.expert_set for (ii, _, _), x in zip(seqs, scored)}
     for (ii, ci, seq), logits in zip(seqs, outs):
         start = len(items[ii].prompt_ids)
         lp = log_softmax(np.asarray(logits)[start - 1:len(seq) - 1])
@@ -408,12 +412,14 @@ def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
     for ii, it in enumerate(items):
         tot = np.array([sums[ii, ci] for ci in range(len(it.candidates))])
         norm = softmax(tot)
-        results.append({"index": ii, "prompt_tokens": len(it.prompt_ids), "candidates": [
+        results.append({"index": ii, "prompt_tokens": len(it.prompt_ids),
+                        "expert_set": item_set[ii], "candidates": [
             {"index": ci, "candidate": it.labels[ci], "tokens": list(map(int, cand)),
              "token_logprobs": per_tok[ii, ci], "logprob": sums[ii, ci],
              "n_tokens": len(cand), "probability": float(norm[ci])}
             for ci, cand in enumerate(it.candidates)]})
-    gens = sorted({before, book.stamp()})
+    # expert_sets (deprecated, one release): the distinct sets of the items
+    gens = sorted({(x["generation"], x["id"]) for x in item_set.values()})
     return {"results": results, "expert_sets": [{"generation": a, "id": b} for a, b in gens],
             "usage": {"prompt_tokens": sum(len(s) for _, _, s in seqs), "total_tokens":
                       sum(len(s) for _, _, s in seqs)}}

@@ -45,7 +45,7 @@ class Collector:
 
     def add(self, ev) -> None:
         c = self.choices.setdefault(ev.choice, {"text": [], "lp": [], "echo": "",
-                                                "echo_lp": None, "finish": None})
+                                                "echo_lp": None, "finish": None, "set": None})
         if isinstance(ev, Start):
             c["echo"] = ev.echo_text
             c["echo_lp"] = ev.echo_logprobs
@@ -55,6 +55,8 @@ class Collector:
                 c["lp"].append(ev.logprob)
             if not self.sets or self.sets[-1][0] != ev.generation:
                 self.sets.append((ev.generation, ev.set_id))
+            if c["set"] is None:      # a choice is pinned: its tokens' one set
+                c["set"] = {"generation": ev.generation, "id": ev.set_id}
         elif isinstance(ev, End):
             c["finish"] = ev.finish_reason
 
@@ -67,14 +69,16 @@ class Collector:
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "logprobs": _chat_lp(c["lp"]) if self.logprobs else None,
-                                "finish_reason": c["finish"]})
+                                "finish_reason": c["finish"], "expert_set": c["set"]})
             else:
                 lp = None
                 if self.logprobs:
                     entries = (c["echo_lp"] or []) + c["lp"]
                     lp = _completion_lp(entries, 0)
                 choices.append({"index": i, "text": c["echo"] + text, "logprobs": lp,
-                                "finish_reason": c["finish"]})
+                                "finish_reason": c["finish"], "expert_set": c["set"]})
+        # expert_sets with expert_set_generation / _id: deprecated for one release (each
+        # choice's expert_set names its set)
         return {"id": rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": created, "model": model, "choices": choices, "usage": usage,
                 "expert_sets": [{"expert_set_generation": g, "expert_set_id": s}
@@ -97,6 +101,8 @@ class Chunker:
         d = {**self.base, "choices": [choice]}
         if ev is not None and isinstance(ev, Token) and (ev.generation, ev.set_id) != self.last_set:
             self.last_set = (ev.generation, ev.set_id)
+            d["expert_set"] = {"generation": ev.generation, "id": ev.set_id}
+            # the two old fields: deprecated, kept one release
             d["expert_set_generation"], d["expert_set_id"] = self.last_set
         if self.include_usage:
             d["usage"] = None

@@ -198,4 +198,10 @@ def main(args) -> int:
     """`colibri serve` (the options: colibri_core.server.add_arguments)."""
     from ..engine import Engine
     model_dir, engine_cfg, settings = resolve(args)
-    return run_server(lambda: Engine(model_dir, engine_cfg), settings)
+
+    def engine():
+        eng = Engine(model_dir, engine_cfg)
+        if getattr(args, "audit_log", None):       # opt-in (audit.py)
+            eng.start_audit(args.audit_log, args.audit_max_mb)
+        return eng
+    return run_server(engine, settings)
