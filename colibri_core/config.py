@@ -256,8 +256,9 @@ class EngineConfig(BaseModel):
     # max_resident_mb = process_limit_mb - overhead; set one of the two, not both
     process_limit_mb: Optional[int] = Field(default=None, gt=0)
     # the KV cache (kvcache.py): every sequence's cache comes from one pool of this many
-    # positions (None: 65,536 or the context if larger; under a budget one sequence at
-    # the full context), counted in
+    # positions (None: from the memory the model's files leave, within [min(4,096,
+    # context), max(65,536, context)], residency.kv_pool_tokens; under a budget one
+    # sequence at the full context), counted in
     # max_resident_mb; rows stored as float32, IEEE half, or int8 with a scale per row
     # (MLA's latent cache stays float32)
     kv_pool_tokens: Optional[int] = Field(default=None, gt=0)

@@ -7,7 +7,8 @@ capacity, nkv]), contiguous per sequence: the pipeline hands their addresses to 
 the rows it attends over. MLA's latent cache (mla.MLACache) is float32 whatever the type.
 
 The `KVPool` is the accounting and the admission rule: a capacity in positions
-(EngineConfig.kv_pool_tokens, default one sequence at the model's full context), from
+(EngineConfig.kv_pool_tokens; its default follows the memory available, the context
+and the row size: residency.kv_pool_tokens), from
 which `alloc(positions)` takes a sequence's cache (its own block, allocated then) or
 refuses with KVPoolFullError, and `free(cache)` gives the positions back and the memory
 with them. The memory budget (residency.plan_budget) counts the pool at its capacity and

@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from .errors import ModelFormatError
+from .filemap import FileMapping, max_map_count
 from .files import open_regular
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 
@@ -433,12 +434,13 @@ class ContainerFile:
                 head = _read_header(fd, self.size, self.path, max_table)
                 if self.size >= HUGE_PAGE:
                     _drop_cached(fd, -(-len(head) // mmap.PAGESIZE) * mmap.PAGESIZE)
-                try:
-                    self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
-                except OSError as e:
-                    raise ModelFormatError(f"{self.path}: cannot map: {e.strerror}; try "
+                try:                  # holds no descriptor (filemap.py: RLIMIT_NOFILE)
+                    self._mm = FileMapping(fd, self.size)
+                except OSError as e:  # ENOMEM: most often vm.max_map_count reached
+                    raise ModelFormatError(f"{self.path}: cannot map: {e.strerror} (vm."
+                                           f"max_map_count {max_map_count()}); try "
                                            f"load_mode 'copy'") from None
-                self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+                self.buf = np.asarray(self._mm)
                 self.watch()
             elif load_mode == "header":   # the table only, read with pread (no mapping)
                 self.buf = None
@@ -520,10 +522,7 @@ class ContainerFile:
     def madvise(self, advice: int) -> None:
         """One call for the whole file (prefetch a whole expert in one batch)."""
         if self._mm is not None:
-            try:
-                self._mm.madvise(advice)
-            except OSError:
-                pass  # e.g. MADV_POPULATE_READ on an old kernel: prefetch is best effort
+            self._mm.madvise(advice)   # best effort (e.g. POPULATE_READ on an old kernel)
 
     def populate(self) -> int:
         """Read the whole file in and map it (MADV_POPULATE_READ, Linux 5.14 on); on older
@@ -553,11 +552,6 @@ class ContainerFile:
         self.buf = None
         if self.guard is not None:
             self.guard.close()      # before the unmap: the range may be reused by others
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                # views still alive somewhere; the mapping goes when they do (unwatched
-                # from now on: the guard never holds a range that may be unmapped)
-                pass
-            self._mm = None
+        # unmapped now, or when the last view alive elsewhere goes (unwatched from now
+        # on: the guard never holds a range that may be unmapped)
+        self._mm = None

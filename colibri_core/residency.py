@@ -59,8 +59,8 @@ import numpy as np
 
 from .config import EngineConfig, ModelConfig, load_model_config
 from .errors import ConfigError
-from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, file_pmd_mapped,
-                      madvise)
+from .memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_WILLNEED, PAGE, available_bytes,
+                      file_pmd_mapped, madvise)
 from .modelfile import HUGE_PAGE, MADV_HUGEPAGE, expert_file_name
 from .weights import ModelWeights
 
@@ -68,8 +68,7 @@ log = logging.getLogger("colibri")
 
 MiB = 1 << 20
 
-# OS memory probes live in memstat.py; re-exported here for callers of this module.
-from .memstat import resident_bytes, file_cache_bytes, drop_file_cache, proc_read_bytes, proc_memory  # noqa: E402,F401
+from .memstat import resident_bytes, file_cache_bytes, drop_file_cache, proc_read_bytes, proc_memory  # noqa: E402,F401 (re-exported)
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -83,21 +82,52 @@ def kv_bytes_per_position(cfg: ModelConfig, dtype: str = "f32") -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * row
 
 
-DEFAULT_POOL_TOKENS = 65536   # without a memory budget: positions shared by many requests
+DEFAULT_POOL_TOKENS = 65536   # without a memory budget, at most: shared by many requests
+MIN_POOL_TOKENS = 4096        # ... and at least (or the context if shorter): one long prompt
 
 
-def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig) -> int:
+def model_bytes(cfg: ModelConfig) -> int:
+    """The model's files' bytes, as config.json records them (0 when it lists none)."""
+    return sum(info.size for info in cfg.files.values())
+
+
+def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig,
+                   available: Optional[int] = None) -> int:
     """The KV pool's capacity in positions: EngineConfig.kv_pool_tokens, else the older
     residency.kv_tokens; else under a memory budget one sequence at the model's full
-    context (what the budget reserves), and without one 65,536 positions or the context
-    if larger (the scheduler's concurrent requests share them; rows are allocated per
-    sequence as it starts, so capacity alone costs no memory)."""
+    context (what the budget reserves). Without one: half of the memory available at
+    start, less the model's files (they must stay in the page cache), over a position's
+    bytes, within [min(4,096, context), max(65,536, context)]. Capacity alone costs no
+    memory (rows are allocated per sequence), but the scheduler admits sequences up to
+    it: Qwen3-30B-A3B's 65,536 f32 positions are 12 GiB (docs/ARCHITECTURE.md)."""
     got = engine.kv_pool_tokens or engine.residency.kv_tokens
     if got:
         return got
+    ctx = cfg.max_position_embeddings
     if engine.max_resident_mb is not None:
-        return cfg.max_position_embeddings
-    return max(DEFAULT_POOL_TOKENS, cfg.max_position_embeddings)
+        return ctx
+    most, least = max(DEFAULT_POOL_TOKENS, ctx), min(MIN_POOL_TOKENS, ctx)
+    avail = available_bytes() if available is None else available
+    if avail is None:
+        return most
+    fit = (avail - model_bytes(cfg)) // 2 // kv_bytes_per_position(cfg, engine.kv_dtype)
+    return int(max(least, min(most, fit)))
+
+
+def preload_files(files, available: Optional[int] = None) -> list:
+    """The files a preload reads: the longest prefix of `files` (model.bin, routing.bin,
+    then the experts layer by layer) that fits in the memory available less an eighth
+    (at least 512 MiB): a model larger than memory is not read only to evict itself."""
+    avail = available_bytes() if available is None else available
+    if avail is None:
+        return list(files)
+    room, out = avail - max(512 * MiB, avail // 8), []
+    for f in files:
+        room -= f.size
+        if room < 0:
+            break
+        out.append(f)
+    return out
 
 
 @dataclass(frozen=True)
@@ -320,15 +350,15 @@ class Residency:
         self.weights = weights
         self._advice = advice
         self._read0 = proc_read_bytes()
-        # Files already advised. Without a budget nothing evicts them on purpose, and a
-        # repeated MADV_WILLNEED on a resident 4 MB expert still costs ~60 us (the kernel
-        # walks its page cache): measured as 1 ms of a 10 ms decode step.
+        # Files already advised: a repeated MADV_WILLNEED on a resident 4 MB expert costs
+        # ~60 us (the kernel walks its page cache), 1 ms of a 10 ms decode step.
         self._advised: set = set()
         self._to_advise = {lw.index: sum(ex.file is not None for ex in lw.experts)
                            for lw in weights.layers}
         self._preloader: Optional[threading.Thread] = None
         self._stop_preload = threading.Event()
         self.reread_files = 0      # files re-read to get them in 2 MB folios (preload)
+        self._preload: list = []   # the files preload() reads (preload_files)
 
     def waves(self, used):
         return (used,)
@@ -347,23 +377,28 @@ class Residency:
         faults must read no more than they need."""
         for f in self.weights.files:
             f.madvise(MADV_HUGEPAGE)
+        self._preload = preload_files(self.weights.files)
+        if len(self._preload) < len(self.weights.files):
+            log.info("preload: %d of %d model files, the ones that fit in the memory "
+                     "available", len(self._preload), len(self.weights.files))
         if advice == MADV_WILLNEED:
             self._preloader = threading.Thread(target=self._populate_files, daemon=True,
                                                name="colibri-preload")
             self._preloader.start()
         elif advice == MADV_POPULATE_READ:
-            for f in self.weights.files:
+            for f in self._preload:
                 f.populate()
             self._reread_small_folios()
         else:
-            for f in self.weights.files:
+            for f in self._preload:
                 f.madvise(advice)
-        if self._advice is not None:                 # the per-expert prefetch is done too
+        if self._advice is not None:      # the per-expert prefetch is done too (if read)
+            read = {id(f) for f in self._preload}
             for lw in self.weights.layers:
                 for ex in lw.experts:
-                    if ex.file is not None:
+                    if ex.file is not None and id(ex.file) in read:
                         self._advised.add(id(ex.file))
-                self._to_advise[lw.index] = 0
+                        self._to_advise[lw.index] -= 1
 
     def all_prefetched(self, layer: int) -> bool:
         """True once every expert file of `layer` has had its madvise: acquire() has
@@ -419,7 +454,7 @@ class Residency:
         return r
 
     def _populate_files(self) -> None:
-        for f in self.weights.files:
+        for f in self._preload:
             if self._stop_preload.is_set():
                 return
             f.populate()   # an error (a file truncated under its mapping: EFAULT) is the
@@ -434,8 +469,7 @@ class Residency:
         read again, in 2 MB folios. The first one re-read is the probe: if it still maps
         no 2 MB page (a file system without large folios, THP off, or another process
         holding the pages), the others are left as they are."""
-        big = [f for f in self.weights.files
-               if f.buf is not None and f.size >= 2 * HUGE_PAGE]
+        big = [f for f in self._preload if f.buf is not None and f.size >= 2 * HUGE_PAGE]
         if not big:
             return
         pmd = file_pmd_mapped()

@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import ModelConfig, load_model_config
 from .errors import ModelFormatError
+from .filemap import check_map_count
 from .files import check_regular, read_bytes
 from .modelfile import (FORMAT_MAJOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
                         ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
@@ -219,6 +220,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
         raise ModelFormatError(f"{path}: model directory not found")
     cfg = load_model_config(path / "config.json")
     _check_files(cfg, path)
+    if load_mode == "mmap":     # one mapping per file: refused at once past vm.max_map_count
+        check_map_count(2 + (0 if lazy_experts else len(cfg.moe_layers) * cfg.num_experts),
+                        str(path))
     files: list[ContainerFile] = []
 
     def open_file(name: str, mode: str = load_mode,

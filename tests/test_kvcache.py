@@ -224,7 +224,7 @@ def test_pool_accounting_and_refusal(eng):
 
 
 def test_engine_pool_defaults_and_settings(model_dir, eng):
-    # without a budget: 65,536 positions (or the context if larger) shared by requests
+    # without a budget, memory to spare: 65,536 positions (or the context if larger)
     assert eng.kv_pool.capacity_tokens == max(65536, eng.model_cfg.max_position_embeddings)
     with Engine(model_dir, EngineConfig(threads=1, max_resident_mb=64)) as e:
         assert e.kv_pool.capacity_tokens == e.model_cfg.max_position_embeddings
