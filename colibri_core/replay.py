@@ -249,8 +249,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
 
 
-def main(args, out=sys.stdout) -> int:
+def main(args, out=None) -> int:
     from .engine import Engine
+    out = out or sys.stdout
     try:
         _, _, engine_line, _ = read_log([Path(p) for p in args.audit])
         settings = {k: engine_line[k] for k in ("activations", "kv_dtype", "routing")
