@@ -173,8 +173,8 @@ def _no_version(b):
     (b / "expert.toml").write_text('name = "x"\nlayers = [1]\n')
 
 
-def _abi_2(b):
-    (b / "expert.toml").write_text('name = "x"\nversion = "1"\nlayers = [1]\nabi_version = 2\n')
+def _abi_3(b):
+    (b / "expert.toml").write_text('name = "x"\nversion = "1"\nlayers = [1]\nabi_version = 3\n')
 
 
 def _crashing(b):
@@ -212,7 +212,7 @@ BROKEN = {
     "bad-toml": (_bad_toml, "metadata", "not valid TOML"),
     "unknown-key": (_unknown_key, "metadata", "router-bias"),
     "no-version": (_no_version, "metadata", "missing version"),
-    "abi-2": (_abi_2, "abi", "abi_version"),
+    "abi-3": (_abi_3, "abi", "abi_version"),
     "crashing": (_crashing, "probe-crash", "SIGSEGV"),
     "own-metadata": (_with_metadata, "abi", "colibri_expert_meta"),
     "truncated": (_truncated, "incomplete", "expert_32.so"),

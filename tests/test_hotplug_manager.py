@@ -192,7 +192,8 @@ def test_add_replace_rollback_remove_through_the_observer(make_manager, folder):
         rows = mgr.list()
         assert rows == [{"slot": FIRST_SLOT, "name": "fraud", "version": "1", "layers": [1],
                          "origin": "hot-plugged", "sha256": back.expert.sha256,
-                         "isolation": "inprocess", "status": "active", "refused": None}]
+                         "isolation": "inprocess", "status": "active", "binding": "portable",
+                         "file": "fraud.so", "refused": None}]
 
         # A touch of the rolled-back-from file does not bring version 2 back.
         os.utime(path)
@@ -283,7 +284,7 @@ def test_refusals_each_with_a_reason(make_manager, folder, tmp_path):
     drop(folder, "segv.so", name="segv", fault="segv")
     drop(folder, "hang.so", name="hang", fault="hang")
     drop(folder, "nan.so", name="nan", fault="nan")
-    drop(folder, "abi.so", name="abi", abi=2)
+    drop(folder, "abi.so", name="abi", abi=3)
     drop(folder, "wide.so", name="wide", hidden=128)
     drop(folder, "layer.so", name="layer", layer=2)
     raw = bytearray(good.read_bytes())

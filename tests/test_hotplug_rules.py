@@ -183,7 +183,7 @@ def test_every_refusal_logs_one_line_naming_file_and_rule(make_manager, folder, 
     caplog.set_level(logging.INFO, logger="colibri.hotplug")
     mgr, events = make_manager(watch=False)
     drop(folder, "segv.so", name="segv", fault="segv")
-    drop(folder, "abi.so", name="abi", abi=2)
+    drop(folder, "abi.so", name="abi", abi=3)
     drop_bytes(folder, "junk.so", b"junk")
     mgr.start()
     assert mgr.wait_idle(20)

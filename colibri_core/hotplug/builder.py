@@ -230,8 +230,9 @@ def build_from_c(source: str | os.PathLike, out_so: str | os.PathLike,
         blob = (work / "colibri_router_row.bin").resolve()
         blob.write_bytes(row.tobytes())
         (work / "expert_data.S").write_text(
-            buildsrc.ASM_HEAD + buildsrc.ASM_BLOB.format(sym="colibri_router_row", path=_asm_path(blob)))
-        (work / "expert_meta.c").write_text(buildsrc.METAbuildsrc.C_SOURCE)
+            buildsrc.ASM_HEAD
+            + buildsrc.ASM_BLOB.format(sym="colibri_router_row", path=_asm_path(blob)))
+        (work / "expert_meta.c").write_text(buildsrc.META_C_SOURCE)
         defines = {"H": row.size, "LAYERS": "{" + ",".join(map(str, layers)) + "}",
                    "N_LAYERS": len(layers), "ROUTER_BIAS": f"{float(router_bias)!r}f",
                    "FLAGS": f"({'COLIBRI_FLAG_THREAD_SAFE' if thread_safe else '0u'}"
