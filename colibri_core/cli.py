@@ -469,6 +469,9 @@ def cmd_expert_build(args) -> int:
 
 
 def cmd_experts_list(args) -> int:
+    held = _held_state_dir(args)
+    if held is not None:              # a running engine (a server) holds the folder
+        return _experts_list_read_only(args, *held)
     eng = _engine_from_args(args)
     try:
         cfg = eng.model_cfg
@@ -477,32 +480,92 @@ def cmd_experts_list(args) -> int:
             for e in eng.weights.layers[L].experts:
                 rows.append({"slot": e.index, "name": e.name, "version": "", "layers": [L],
                              "origin": "model file", "sha256": cfg.files[f"{e.name}.bin"].sha256,
-                             "isolation": "inprocess", "status": "active", "refused": None})
+                             "isolation": "inprocess", "status": "active", "refused": None,
+                             "binding": "", "file": f"{e.name}.bin"})
         refused = []
         if eng.hotplug is not None:
             rows += eng.hotplug.list()
             refused = eng.hotplug.refused()
         if args.json:
             print(json.dumps({"expert_set_generation": eng.expert_set_generation,
-                              "expert_set_id": eng.expert_set_id, "experts": rows,
+                              "expert_set_id": eng.expert_set_id,
+                              "model_fingerprint": eng.model_fingerprint, "experts": rows,
                               "refused": refused}, indent=1))
             return 0
-        print(f"expert set generation {eng.expert_set_generation}, id {eng.expert_set_id}")
-        print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':10s} {'origin':12s} "
-              f"{'isolation':10s} {'status':9s} sha256")
-        for r in rows:
-            # a refused file beside the version that stays active (docs/HOTPLUG.md)
-            beside = f"  (its file is refused: {r['refused']['reason']})" if r.get("refused") else ""
-            print(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
-                  f"{','.join(map(str, r['layers'])):10s} {r['origin']:12s} {r['isolation']:10s} "
-                  f"{r['status']:9s} {r['sha256'][:12]}{beside}")
+        print(f"expert set generation {eng.expert_set_generation}, id {eng.expert_set_id}, "
+              f"model fingerprint {eng.model_fingerprint[:16]}")
+        _print_expert_rows(rows)
         keeps = {r["refused"]["path"]: r for r in rows if r.get("refused") and r["status"] == "active"}
         for f in refused:
             kept = keeps.get(f["path"])
-            tail = f" ({kept['name']} {kept['version']} stays active)" if kept else ""
-            print(f"refused {f['path']}: {f['reason']}: {f['message']}{tail}")
+            # a newer file rolled back from is not a failed check: say what it is
+            what = "rolled back from" if f["reason"] == "rolled-back" else "refused"
+            tail = f" ({kept['name']} {kept['version']} stays active)" \
+                if kept and what == "refused" else ""
+            print(f"{what} {f['path']}: {f['reason']}: {f['message']}{tail}")
     finally:
         eng.close()
+    return 0
+
+
+def _print_expert_rows(rows: list) -> None:
+    """The table of `colibri experts list`: `file` is what rollback also accepts."""
+    print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':8s} {'origin':12s} "
+          f"{'isolation':10s} {'status':9s} {'binding':9s} {'sha256':12s} file")
+    for r in rows:
+        # a refused file beside the version that stays active (docs/HOTPLUG.md)
+        ref = r.get("refused")
+        beside = "" if not ref else "  (a newer file, rolled back from)" \
+            if ref["reason"] == "rolled-back" else f"  (its file is refused: {ref['reason']})"
+        print(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
+              f"{','.join(map(str, r['layers'])):8s} {r['origin']:12s} {r['isolation']:10s} "
+              f"{r['status']:9s} {r.get('binding') or '-':9s} {r['sha256'][:12]:12s} "
+              f"{r.get('file') or ''}{beside}")
+
+
+def _held_state_dir(args):
+    """(experts_dir, state_dir) when a running manager holds the hot-plug state folder
+    `experts list` would use (a server runs on it), else None."""
+    from .config import find_config, load_run_config
+    from .hotplug.state import state_dir_in_use
+    experts_dir, state_dir = getattr(args, "experts_dir", None), None
+    if not args.model:
+        cfg, _ = load_run_config(find_config(args.config or "builtin"))
+        experts_dir = experts_dir or cfg.engine.experts_dir
+        state_dir = cfg.engine.hotplug.state_dir
+    if experts_dir is None:
+        return None
+    state_dir = state_dir or str(Path(experts_dir) / ".colibri-state")
+    return (experts_dir, state_dir) if state_dir_in_use(state_dir) else None
+
+
+def _experts_list_read_only(args, experts_dir: str, state_dir: str) -> int:
+    """`experts list` beside a running engine: its state file and the folder, read-only
+    (no lock taken, nothing loaded or written; the running engine's own view, with its
+    refusals and history: GET /v1/experts, /v1/experts/events)."""
+    from .hotplug.listing import folder_view
+    view = folder_view(experts_dir, state_dir)
+    if args.json:
+        print(json.dumps({"read_only": True, "experts_dir": experts_dir,
+                          "state_dir": state_dir, **view}, indent=1))
+        return 0
+    print(f"read-only: {state_dir} is held by a running engine; from its state file and the"
+          f" folder (the engine's own view: GET /v1/experts, /v1/experts/events)")
+    _print_expert_rows(view["experts"])
+    for f in view["files"]:
+        desc = {"active": "the active version", "previous": "an older adopted version",
+                "rolled-back": "rolled back from: not adopted again",
+                "new": "not adopted: waiting or refused"}[f["state"]]
+        meta = f"{f['name']} {f['version']} ({f['binding']})" if f["name"] else \
+            f"unreadable: {f['error']}"
+        print(f"file {f['file']}: {meta}, sha256 {(f['sha256'] or '')[:12]}: {desc}")
+    return 0
+
+
+def cmd_experts_fingerprint(args) -> int:
+    from .fingerprint import fingerprint_for
+    model = require_model_dir(args.model) if args.model else None
+    print(fingerprint_for(args.config, model))
     return 0
 
 
@@ -641,6 +704,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute threads (default: the config's)")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_experts_list)
+    fp = el_sub.add_parser("fingerprint", help="the model fingerprint an expert built for "
+                                               "this model records (its base_model)")
+    _model_options(fp, "its model's fingerprint is printed", engine_defaults, shipped)
+    fp.set_defaults(func=cmd_experts_fingerprint)
 
     from .fleet import add_arguments as fleet_arguments
     from .server import add_arguments as serve_arguments

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..hotplug.errors import REFUSED_LOG
 from ..modelfile import expert_name
+from .errors import bad_request
 
 log = logging.getLogger("colibri.server")
 
@@ -141,10 +142,41 @@ class ExpertBook:
                 rows.append({"name": r["name"], "version": r["version"], "slot": r["slot"],
                              "layers": r["layers"], "origin": r["origin"],
                              "sha256": r["sha256"], "isolation": r["isolation"],
-                             "status": r["status"], "refused": r.get("refused")})
+                             "status": r["status"], "refused": r.get("refused"),
+                             "binding": r.get("binding"), "file": r.get("file")})
         with self._lock:
             refusals = list(self.refusals)[::-1]
             adoptions = self.adoptions
         return {"object": "list", "expert_set_generation": generation, "expert_set_id": sid,
                 "watched_folder": eng.hotplug.experts_dir if eng.hotplug is not None else None,
-                "data": rows, "refusals": refusals, "adoptions": adoptions}
+                "data": rows, "refusals": refusals, "adoptions": adoptions,
+                "events": self.events(limit=EVENTS_IN_LISTING)}
+
+    def events(self, since: int = 0, limit: int = 200) -> list[dict]:
+        """The recent expert changes (hotplug/events.py), oldest first."""
+        return self.engine.expert_events.recent(since, limit)
+
+
+EVENTS_IN_LISTING = 20     # GET /v1/experts and the status page; the events route: more
+
+
+def events_answer(backend, query) -> dict:
+    """GET /v1/experts/events[?since=SEQ][&limit=N]: the history of adoptions,
+    replacements, rollbacks, removals and refusals, oldest first, each with the expert set
+    (generation, id) it went live in; `since`: only events after that `seq` (a poller
+    passes the last one it saw)."""
+    args = {}
+    for key, default, hi in (("since", 0, 2**62), ("limit", 200, 200)):
+        raw = query.get(key)
+        try:
+            args[key] = default if raw is None else int(raw)
+        except ValueError:
+            args[key] = -1
+        if not 0 <= args[key] <= hi:
+            raise bad_request(f"{key}={raw!r:.40}: expected an integer 0..{hi}", param=key)
+    book = getattr(backend, "book", None)
+    if book is None:                  # a fleet: its registry's listing carries no history
+        return {"object": "list", "data": [], "last_seq": 0}
+    data = book.events(args["since"], args["limit"])
+    return {"object": "list", "data": data,
+            "last_seq": book.engine.expert_events.last_seq}
