@@ -33,6 +33,7 @@ from . import params
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
+from .experts import events_answer
 from .generation import End, Token
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
@@ -392,6 +393,9 @@ def build_app(server: Server) -> Starlette:
     async def experts(request, rec):
         return JSONResponse(await eng.listing())
 
+    async def expert_events(request, rec):
+        return JSONResponse(events_answer(eng, request.query_params))
+
     async def rollback(request, rec):
         return JSONResponse(await eng.rollback(request.path_params["name"]), status_code=202)
 
@@ -437,6 +441,7 @@ def build_app(server: Server) -> Starlette:
                              "expert_set_generation": listing["expert_set_generation"],
                              "expert_set_id": listing["expert_set_id"],
                              "experts": listing["data"], "refusals": listing["refusals"][:10],
+                             "events": listing.get("events", [])[::-1],
                              "watched_folder": listing["watched_folder"],
                              "routing_stats": st.routing_stats,
                              **{k: snap[k] for k in ("rollout", "replica_failures")
@@ -456,6 +461,7 @@ def build_app(server: Server) -> Starlette:
         r("/v1/score", score, "score", ("POST",)),
         r("/v1/models", models, "models"),
         r("/v1/experts", experts, "experts"),
+        r("/v1/experts/events", expert_events, "expert_events"),
         r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),
         r("/v1/experts/{name}", upload, "upload", ("PUT",)),
         r("/health", health, "health", auth=False),
