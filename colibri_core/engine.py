@@ -215,8 +215,7 @@ class Engine:
             if self.hooks is not None and self.hooks.engine_stop is not None:
                 self.hooks.engine_stop(engine=self)
         finally:
-            if self.audit is not None:          # every line queued so far, written
-                self.audit.close()
+            self.stop_audit()                   # every line queued so far, written
             if self.hotplug is not None:
                 self.hotplug.close()            # joins the worker: nothing is prepared after
                 self.hotplug = None
@@ -406,15 +405,21 @@ class Engine:
 
     def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:
         """Write one audit line per scored item and generated sequence to `path`
-        (audit.py; rotated past `max_mb` per file). Off until called."""
+        (audit.py; rotated past `max_mb` per file) until stop_audit(). Off until called."""
         from .audit import AuditLog, RouteSink
         if self.audit is not None:
             raise RequestError(f"the audit log is on already ({self.audit.path})")
         cfg = self.config
-        self.audit = AuditLog(path, max_mb, {
-            "model_dir": str(self.model_dir), "activations": cfg.activations,
-            "kv_dtype": cfg.kv_dtype, "routing": cfg.routing})
+        self.audit = AuditLog(path, max_mb, {"model_dir": str(self.model_dir), "routing":
+                              cfg.routing, "activations": cfg.activations, "kv_dtype": cfg.kv_dtype})
         self.model.route_sink = RouteSink(self.model.pipeline)
+
+    def stop_audit(self) -> None:
+        """Close the log (what was queued is written; requests still running may be
+        left out of it)."""
+        audit, self.audit, self.model.route_sink = self.audit, None, None
+        if audit is not None:
+            audit.close()
 
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:

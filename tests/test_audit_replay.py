@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from colibri_core.audit import input_digest, output_digest
+from colibri_core.audit import input_digest, output_digest, routing_arrays
 from colibri_core.engine import Engine
 from colibri_core.errors import AuditLogError, ConfigError
 from colibri_core.replay import replay
@@ -146,16 +146,17 @@ def test_audit_lines_hold_the_item_its_set_and_its_routing(tiny_model_dir, tmp_p
                                rtol=0, atol=1e-9)
             # the routing: the pipeline's own trace of the sequence run alone
             _solo(eng, tokens, 1, es)
+            logged = routing_arrays(d["routing"], 1)
             for tr in eng.model.last_routing:
-                want = d["routing"][str(tr.layer)]
-                assert want["experts"] == tr.routing.ids[:, :1].tolist()
-                assert want["weights"] == tr.routing.weights[:, :1].astype(np.float64).tolist()
+                ids, wts = logged[tr.layer]
+                assert np.array_equal(ids, tr.routing.ids[:, :1])
+                assert np.array_equal(wts, tr.routing.weights[:, :1].astype(np.float32))
         gl = lines[7]
         assert gl["tokens"] == [5, 6, 7] and gl["output"]["n_tokens"] == len(g.token_ids)
         assert gl["output"]["tokens_sha256"] == input_digest(g.token_ids)
         assert gl["expert_set"] == g.expert_set == {"generation": es.generation, "id": es.id}
         assert sorted(gl["routing"]) == ["1", "2"]
-        assert all(len(v["experts"]) == 3 for v in gl["routing"].values())   # the prompt only
+        assert all(a.shape == (3, 2) for a, _ in routing_arrays(gl["routing"], 2).values())
         assert gl["sampling"]["temperature"] == 0.0
         with pytest.raises(Exception, match="audit log is on already"):
             eng.start_audit(log)
@@ -217,8 +218,8 @@ def test_replay_flags_exactly_the_items_routed_to_a_changed_expert(tiny_model_di
         """Routed to (layer, e) with a nonzero weight at a position whose output can reach
         the item's output: any position for all-positions logits; for the last token's,
         after the model's last layer (2 here) no attention carries other positions on."""
-        r = d["routing"][str(layer)]
-        rows = list(zip(r["experts"], r["weights"]))
+        ids, wts = routing_arrays(d["routing"], d["k"])[layer]
+        rows = list(zip(ids.tolist(), wts.tolist()))
         if not d["all_positions"] and layer == 2:
             rows = rows[-1:]
         return any(x == e and w != 0 for row, ws in rows for x, w in zip(row, ws))
