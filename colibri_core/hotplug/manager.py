@@ -63,8 +63,9 @@ from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
 log = logging.getLogger("colibri.hotplug")
 RECHECK_S = 0.5    # how often the idle worker looks at a refused folder, and at bundles
-UNBOUND_LOG = ("%s: expert %s %s records no base model (built before ABI 2): adopted"
-               " unbound, unchecked against this model; rebuild it with --config/--model")
+UNBOUND_LOG = ("%s: expert %s %s records no base model (metadata ABI 1, or a bundle without"
+               " base_model): adopted unbound, unchecked against this model; rebuild it for"
+               " this model (`colibri expert build --config NAME`) or mark it portable")
 
 EventCallback = Callable[[str, dict], None]
 PrepareCallback = Callable[[list], None]

@@ -9,6 +9,7 @@ the same id.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ class ExpertBook:
         self._refused: dict[str, int] = {}          # reason -> count since start
         self.listeners: list[Callable[[str, dict], None]] = []
         self._slot_names: dict[int, str] = {}
+        show_hotplug_log()             # made before the engine: its startup changes too
 
     # -- versions -----------------------------------------------------------------------
     def stamp(self) -> tuple[int, str]:
@@ -155,6 +157,19 @@ class ExpertBook:
     def events(self, since: int = 0, limit: int = 200) -> list[dict]:
         """The recent expert changes (hotplug/events.py), oldest first."""
         return self.engine.expert_events.recent(since, limit)
+
+
+def show_hotplug_log() -> None:
+    """Expert changes are one INFO line each on `colibri.hotplug` (hotplug/events.py), and
+    refusals one WARNING line: a server prints them on stderr, unless the application
+    configured logging itself (a handler on the root logger)."""
+    lg = logging.getLogger("colibri.hotplug")
+    if lg.getEffectiveLevel() > logging.INFO:
+        lg.setLevel(logging.INFO)
+    if not lg.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("colibri: %(message)s"))
+        lg.addHandler(h)
 
 
 EVENTS_IN_LISTING = 20     # GET /v1/experts and the status page; the events route: more
