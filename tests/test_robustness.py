@@ -398,13 +398,20 @@ def colibri_sample(logits, request):
 """
 
 
+def _default_sigint() -> None:
+    """In the child before exec: a shell's background job (`nohup pytest ... &`) starts
+    with SIGINT ignored, which Python keeps (no KeyboardInterrupt); put back the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_generation_exits_130(tmp_path, tok_model):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "slow.py").write_text(SLOW_PLUGIN)
     p = subprocess.Popen(colibri_cmd("run", "--model", tok_model, "-p", "hello", "-n", "120",
                                      "--plugins-dir", plugins),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+                         preexec_fn=_default_sigint)
     os.set_blocking(p.stdout.fileno(), False)
     got, t0 = b"", time.time()
     while len(got) < len("hello") + 5 and time.time() - t0 < 60:    # a few tokens streamed
@@ -460,7 +467,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
             "from colibri_core.cli import main\n"
             f"sys.exit(main(['convert', {str(hf)!r}, {str(out)!r}]))\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, cwd="/")
+                         stderr=subprocess.PIPE, cwd="/", preexec_fn=_default_sigint)
     t0 = time.time()
     staged = []
     while time.time() - t0 < 60 and p.poll() is None:

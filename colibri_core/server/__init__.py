@@ -31,7 +31,11 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, help="compute threads (default: the config's; engine default 2)")
     p.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
     p.add_argument("--api-key", dest="api_key",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (or $COLIBRI_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; visible to "
+                        "every local user in the process list: prefer $COLIBRI_API_KEY "
+                        "or --api-key-file")
+    p.add_argument("--api-key-file", dest="api_key_file", metavar="FILE",
+                   help="read the API key from FILE (its first line)")
     p.add_argument("--cors-origin", dest="cors_origin", action="append",
                    help="allow browser requests from this origin (repeatable; off by default)")
     p.add_argument("--strict-params", dest="strict_params", action="store_true",
@@ -50,6 +54,12 @@ def add_arguments(p) -> None:
     add_speculation_arguments(p)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
+    p.add_argument("--client-timeout", dest="client_timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers, and the longest "
+                        "pause in its body (the whole body: 6 times that; default 10)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=10.0,
+                   help="seconds requests in flight may finish after SIGTERM or Ctrl-C; "
+                        "then each ends with an error (default 10)")
     p.add_argument("--audit-log", dest="audit_log", metavar="PATH",
                    help="write one JSON line per scored item and generated sequence (its "
                         "expert set, k, input, output, routing; docs/SERVE.md); off by default")

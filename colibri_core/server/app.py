@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import re
 import time
@@ -29,12 +28,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import params
+from . import memory, params
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
 from .experts import events_answer
 from .generation import End, Token
+from .limits import LIMITS, ClientGone, read_body, read_json, text_bound
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
 
@@ -43,11 +43,9 @@ access_log = logging.getLogger("colibri.server.access")
 
 GEN_HEADER = "X-Colibri-Expert-Set-Generation"
 SET_HEADER = "X-Colibri-Expert-Set-Id"
-KiB, MiB = 1024, 1024 * 1024
-LIMITS = {"generate": 4 * MiB, "score": 16 * MiB, "upload": 64 * MiB, "small": 64 * KiB}
-MAX_SCORE_SEQUENCES = 4096
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _RID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+HEAVY_ROUTES = ("completions", "chat", "score", "upload")   # the heap is trimmed after them
 
 
 @dataclass
@@ -62,6 +60,7 @@ class Settings:
     queue_size: int = 256              # the engine's max_queued_requests (serve.py sets it)
     request_timeout_s: Optional[float] = 600.0
     shutdown_timeout_s: float = 10.0
+    client_timeout_s: float = 10.0      # headers within it; no pause in a body over it
     model_id: str = "colibri"
     routing_stats: bool = True          # count routed tokens per expert
 
@@ -79,6 +78,7 @@ class Server:
         self.started_at = time.time()
         self.last_snapshot: dict = {}
         self._tasks: list = []
+        self.trim_pending = False        # requests ended since the heap was last trimmed
 
     # -- life cycle (the app's lifespan) ------------------------------------------------
     async def startup(self) -> None:
@@ -107,6 +107,9 @@ class Server:
             try:
                 self.last_snapshot = await self.backend.snapshot()
                 self.metrics.sample(self.last_snapshot["routed"])
+                if self.trim_pending and not self.backend.running:
+                    self.trim_pending = False        # idle again: give the heap back
+                    await asyncio.to_thread(memory.trim)
             except Exception:  # noqa: BLE001 - the status window is best effort
                 log.exception("status sample failed")
             await asyncio.sleep(1.0)
@@ -169,6 +172,8 @@ class Record:
         if self.done:
             return
         self.done = True
+        if self.route in HEAVY_ROUTES:
+            self.server.trim_pending = True
         m = self.server.metrics
         m.requests.labels(self.route, str(status)).inc()
         if status == 499:
@@ -203,6 +208,8 @@ def endpoint(server: Server, route: str, fn, auth: bool = True):
         except asyncio.CancelledError:
             rec.finish(499)
             raise
+        except ClientGone:                # one line in the access log, not a 500
+            response = Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style answer
             response = _error_response(from_exception(e, rid, server.backend.retry_after_s()))
         response.headers["X-Request-ID"] = rid
@@ -210,32 +217,6 @@ def endpoint(server: Server, route: str, fn, auth: bool = True):
             rec.finish(response.status_code)
         return response
     return handler
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise ApiError(413, f"request body of {int(cl)} bytes is over this route's limit of "
-                            f"{limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over this route's limit of {limit} bytes",
-                           code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    raw = await read_body(request, limit)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body: expected a JSON object", code="invalid_json")
-    return body
 
 
 async def _watch_disconnect(request: Request, stream) -> None:
@@ -348,8 +329,9 @@ def build_app(server: Server) -> Starlette:
                               f"(chat_template.jinja or tokenizer_config.json's "
                               f"chat_template): use /v1/completions", param="messages",
                               code="no_chat_template")
-        text = S.template.render(messages)
-        ids = eng.tokenizer.encode(text)
+        # Rendered and tokenized off the event loop, no more text than the context holds.
+        ids = await asyncio.to_thread(S.template.prompt_ids, messages, eng.tokenizer,
+                                      text_bound(eng, spare=16))
         if not ids:
             raise bad_request("messages: the chat template rendered them as empty text",
                               param="messages")
@@ -361,17 +343,7 @@ def build_app(server: Server) -> Starlette:
 
     async def score(request, rec):
         body = await read_json(request, LIMITS["score"])
-        experts = params.integer(body, "experts_per_token", None, lo=1, hi=eng.num_experts)
-        raw = body.get("items")
-        if raw is None:
-            raw = [{"prompt": body.get("prompt"), "candidates": body.get("candidates")}]
-        if not isinstance(raw, list) or not raw:
-            raise bad_request("items: expected a non-empty list of {prompt, candidates}",
-                              param="items")
-        n_seq = sum(len(x.get("candidates") or []) if isinstance(x, dict) else 0 for x in raw)
-        if n_seq > MAX_SCORE_SEQUENCES:
-            raise bad_request(f"{n_seq} candidates in one request, at most "
-                              f"{MAX_SCORE_SEQUENCES}", param="items")
+        raw, experts = params.score_request(body, eng)
         job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
         try:
             await _collect(request, job, rec, until_token=False)
@@ -498,8 +470,10 @@ def build_app(server: Server) -> Starlette:
         finally:
             await S.shutdown()
 
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={404: http_error, 405: http_error})
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={404: http_error, 405: http_error})
+    app.state.client_timeout_s = st.client_timeout_s        # read_body's deadlines
+    return app
 
 
 def _html_escape(s: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from pathlib import Path
 
 from .calls import Calls
@@ -46,6 +47,7 @@ class LocalBackend:
         self.model_dir = engine.model_dir
         self.num_experts = engine.num_experts
         self._tasks: list = []
+        self._upload_locks: dict[str, list] = {}     # name -> [lock, users]
 
     # -- life cycle ---------------------------------------------------------------------
     async def startup(self) -> None:
@@ -85,6 +87,10 @@ class LocalBackend:
     def retry_after_s(self) -> int:
         return self.calls.retry_after_s()
 
+    def cancel_all(self) -> None:
+        """Past the shutdown grace period: every request in flight ends with a 503."""
+        self.calls.cancel_all("shutdown")
+
     @property
     def running(self) -> int:
         return self.calls.running
@@ -110,8 +116,18 @@ class LocalBackend:
     async def upload(self, name: str, data: bytes, sha: str) -> dict:
         folder = Path(self._hotplug("nowhere to upload to").experts_dir)
         final = folder / (name if name.endswith(".so") else f"{name}.so")
-        tmp = folder / f".{final.name}.{os.getpid()}.upload"
-        await asyncio.to_thread(write_atomically, tmp, final, data)
+        # Uploads of one name take turns (the last one wins), each through a temporary
+        # file of its own.
+        turn = self._upload_locks.setdefault(final.name, [asyncio.Lock(), 0])
+        turn[1] += 1
+        try:
+            async with turn[0]:
+                tmp = folder / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.upload"
+                await asyncio.to_thread(write_atomically, tmp, final, data)
+        finally:
+            turn[1] -= 1
+            if not turn[1]:
+                self._upload_locks.pop(final.name, None)
         return {"name": name, "path": str(final), "sha256": sha, "status": "written",
                 "detail": "the folder's checks and probe run next; GET /v1/experts shows "
                           "adoption or refusal"}

@@ -211,6 +211,12 @@ class Calls:
         call._thread.start()
         return call
 
+    def cancel_all(self, why: str = "shutdown") -> None:
+        """Cancel every request in flight: each ends with its error (a stream with its
+        error event and [DONE]) at once (any thread)."""
+        for call in list(self._live):
+            call.cancel(why)
+
     def stop(self, deadline_s: float = 10.0) -> None:
         """Refuse new work, let the requests in flight finish until the deadline, then
         cancel them, and wait for their threads (any thread but the loop's)."""
@@ -218,8 +224,7 @@ class Calls:
         end = time.monotonic() + deadline_s
         for call in list(self._live):
             call.done.wait(max(0.0, end - time.monotonic()))
-        for call in list(self._live):
-            call.cancel("shutdown")
+        self.cancel_all("shutdown")
         for call in list(self._live):
             call._thread.join(10.0)
 

@@ -97,3 +97,10 @@ class ChatTemplate:
             raise ApiError(400, f"messages: the model's chat template ({self.origin}) failed: "
                                 f"{type(e).__name__}: {e}", param="messages",
                            code="chat_template") from None
+
+    def prompt_ids(self, messages: list, tokenizer, keep_chars: int) -> list:
+        """The conversation's prompt tokens. Only the end of a prompt longer than the
+        context can stay (the engine keeps its last tokens), so no more than `keep_chars`
+        characters of the rendered text are tokenized, as the engine does for text."""
+        text = self.render(messages)
+        return tokenizer.encode(text[-keep_chars:] if len(text) > keep_chars else text)

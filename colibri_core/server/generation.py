@@ -14,6 +14,7 @@ temperature, top-k and top-p), as OpenAI and vLLM report them.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -171,15 +172,19 @@ def run_generation(ctx, p: GenParams, book) -> dict:
             # pinned: a choice is computed under one expert set, the one it names
             gen = eng.generate(prompt, max_new_tokens=n_new, top_k=p.experts, stop=[],
                                sampler=sampler, request_id=rid, pin_experts=True)
-            c = _Choice(choice, gen, sampler, p.stop)
-            start = Start(choice, gen.prompt_ids)
-            if p.echo:
-                start.echo_text = _echo_text(eng, prompt, gen.prompt_ids)
-                if p.logprobs is not None:
-                    start.echo_logprobs = prompt_logprobs(eng, gen.prompt_ids, gen.k,
-                                                          p.logprobs, texts)
-            ctx.emit(start)
-            choices.append(c)
+            choices.append(_Choice(choice, gen, sampler, p.stop))
+    _check_answer_size(eng, p, choices)
+    echoed: dict = {}                 # a prompt's echo, computed once for its n choices
+    for c in choices:
+        gen, pi = c.gen, c.index // p.n
+        start = Start(c.index, gen.prompt_ids)
+        if p.echo:
+            if pi not in echoed:
+                lps = prompt_logprobs(eng, gen.prompt_ids, gen.k, p.logprobs, texts) \
+                    if p.logprobs is not None else None
+                echoed[pi] = (_echo_text(eng, p.prompts[pi], gen.prompt_ids), lps)
+            start.echo_text, start.echo_logprobs = echoed[pi]
+        ctx.emit(start)
     usage = {"prompt_tokens": sum(len(c.gen.prompt_ids) for c in choices),
              "completion_tokens": 0}
     pending = [c for c in choices if c.gen.max_new_tokens > 0]
@@ -197,6 +202,21 @@ def run_generation(ctx, p: GenParams, book) -> dict:
         usage["completion_tokens"] = _read_choices(ctx, p, book, pending, active)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
+
+
+def _check_answer_size(eng, p: GenParams, choices: list) -> None:
+    """413 before any token is computed when the answer would be over the server's
+    bound: each choice's tokens (max_tokens, or what the context leaves; the echoed
+    prompt's too), each counting 1 + its log-prob alternatives."""
+    from .limits import check_answer
+    ctx_len = eng.model_cfg.max_position_embeddings
+    per = 1 + (p.logprobs or 0)
+    units = 0
+    for c in choices:
+        n_prompt = len(c.gen.prompt_ids)
+        units += (min(c.gen.max_new_tokens, max(ctx_len - n_prompt, 0))
+                  + (n_prompt if p.echo else 0)) * per
+    check_answer(units, f"{len(p.prompts)} prompt(s) x n {p.n}")
 
 
 def _read_choices(ctx, p: GenParams, book, pending: list, active: list) -> int:
@@ -284,31 +304,40 @@ def _advance(ctx, c: _Choice, p: GenParams, book) -> bool:
 class StopCutter:
     """Stop strings over streamed text: text that may be the start of a stop string is
     held back until it is known not to be one, so the client never sees any part of
-    the stop string (which may straddle tokens)."""
+    the stop string (which may straddle tokens). Each stop string is matched by a
+    Knuth-Morris-Pratt automaton fed each new character once: time linear in the text,
+    whatever the stop strings' length (params.py bounds their number and length)."""
 
     def __init__(self, stops: list):
         self.stops = stops
+        self.tables = [_kmp_table(x) for x in stops]
+        self.states = [0] * len(stops)   # per stop: the longest suffix of text that is its prefix
         self.text = ""            # everything the tokens decoded to
         self.sent = 0             # characters of it passed on
 
     def push(self, piece: str) -> tuple[str, bool]:
+        base = len(self.text)
         self.text += piece
         if not self.stops:
             self.sent = len(self.text)
             return piece, False
-        longest = max(map(len, self.stops))
-        start = max(0, self.sent - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = []
+        for n, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            k = self.states[n]
+            for i, ch in enumerate(piece):
+                while k and ch != stop[k]:
+                    k = table[k - 1]
+                if ch == stop[k]:
+                    k += 1
+                    if k == len(stop):         # its first occurrence: where it starts
+                        hits.append(base + i + 1 - k)
+                        break
+            self.states[n] = k
         if hits:
             end = min(hits)
             out, self.sent = self.text[self.sent:end], max(self.sent, end)
             return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max(self.states)
         end = max(self.sent, len(self.text) - hold)
         out, self.sent = self.text[self.sent:end], end
         return out, False
@@ -318,6 +347,19 @@ class StopCutter:
         self.text += tail
         out, self.sent = self.text[self.sent:], len(self.text)
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _kmp_table(stop: str) -> tuple:
+    """table[i]: the longest proper prefix of stop[:i+1] that is also its suffix."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
 
 
 def _echo_text(eng, prompt, ids) -> str:

@@ -20,6 +20,9 @@ log = logging.getLogger("colibri.server")
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64
+MAX_STOPS = 4
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024            # entries: checked one by one on the event loop
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
@@ -117,9 +120,14 @@ def _stop(body):
         return []
     if isinstance(v, str):
         v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 4:
-        raise bad_request("stop: expected a non-empty string or a list of up to 4 of them",
-                          param="stop")
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) \
+            or len(v) > MAX_STOPS:
+        raise bad_request(f"stop: expected a non-empty string or a list of up to {MAX_STOPS} "
+                          f"of them", param="stop")
+    long = max(map(len, v), default=0)
+    if long > MAX_STOP_CHARS:
+        raise bad_request(f"stop: a stop string of {long:,} characters, at most "
+                          f"{MAX_STOP_CHARS:,}", param="stop")
     return v
 
 
@@ -129,6 +137,9 @@ def _logit_bias(body, vocab: int):
         return {}
     if not isinstance(v, dict):
         raise bad_request("logit_bias: expected an object {token id: bias}", param="logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias: {len(v):,} entries, at most {MAX_LOGIT_BIAS:,}",
+                          param="logit_bias")
     out = {}
     for k, b in v.items():
         try:
@@ -275,3 +286,73 @@ def chat_messages(body: dict) -> tuple[list, Optional[int]]:
                 raise bad_request(str(e), param="messages") from None
             break
     return out, k
+
+
+# ----------------------------------------------------------------------------- /v1/score
+
+def _ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def score_request(body: dict, engine) -> tuple[list, Optional[int]]:
+    """/v1/score's body -> (items [{prompt, candidates}], experts_per_token), every
+    field's type checked and every length bound checked before anything is tokenized."""
+    from ..errors import RequestTooLarge
+    from .limits import MAX_SCORE_CHARS, MAX_SCORE_SEQUENCES, text_bound
+    experts = integer(body, "experts_per_token", None, lo=1, hi=engine.num_experts)
+    raw, single = body.get("items"), False
+    if raw is None:
+        raw, single = [{"prompt": body.get("prompt"), "candidates": body.get("candidates")}], True
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("items: expected a non-empty list of {prompt, candidates}",
+                          param="items")
+    ctx = engine.model_cfg.max_position_embeddings
+    max_chars = text_bound(engine)
+    n_seq = chars = 0
+    for i, x in enumerate(raw):
+        at = "" if single else f"items[{i}]."
+        if not isinstance(x, dict):
+            raise bad_request(f"items[{i}]: expected an object {{prompt, candidates}}, got "
+                              f"{type(x).__name__}", param="items")
+        prompt, cands = x.get("prompt"), x.get("candidates")
+        if isinstance(prompt, str) and prompt:
+            size, unit = len(prompt), max_chars
+        elif _ids(prompt):
+            size, unit = len(prompt), ctx
+        else:
+            raise bad_request(f"{at}prompt: expected non-empty text or a non-empty list of "
+                              f"token ids, got {type(prompt).__name__}", param=f"{at}prompt")
+        if not isinstance(cands, list) or not cands:
+            raise bad_request(f"{at}candidates: expected a non-empty list of texts or "
+                              f"token-id lists, got {type(cands).__name__}",
+                              param=f"{at}candidates")
+        n_seq += len(cands)
+        if n_seq > MAX_SCORE_SEQUENCES:
+            raise bad_request(f"more than {MAX_SCORE_SEQUENCES} candidates in one request",
+                              param="items")
+        text = isinstance(prompt, str)
+        chars += size if text else 0
+        for j, c in enumerate(cands):
+            where = f"{at}candidates[{j}]"
+            if isinstance(c, str) and c:
+                if not text:
+                    raise bad_request(f"{where}: a text candidate needs a text prompt",
+                                      param=where)
+                chars += size + len(c)
+                total = size + len(c)
+            elif _ids(c):
+                total = (size if not text else 0) + len(c)
+            else:
+                raise bad_request(f"{where}: expected non-empty text or a non-empty list of "
+                                  f"token ids, got {type(c).__name__}", param=where)
+            if total > unit:
+                what = "characters" if text else "tokens"
+                raise bad_request(f"{where}: {total:,} {what} with its prompt, more than the "
+                                  f"model's context of {ctx} tokens can hold (at most "
+                                  f"{unit:,} {what})", param=where)
+        if chars > MAX_SCORE_CHARS:
+            raise RequestTooLarge(f"items: over {MAX_SCORE_CHARS:,} characters to tokenize "
+                                  f"in one request (each text candidate is tokenized after "
+                                  f"its prompt): the server's limit; split the request")
+    return raw, experts

@@ -20,6 +20,8 @@ from .backend import LocalBackend
 from .experts import ExpertBook
 
 API_KEY_ENV = "COLIBRI_API_KEY"
+STREAM_CLOSE_S = 5.0     # after the grace period: for streams to send their error and [DONE]
+
 
 
 def add_speculation_arguments(p) -> None:
@@ -62,6 +64,7 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
     """Build the engine (engine_factory()), bind, print the URL, serve until stopped."""
     import uvicorn
 
+    from .protocol import GracefulServer, with_header_timeout
     _quiet_access_logs()
     # The engine's startup scan of the watched folder logs refusals before the server can
     # listen to its events: capture them for /v1/experts.
@@ -77,10 +80,12 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         _print_banner(engine, server, url, out)
         app = build_app(server)
+        # uvicorn's own deadline comes after ours (below), which ends streams cleanly.
         config = uvicorn.Config(app, log_level="warning", access_log=False, workers=1,
-                                timeout_graceful_shutdown=settings.shutdown_timeout_s,
-                                lifespan="on")
-        uv = uvicorn.Server(config)
+                                timeout_graceful_shutdown=settings.shutdown_timeout_s
+                                + STREAM_CLOSE_S, lifespan="on",
+                                http=with_header_timeout(settings.client_timeout_s))
+        uv = GracefulServer(config, server)
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown; a no-op
         # handler underneath makes that re-raise harmless, so SIGTERM exits 0.
         previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -147,8 +152,28 @@ def _quiet_access_logs() -> None:
     logging.getLogger("colibri.server").setLevel(logging.INFO)
 
 
+def api_key(args) -> Optional[str]:
+    """--api-key, else --api-key-file's first line, else $COLIBRI_API_KEY."""
+    path = getattr(args, "api_key_file", None)
+    if args.api_key and path:
+        raise ConfigError("--api-key and --api-key-file: give one of them")
+    if path:
+        text = read_text(path, lambda msg: ConfigError(f"--api-key-file {msg}"))
+        key = text.splitlines()[0].strip() if text.strip() else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: the file is empty (expected the key "
+                              f"on its first line)")
+        return key
+    if args.api_key:
+        logging.getLogger("colibri.server").warning(
+            "--api-key puts the key in the process list (ps, /proc/PID/cmdline) for every "
+            "local user to read: prefer $%s or --api-key-file", API_KEY_ENV)
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def settings_from_args(args, engine_cfg) -> Settings:
-    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    key = api_key(args)
     allow = load_allowlist(args.expert_allowlist)
     if allow is None and engine_cfg.hotplug.allowlist:
         allow = frozenset(x.lower() for x in engine_cfg.hotplug.allowlist)
@@ -158,14 +183,19 @@ def settings_from_args(args, engine_cfg) -> Settings:
                           "the config's hotplug.allowlist): an uploaded expert is native code")
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size {args.queue_size}: expected at least 1")
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds > 0")
+    for flag, v in (("--request-timeout", args.request_timeout),
+                    ("--client-timeout", getattr(args, "client_timeout", 10.0)),
+                    ("--shutdown-timeout", getattr(args, "shutdown_timeout", 10.0))):
+        if v is not None and not v > 0:
+            raise ConfigError(f"{flag} {v}: expected seconds > 0")
     return Settings(host=args.host, port=args.port, api_key=key,
                     cors_origins=list(args.cors_origin or []),
                     strict_params=args.strict_params,
                     allow_expert_upload=args.allow_expert_upload, upload_allowlist=allow,
                     queue_size=args.queue_size, request_timeout_s=args.request_timeout,
                     routing_stats=args.routing_stats,
+                    client_timeout_s=getattr(args, "client_timeout", 10.0),
+                    shutdown_timeout_s=getattr(args, "shutdown_timeout", 10.0),
                     model_id=args.model_id)
 
 
