@@ -24,7 +24,8 @@ Writes examples/fraud/new_expert/card_testing.npz (w1 [I,H], w3 [I,H], w2 [H,I],
 router_row [H], router_bias) and card_testing.json (metrics, before/after, on a
 validation stream, with the expert's weights INT4-rounded as the builder will store them).
 Build it into a hot-pluggable .so with
-`colibri expert build examples/fraud/new_expert/card_testing.npz -o X.so --layer 3 ...`
+`colibri expert build examples/fraud/new_expert/card_testing.npz -o X.so --layer 3
+--config fraud ...` (the fraud model's fingerprint recorded: other models refuse it)
 (run_demo.py does that itself).
 """
 from __future__ import annotations
