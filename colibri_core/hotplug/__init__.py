@@ -5,6 +5,7 @@ Modules (each importing only those above it):
     errors.py    typed errors (ValueError / RuntimeError subclasses) with a `reason` code
     elf.py       ELF64 reader: headers, sections, segments, symbols, vaddr -> file offset
     meta.py      colibri_expert_meta (include/colibri_expert.h) read from the file, checked
+                 (ABI 2: base_model, the model it was built for; fingerprint.py)
     staging.py   ownership/permission checks, the first open (O_NOFOLLOW | O_NONBLOCK),
                  private staging copy named by sha256
     bundle.py    bundle folders NAME.expert/ (ffn_forward-only .so + expert.toml + row)
@@ -16,8 +17,14 @@ Modules (each importing only those above it):
     expert.py    HotExpert, ExpertChange, Q4Weights, PreparedExpert (dlopen, on the worker)
     inotify.py   inotify read directly: the raw masks (IN_MOVED_TO, IN_CLOSE_WRITE...)
     watcher.py   the folder's watch: queues paths and how they arrived, nothing else
+    listing.py   list()'s rows, rollback's names (metadata name or file), and the
+                 read-only view of a folder a running engine holds (state file + folder)
     manager.py   HotplugManager: worker thread + drain()/release()/rollback()/list()
-    builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so
+    events.py    the history of expert changes and their one INFO line each (the engine
+                 records them once live, with the expert-set generation)
+    buildsrc.py  the C and assembler sources the builder generates
+    builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so,
+                 bound to a model (--config/--model/--base-model) or --portable
     testing.py   a C test expert with switchable faults (segv, hang, nan...), for tests
 
 Names are imported lazily, so that `python -m colibri_core.hotplug.probe` (the probe and
