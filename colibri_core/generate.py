@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional, Protocol
 import numpy as np
 
 from .config import EngineConfig, ModelConfig
-from .audit import generation_record, merge_routes
+from .audit import generation_record, routing_of
 from .errors import ModelFormatError, RequestError
 from .model import Model
 from .sampler import Sampler
@@ -269,7 +269,7 @@ class _Stream(Request):
         d = self.jobs[0]
         if d.audit is not None and d.prompt_routed:     # its line (a dict: written elsewhere)
             d.audit.put(generation_record(self.id, d.tokens, d.sets, d.k, d.out_tokens,
-                                          self.stop_reason, merge_routes(d.routes, d.k),
+                                          self.stop_reason, routing_of(d.routes, d.k),
                                           d.sampling), [es for _, es in d.sets])
 
 

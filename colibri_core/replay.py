@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from .audit import RouteSink, input_digest, merge_routes, output_digest, routing_json
+from .audit import RouteSink, input_digest, output_digest, routing_of
 from .errors import AuditLogError, ColibriError
 
 BATCH_TOKENS = 2048         # tokens per forward of the replay
@@ -220,7 +220,7 @@ def _check_batch(model, es, batch: list, sink, rep: Report) -> None:
                          expert_set=es)
     for it, out, cache in zip(batch, outs, caches):
         d = it.d
-        routes = routing_json(merge_routes(sink.take(cache), d["k"]))
+        routes = routing_of(sink.take(cache), d["k"])
         what = []
         if output_digest(out) != d["output"]["sha256"]:
             what.append("output differs")

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .audit import merge_routes, now_iso, score_record, set_name
+from .audit import now_iso, routing_of, score_record, set_name
 from .errors import RequestCancelled, RequestError, RequestTooLarge
 from .kvcache import check_memory
 from .scheduler import Job, Request, ensure_not_on_thread
@@ -131,5 +131,5 @@ def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
         when = now_iso()                 # the call's answer time, one for its items
         for i, (j, p) in enumerate(zip(req.jobs, prepared)):
             audit.put(score_record(rid, i, p, j.es, k, j.result, all_positions,
-                                   merge_routes(j.routes, k), when), j.es)
+                                   routing_of(j.routes, k), when), j.es)
     return out
