@@ -47,19 +47,21 @@ def fraud_ids(n: int, seed: int = 11) -> list:
     return [tx.token_ids() for tx in make_stream(n, seed, 0.008, 0.010)]
 
 
-def time_scoring(eng, ids: list, batch: int) -> float:
-    t0 = time.perf_counter()
+def time_scoring(eng, ids: list, batch: int) -> tuple[float, float]:
+    """(transactions/s of wall time, transactions per CPU second of this process)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(0, len(ids), batch):
         eng.score_batch(ids[i:i + batch])
     if eng.audit is not None:
         eng.audit.flush()
-    return len(ids) / (time.perf_counter() - t0)
+    return len(ids) / (time.perf_counter() - t0), len(ids) / (time.process_time() - c0)
 
 
-def time_decode(eng, streams: int, tokens: int, seed: int) -> float:
+def time_decode(eng, streams: int, tokens: int, seed: int) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, eng.model_cfg.vocab_size - 1, 16).tolist() for _ in range(streams)]
     gens = [eng.generate(p, max_new_tokens=tokens, temperature=0) for p in prompts]
+    c0 = time.process_time()
     firsts, lasts, counts = [0.0] * streams, [0.0] * streams, [0] * streams
 
     def read(i):
@@ -76,28 +78,37 @@ def time_decode(eng, streams: int, tokens: int, seed: int) -> float:
     if eng.audit is not None:
         eng.audit.flush()
     end = max(lasts) if eng.audit is None else time.perf_counter()
-    return (sum(counts) - streams) / (end - max(firsts))
+    n = sum(counts) - streams
+    return n / (end - max(firsts)), sum(counts) / (time.process_time() - c0)
 
 
 def ab(name: str, fn, eng, rounds: int, log: Path) -> dict:
     """Alternating rounds on one engine, the audit log started and stopped around each
     "on" run (two engines side by side measured their own placement, not the log)."""
     rates = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}
     for r in range(rounds):
         for k in (("off", "on") if r % 2 == 0 else ("on", "off")):
             if k == "on":
                 eng.start_audit(log)
             try:
-                rates[k].append(fn(eng))
+                wall, per_cpu = fn(eng)
             finally:
                 eng.stop_audit()
-        print(f"{name} round {r + 1}: off {rates['off'][-1]:.1f}, on {rates['on'][-1]:.1f}",
-              flush=True)
+            rates[k].append(wall)
+            cpu[k].append(per_cpu)
+        print(f"{name} round {r + 1}: off {rates['off'][-1]:.1f}, on {rates['on'][-1]:.1f} "
+              f"(per CPU second {cpu['off'][-1]:.1f} / {cpu['on'][-1]:.1f})", flush=True)
     m_off, m_on = statistics.median(rates["off"]), statistics.median(rates["on"])
     # the ratio of each round's pair, then its median: robust to the machine's drift
     ratios = [b / a for a, b in zip(rates["off"], rates["on"])]
+    # work per CPU second of this process: what other processes on the machine take
+    # from it cancels out
+    cpu_ratios = [b / a for a, b in zip(cpu["off"], cpu["on"])]
     return {"off": rates["off"], "on": rates["on"], "median_off": m_off, "median_on": m_on,
-            "ratio_of_medians": m_on / m_off, "median_ratio": statistics.median(ratios)}
+            "ratio_of_medians": m_on / m_off, "median_ratio": statistics.median(ratios),
+            "cpu_off": cpu["off"], "cpu_on": cpu["on"],
+            "cpu_median_ratio": statistics.median(cpu_ratios)}
 
 
 def main(argv=None) -> dict:
@@ -173,13 +184,15 @@ def main(argv=None) -> dict:
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     md = [f"{res['date']}, commit {res['commit']}, {res['machine']}, backend "
           f"{res.get('backend')}", "",
-          "| part | audit off (median) | audit on (median) | on/off (median of round ratios) |",
-          "|---|---|---|---|"]
+          "| part | audit off (median) | audit on (median) | on/off (median of round ratios) "
+          "| on/off per CPU second of the process (median) |",
+          "|---|---|---|---|---|"]
     for k, unit in (("scoring", "txn/s"), ("decode", "tok/s")):
         if k in res:
             r = res[k]
             md.append(f"| {k} | {r['median_off']:.1f} {unit} | {r['median_on']:.1f} {unit} | "
-                      f"{r['median_ratio']:.3f} (of medians {r['ratio_of_medians']:.3f}) |")
+                      f"{r['median_ratio']:.3f} (of medians {r['ratio_of_medians']:.3f}) | "
+                      f"{r['cpu_median_ratio']:.3f} |")
     if "replay" in res:
         r = res["replay"]
         md += ["", f"replay: {r['items']} items, {r['sets']} expert set(s), {r['seconds']:.1f} s "

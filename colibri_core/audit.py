@@ -18,12 +18,14 @@ file becomes PATH.1, PATH.1 becomes PATH.2, ...; none is deleted).
 """
 from __future__ import annotations
 
+import array
 import base64
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import weakref
@@ -38,6 +40,7 @@ from .errors import ConfigError
 log = logging.getLogger("colibri")
 
 FORMAT = 1                  # the "v" of every line
+_LITTLE = sys.byteorder == "little" and array.array("i").itemsize == 4
 DEFAULT_MAX_MB = 1024
 
 
@@ -48,6 +51,8 @@ def set_name(es) -> dict:
 
 def input_digest(tokens) -> str:
     """sha256 of the token ids as little-endian int32 (what `input_sha256` holds)."""
+    if _LITTLE and isinstance(tokens, list):
+        return hashlib.sha256(array.array("i", tokens).tobytes()).hexdigest()
     return hashlib.sha256(np.asarray(tokens, "<i4").tobytes()).hexdigest()
 
 
@@ -201,8 +206,14 @@ class AuditLog:
         """Queue one item's line; `es` the expert set that computed it, or a list of
         them (their expert_set lines and kept files are written first when this file has
         none yet)."""
-        with self._cv:
+        with self._cv:       # (a callable: the line, rendered on the writer's thread)
             self._q.append((record, es if isinstance(es, list) else [es]))
+            self._cv.notify()
+
+    def put_many(self, lines: list) -> None:
+        """put() of [(line, es)], under one lock."""
+        with self._cv:
+            self._q.extend((line, [es]) for line, es in lines)
             self._cv.notify()
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -258,7 +269,7 @@ class AuditLog:
             self._line({"v": FORMAT, "kind": "expert_set", **set_name(es),
                         "experts": experts})
             self._sets_here.add(es.id)
-        self._line(record)
+        self._line(record() if callable(record) else record)
         self.lines += 1
 
     def _line(self, d) -> None:
@@ -311,25 +322,41 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
-def score_record(request_id: str, item: int, tokens, es, k: int, logits: np.ndarray,
-                 all_positions: bool, routing: dict, when: str = "") -> str:
-    """The line of one scored sequence (score_batch / Engine.score, /v1/score), rendered
-    here (the same JSON json.dumps writes, at a third of its cost): every value but the
-    request id is a number, a digest, hex or base64."""
-    shape = ",".join(str(int(x)) for x in logits.shape)
-    if all_positions:
-        extra, scores = "", json.dumps(next_token_logprobs(logits, tokens))
-    else:
-        extra, scores = f',"argmax":{int(np.argmax(logits))}', "[]"
-    rt = ",".join(f'"{layer}":{{"experts":"{r["experts"]}","weights":"{r["weights"]}"}}'
-                  for layer, r in routing.items())
-    return (f'{{"v":{FORMAT},"kind":"score","request_id":{json.dumps(request_id)},'
-            f'"item":{int(item)},"time":"{when or now_iso()}","input_sha256":'
-            f'"{input_digest(tokens)}","tokens":[{",".join(map(str, tokens))}],'
-            f'"expert_set":{{"generation":{int(es.generation)},"id":"{es.id}"}},"k":{int(k)},'
-            f'"all_positions":{"true" if all_positions else "false"},"output":{{"sha256":'
-            f'"{output_digest(logits)}","shape":[{shape}]{extra}}},"scores":{scores},'
-            f'"routing":{{{rt}}}}}')
+def score_lines(request_id: str, items, k: int, all_positions: bool, when: str) -> list:
+    """The lines of one score call's sequences (score_batch / Engine.score, /v1/score):
+    `items` [(tokens, expert set, logits, RouteSink parts)] -> [(line, expert set)].
+    Rendered here, the same JSON json.dumps would write at a third of its cost (every
+    value but the request id is a number, a digest, hex or base64), what is common to
+    the call's items once."""
+    head = f'{{"v":{FORMAT},"kind":"score","request_id":{json.dumps(request_id)},"item":'
+    mid = f',"time":"{when}","input_sha256":"'
+    tail_k = f',"k":{int(k)},"all_positions":{"true" if all_positions else "false"},' \
+        f'"output":{{"sha256":"'
+    sets: dict = {}
+    b64 = base64.b64encode
+    out = []
+    for i, (tokens, es, logits, parts) in enumerate(items):
+        name = sets.get(id(es))
+        if name is None:
+            name = sets[id(es)] = f'"expert_set":{{"generation":{int(es.generation)},' \
+                                  f'"id":"{es.id}"}}'
+        shape = ",".join(map(str, logits.shape))
+        if all_positions:
+            extra, scores = "", json.dumps(next_token_logprobs(logits, tokens))
+        else:
+            extra, scores = f',"argmax":{int(np.argmax(logits))}', "[]"
+        if len(parts) == 1 and all(w == k for _, w, _, _ in parts[0][0]):
+            layers, t0, t1 = parts[0]        # one forward of width k: straight from bytes
+            a, b = t0 * k, t1 * k
+            rt = ",".join(f'"{layer}":{{"experts":"{ib[2 * a:2 * b].hex()}","weights":'
+                          f'"{b64(wb[4 * a:4 * b]).decode()}"}}' for layer, _, ib, wb in layers)
+        else:
+            rt = ",".join(f'"{layer}":{{"experts":"{r["experts"]}","weights":"{r["weights"]}"}}'
+                          for layer, r in routing_of(parts, k).items())
+        out.append((f'{head}{i}{mid}{input_digest(tokens)}","tokens":[{",".join(map(str, tokens))}],'
+                    f'{name}{tail_k}{output_digest(logits)}","shape":[{shape}]{extra}}},'
+                    f'"scores":{scores},"routing":{{{rt}}}}}', es))
+    return out
 
 
 def generation_record(request_id: str, prompt, sets: list, k: int, out_tokens: list,

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .audit import now_iso, routing_of, score_record, set_name
+from .audit import now_iso, score_lines, set_name
 from .errors import RequestCancelled, RequestError, RequestTooLarge
 from .kvcache import check_memory
 from .scheduler import Job, Request, ensure_not_on_thread
@@ -129,7 +129,8 @@ def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
     out = [Scored(j.result, set_name(j.es), k, p) for j, p in zip(req.jobs, prepared)]
     if audit is not None:
         when = now_iso()                 # the call's answer time, one for its items
-        for i, (j, p) in enumerate(zip(req.jobs, prepared)):
-            audit.put(score_record(rid, i, p, j.es, k, j.result, all_positions,
-                                   routing_of(j.routes, k), when), j.es)
+        # rendered here, not on the writer: a thread of its own took as much CPU and more
+        # of the cores the next call's forward needs (measured: 0.90x vs 0.95x)
+        audit.put_many(score_lines(rid, [(p, j.es, j.result, j.routes) for j, p in
+                                         zip(req.jobs, prepared)], k, all_positions, when))
     return out
