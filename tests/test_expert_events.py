@@ -104,6 +104,9 @@ def test_rolled_back_file_is_listed_and_list_works_beside_a_running_manager(
     drain_until(mgr, 1)
     mgr.rollback("alpha")
     drain_until(mgr, 1)
+    held = mgr.list()[0]["refused"]       # at once: the folder still holds version 2
+    assert held["reason"] == "rolled-back" and "alpha 2" in held["message"]
+    assert mgr.refused() == [held]
     os.utime(folder / "a.so")             # looked at again: the newer bytes stay out
     mgr.rescan()
     wait_for(lambda: mgr.list()[0]["refused"] is not None, "the held-back file listed")

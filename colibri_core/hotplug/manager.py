@@ -492,6 +492,12 @@ class HotplugManager:
             if rollback:
                 rec.history.pop()
                 rec.rolled_back.append(cur.sha256)
+                # its file (until it changes or goes) is listed beside the version put back
+                self._refused[cur.source_path] = {
+                    "path": cur.source_path, "reason": "rolled-back", "sha256": cur.sha256,
+                    "message": f"{cur.source_path}: {name} {cur.version} (sha256"
+                               f" {cur.sha256[:12]}…) was rolled back: not adopted again;"
+                               f" {expert.version} stays active"}
             elif rec.current is not None and rec.current.sha256 != prep.sha256:
                 rec.push_history(rec.current)
             rec.current = rec.last = vrec
