@@ -1,5 +1,5 @@
-"""llama.cpp's own command-line tools for the benchmarks (llama-batched-bench, llama-server,
-llama-quantize), built on demand from the llama.cpp that llama-cpp-python's source
+"""llama.cpp's own command-line tools for the benchmarks (llama-batched-bench, llama-bench,
+llama-server, llama-quantize), built on demand from the llama.cpp that llama-cpp-python's source
 distribution vendors, and the Q4_0 GGUF of the Mixtral-shaped benchmark model made with
 them when llama-cpp-python itself is not installed.
 
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BASE = REPO / "build" / "llamacpp"
 BUILD = BASE / "build"
-TARGETS = ("llama-server", "llama-batched-bench", "llama-quantize")
+TARGETS = ("llama-server", "llama-batched-bench", "llama-bench", "llama-quantize")
 CMAKE_FLAGS = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
 # /proc/cpuinfo flag -> ggml's CMake option, for a build without AMX (cpu_flags)
