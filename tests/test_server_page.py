@@ -41,6 +41,7 @@ class Rows(HTMLParser):
     def __init__(self):
         super().__init__()
         self.rows: dict[str, list[str]] = {}
+        self.events: dict[int, list[str]] = {}
         self.ids: dict[str, str] = {}
         self.body_attrs: dict = {}
         self._row = None
@@ -53,6 +54,8 @@ class Rows(HTMLParser):
             self.body_attrs = a
         if tag == "tr" and "data-name" in a:
             self._row = self.rows.setdefault(a["data-name"], [])
+        if tag == "tr" and "data-seq" in a:          # the recent changes' rows
+            self._row = self.events.setdefault(int(a["data-seq"]), [])
         if tag == "td" and self._row is not None:
             self._cell = []
         if "id" in a:
@@ -98,7 +101,10 @@ def test_status_page_shows_live_experts_in_chromium(tmp_path):
         assert float(page.ids["tps"]) > 0
         hot = page.rows["fraud_pattern"]
         assert hot[:3] == ["fraud_pattern", "1.2", "8"] and hot[3] == "2"
-        assert hot[5] == "active"
+        assert hot[5] == "active" and hot[9:] == ["portable", "page_expert.so"]
+        # the history: its adoption, with the generation it went live in
+        assert page.events[1][1:5] == ["adopt", "fraud_pattern", "1.2", "8"]
+        assert page.events[1][7] == "1"
         shares = [float(re.search(r"([0-9.]+)%", row[7]).group(1)) for row in page.rows.values()]
         assert 99.0 <= sum(shares) <= 101.0        # every routed token is someone's
         assert len(page.rows) == 1 + 3 * 8
