@@ -492,9 +492,10 @@ def cmd_experts_list(args) -> int:
                               "model_fingerprint": eng.model_fingerprint, "experts": rows,
                               "refused": refused}, indent=1))
             return 0
+        from .hotplug.listing import format_rows
         print(f"expert set generation {eng.expert_set_generation}, id {eng.expert_set_id}, "
               f"model fingerprint {eng.model_fingerprint[:16]}")
-        _print_expert_rows(rows)
+        print("\n".join(format_rows(rows)))
         keeps = {r["refused"]["path"]: r for r in rows if r.get("refused") and r["status"] == "active"}
         for f in refused:
             kept = keeps.get(f["path"])
@@ -506,21 +507,6 @@ def cmd_experts_list(args) -> int:
     finally:
         eng.close()
     return 0
-
-
-def _print_expert_rows(rows: list) -> None:
-    """The table of `colibri experts list`: `file` is what rollback also accepts."""
-    print(f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':8s} {'origin':12s} "
-          f"{'isolation':10s} {'status':9s} {'binding':9s} {'sha256':12s} file")
-    for r in rows:
-        # a refused file beside the version that stays active (docs/HOTPLUG.md)
-        ref = r.get("refused")
-        beside = "" if not ref else "  (a newer file, rolled back from)" \
-            if ref["reason"] == "rolled-back" else f"  (its file is refused: {ref['reason']})"
-        print(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
-              f"{','.join(map(str, r['layers'])):8s} {r['origin']:12s} {r['isolation']:10s} "
-              f"{r['status']:9s} {r.get('binding') or '-':9s} {r['sha256'][:12]:12s} "
-              f"{r.get('file') or ''}{beside}")
 
 
 def _held_state_dir(args):
@@ -543,7 +529,7 @@ def _experts_list_read_only(args, experts_dir: str, state_dir: str) -> int:
     """`experts list` beside a running engine: its state file and the folder, read-only
     (no lock taken, nothing loaded or written; the running engine's own view, with its
     refusals and history: GET /v1/experts, /v1/experts/events)."""
-    from .hotplug.listing import folder_view
+    from .hotplug.listing import folder_view, format_view
     view = folder_view(experts_dir, state_dir)
     if args.json:
         print(json.dumps({"read_only": True, "experts_dir": experts_dir,
@@ -551,14 +537,7 @@ def _experts_list_read_only(args, experts_dir: str, state_dir: str) -> int:
         return 0
     print(f"read-only: {state_dir} is held by a running engine; from its state file and the"
           f" folder (the engine's own view: GET /v1/experts, /v1/experts/events)")
-    _print_expert_rows(view["experts"])
-    for f in view["files"]:
-        desc = {"active": "the active version", "previous": "an older adopted version",
-                "rolled-back": "rolled back from: not adopted again",
-                "new": "not adopted: waiting or refused"}[f["state"]]
-        meta = f"{f['name']} {f['version']} ({f['binding']})" if f["name"] else \
-            f"unreadable: {f['error']}"
-        print(f"file {f['file']}: {meta}, sha256 {(f['sha256'] or '')[:12]}: {desc}")
+    print("\n".join(format_view(view)))
     return 0
 
 

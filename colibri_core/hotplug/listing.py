@@ -128,6 +128,39 @@ def _plain(path: str) -> bool:
     return stat.S_ISREG(st.st_mode)
 
 
+def format_rows(rows: list) -> list[str]:
+    """The table of `colibri experts list` (rows as manager_rows gives them, model experts
+    too): `file` is what rollback also accepts."""
+    out = [f"{'slot':>4}  {'name':20s} {'version':8s} {'layers':8s} {'origin':12s} "
+           f"{'isolation':10s} {'status':9s} {'binding':9s} {'sha256':12s} file"]
+    for r in rows:
+        # a refused file beside the version that stays active (docs/HOTPLUG.md)
+        ref = r.get("refused")
+        beside = "" if not ref else "  (a newer file, rolled back from)" \
+            if ref["reason"] == "rolled-back" else f"  (its file is refused: {ref['reason']})"
+        out.append(f"{r['slot']:>4}  {r['name']:20.20s} {r['version']:8.8s} "
+                   f"{','.join(map(str, r['layers'])):8s} {r['origin']:12s} "
+                   f"{r['isolation']:10s} {r['status']:9s} {r.get('binding') or '-':9s} "
+                   f"{r['sha256'][:12]:12s} {r.get('file') or ''}{beside}")
+    return out
+
+
+_FILE_STATES = {"active": "the active version", "previous": "an older adopted version",
+                "rolled-back": "rolled back from: not adopted again",
+                "new": "not adopted: waiting or refused"}
+
+
+def format_view(view: dict) -> list[str]:
+    """folder_view() as text: the table, then one line per file of the folder."""
+    out = format_rows(view["experts"])
+    for f in view["files"]:
+        meta = f"{f['name']} {f['version']} ({f['binding']})" if f["name"] else \
+            f"unreadable: {f['error']}"
+        out.append(f"file {f['file']}: {meta}, sha256 {(f['sha256'] or '')[:12]}:"
+                   f" {_FILE_STATES[f['state']]}")
+    return out
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
