@@ -168,3 +168,42 @@ def test_server_events_route_status_page_and_list_while_serving(tmp_path):
         srv.stop()
     log = "\n".join(srv.lines)
     assert "hot-plug adopt: alpha 1 slot 8" in log and "hot-plug rollback: alpha 1" in log
+
+
+def test_upload_of_an_expert_built_for_another_model_is_refused(tmp_path):
+    """An upload is checked as a dropped file: bound to the fraud model, the built-in
+    model's server refuses it (base-model), names both fingerprints, keeps it in the
+    history; bound to the built-in model it goes live."""
+    import hashlib
+
+    from colibri_core.fingerprint import fingerprint_for
+    from server_helpers import LiveServer
+    fps = {m: fingerprint_for(m) for m in ("builtin", "fraud")}
+    d = tmp_path / "experts"
+    d.mkdir(mode=0o700)
+    data = {}
+    for m in fps:
+        so = compile_test_expert(tmp_path / f"{m}.so", hidden=128, layer=1, name=f"up_{m}",
+                                 base_model=fps[m])
+        data[m] = so.read_bytes()
+    allow = tmp_path / "allow.txt"
+    allow.write_text("".join(hashlib.sha256(b).hexdigest() + "\n" for b in data.values()))
+    key = "k" * 32
+    srv = LiveServer("--allow-expert-upload", "--expert-allowlist", str(allow),
+                     experts_dir=d, env={"COLIBRI_API_KEY": key})
+    try:
+        auth = {"Authorization": f"Bearer {key}"}
+        for m in ("fraud", "builtin"):
+            r = httpx.put(srv.url + f"/v1/experts/up_{m}", content=data[m], headers=auth)
+            assert r.status_code == 202, r.text
+        events = lambda: httpx.get(srv.url + "/v1/experts/events", headers=auth,  # noqa: E731
+                                   timeout=30).json()["data"]
+        wait_for(lambda: len(events()) >= 2, "both uploads decided")
+        got = {e["event"]: e for e in events()}
+        assert got["refuse"]["reason"] == "base-model"
+        assert got["refuse"]["path"].endswith("up_fraud.so")
+        assert fps["fraud"] in got["refuse"]["message"]
+        assert fps["builtin"] in got["refuse"]["message"]
+        assert (got["adopt"]["name"], got["adopt"]["binding"]) == ("up_builtin", "bound")
+    finally:
+        srv.stop()
