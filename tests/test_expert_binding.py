@@ -20,6 +20,7 @@ from hotplug_helpers import folder, make_manager  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 REPO = Path(__file__).resolve().parent.parent
 FRAUD_NPZ = REPO / "examples" / "fraud" / "new_expert" / "card_testing.npz"
+PROMPT = "The assert statement"       # the issue's: "ps areashavior..." with the fraud expert
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_engine_refuses_foreign_adopts_portable_bound_and_unbound(tmp_path, fps,
     d = tmp_path / "experts"
     d.mkdir(mode=0o700)
     with Engine.from_config("builtin") as eng:
-        alone = "".join(ev.text for ev in eng.generate("The assert statement", max_new_tokens=12,
+        alone = "".join(ev.text for ev in eng.generate(PROMPT, max_new_tokens=12,
                                                       temperature=0.0))
     build_expert(FRAUD_NPZ, d / "fraud_pattern_7.so", 3, "fraud_pattern_7", "2024.06.1",
                  q4_clip="minmax", base_model=fps["fraud"])
@@ -118,7 +119,7 @@ def test_engine_refuses_foreign_adopts_portable_bound_and_unbound(tmp_path, fps,
         (ref,) = eng.hotplug.refused()
         assert ref["reason"] == "base-model"
         assert fps["fraud"] in ref["message"] and fps["builtin"] in ref["message"]
-        text = "".join(ev.text for ev in eng.generate("The assert statement", max_new_tokens=12,
+        text = "".join(ev.text for ev in eng.generate(PROMPT, max_new_tokens=12,
                                                      temperature=0.0))
         assert text == alone
         lines = [r for r in caplog.records if "fraud_pattern_7.so" in r.getMessage()]
@@ -137,7 +138,7 @@ def test_engine_refuses_foreign_adopts_portable_bound_and_unbound(tmp_path, fps,
             "fraud_pattern_7": ("active", "portable"), "mine": ("active", "bound"),
             "old": ("active", "unbound")}
         assert eng.hotplug.refused() == []
-        text = "".join(ev.text for ev in eng.generate("The assert statement", max_new_tokens=12,
+        text = "".join(ev.text for ev in eng.generate(PROMPT, max_new_tokens=12,
                                                      temperature=0.0))
         assert text != alone            # a foreign expert computes something else
     warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
