@@ -193,7 +193,8 @@ def build_expert(npz_path: str | os.PathLike, out_so: str | os.PathLike,
 def build_from_c(source: str | os.PathLike, out_so: str | os.PathLike,
                  router_row: str | os.PathLike, layer: int | Sequence[int], name: str,
                  version: str, *, router_bias: float = 0.0, thread_safe: bool = False,
-                 base_model: str | None = None, portable: bool = False, cc: str = "gcc", cflags: Sequence[str] = DEFAULT_CFLAGS,
+                 base_model: str | None = None, portable: bool = False, cc: str = "gcc",
+                 cflags: Sequence[str] = DEFAULT_CFLAGS,
                  keep_sources: str | os.PathLike | None = None) -> ExpertFileInfo:
     """Build a regular expert .so from a reference-design C source (only `ffn_forward`)
     and its router row (.npy, [hidden]); return its checked info.
