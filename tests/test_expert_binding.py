@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core.fingerprint import fingerprint_for, fingerprint_of_dir, model_fingerprint
+from colibri_core.fingerprint import fingerprint_for, model_fingerprint
 from colibri_core.hotplug.errors import ModelMismatch
 from colibri_core.hotplug.meta import read_expert_file
 from colibri_core.hotplug.testing import compile_test_expert

@@ -51,7 +51,7 @@ from .bundle import (bundle_sig, is_bundle_name, read_staged, remove_staged, sta
                      staging_entry)
 from .elf import ElfFile
 from .errors import (REFUSED_LOG, ExpertIncomplete, ExpertRejected, ExpertSecurityError,
-                     HotplugError, HotplugStateError, RollbackError)
+                     HotplugError, RollbackError)
 from .expert import INPROCESS, ISOLATION_MODES, ExpertChange, HotExpert, PreparedExpert
 from .probe import interpret
 from .probepool import ProbePool
