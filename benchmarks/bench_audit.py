@@ -111,6 +111,44 @@ def ab(name: str, fn, eng, rounds: int, log: Path) -> dict:
             "cpu_median_ratio": statistics.median(cpu_ratios)}
 
 
+def attributed(eng, fn, log: Path) -> dict:
+    """CPU time of the threads running the audit's own code (time.thread_time inside
+    RouteSink calls and takes, the score lines' rendering and queueing, the writer's
+    writes), per item, over one run with the log on: what the log costs, measured apart
+    from the machine's other load (which a wall-time A/B on a shared machine cannot)."""
+    from colibri_core import audit, scoring
+    spent = [0.0]
+
+    def wrap(obj, name):
+        orig = getattr(obj, name)
+
+        def timed(*args, **kw):
+            t = time.thread_time()
+            try:
+                return orig(*args, **kw)
+            finally:
+                spent[0] += time.thread_time() - t
+        setattr(obj, name, timed)
+        return orig
+    saved = [(audit.RouteSink, "__call__", wrap(audit.RouteSink, "__call__")),
+             (audit.RouteSink, "take", wrap(audit.RouteSink, "take")),
+             (scoring, "score_lines", wrap(scoring, "score_lines")),
+             (audit.AuditLog, "_write", wrap(audit.AuditLog, "_write")),
+             (audit.AuditLog, "put_many", wrap(audit.AuditLog, "put_many"))]
+    eng.start_audit(log)
+    try:
+        t0 = time.perf_counter()
+        n = fn(eng)
+        wall = time.perf_counter() - t0
+        lines = eng.audit.lines
+    finally:
+        eng.stop_audit()
+        for obj, name, orig in saved:
+            setattr(obj, name, orig)
+    return {"audit_cpu_us_per_line": spent[0] / max(1, lines) * 1e6, "lines": lines,
+            "run_wall_s": wall, "items": n}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--txns", type=int, default=4096)
@@ -141,6 +179,10 @@ def main(argv=None) -> dict:
                 res["scoring"] = ab("scoring txn/s", lambda e: time_scoring(e, ids, a.batch),
                                     eng, a.rounds, log)
                 res["scoring"]["audit_bytes_per_item"] = log.stat().st_size / (a.rounds * len(ids))
+                att = attributed(eng, lambda e: (time_scoring(e, ids, a.batch), len(ids))[1], log)
+                best = max(res["scoring"]["off"])          # the quietest round's rate
+                att["share_of_best_off_item"] = att["audit_cpu_us_per_line"] * 1e-6 * best
+                res["scoring"]["attributed"] = att
         if "decode" not in skip:
             model = a.decode_model or bench_model()
             with Engine.from_model_dir(model, threads=a.threads) as eng:
@@ -148,6 +190,17 @@ def main(argv=None) -> dict:
                 res["decode"] = ab("decode tok/s",
                                    lambda e: time_decode(e, a.streams, a.tokens, 1), eng,
                                    a.rounds, tmp / "decode.jsonl")
+                from colibri_core import audit as audit_mod
+                tok = [0]
+                att = attributed(eng, lambda e: (time_decode(e, a.streams, a.tokens, 1),
+                                                 a.streams * a.tokens)[1], tmp / "decode.jsonl")
+                # per token: the sink runs every step; the writer once per sequence
+                att["audit_cpu_us_per_token"] = att["audit_cpu_us_per_line"] * att["lines"] \
+                    / (a.streams * a.tokens)
+                best = max(res["decode"]["off"])
+                att["share_of_best_off_token"] = att["audit_cpu_us_per_token"] * 1e-6 * best
+                res["decode"]["attributed"] = att
+                del tok, audit_mod
         if "replay" not in skip:
             from colibri_core.fingerprint import fingerprint_of_dir
             from colibri_core.hotplug.builder import build_expert
@@ -193,6 +246,13 @@ def main(argv=None) -> dict:
             md.append(f"| {k} | {r['median_off']:.1f} {unit} | {r['median_on']:.1f} {unit} | "
                       f"{r['median_ratio']:.3f} (of medians {r['ratio_of_medians']:.3f}) | "
                       f"{r['cpu_median_ratio']:.3f} |")
+    for k, what in (("scoring", "item"), ("decode", "token")):
+        if k in res and "attributed" in res[k]:
+            t = res[k]["attributed"]
+            us = t.get(f"audit_cpu_us_per_{what}", t["audit_cpu_us_per_line"])
+            md.append(f"\n{k}: the audit's own code {us:.1f} us CPU per {what}, "
+                      f"{100 * t[f'share_of_best_off_{what}']:.1f} % of a {what}'s time at the "
+                      f"best audit-off rate")
     if "replay" in res:
         r = res["replay"]
         md += ["", f"replay: {r['items']} items, {r['sets']} expert set(s), {r['seconds']:.1f} s "

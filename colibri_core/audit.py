@@ -341,10 +341,8 @@ def score_lines(request_id: str, items, k: int, all_positions: bool, when: str) 
             name = sets[id(es)] = f'"expert_set":{{"generation":{int(es.generation)},' \
                                   f'"id":"{es.id}"}}'
         shape = ",".join(map(str, logits.shape))
-        if all_positions:
-            extra, scores = "", json.dumps(next_token_logprobs(logits, tokens))
-        else:
-            extra, scores = f',"argmax":{int(np.argmax(logits))}', "[]"
+        # (no argmax for last-token logits: 1.5 us an item, a tenth of the log's cost)
+        scores = json.dumps(next_token_logprobs(logits, tokens)) if all_positions else "[]"
         if len(parts) == 1 and all(w == k for _, w, _, _ in parts[0][0]):
             layers, t0, t1 = parts[0]        # one forward of width k: straight from bytes
             a, b = t0 * k, t1 * k
@@ -354,7 +352,7 @@ def score_lines(request_id: str, items, k: int, all_positions: bool, when: str) 
             rt = ",".join(f'"{layer}":{{"experts":"{r["experts"]}","weights":"{r["weights"]}"}}'
                           for layer, r in routing_of(parts, k).items())
         out.append((f'{head}{i}{mid}{input_digest(tokens)}","tokens":[{",".join(map(str, tokens))}],'
-                    f'{name}{tail_k}{output_digest(logits)}","shape":[{shape}]{extra}}},'
+                    f'{name}{tail_k}{output_digest(logits)}","shape":[{shape}]}},'
                     f'"scores":{scores},"routing":{{{rt}}}}}', es))
     return out
 
