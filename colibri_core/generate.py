@@ -313,6 +313,9 @@ class Decode(Job):
         self.sets: list = []                # [(first token index, es)]
         inner = getattr(gen.sampler, "inner", gen.sampler)      # the server's wraps one
         self.sampling = getattr(inner, "audit_params", None) if self.audit is not None else None
+        mask = getattr(gen.sampler, "mask", None)                # ignore_eos: EOS masked
+        if self.sampling is not None and mask is not None:
+            self.sampling = {**self.sampling, "mask": [int(t) for t in mask]}
 
     def ready(self) -> bool:
         return self.feed is not None and len(self.request.events) < self.request._sched.ahead

@@ -11,9 +11,11 @@ the logged one. Items are scored in batches straight through the one pipeline
 make an item's bits independent of its batch, so a replay reproduces them exactly --
 unless a weight changed, which is what it is for.
 
-Generation lines are counted, not replayed (their sampling and stop rules are not in the
-log). Exit status: 0 every item reproduced, 1 some differ, 2 the log or a set could not
-be read.
+Generation lines are replayed when they can be: greedy (temperature 0, no logit bias),
+under one expert set (pinned: every server choice is); the sequence is generated again
+for as many tokens as it had, with the end-of-sequence token masked if it was, and the
+digest of its tokens compared. Others are counted as not replayable. Exit status: 0 every
+item reproduced, 1 some differ, 2 the log or a set could not be read.
 """
 from __future__ import annotations
 
@@ -42,13 +44,16 @@ class Item:
 class Report:
     items: int = 0
     sets: int = 0
-    generations: int = 0
+    generations: int = 0        # generation lines replayed
+    not_replayable: int = 0     # sampled, biased, or computed under two sets
     differ: list = field(default_factory=list)      # one dict per differing item
 
     def lines(self) -> list[str]:
-        out = [f"replayed {self.items} scored items under {self.sets} expert sets: "
-               f"{len(self.differ)} differ" + (f" ({self.generations} generation lines not "
-                                                f"replayed)" if self.generations else "")]
+        out = [f"replayed {self.items} scored items" + (
+            f" and {self.generations} generated sequences" if self.generations else "") +
+            f" under {self.sets} expert sets: {len(self.differ)} differ" + (
+            f" ({self.not_replayable} generation lines not replayable: sampled or "
+            f"straddling)" if self.not_replayable else "")]
         for x in self.differ:
             out.append(f"{x['where']}: request {x['request_id']} item {x['item']} (expert set "
                        f"{x['expert_set']['generation']}, {x['expert_set']['id'][:12]}): "
@@ -65,8 +70,8 @@ def _need(d: dict, key: str, kind, where: str):
 
 
 def read_log(paths: list) -> tuple[dict, list, dict, int]:
-    """-> (expert_set lines by id, score items, the engine line, generation lines)."""
-    sets, items, engine, gens = {}, [], {}, 0
+    """-> (expert_set lines by id, score items, the engine line, generation items)."""
+    sets, items, engine, gens = {}, [], {}, []
     for p in paths:
         try:
             f = open(p, encoding="utf-8")
@@ -114,7 +119,16 @@ def read_log(paths: list) -> tuple[dict, list, dict, int]:
                                             f"expert_set line before it in {p}")
                     items.append(Item(where, d))
                 elif kind == "generation":
-                    gens += 1
+                    _need(d, "tokens", list, where)
+                    _need(d, "k", int, where)
+                    out = _need(d, "output", dict, where)
+                    _need(out, "tokens_sha256", str, where + " output")
+                    _need(out, "n_tokens", int, where + " output")
+                    es = d.get("expert_set")
+                    if isinstance(es, dict) and es.get("id") not in sets:
+                        raise AuditLogError(f"{where}: expert set {str(es.get('id'))[:12]} has "
+                                            f"no expert_set line before it in {p}")
+                    gens.append(Item(where, d))
                 elif kind == "engine":
                     engine = d
                 else:
@@ -158,11 +172,12 @@ def _find_expert(e: dict, rec: dict, experts_dir: Optional[Path]) -> Path:
                         f"found at {tried[0]}{where}")
 
 
-def build_set(eng, rec: dict, experts_dir: Optional[Path], loaded: list):
-    """The expert set of expert_set line `rec`, on `eng`'s model experts."""
+def build_set(eng, rec: dict, experts_dir: Optional[Path], loaded: list, base=None):
+    """The expert set of expert_set line `rec`, on `base` (default: `eng`'s current set,
+    which must hold the model's experts only)."""
     from .hotplug.bundle import read_staged
     from .hotplug.expert import PreparedExpert
-    es = eng.model.expert_set
+    es = base if base is not None else eng.model.expert_set
     H = eng.model_cfg.hidden_size
     for e in sorted(rec["experts"], key=lambda e: e["slot"]):
         path = _find_expert(e, rec, experts_dir)
@@ -185,18 +200,30 @@ def replay(eng, paths: list, experts_dir: Optional[Path] = None,
            batch_tokens: int = BATCH_TOKENS) -> Report:
     """Replay every scored item of the audit files `paths` on engine `eng`."""
     sets, items, _, gens = read_log([Path(p) for p in paths])
-    rep = Report(items=len(items), generations=gens)
+    rep = Report(items=len(items))
     by_set: dict = {}
     for it in items:
         by_set.setdefault(it.d["expert_set"]["id"], []).append(it)
+    gen_by_set: dict = {}
+    for it in gens:
+        s = it.d.get("sampling") or {}
+        if it.d.get("expert_sets") or not isinstance(it.d.get("expert_set"), dict) or \
+                s.get("temperature") != 0 or s.get("logit_bias"):
+            rep.not_replayable += 1
+        else:
+            gen_by_set.setdefault(it.d["expert_set"]["id"], []).append(it)
+            by_set.setdefault(it.d["expert_set"]["id"], [])
     model = eng.model
     sink = RouteSink(model.pipeline)
     model.route_sink = sink
     loaded: list = []
+    base = model.expert_set
     try:
         for sid, group in by_set.items():
-            es = build_set(eng, sets[sid], experts_dir, loaded)
+            es = build_set(eng, sets[sid], experts_dir, loaded, base)
             rep.sets += 1
+            if gen_by_set.get(sid):
+                _check_generations(eng, es, gen_by_set[sid], rep)
             i = 0
             while i < len(group):
                 batch, n = [], 0
@@ -207,9 +234,40 @@ def replay(eng, paths: list, experts_dir: Optional[Path] = None,
                 _check_batch(model, es, batch, sink, rep)
     finally:
         model.route_sink = None
+        if model.expert_set is not base:          # generations replayed: put it back
+            eng.queue_expert_change(lambda _: base)
+            eng.apply_expert_changes()
+        # the base set's tables current again, the rebuilt sets' dropped, before their
+        # experts are unloaded
+        model.pipeline.adopt(base, model.pipeline.prepare(base))
+        model.pipeline.keep_pinned([])
         for p in loaded:
             p.discard()
     return rep
+
+
+def _check_generations(eng, es, items: list, rep: Report) -> None:
+    """Greedy sequences generated again under `es` (made the engine's current set:
+    generate() runs on the current one), their tokens' digest compared."""
+    eng.queue_expert_change(lambda _: es)
+    eng.apply_expert_changes()
+    for it in items:
+        d = it.d
+        mask = np.asarray((d.get("sampling") or {}).get("mask") or [], np.int64)
+
+        def greedy(logits, mask=mask):
+            if mask.size:
+                logits = np.array(logits, np.float64)
+                logits[mask] = -np.inf
+            return int(np.argmax(logits))
+        n = d["output"]["n_tokens"]
+        g = eng.generate(d["tokens"], max_new_tokens=n, top_k=d["k"], sampler=greedy,
+                         pin_experts=True).run()
+        rep.generations += 1
+        if input_digest(g.token_ids[:n]) != d["output"]["tokens_sha256"]:
+            rep.differ.append({"where": it.where, "request_id": d.get("request_id"),
+                               "item": None, "expert_set": d["expert_set"],
+                               "what": "generated tokens differ"})
 
 
 def _check_batch(model, es, batch: list, sink, rep: Report) -> None:
@@ -268,6 +326,7 @@ def main(args, out=None) -> int:
         return 2
     if args.json:
         print(json.dumps({"items": rep.items, "sets": rep.sets, "generations": rep.generations,
+                          "not_replayable": rep.not_replayable,
                           "differ": rep.differ}), file=out)
     else:
         print("\n".join(rep.lines()), file=out)

@@ -247,6 +247,7 @@ def test_replay_finds_a_hot_expert_by_its_hash_or_names_it(tiny_model_dir, tmp_p
         assert eng.expert_set_generation == 1
         eng.start_audit(log)
         got = eng.score(seqs, all_positions=True)
+        eng.generate([7, 8, 9], max_new_tokens=6, temperature=0, pin_experts=True).run()
         sid = eng.expert_set_id
     rec = next(d for d in _lines(log) if d["kind"] == "expert_set")
     sha = hashlib.sha256(so.read_bytes()).hexdigest()
@@ -255,8 +256,12 @@ def test_replay_finds_a_hot_expert_by_its_hash_or_names_it(tiny_model_dir, tmp_p
     kept = tmp_path / "audit.jsonl.experts" / f"{sha}.so"
     assert kept.is_file()
     with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:      # no watched folder
+        base_id, before = eng.expert_set_id, eng.score_batch(seqs[:2])
         rep = replay(eng, [log])
-        assert rep.items == 12 and rep.sets == 1 and rep.differ == []
+        assert rep.items == 12 and rep.sets == 1 and rep.generations == 1 and rep.differ == []
+        # the replay engine is its own again: its set, its tables, its scores
+        assert eng.expert_set_id == base_id
+        assert all(np.array_equal(a, b) for a, b in zip(before, eng.score_batch(seqs[:2])))
         kept.unlink()
         with pytest.raises(AuditLogError) as e:
             replay(eng, [log])
@@ -309,3 +314,39 @@ def test_colibri_replay_command(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nope.jsonl: cannot open the audit log" in err and err.count("\n") == 1
     assert output_digest(np.zeros(2, np.float32)) == hashlib.sha256(bytes(8)).hexdigest()
+
+
+def test_replay_generates_greedy_sequences_again(tiny_model_dir, tmp_path):
+    """Greedy generations (EOS masked or not, pinned) are generated again under their
+    set and their tokens compared; sampled ones are counted as not replayable; a changed
+    digest is flagged."""
+    from colibri_core.sampler import Sampler
+    log = tmp_path / "audit.jsonl"
+    with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
+        eng.start_audit(log)
+        eng.generate([3, 4, 5], max_new_tokens=7, temperature=0, pin_experts=True).run()
+
+        class Masked:                       # the server's ignore_eos: EOS never sampled
+            inner = Sampler(0.0)
+            mask = np.array([255])
+
+            def __call__(self, logits):
+                z = np.array(logits, np.float64)
+                z[self.mask] = -np.inf
+                return int(np.argmax(z))
+        g = eng.generate([9, 8], max_new_tokens=5, sampler=Masked(), pin_experts=True).run()
+        eng.generate([1, 2], max_new_tokens=4, temperature=0.8, seed=1).run()
+        eng.stop_audit()
+        rep = replay(eng, [log])
+        assert (rep.generations, rep.not_replayable, rep.differ) == (2, 1, [])
+        lines = open(log).read().splitlines()
+        i = next(n for n, x in enumerate(lines) if '"request_id":"%s"' % g.request_id in x)
+        d = json.loads(lines[i])
+        assert d["sampling"]["mask"] == [255]
+        d["output"]["tokens_sha256"] = input_digest(g.token_ids[:-1] + [g.token_ids[-1] ^ 1])
+        lines[i] = json.dumps(d)
+        log.write_text("\n".join(lines) + "\n")
+        rep = replay(eng, [log])
+        assert [x["what"] for x in rep.differ] == ["generated tokens differ"]
+        # the engine is as it was: its own set, and the same scores as before
+        assert eng.expert_set_generation == 0
