@@ -32,6 +32,7 @@ from .errors import RequestTimeout, ShuttingDown
 log = logging.getLogger("colibri.server")
 
 _END = object()
+_WAKE = object()        # wakes the reader: the call was cancelled by the shutdown
 
 
 class Cancelled(Exception):
@@ -139,6 +140,8 @@ class Call:
             gens = list(self._gens)
         for g in gens:
             g.close()
+        if why == "shutdown":
+            self._deliver(_WAKE)
 
     # -- the event loop -------------------------------------------------------------------
     async def batches(self):
@@ -148,8 +151,8 @@ class Call:
             batch = [first]
             while not self.events.empty():
                 item = self.events.get_nowait()
-                if item is _END:
-                    self.events.put_nowait(_END)
+                if item is _END or item is _WAKE:
+                    self.events.put_nowait(item)
                     break
                 batch.append(item)
             yield batch
@@ -158,7 +161,13 @@ class Call:
         return self
 
     async def __anext__(self):
+        # Past the shutdown grace period the events not yet sent are dropped: a slow
+        # reader's stream ends now with its error, not after its backlog.
+        if self.cancel_reason == "shutdown":
+            raise ShuttingDown()
         item = await self.events.get()
+        if item is _WAKE:
+            raise ShuttingDown()
         if item is _END:
             self.events.put_nowait(_END)       # later calls end too
             if self._timer is not None:

@@ -157,23 +157,27 @@ def run_generation(ctx, p: GenParams, book) -> dict:
     many = len(p.prompts) * p.n > 1
     n_new = eng.model_cfg.max_position_embeddings if p.max_tokens is None \
         else p.max_tokens          # the engine stops at the context's end anyway
-    choices = []
-    for pi, prompt in enumerate(p.prompts):
-        for i in range(p.n):
-            choice = pi * p.n + i
-            seed = None if p.seed is None else p.seed + i
-            try:
-                inner = Sampler(p.temperature, p.top_p, seed, top_k=p.top_k,
-                                logit_bias=p.logit_bias)
-            except (TypeError, ValueError) as e:
-                raise RequestError(f"sampling settings: {e}") from None
-            sampler = RecordingSampler(inner, p.logprobs, eos, texts)
-            rid = f"{ctx.request_id}.{choice}" if many else ctx.request_id
-            # pinned: a choice is computed under one expert set, the one it names
-            gen = eng.generate(prompt, max_new_tokens=n_new, top_k=p.experts, stop=[],
-                               sampler=sampler, request_id=rid, pin_experts=True)
-            choices.append(_Choice(choice, gen, sampler, p.stop))
-    _check_answer_size(eng, p, choices)
+
+    def choice(pi: int, i: int) -> _Choice:
+        index = pi * p.n + i
+        seed = None if p.seed is None else p.seed + i
+        try:
+            inner = Sampler(p.temperature, p.top_p, seed, top_k=p.top_k,
+                            logit_bias=p.logit_bias)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"sampling settings: {e}") from None
+        sampler = RecordingSampler(inner, p.logprobs, eos, texts)
+        rid = f"{ctx.request_id}.{index}" if many else ctx.request_id
+        # pinned: a choice is computed under one expert set, the one it names
+        gen = eng.generate(p.prompts[pi], max_new_tokens=n_new, top_k=p.experts, stop=[],
+                           sampler=sampler, request_id=rid, pin_experts=True)
+        return _Choice(index, gen, sampler, p.stop)
+    # Each prompt's first choice gives its length: the answer's size is checked before
+    # the other choices (and any echo) cost anything.
+    firsts = [choice(pi, 0) for pi in range(len(p.prompts))]
+    _check_answer_size(eng, p, firsts)
+    choices = [firsts[pi] if i == 0 else choice(pi, i)
+               for pi in range(len(p.prompts)) for i in range(p.n)]
     echoed: dict = {}                 # a prompt's echo, computed once for its n choices
     for c in choices:
         gen, pi = c.gen, c.index // p.n
@@ -204,18 +208,19 @@ def run_generation(ctx, p: GenParams, book) -> dict:
     return usage
 
 
-def _check_answer_size(eng, p: GenParams, choices: list) -> None:
+def _check_answer_size(eng, p: GenParams, firsts: list) -> None:
     """413 before any token is computed when the answer would be over the server's
     bound: each choice's tokens (max_tokens, or what the context leaves; the echoed
-    prompt's too), each counting 1 + its log-prob alternatives."""
+    prompt's too), each counting 1 + its log-prob alternatives. `firsts`: each
+    prompt's first choice (its n choices have the same prompt)."""
     from .limits import check_answer
     ctx_len = eng.model_cfg.max_position_embeddings
     per = 1 + (p.logprobs or 0)
     units = 0
-    for c in choices:
+    for c in firsts:
         n_prompt = len(c.gen.prompt_ids)
         units += (min(c.gen.max_new_tokens, max(ctx_len - n_prompt, 0))
-                  + (n_prompt if p.echo else 0)) * per
+                  + (n_prompt if p.echo else 0)) * per * p.n
     check_answer(units, f"{len(p.prompts)} prompt(s) x n {p.n}")
 
 
