@@ -445,8 +445,11 @@ class Decode(Job):
         """Cut the new text before the first stop string (which may straddle tokens)."""
         if not self.stop:
             return piece, False
-        candidate = self.text + piece
+        # Only the text a stop string can straddle: earlier text had no stop string
+        # (constant work per token, not a search of the whole text).
+        back = min(len(self.text), max(map(len, self.stop)) - 1)
+        candidate = self.text[len(self.text) - back:] + piece
         cuts = [i for i in (candidate.find(s) for s in self.stop) if i >= 0]
         if not cuts:
             return piece, False
-        return candidate[len(self.text):max(min(cuts), len(self.text))], True
+        return candidate[back:max(min(cuts), back)], True

@@ -29,6 +29,9 @@ class Tokenizer:
             raise ModelFormatError(f"{path}: unreadable tokenizer ({library_message(e)})") from None
         self.path = Path(path)
         self.vocab_size = vocab_size
+        # Special tokens: decode() skips them, so a stream decoder never needs to see them.
+        added = getattr(self._tok, "get_added_tokens_decoder", dict)()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
         n = self._tok.get_vocab_size(with_added_tokens=True)
         # The largest id it can emit, not its count: a vocabulary may have holes (ids are
         # whatever the file says), and get_vocab_size() counts entries.
@@ -85,15 +88,25 @@ class StreamDecoder:
     Only a short window of the latest tokens is decoded at each step (constant work per
     token, not the whole text again): the tokens from `prefix` to `read` were emitted
     already, and decoding them together with the new ones, then dropping their text,
-    keeps whatever the decoder does at a sequence's start (a leading space) out of it."""
+    keeps whatever the decoder does at a sequence's start (a leading space) out of it.
+    The window always moves on: special tokens (which decode() skips) never enter it, and
+    a U+FFFD is held for at most HOLD tokens (below), so a model that emits stray bytes or
+    specials for thousands of tokens still costs the same per token."""
+
+    # A UTF-8 character is at most 4 bytes and every other token adds at least one byte,
+    # so past this many held tokens only the last 3 can still complete a character.
+    HOLD = 4
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
+        self.skip = getattr(tok, "special_ids", frozenset())
         self.ids: list[int] = []
         self.prefix = 0         # the window's start: context for decoding what follows
         self.read = 0           # tokens up to here are emitted
 
     def push(self, token_id: int) -> str:
+        if token_id in self.skip:
+            return ""
         self.ids.append(token_id)
         return self._take(final=False)
 
@@ -101,9 +114,21 @@ class StreamDecoder:
         return self._take(final=True)
 
     def _take(self, final: bool) -> str:
-        done = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        if not final and (text.endswith("\ufffd") or len(text) <= len(done)):
+        ids, decode = self.ids, self.tok.decode
+        done = decode(ids[self.prefix:self.read])
+        text = decode(ids[self.prefix:])
+        if final or not text.endswith("\ufffd"):
+            return self._commit(len(ids), text, done)
+        if len(ids) - self.read <= self.HOLD:
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
+        # Held too long: emit up to a cut before the last 3 tokens whose text is already
+        # final (a prefix of the window's text: no character straddles the cut).
+        for cut in range(len(ids) - 3, self.read, -1):
+            head = decode(ids[self.prefix:cut])
+            if len(head) >= len(done) and text.startswith(head):
+                return self._commit(cut, head, done)
+        return self._commit(len(ids), text, done)
+
+    def _commit(self, end: int, text: str, done: str) -> str:
+        self.prefix, self.read = self.read, end
         return text[len(done):]
