@@ -91,6 +91,10 @@ def new_cache(cfg: ModelConfig, capacity: int, dtype: str = "f32"):
     checking the memory is there. Unpooled: tests and the reference model; the engine
     allocates from its KVPool."""
     check_memory(cache_bytes(cfg, capacity, dtype), f"a KV cache of {capacity} positions")
+    return _alloc_cache(cfg, capacity, dtype)
+
+
+def _alloc_cache(cfg: ModelConfig, capacity: int, dtype: str):
     if cfg.attention == "mla":
         return mla.MLACache(cfg, capacity)
     return KVCache(cfg, capacity, dtype)
@@ -145,8 +149,8 @@ class KVPool:
                     f"{positions}; retry when other sequences have ended, or raise "
                     f"kv_pool_tokens (engine config)")
             self._taken += positions          # reserved before the (slow) allocation
-        try:
-            cache = new_cache(self.cfg, positions, self.dtype)
+        try:   # no memory check here: the scheduler checked the request's caches together
+            cache = _alloc_cache(self.cfg, positions, self.dtype)
         except BaseException:
             with self._lock:
                 self._taken -= positions

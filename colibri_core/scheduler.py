@@ -229,8 +229,12 @@ class Scheduler:
         budget) or the engine is closed; when the queue is full, waits for a place or
         raises EngineBusyError (EngineConfig.when_full)."""
         kv = self.budget()
+        # One look at the machine's memory per request, for all its sequences together
+        # (it reads /proc and the cgroup's files: per sequence it cost more than a scored item)
+        positions = sum(j.capacity for j in req.jobs)
+        check_memory(kv.bytes_per_position * positions,
+                     f"KV caches of {positions} positions ({len(req.jobs)} sequences)")
         for j in req.jobs:
-            check_memory(kv.bytes_per_position * j.capacity, f"a KV cache of {j.capacity} positions")
             if j.capacity > kv.capacity_tokens:
                 raise RequestTooLarge(
                     f"request {req.id}: a sequence needs {j.capacity} KV positions, more than "

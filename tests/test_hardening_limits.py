@@ -77,3 +77,23 @@ def test_a_tokenizer_library_panic_is_a_typed_error(eng, monkeypatch):
         eng.generate("x")
 
 
+
+
+
+def test_a_requests_kv_caches_are_checked_together_once(monkeypatch):
+    """The memory check counts all of a request's sequences (two that fit alone may not
+    fit together), and reads the machine's memory once per request, not per sequence."""
+    from colibri_core import memstat
+    calls = []
+    with Engine.from_config("builtin", threads=1) as e:
+        real = memstat.available_bytes
+        monkeypatch.setattr(memstat, "available_bytes", lambda: calls.append(1) or real())
+        e.score_batch([[1, 2, 3]])
+        one = len(calls)
+        e.score_batch([[1, 2, 3]] * 50)
+        assert len(calls) - one == one            # as many reads for 50 sequences as for 1
+        bpp = e.scheduler.budget().bytes_per_position
+        monkeypatch.setattr(memstat, "available_bytes", lambda: 5 * bpp)
+        assert len(e.score_batch([[1, 2, 3]])) == 1            # one 3-token sequence fits
+        with pytest.raises(InsufficientMemoryError, match="2 sequences"):
+            e.score_batch([[1, 2, 3], [4, 5, 6]])
