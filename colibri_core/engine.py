@@ -448,6 +448,14 @@ class Engine:
         """Queue a callable(ExpertSet) -> ExpertSet; applied between tokens."""
         self._pending_changes.append(change)
 
+    def trim_memory(self) -> bool:
+        """While idle (a server between requests): shrink the step's scratch back to a
+        small step's size, on the scheduler's thread between two steps. True when
+        anything was released (then glibc's malloc_trim gives it to the system)."""
+        if self._closed:
+            return False
+        return bool(self.scheduler.call(self.model.pipeline.scratch.shrink))
+
     def apply_expert_changes(self) -> None:
         """Adopt queued expert changes now: on the scheduler's thread, between two steps
         (this waits for the current one); a no-op once closed. The scheduler also adopts

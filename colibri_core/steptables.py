@@ -254,6 +254,16 @@ class Scratch:
         if n > self.n_max or kmax > self.kmax:
             self._alloc(max(n, self.n_max, 1), max(kmax, self.kmax, 1))
 
+    def shrink(self, n: int = 64) -> bool:
+        """Give back the buffers of steps larger than `n` tokens (they grow to the
+        largest step and would stay: about 5 KiB per token on the built-in model); the
+        next larger step grows them again. Between two steps only (Engine.trim_memory).
+        True when anything was released."""
+        if self.n_max <= n:
+            return False
+        self._alloc(n, max(self.kmax, 1))
+        return True
+
     def _alloc(self, n: int, kmax: int) -> None:
         cfg, cp, H = self.cfg, self.cp_max, self.cfg.hidden_size
         NH, NKV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_size

@@ -284,6 +284,20 @@ class TestBoundedMemory:
                                           "logprobs": 20})
         assert_error(r, 413, "262,144")
 
+    def test_idle_trim_shrinks_the_step_scratch_and_results_stay(self, eng):
+        import numpy as np
+        seq = [5 + i % 1000 for i in range(1500)]
+        before = eng.next_token_logits(seq, all_positions=True).copy()
+        greedy = [t.token_id for t in eng.generate("The cat", max_new_tokens=8,
+                                                   temperature=0)]
+        sc = eng.model.pipeline.scratch
+        assert sc.n_max >= 1500
+        assert eng.trim_memory() is True and sc.n_max == 64
+        assert eng.trim_memory() is False                 # nothing more to give back
+        assert [t.token_id for t in eng.generate("The cat", max_new_tokens=8,
+                                                 temperature=0)] == greedy
+        assert np.array_equal(eng.next_token_logits(seq, all_positions=True), before)
+
     def test_rss_comes_back_after_large_requests(self, srv):
         """Within the idle size + 20% + the documented caps (docs/ROBUSTNESS.md: the
         step's scratch and the KV pages of the largest step, 16 MiB each here, and what

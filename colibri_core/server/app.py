@@ -109,7 +109,8 @@ class Server:
                 self.metrics.sample(self.last_snapshot["routed"])
                 if self.trim_pending and not self.backend.running:
                     self.trim_pending = False        # idle again: give the heap back
-                    await asyncio.to_thread(memory.trim)
+                    await asyncio.to_thread(getattr(self.backend, "trim_memory",
+                                                    memory.trim))
             except Exception:  # noqa: BLE001 - the status window is best effort
                 log.exception("status sample failed")
             await asyncio.sleep(1.0)

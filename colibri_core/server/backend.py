@@ -21,6 +21,7 @@ import os
 import uuid
 from pathlib import Path
 
+from . import memory
 from .calls import Calls
 from .errors import ApiError
 from .experts import ExpertBook
@@ -86,6 +87,12 @@ class LocalBackend:
 
     def retry_after_s(self) -> int:
         return self.calls.retry_after_s()
+
+    def trim_memory(self) -> None:
+        """Idle: the engine's step scratch back to a small step's, then the heap's free
+        memory back to the system (a thread's work: it waits for the scheduler)."""
+        self.engine.trim_memory()
+        memory.trim()
 
     def cancel_all(self) -> None:
         """Past the shutdown grace period: every request in flight ends with a 503."""
