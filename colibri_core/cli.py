@@ -105,16 +105,21 @@ def dir_kind(path: Path) -> str:
     (a FIFO, a device, a folder) raises ConfigError naming it: it is never waited on."""
     from .errors import ConfigError
     from .files import check_regular, read_text
-    if not path.exists():
-        return "missing"
-    if not path.is_dir():
-        return "file"
-    cfg = path / "config.json"
+    from .nesting import json_loads
+    try:
+        if not path.exists():
+            return "missing"
+        if not path.is_dir():
+            return "file"
+        cfg = path / "config.json"
+        cfg_there = cfg.exists()
+    except OSError as e:            # a folder we may not search (mode 000): say so
+        raise ConfigError(f"{path}: cannot read the folder: {e.strerror}") from None
     data = None
-    if cfg.exists():
+    if cfg_there:
         check_regular(cfg, cfg.stat(), ConfigError)
         try:
-            data = json.loads(read_text(cfg, ConfigError))
+            data = json_loads(read_text(cfg, ConfigError))
         except (ColibriError, ValueError):
             return "colibri"          # a damaged model: let the loader name the problem
     if isinstance(data, dict) and ("format" in data or "files" in data):

@@ -12,7 +12,6 @@ and what is allowed.
 """
 from __future__ import annotations
 
-import json
 import reprlib
 from importlib import resources
 from pathlib import Path
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import ConfigError, ExpertIndexError
 from .files import read_text
+from .nesting import json_loads, yaml_load
 
 # allow_inf_nan=False: a NaN or infinite float in a config file (YAML `.nan`, `.inf`, JSON
 # `NaN`, `Infinity`) is refused with the field's name instead of poisoning the arithmetic.
@@ -377,11 +377,10 @@ def read_mapping(path: Path) -> dict[str, Any]:
     text = read_text(path, ConfigError)
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json_loads(text)
         else:
-            import yaml
-            data = yaml.load(text, Loader=_yaml_loader())
-    except Exception as e:  # json/yaml syntax errors carry line numbers in their text
+            data = yaml_load(text, _yaml_loader())
+    except Exception as e:  # json/yaml syntax errors (and TooDeep) carry their reason
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
     if not isinstance(data, dict):

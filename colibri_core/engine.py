@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import kernels
+from .closedguard import refuse_after_close
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import ConfigError, EngineClosedError, RequestError
 from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
@@ -38,6 +40,7 @@ log = logging.getLogger("colibri")
 _request_ids = itertools.count(1)
 
 
+@refuse_after_close     # every public method and property: EngineClosedError once closed
 class Engine:
     def __init__(self, model_dir: Union[str, Path], config: EngineConfig = EngineConfig(),
                  plugin_manager=None):
@@ -57,13 +60,13 @@ class Engine:
                               f"(the hot-plug folder is watched, never created)")
         kernels.set_threads(config.threads)
         _single_threaded_blas()
-        if config.process_limit_mb is not None and (self.model_dir / "config.json").is_file():
+        if config.process_limit_mb is not None and os.path.isfile(self.model_dir / "config.json"):
             # the whole process under a limit: measure the fixed overhead now, before any
             # of the model is loaded, and give the budget the rest (residency.py)
             from .residency import derive_budget
             config, _ = derive_budget(self.model_dir, config)
             self.config = config
-        if config.max_resident_mb is not None and (self.model_dir / "config.json").is_file():
+        if config.max_resident_mb is not None and os.path.isfile(self.model_dir / "config.json"):
             from .residency import check_budget
             check_budget(self.model_dir, config)    # too small a budget: refused before loading
         # Copy-in under a budget: expert files are read into the cache's slots, not at load.
@@ -225,6 +228,7 @@ class Engine:
             self.model.close()                  # its expert sets and C structs hold views
                                                 # into the mapped files
             self.weights.close()
+            self._after_close = lambda: True    # from now on: closedguard.py
 
     @property
     def _closed(self) -> bool:
@@ -458,8 +462,8 @@ class Engine:
 
     def apply_expert_changes(self) -> None:
         """Adopt queued expert changes now: on the scheduler's thread, between two steps
-        (this waits for the current one); a no-op once closed. The scheduler also adopts
-        them before every step."""
+        (this waits for the current one); EngineClosedError once closed. The scheduler
+        also adopts them before every step."""
         if self._closed:
             return
         self.scheduler.call(self._apply_and_flush)

@@ -19,6 +19,7 @@ import numpy as np
 from .errors import ModelFormatError
 from .filemap import FileMapping, max_map_count
 from .files import open_regular
+from .nesting import json_loads
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 
 # 2 MB pages for the weights. Decode streams ~100 MB of weights a token, with a page
@@ -308,7 +309,7 @@ def parse_table(buf, file_size: int, source: str,
         raise ModelFormatError(f"{source}: section table length {tlen} exceeds the file "
                                f"({file_size} bytes); the file is truncated or corrupt")
     try:
-        raw = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))["sections"]
+        raw = json_loads(bytes(buf[_PREFIX.size:_PREFIX.size + tlen]).decode("utf-8"))["sections"]
         if not isinstance(raw, list):
             raise TypeError("'sections' is not a list")
     except UnicodeDecodeError as e:

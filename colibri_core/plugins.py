@@ -247,6 +247,11 @@ def load_plugins_dir(pm: pluggy.PluginManager, plugins_dir: str | os.PathLike) -
     folder = Path(plugins_dir)
     if not folder.is_dir():
         raise PluginLoadError(f"colibri: plugins folder {str(folder)!r} does not exist or is not a folder")
+    try:                        # glob() would list an unreadable folder as empty
+        os.listdir(folder)
+    except OSError as e:
+        raise PluginLoadError(f"colibri: plugins folder {str(folder)!r}: cannot list it: "
+                              f"{e.strerror}") from None
     modules = []
     for path in sorted(folder.resolve().glob("*.py")):
         if path.name.startswith("_"):

@@ -30,6 +30,7 @@ import numpy as np
 
 from .audit import RouteSink, input_digest, output_digest, routing_of
 from .errors import AuditLogError, ColibriError
+from .nesting import TooDeep, json_loads
 
 BATCH_TOKENS = 2048         # tokens per forward of the replay
 
@@ -83,10 +84,12 @@ def read_log(paths: list) -> tuple[dict, list, dict, int]:
                 if not line.strip():
                     continue
                 try:
-                    d = json.loads(line)
+                    d = json_loads(line)
                 except json.JSONDecodeError as e:
                     raise AuditLogError(f"{where}: not a JSON line ({e.msg} at column "
                                         f"{e.colno})") from None
+                except TooDeep as e:
+                    raise AuditLogError(f"{where}: not an audit line: {e}") from None
                 if not isinstance(d, dict):
                     raise AuditLogError(f"{where}: expected a JSON object")
                 kind = _need(d, "kind", str, where)

@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -41,6 +40,7 @@ import numpy as np
 from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..files import read_bytes, read_text
+from ..nesting import json_loads
 from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8
 from ..weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
@@ -84,7 +84,7 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path}: not found (is {path.parent} a Hugging Face model directory?)")
     text = read_text(path, ConfigError)
     try:
-        data = json.loads(text)
+        data = json_loads(text)
     except ValueError as e:
         raise ConfigError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -97,7 +97,7 @@ def _add_bos(hf_dir: Path) -> Optional[bool]:
     if not p.is_file():
         return None
     try:
-        v = json.loads(read_text(p, ConfigError)).get("add_bos_token")
+        v = json_loads(read_text(p, ConfigError)).get("add_bos_token")
     except Exception:
         return None
     return None if v is None else bool(v)

@@ -10,7 +10,6 @@ expert's slab at a time. `raw()` returns the stored bits (bf16 as uint16), which
 """
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, ModelFormatError
 from ..files import open_regular, read_text
+from ..nesting import json_loads
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_,
@@ -53,7 +53,7 @@ class SafetensorsFile:
                 raise ModelFormatError(f"{self.path}: header of {n} bytes is implausible "
                                        f"(file of {size} bytes)")
             try:
-                self.header = json.loads(os.pread(fd, n, 8))
+                self.header = json_loads(os.pread(fd, n, 8))
                 if not isinstance(self.header, dict):
                     raise TypeError("not a JSON object")
             except Exception as e:
@@ -179,7 +179,7 @@ def checkpoint_files(hf_dir: Path, explicit: str | None = None) -> list[Path]:
     if not chosen.name.endswith(".index.json"):
         return [chosen]
     try:
-        wm = json.loads(read_text(chosen))["weight_map"]
+        wm = json_loads(read_text(chosen))["weight_map"]
         if not isinstance(wm, dict) or not wm:
             raise TypeError("'weight_map' is not a non-empty object")
     except ModelFormatError:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..hotplug.errors import HotplugError, HotplugStateError, RollbackError
+from ..nesting import json_loads
 from ..hotplug.meta import read_expert_file
 
 STATE_FORMAT = 1
@@ -176,7 +177,7 @@ class FleetSet:
         path = os.path.join(self.state_dir, STATE_FILE)
         try:
             with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
+                raw = json_loads(f.read())
         except FileNotFoundError:
             return
         except (OSError, ValueError) as e:

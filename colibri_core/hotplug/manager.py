@@ -38,7 +38,6 @@ refusal is one log line `REFUSED_LOG` naming the file and the rule.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -49,6 +48,7 @@ from typing import Callable, Iterable
 
 from .bundle import (bundle_sig, is_bundle_name, read_staged, remove_staged, stage_bundle,
                      staging_entry)
+from ..nesting import json_loads
 from .elf import ElfFile
 from .errors import (REFUSED_LOG, ExpertIncomplete, ExpertRejected, ExpertSecurityError,
                      HotplugError, RollbackError)
@@ -863,7 +863,7 @@ class HotplugManager:
             return self._next_slot
         try:
             with open(self.slots_file, encoding="utf-8") as f:
-                slot = json.load(f).get(name)
+                slot = json_loads(f.read()).get(name)
         except (OSError, ValueError, AttributeError) as e:
             log.error("slots file %s unreadable (%s): expert %s gets the next free slot %d",
                       self.slots_file, e, name, self._next_slot)

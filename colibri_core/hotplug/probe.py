@@ -34,6 +34,8 @@ import math
 import random
 import sys
 
+from ..nesting import json_loads
+
 VERDICT_PREFIX = "COLIBRI-PROBE "
 READY_PREFIX = "COLIBRI-PROBE-HELPER "
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 3, 2
@@ -149,7 +151,7 @@ def interpret(path: str, result: dict, timeout_s: float) -> dict:
     for line in str(result.get("verdict") or "").splitlines():
         if line.startswith(VERDICT_PREFIX):
             try:
-                verdict = json.loads(line[len(VERDICT_PREFIX):])
+                verdict = json_loads(line[len(VERDICT_PREFIX):])
             except ValueError:
                 verdict = None
     if not isinstance(verdict, dict) or (verdict.get("ok") is True) != (rc == EXIT_OK):
@@ -464,7 +466,7 @@ class _Helper:
             self.inbuf[:] = rest
             req = None
             try:
-                req = json.loads(line)
+                req = json_loads(line)
                 self.start(req)
             except Exception as e:                  # noqa: BLE001 - answer it, go on
                 rid = req.get("id") if isinstance(req, dict) else None

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from ..nesting import json_loads
 from .errors import ExpertProbeError
 from .probe import READY_PREFIX, probe_env, run_fresh
 
@@ -286,7 +287,7 @@ class ProbePool:
 
     def _answer(self, line: bytes) -> None:
         try:
-            msg = json.loads(line)
+            msg = json_loads(line)
             tid = msg["id"]
         except (ValueError, KeyError, TypeError):
             log.error("probe helper said %r", line[:200])

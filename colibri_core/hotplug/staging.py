@@ -87,8 +87,12 @@ def check_file(path: str, st: os.stat_result) -> None:
 
 def ensure_private_dir(path: str) -> None:
     """Create `path` (and parents) with mode 0700; refuse one that others can reach."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:        # e.g. an experts folder of mode 000
+        raise HotplugStateError(f"{path}: cannot create the private folder: {e.strerror}; "
+                                f"expected a folder the engine can write", path=path) from None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise HotplugStateError(f"{path}: staging folder is a symlink or not a folder,"
                                 " expected a private folder", path=path)

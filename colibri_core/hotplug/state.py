@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from ..nesting import json_loads
 from .errors import HotplugStateError
 
 STATE_FORMAT = 1
@@ -64,7 +65,7 @@ def load_state(state_dir: str) -> tuple[int | None, dict[str, NameRecord]]:
     path = os.path.join(state_dir, STATE_FILE)
     try:
         with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
+            raw = json_loads(f.read())
     except FileNotFoundError:
         return None, {}
     except (OSError, ValueError) as e:
