@@ -87,6 +87,16 @@ class ModelConfig(BaseModel):
     topk_group: int = Field(default=1, ge=1)
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     shared_expert_gate: bool = False            # Qwen2-MoE: sigmoid gate on the shared expert
+    # Granite's scalars, applied where its model applies them: the embedding rows times
+    # embedding_multiplier; the softmax scale attention_multiplier (None: 1/sqrt(head_dim));
+    # the attention and FFN outputs times residual_multiplier before each residual add;
+    # the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = Field(default=None, gt=0)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = Field(default=1.0, gt=0)
+    rotary_dim: Optional[int] = Field(default=None, gt=0)   # the first dims of a head rotated
+                                                            # (partial rotary); None: all
 
     # Attention variant. "mla": DeepSeek multi-head latent attention (colibri_core/mla.py);
     # head_dim is then qk_nope_head_dim + qk_rope_head_dim and num_kv_heads == num_heads.
@@ -145,6 +155,13 @@ class ModelConfig(BaseModel):
                 problems.append("attention 'mla' needs num_kv_heads == num_heads")
         elif self.head_size % 2:
             problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
+        if self.attention == "mla" and (self.residual_multiplier != 1 or self.attention_multiplier):
+            problems.append("residual_multiplier / attention_multiplier are not supported with "
+                            "attention 'mla'")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_size
+                                            or self.attention == "mla"):
+            problems.append(f"rotary_dim={self.rotary_dim} must be even, at most head_dim="
+                            f"{self.head_size}, and without attention 'mla'")
         if "moe" in self.layer_types and self.num_experts == 0:
             problems.append("layer_types has 'moe' layers but num_experts is 0")
         if "dense" in self.layer_types and self.intermediate_size == 0:

@@ -101,8 +101,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_dim(cfg: ModelConfig) -> int:
-    """Dimensions rotated per head: the whole head, or MLA's rope part."""
-    return cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_size
+    """Dimensions rotated per head: the whole head, its first rotary_dim (partial rotary),
+    or MLA's rope part."""
+    return cfg.qk_rope_head_dim if cfg.attention == "mla" else (cfg.rotary_dim or cfg.head_size)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
@@ -143,7 +144,12 @@ def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, factor: flo
 
     interleave=False: rotate-half (pairs (i, i + D/2), the Hugging Face layout); True:
     pairs (2i, 2i+1), result written de-interleaved (first the rotated even lanes, then
-    the odd ones: DeepSeek's rope_interleave)."""
+    the odd ones: DeepSeek's rope_interleave). Fewer frequencies than D/2 (partial rotary):
+    only the first 2 * len(inv_freq) dims rotate, the rest pass through."""
+    rot = 2 * len(inv_freq)
+    if rot < x.shape[-1]:
+        return np.concatenate([apply_rope(x[..., :rot], pos, inv_freq, factor, interleave),
+                               x[..., rot:]], axis=-1)
     ang = pos[:, None].astype(np.float64) * inv_freq[None, :]             # [T, D/2]
     cos = (np.cos(ang) * factor).astype(np.float32)[:, None, :]
     sin = (np.sin(ang) * factor).astype(np.float32)[:, None, :]

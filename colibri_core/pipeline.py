@@ -67,7 +67,7 @@ class Pipeline:
             else:
                 L["attn"] = self._attn_layer(lw, p_inv, factor)
             block = keep.new("ck_ffn_block *")
-            block.hidden = cfg.hidden_size
+            block.hidden, block.scale = cfg.hidden_size, cfg.residual_multiplier
             L["block"] = block
             if lw.kind == "dense":
                 t = keep.new("ck_ffn[1]")
@@ -103,7 +103,8 @@ class Pipeline:
         al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
         al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
         al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        al.eps, al.scale = self.eps, float(1.0 / np.sqrt(cfg.head_size))
+        al.eps, al.scale = self.eps, float(cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_size))
+        al.rot, al.out_scale = ops.rope_dim(cfg), cfg.residual_multiplier
         al.inv_freq, al.rope_factor = p_inv, float(factor)
         return al
 
@@ -256,6 +257,8 @@ class Pipeline:
         if res.active:                              # the embedding's rows, under a budget
             res.embed_touch(ids)
         self._embed(ids, x)
+        if self.cfg.embedding_multiplier != 1.0:    # Granite
+            x *= np.float32(self.cfg.embedding_multiplier)
         tok = sc.tok
         for t0, t1, cache in spans:
             if t1 - t0 == 1:                        # a decode token: no views, no arrays
@@ -334,6 +337,8 @@ class Pipeline:
             p_out = ffi.cast("float *", ffi.from_buffer(out))
         self._check(lib.ck_step_head(self.head, self.final_norm, self.eps, self.scratch.p_head_x,
                                      n, p_out, self.scratch.s))
+        if self.cfg.logits_scaling != 1.0:          # Granite
+            out /= np.float32(self.cfg.logits_scaling)
         return out
 
     # ------------------------------------------------------------------ MoE layer
@@ -451,7 +456,8 @@ class Pipeline:
             if e in T["custom"]:                    # its own code, between the C calls
                 rows, slot = np.nonzero(idv == e)
                 out = np.zeros((len(rows), x.shape[1]), np.float32)
-                run_own_code(run[e], np.ascontiguousarray(xn[rows]), out, wv[rows, slot])
+                run_own_code(run[e], np.ascontiguousarray(xn[rows]), out,
+                             wv[rows, slot] * np.float32(self.cfg.residual_multiplier))
                 x[rows] += out
             else:
                 if budget and T["bound"].get(e) is not run[e]:   # where the cache holds it now

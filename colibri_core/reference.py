@@ -115,7 +115,7 @@ class ReferenceModel:
         q = ops.apply_rope(q, pos, self._inv_freq, self._rope_factor)    # rotate-half layout
         k = ops.apply_rope(k, pos, self._inv_freq, self._rope_factor)
         out = np.empty((T, NH, D), dtype=np.float32)
-        scale = 1.0 / math.sqrt(D)
+        scale = cfg.attention_multiplier or 1.0 / math.sqrt(D)
         L = lw.index
         for t0, t1, cache in spans:
             s0 = cache.length
@@ -127,7 +127,7 @@ class ReferenceModel:
                 continue
             kc, vc = cache.read(L, s0 + n)                   # float32 rows (dequantized)
             out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0)
-        return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
+        return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo")) * np.float32(cfg.residual_multiplier)
 
     # ------------------------------------------------------------------ MoE
     def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray, es: ExpertSet) -> np.ndarray:
@@ -209,15 +209,16 @@ class ReferenceModel:
                 self._ffn(lw.dense, xn, y)
             else:
                 y = self._moe(lw, xn, kt, es)
-            x = x + y
+            x = x + y * np.float32(self.cfg.residual_multiplier)
         results = []
         for t0, t1, cache in spans:
             cache.length += t1 - t0
             rows = x[t0:t1] if all_logits else x[t1 - 1:t1]
             logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
+            logits /= np.float32(cfg.logits_scaling)
             results.append(logits if all_logits else logits[0])
         return results
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
-        return ops.embedding(self.w.embed, ids)
+        return ops.embedding(self.w.embed, ids) * np.float32(self.cfg.embedding_multiplier)
 

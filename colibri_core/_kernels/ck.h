@@ -99,8 +99,12 @@ typedef struct {               /* one layer's attention block (grouped-query att
     int64_t hidden, nh, nkv, d;
     float eps;                   /* RMSNorm epsilon */
     float scale;                 /* softmax scale */
-    const double *inv_freq;      /* rotate-half rope: inverse frequencies [d/2] */
+    const double *inv_freq;      /* rotate-half rope: inverse frequencies [rot/2] */
     double rope_factor;          /*   and the factor on cos/sin (ops.rope_frequencies) */
+    int64_t rot;                 /* dims rotated per head, the first ones (partial rotary,
+                                    GLM-4.5); 0: all d */
+    float out_scale;             /* factor on the block's output before the residual add
+                                    (Granite's residual_multiplier); 0: 1 */
 } ck_attn_layer;
 
 typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V3; mla.py) */
@@ -140,6 +144,8 @@ typedef struct {               /* one layer's expert block */
     const ck_ffn *shared;        /* the shared expert, or NULL */
     const float *shared_gate;    /* [H]: its weight sigmoid(xn . gate), or NULL: 1 */
     int64_t hidden;
+    float scale;                 /* factor on every FFN's output, routed, shared or dense
+                                    (Granite's residual_multiplier); 0: 1 */
 } ck_ffn_block;
 
 typedef struct {

@@ -151,6 +151,7 @@ typedef struct {
     int64_t n, layer;
     const int64_t *tok;        /* [n, CK_TOK_COLS] (ck.h) */
     float scale;
+    float oscale;              /* the output's factor (out_scale) */
     int m;                     /* the matrix being emitted (qkv) */
 } attn_ctx;
 
@@ -169,7 +170,7 @@ static void emit_v(void *p, int64_t t, int64_t r, float v) {
 static void emit_o(void *p, int64_t t, int64_t r, float v) {
     attn_ctx *c = p;
     float *x = c->x + t * c->L->hidden + r;
-    *x = *x + v;
+    *x = *x + v * c->oscale;                        /* x 1.0f: the same bits */
 }
 
 /* rows r0..r0+rti of matrix m for all tokens: the panels, or tiles of be->rt rows */
@@ -208,7 +209,7 @@ static void rope_chunk(void *p, int64_t t) {
     attn_ctx *c = p;
     const ck_attn_layer *L = c->L;
     ck_sscratch *s = c->s;
-    const int64_t d = L->d, half = d / 2, nh = L->nh, nkv = L->nkv;
+    const int64_t d = L->d, half = (L->rot > 0 ? L->rot : d) / 2, nh = L->nh, nkv = L->nkv;
     const int64_t *tk = c->tok + CK_TOK_COLS * t;
     float *q = s->q + t * nh * d, *k = s->k + t * nkv * d, *v = s->v + t * nkv * d;
     if (L->qk_norm == 2) {                         /* over the whole projection */
@@ -289,6 +290,8 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     }
     c.be = be; c.L = a; c.s = s; c.x = x; c.n = n; c.layer = layer; c.tok = tok;
     c.scale = a->scale;
+    c.oscale = a->out_scale != 0.0f ? a->out_scale : 1.0f;
+    if (a->rot < 0 || a->rot > a->d || a->rot % 2) return CK_E_SCRATCH;
     c.w[0] = to_w(&a->wq); c.w[1] = to_w(&a->wk); c.w[2] = to_w(&a->wv); c.w[3] = to_w(&a->wo);
     if (rup(c.w[3].cols, is_float_kind(c.w[3].kind) ? 64 : c.w[3].group) > s->cp_max)
         return CK_E_SCRATCH;

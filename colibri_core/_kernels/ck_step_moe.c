@@ -457,6 +457,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     const ck_backend_t *be = ck_active_backend();
     const ck_ffn *table = b->table, *shared = b->shared;
     const int64_t hidden = b->hidden, ne = b->n_table;
+    const float oscale = b->scale != 0.0f ? b->scale : 1.0f;   /* x 1.0f: the same bits */
     if (n <= 0) return 0;
     if (n > s->n_max) return CK_E_SCRATCH;
     /* count the pairs per expert (a pair: token t chose expert e in slot j) */
@@ -501,7 +502,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
             if (e < 0 || e >= ne || !table[e].w1.data) continue;
             int64_t p = first[e]++;
             pair_tok[p] = t;
-            pair_w[p] = ck_ldf(weights + t * kmax + j);
+            pair_w[p] = ck_ldf(weights + t * kmax + j) * oscale;
         }
     if (shared) {
         jobs[q] = (ffn_job){.w1 = to_w(&shared->w1), .w3 = to_w(&shared->w3), .w2 = to_w(&shared->w2),
@@ -509,7 +510,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         for (int64_t t = 0; t < n; t++) {
             float gd = b->shared_gate ? dot_f32(xn + t * hidden, b->shared_gate, hidden) : 0.0f;
             pair_tok[off + t] = t;
-            pair_w[off + t] = b->shared_gate ? 1.0f / (1.0f + expf(-gd)) : 1.0f;
+            pair_w[off + t] = (b->shared_gate ? 1.0f / (1.0f + expf(-gd)) : 1.0f) * oscale;
         }
         q++;
     }

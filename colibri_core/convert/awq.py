@@ -352,7 +352,7 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
         spans.append((t, t + len(s), c))
         t += len(s)
     ids = np.concatenate([np.asarray(s, np.int64) for s in seqs])
-    x = np.asarray(embed[ids], np.float32)
+    x = np.asarray(embed[ids], np.float32) * np.float32(cfg.embedding_multiplier)
     kt = np.full(len(ids), cfg.top_k)
     out = Scales(tokens=len(ids))
 
@@ -383,7 +383,7 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
             model._ffn(lw.dense, xn, y)
         else:
             y = _moe_float(model, cfg, lw, xn, kt)
-        x = x + y
+        x = x + y * np.float32(cfg.residual_multiplier)
         model.observer = None
         # --- searches for this layer
         by_id = {id(w): k for k, w in keys.items()}

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import ConfigError
+from . import families_more as more
 from .safetensors_reader import Checkpoint
 
 _MISSING = object()
@@ -67,6 +68,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                         v_head_dim=128, num_experts_per_tok=None, moe_intermediate_size=1407,
                         mlp_bias=False, bos_token_id=1, eos_token_id=2, moe_layer_freq=1,
                         scoring_func="softmax"),
+    **more.DEFAULTS,
 }
 
 ARCHITECTURES = {
@@ -76,6 +78,7 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    **more.ARCHITECTURES,
 }
 
 
@@ -126,8 +129,9 @@ def _refuse(what: str, hint: str = "") -> None:
     raise ConfigError(f"config.json: {what} is not supported by Colibri" + (f"; {hint}" if hint else ""))
 
 
-def _rope(c: HFConfig) -> tuple[float, Optional[dict]]:
-    """(rope_theta, yarn parameters or None). Only default and YaRN rope are supported."""
+def _rope(c: HFConfig) -> tuple[float, Optional[dict], float]:
+    """(rope_theta, yarn parameters or None, partial_rotary_factor). Only default and YaRN
+    rope are supported; a partial rotary factor only where the family has one."""
     rp = c("rope_parameters") or {}
     rs = c("rope_scaling") or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
@@ -138,10 +142,14 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict]]:
     if theta is None:
         theta = c("rope_theta")
     theta = float(theta)
-    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        _refuse(f"partial_rotary_factor={params['partial_rotary_factor']}")
+    partial = params.get("partial_rotary_factor")
+    if partial is None:
+        partial = c("partial_rotary_factor", None)
+    partial = 1.0 if partial is None else float(partial)
+    if partial != 1.0 and c.family not in more.PARTIAL_ROTARY:
+        _refuse(f"partial_rotary_factor={partial}")
     if kind == "default":
-        return theta, None
+        return theta, None, partial
     if kind != "yarn":
         _refuse(f"rope type {kind!r}", "supported: default, yarn")
     orig = params.get("original_max_position_embeddings") or c("original_max_position_embeddings", None) \
@@ -154,7 +162,7 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict]]:
              mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
              attention_factor=params.get("attention_factor"),
              truncate=bool(params.get("truncate", True)))
-    return theta, y
+    return theta, y, partial
 
 
 def _eos(c: HFConfig) -> list[int]:
@@ -192,7 +200,7 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
                     "supported: unquantized checkpoints and AutoAWQ 4-bit GEMM checkpoints")
     nh = c.int("num_attention_heads")
     H = c.int("hidden_size")
-    theta, yarn = _rope(c)
+    theta, yarn, partial = _rope(c)
     d: dict[str, Any] = dict(
         architecture=fam, vocab_size=c.int("vocab_size"), hidden_size=H,
         num_layers=c.int("num_hidden_layers"), num_heads=nh,
@@ -201,6 +209,8 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
         rope_theta=theta, rope_scaling=yarn, rms_norm_eps=float(c("rms_norm_eps")),
         tie_word_embeddings=bool(c("tie_word_embeddings")),
         bos_token_id=None, eos_token_ids=_eos(c))
+    if fam in more.PARTIAL_ROTARY:
+        d["partial_rotary_factor"] = partial               # more.fields turns it into rotary_dim
     bos = c("bos_token_id", None)
     if bos is not None and (add_bos or (add_bos is None and fam == "mixtral")):
         d["bos_token_id"] = int(bos)      # Llama-style tokenizers prepend BOS
@@ -215,7 +225,9 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
             _refuse("use_sliding_window=true")
         if fam == "mixtral" and c("router_jitter_noise"):
             pass  # training-only noise: inference ignores it, as transformers does in eval
-    if fam == "mixtral":
+    if fam in more.ARCHITECTURES.values():
+        more.fields(fam, c, d, _refuse)
+    elif fam == "mixtral":
         E = c.int("num_local_experts")
         d.update(layer_types=["moe"] * d["num_layers"], num_experts=E,
                  top_k=c.int("num_experts_per_tok"), intermediate_size=c.int("intermediate_size"),
@@ -316,6 +328,7 @@ def _block(ck: Checkpoint, L: int) -> str:
     for blk in ("mlp", "block_sparse_moe"):
         p = f"model.layers.{L}.{blk}"
         if any(f"{p}.{x}" in ck for x in ("gate.weight", "experts.gate_up_proj", "experts.0.w1.weight",
+                                          "input_linear.weight", "router.layer.weight",
                                           "experts.0.gate_proj.weight", "experts.0.w1.qweight",
                                           "experts.0.gate_proj.qweight")):
             return p
@@ -362,8 +375,13 @@ def shared_sources(ck: Checkpoint, L: int) -> tuple[Src, Src, Src]:
         m = f"model.layers.{L}.mlp.{n}."
         if m + "gate_proj.weight" in ck or m + "gate_proj.qweight" in ck:
             return linear(ck, m + "gate_proj"), linear(ck, m + "up_proj"), linear(ck, m + "down_proj")
+    m = f"model.layers.{L}.shared_mlp."                     # Granite: gate and up rows fused
+    if m + "input_linear.weight" in ck:
+        S = ck.shape(m + "input_linear.weight")[0] // 2
+        return (Src(m + "input_linear.weight", None, (0, S)),
+                Src(m + "input_linear.weight", None, (S, 2 * S)), linear(ck, m + "output_linear"))
     raise ConfigError(f"checkpoint: no shared expert weights for layer {L} "
-                      f"(looked for mlp.shared_expert(s).gate_proj)")
+                      f"(looked for mlp.shared_expert(s).gate_proj, shared_mlp.input_linear)")
 
 
 def shared_gate_source(ck: Checkpoint, L: int) -> Src:
@@ -374,6 +392,10 @@ def expert_sources(ck: Checkpoint, L: int, e: int, I: int) -> tuple[Src, Src, Sr
     """(gate [I,H], up [I,H], down [H,I]) of expert e in layer L, from fused
     `experts.gate_up_proj` / `down_proj` tensors or per-expert tensors (either naming)."""
     p = _block(ck, L) + ".experts"
+    if p[:-8] + ".input_linear.weight" in ck:             # Granite's names of the fused tensors
+        p = p[:-8]
+        return (Src(f"{p}.input_linear.weight", e, (0, I)), Src(f"{p}.input_linear.weight", e, (I, 2 * I)),
+                Src(f"{p}.output_linear.weight", e))
     if f"{p}.gate_up_proj" in ck:
         shape = ck.shape(f"{p}.gate_up_proj")
         if shape[1] != 2 * I:
@@ -390,8 +412,9 @@ def expert_sources(ck: Checkpoint, L: int, e: int, I: int) -> tuple[Src, Src, Sr
 
 def router_source(ck: Checkpoint, L: int) -> Src:
     n = _block(ck, L) + ".gate.weight"
-    if n in ck:
-        return Src(n)
+    for name in (n, n[:-12] + ".router.layer.weight", n[:-12] + ".router.weight"):  # Granite's too
+        if name in ck:
+            return Src(name)
     raise ConfigError(f"checkpoint: no router weight for layer {L} ({n})")
 
 

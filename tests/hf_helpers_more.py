@@ -1,0 +1,98 @@
+"""Tiny random models of the families added by issue 32 (Granite MoE, GLM-4.5), built
+locally as hf_helpers.make_hf_model builds the first six, and Colibri's dequantized weights
+written back into them (Granite's tensor names differ from the others')."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+import hf_helpers
+from hf_helpers import _deq, effective, load_dequantized_into
+
+MORE_FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe")
+
+
+def make_more_model(family: str, seed: int = 0, **over):
+    """A small random-weight model of `family` (init as hf_helpers.make_hf_model), every
+    feature of the family on: Granite's four multipliers away from 1 and its shared
+    expert; GLM's partial rotary, q/k/v biases, q/k norms, expert groups with the
+    correction bias, a shared expert and a dense first layer."""
+    torch, tr = hf_helpers._imports()
+    common = dict(vocab_size=300, hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+    if family in ("granitemoe", "granitemoeshared"):
+        kw = dict(common, intermediate_size=160, num_local_experts=6, num_experts_per_tok=2,
+                  embedding_multiplier=12.0, attention_multiplier=0.03, residual_multiplier=0.22,
+                  logits_scaling=6.0)
+        if family == "granitemoeshared":
+            kw["shared_intermediate_size"] = 224
+        kw.update(over)
+        cfg, cls = ((tr.GraniteMoeSharedConfig(**kw), tr.GraniteMoeSharedForCausalLM)
+                    if family == "granitemoeshared" else (tr.GraniteMoeConfig(**kw), tr.GraniteMoeForCausalLM))
+    elif family == "glm4_moe":
+        kw = dict(common, intermediate_size=320, moe_intermediate_size=96, n_routed_experts=8,
+                  num_experts_per_tok=3, first_k_dense_replace=1, n_group=4, topk_group=2,
+                  routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, head_dim=64)
+        kw.update(over)
+        cfg, cls = tr.Glm4MoeConfig(**kw), tr.Glm4MoeForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
+
+
+def load_dequantized_more(model, colibri_dir: Path):
+    """hf_helpers.load_dequantized_into for these families (Granite's names: the router
+    `block_sparse_moe.router.weight`, the shared expert's fused `shared_mlp.input_linear`)."""
+    if "glm4" in type(model).__name__.lower():
+        return load_dequantized_into(model, colibri_dir)
+    torch, _ = hf_helpers._imports()
+    from colibri_core.weights import load_model
+    w = load_model(colibri_dir)
+    sd = model.state_dict()
+
+    def put(name, arr):
+        sd[name].copy_(torch.from_numpy(np.array(arr, np.float32).reshape(sd[name].shape)))
+
+    put("model.embed_tokens.weight", _deq(w.embed))
+    if "lm_head.weight" in sd and not w.cfg.tie_word_embeddings:
+        put("lm_head.weight", _deq(w.lm_head))
+    put("model.norm.weight", w.final_norm)
+    for lw in w.layers:
+        q, a = f"model.layers.{lw.index}.", lw.attn
+        put(q + "input_layernorm.weight", lw.attn_norm)
+        put(q + "post_attention_layernorm.weight", lw.ffn_norm)
+        for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            put(q + f"self_attn.{n}.weight", effective(getattr(a, s), a.act_scales.get(s)))
+        m = q + "block_sparse_moe."
+        put(m + "router.weight", lw.router)
+        gu, dn = sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
+        for ex in lw.experts:
+            f, s = ex.ffn, ex.ffn.act_scales
+            g = np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0)
+            gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
+            dn[ex.index].copy_(torch.from_numpy(effective(f.w2, s.get("w2")).astype(np.float32)))
+        if lw.shared is not None:
+            f, s = lw.shared, lw.shared.act_scales
+            put(q + "shared_mlp.input_linear.weight",
+                np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0))
+            put(q + "shared_mlp.output_linear.weight", effective(f.w2, s.get("w2")))
+    w.close()
+    return model
