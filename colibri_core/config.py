@@ -87,6 +87,8 @@ class ModelConfig(BaseModel):
     topk_group: int = Field(default=1, ge=1)
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     shared_expert_gate: bool = False            # Qwen2-MoE: sigmoid gate on the shared expert
+    select_bias_on_probs: bool = False          # softmax routing: the selection bias added to
+                                                # the probabilities, not the logits (ERNIE-4.5)
     # Granite's scalars, applied where its model applies them: the embedding rows times
     # embedding_multiplier; the softmax scale attention_multiplier (None: 1/sqrt(head_dim));
     # the attention and FFN outputs times residual_multiplier before each residual add;

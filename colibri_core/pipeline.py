@@ -371,7 +371,7 @@ class Pipeline:
                       mode=model.engine.routing, scoring=cfg.scoring_func,
                       norm_topk_prob=cfg.norm_topk_prob, bias=T["select_bias"],
                       n_group=cfg.n_group, topk_group=cfg.topk_group,
-                      scaling=cfg.routed_scaling_factor)
+                      scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
             K = r.ids.shape[1]
             idv[:, :K], wv[:, :K] = r.ids, r.weights
             idv[:, K:], wv[:, K:] = -1, 0.0

@@ -137,7 +137,7 @@ class ReferenceModel:
         r = route(logits, k_tok, mode=self.routing_mode, scoring=cfg.scoring_func,
                   norm_topk_prob=cfg.norm_topk_prob, bias=es.select_bias[L],
                   n_group=cfg.n_group, topk_group=cfg.topk_group,
-                  scaling=cfg.routed_scaling_factor)
+                  scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
         self.last_routing.append(LayerTrace(L, r, logits))
         experts = es.experts[L]
         out = np.zeros_like(xn)

@@ -65,8 +65,10 @@ def fixed_point_softmax_weights(logits: np.ndarray, sel: np.ndarray,
 
 def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: str = "softmax",
           norm_topk_prob: bool = True, bias: np.ndarray | None = None,
-          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Routing:
-    """Route T tokens. `k` is an int array [T] (per-token k; each 1..E)."""
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+          bias_on_probs: bool = False) -> Routing:
+    """Route T tokens. `k` is an int array [T] (per-token k; each 1..E). bias_on_probs:
+    with softmax scores the selection bias is added to the probabilities (ERNIE-4.5)."""
     logits = np.asarray(logits, dtype=np.float32)
     T, E = logits.shape
     k = np.asarray(k, dtype=np.int64).reshape(-1)
@@ -81,7 +83,7 @@ def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: st
         probs = ops.sigmoid(safe.astype(np.float64))
         select_on = probs + (bias.astype(np.float64)[None, :] if bias is not None else 0.0)
     if bias is not None and scoring == "softmax":
-        select_on = select_on + bias.astype(np.float64)[None, :]
+        select_on = (probs if bias_on_probs else select_on) + bias.astype(np.float64)[None, :]
     if n_group > 1 and topk_group < n_group:
         select_on = _group_limit(select_on, n_group, topk_group, top2=scoring == "sigmoid")
 

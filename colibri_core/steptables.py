@@ -403,6 +403,7 @@ class SetTables:
             rt.e, rt.h = router.shape[0], cfg.hidden_size
             rt.norm_topk = bool(cfg.norm_topk_prob)
             rt.scaling = float(cfg.routed_scaling_factor)
+            rt.bias_on_probs = bool(cfg.select_bias_on_probs)
             rt.scoring = (lib.CK_ROUTE_SIGMOID if cfg.scoring_func == "sigmoid" else
                           lib.CK_ROUTE_FIXED if model.engine.routing == "fixed" else lib.CK_ROUTE_FLOAT)
             rt.select_bias = keep.f32(es.select_bias[L])

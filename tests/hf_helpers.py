@@ -273,6 +273,8 @@ def selection_gap(logits: np.ndarray, cfg, bias, k: int) -> float:
     v = np.asarray(logits, np.float64)
     if cfg.scoring_func == "sigmoid":
         v = 1.0 / (1.0 + np.exp(-v))
+    elif cfg.select_bias_on_probs:               # ERNIE-4.5: softmax probabilities + bias
+        v = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
     if bias is not None:
         v = v + np.asarray(bias, np.float64)
     gaps = []
@@ -307,7 +309,7 @@ def routing_flips(fast, ref) -> list[tuple[int, int, float]]:
 
 def tie_threshold(cfg) -> float:
     """A 'near tie' for check_fast_path: 0.1 in logits, 0.05 in sigmoid units."""
-    return 0.05 if cfg.scoring_func == "sigmoid" else 0.1
+    return 0.05 if cfg.scoring_func == "sigmoid" or cfg.select_bias_on_probs else 0.1
 
 
 def check_fast_path(fast, ref, ids, case, bound=0.05):

@@ -1,4 +1,4 @@
-"""Tiny random models of the families added by issue 32 (Granite MoE, GLM-4.5), built
+"""Tiny random models of the families added by issue 32 (Granite MoE, GLM-4.5, ERNIE-4.5), built
 locally as hf_helpers.make_hf_model builds the first six, and Colibri's dequantized weights
 written back into them (Granite's tensor names differ from the others')."""
 from __future__ import annotations
@@ -10,14 +10,16 @@ import numpy as np
 import hf_helpers
 from hf_helpers import _deq, effective, load_dequantized_into
 
-MORE_FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe")
+MORE_FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe")
 
 
 def make_more_model(family: str, seed: int = 0, **over):
     """A small random-weight model of `family` (init as hf_helpers.make_hf_model), every
     feature of the family on: Granite's four multipliers away from 1 and its shared
     expert; GLM's partial rotary, q/k/v biases, q/k norms, expert groups with the
-    correction bias, a shared expert and a dense first layer."""
+    correction bias, a shared expert and a dense first layer; ERNIE's interleaved rope,
+    the correction bias on the softmax probabilities, shared experts, a dense first layer
+    and tied embeddings."""
     torch, tr = hf_helpers._imports()
     common = dict(vocab_size=300, hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -37,6 +39,12 @@ def make_more_model(family: str, seed: int = 0, **over):
                   routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, head_dim=64)
         kw.update(over)
         cfg, cls = tr.Glm4MoeConfig(**kw), tr.Glm4MoeForCausalLM
+    elif family == "ernie4_5_moe":
+        kw = dict(common, intermediate_size=320, moe_intermediate_size=96, moe_num_experts=8,
+                  moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=1,
+                  moe_layer_end_index=2, tie_word_embeddings=True)
+        kw.update(over)
+        cfg, cls = tr.Ernie4_5_MoeConfig(**kw), tr.Ernie4_5_MoeForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
@@ -63,6 +71,8 @@ def load_dequantized_more(model, colibri_dir: Path):
     `block_sparse_moe.router.weight`, the shared expert's fused `shared_mlp.input_linear`)."""
     if "glm4" in type(model).__name__.lower():
         return load_dequantized_into(model, colibri_dir)
+    if "ernie" in type(model).__name__.lower():
+        return _load_ernie(model, colibri_dir)
     torch, _ = hf_helpers._imports()
     from colibri_core.weights import load_model
     w = load_model(colibri_dir)
@@ -95,4 +105,30 @@ def load_dequantized_more(model, colibri_dir: Path):
                 np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0))
             put(q + "shared_mlp.output_linear.weight", effective(f.w2, s.get("w2")))
     w.close()
+    return model
+
+
+def _load_ernie(model, colibri_dir: Path):
+    """ERNIE: q/k rows back in the checkpoint's interleaved order, the correction bias
+    under `gate.moe_statics`."""
+    torch, _ = hf_helpers._imports()
+    from colibri_core.weights import load_model
+    w = load_model(colibri_dir)
+    D = w.cfg.head_size
+    state = model.state_dict()
+
+    def interleave(a):                     # inverse of families.Src.deinterleave
+        h = np.asarray(a).reshape(-1, 2, D // 2, *np.shape(a)[1:])
+        return np.swapaxes(h, 1, 2).reshape(np.shape(a))
+
+    sd = {k.replace("mlp.gate.moe_statics.", "mlp.gate."): v for k, v in state.items()}
+
+    class _Wrap:                           # load_dequantized_into writes through state_dict()
+        def state_dict(self):
+            return sd
+    w.close()
+    load_dequantized_into(_Wrap(), colibri_dir)
+    for k, v in state.items():
+        if k.endswith(("q_proj.weight", "k_proj.weight")):
+            v.copy_(torch.from_numpy(interleave(v.numpy())))
     return model

@@ -1,4 +1,4 @@
-"""`colibri convert` for the families of issue 32 (Granite MoE, GLM-4.5), proven against
+"""`colibri convert` for the families of issue 32 (Granite MoE, GLM-4.5, ERNIE-4.5-MoE), proven against
 transformers' logits as tests/test_convert_families.py proves the first six.
 
 Tiny random models (hidden 320: two full groups of 128 and a partial one) with every feature
@@ -6,7 +6,9 @@ of the family on (hf_helpers_more.make_more_model): Granite's embedding / attent
 residual / logit multipliers away from 1, with and without its shared expert, tied
 embeddings; GLM-4.5's partial rotary (half the head), q/k/v biases, q/k norms, sigmoid
 routing with the correction bias and expert groups, shared expert, a dense first layer,
-and YaRN rope scaling over the partial rotary dims.
+and YaRN rope scaling over the partial rotary dims; ERNIE-4.5's interleaved rope pairs, its
+correction bias added to the softmax probabilities, shared experts, dense layers by
+moe_layer_start_index / interval, tied embeddings.
 
 - bits 32, float routing/activations: max relative logit error <= 1e-4 over prompts of
   15, 3, 1 and 48 tokens, and 16 greedy tokens identical to transformers' `generate`
@@ -48,6 +50,10 @@ CASES = {
     "glm4_moe_yarn_plain": ("glm4_moe", {"rope_parameters": YARN, "attention_bias": False,
                                          "use_qk_norm": False, "n_group": 1, "topk_group": 1,
                                          "norm_topk_prob": False}, {"fused": True}),
+    "ernie4_5_moe": ("ernie4_5_moe", {}, {}),
+    "ernie4_5_moe_interval": ("ernie4_5_moe", {"moe_layer_interval": 2, "moe_layer_start_index": 0,
+                                               "moe_num_shared_experts": 0, "num_hidden_layers": 4,
+                                               "tie_word_embeddings": False}, {"fused": True}),
 }
 
 
@@ -99,7 +105,7 @@ def test_converted_config_carries_the_family_features(built):
     assert c.layer_types == ["dense", "moe", "moe"] and c.qk_norm == "per_head" and c.attention_bias
 
 
-QUANT = ["granitemoeshared", "glm4_moe"]
+QUANT = ["granitemoeshared", "glm4_moe", "ernie4_5_moe"]
 
 
 @pytest.mark.parametrize("case", QUANT)
@@ -125,6 +131,7 @@ REFUSALS = [
     ("glm4_moe", {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                   "num_local_experts": 8}, "partial_rotary_factor=0.5"),
     ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("ernie4_5_moe", {"use_bias": True}, "use_bias=true for ERNIE-4.5"),
 ]
 
 

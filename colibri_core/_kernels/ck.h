@@ -136,6 +136,8 @@ typedef struct {               /* one MoE layer's router (routing.route) */
     int norm_topk;               /* renormalize the k weights */
     double scaling;              /* times this */
     const int64_t *exp2_q30;     /* routing._EXP2_TABLE */
+    int bias_on_probs;           /* softmax: select_bias added to the probabilities, not the
+                                    logits (ERNIE-4.5) */
 } ck_router;
 
 typedef struct {               /* one layer's expert block */

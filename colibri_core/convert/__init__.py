@@ -413,8 +413,8 @@ def _routing_sections(wr: _Writer, cfg: ModelConfig) -> Iterator:
     for L in cfg.moe_layers:
         yield f"layer.{L}.router", wr.vector(fam.router_source(wr.ck, L))
         b = fam.router_bias_source(wr.ck, L)
-        if b is not None and cfg.scoring_func == "sigmoid":
-            yield f"layer.{L}.router_bias", wr.vector(b)
+        if b is not None and (cfg.scoring_func == "sigmoid" or cfg.select_bias_on_probs):
+            yield f"layer.{L}.router_bias", wr.vector(b).reshape(-1)       # ERNIE's is [1, E]
 
 
 def _experts(wr: _Writer, cfg: ModelConfig, tick, bits: int) -> Iterator:
@@ -455,7 +455,8 @@ def _float_layer(wr: _Writer, L: int):
     else:
         lw.router = wr.vector(fam.router_source(ck, L))
         b = fam.router_bias_source(ck, L)
-        lw.router_bias = wr.vector(b) if b is not None and cfg.scoring_func == "sigmoid" else None
+        lw.router_bias = (wr.vector(b).reshape(-1) if b is not None and (
+            cfg.scoring_func == "sigmoid" or cfg.select_bias_on_probs) else None)
         I = cfg.expert_intermediate
         for e in range(cfg.num_experts):
             srcs = fam.expert_sources(ck, L, e, I)

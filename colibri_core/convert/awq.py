@@ -315,7 +315,8 @@ def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
     from ..routing import route
     r = route(ops.router_logits(xn, lw.router), kt, mode="float", scoring=cfg.scoring_func,
               norm_topk_prob=cfg.norm_topk_prob, bias=lw.router_bias, n_group=cfg.n_group,
-              topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
+              topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+              bias_on_probs=cfg.select_bias_on_probs)
     y = np.zeros_like(xn)
     for e in np.unique(r.ids[r.ids >= 0]):
         rows, slot = np.nonzero(r.ids == e)

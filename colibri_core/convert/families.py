@@ -302,14 +302,24 @@ class Src:
     index: Optional[int] = None
     rows: Optional[tuple[int, int]] = None
     awq: bool = False
+    deinterleave: int = 0     # head dim D: each head's rows 0, 2, .., D-2 first, then 1, 3, ..
 
     def raw(self, ck: Checkpoint) -> np.ndarray:
         a = ck.raw(self.name, self.index)
-        return a if self.rows is None else a[self.rows[0]:self.rows[1]]
+        return self._order(a if self.rows is None else a[self.rows[0]:self.rows[1]])
 
     def f32(self, ck: Checkpoint) -> np.ndarray:
         a = ck.get(self.name, self.index)
-        return a if self.rows is None else np.ascontiguousarray(a[self.rows[0]:self.rows[1]])
+        return self._order(a if self.rows is None else np.ascontiguousarray(a[self.rows[0]:self.rows[1]]))
+
+    def _order(self, a: np.ndarray) -> np.ndarray:
+        """Interleaved rope pairs (2i, 2i+1) of each head moved to (i, i + D/2), the
+        rotate-half layout (ERNIE-4.5); the same order on q and k leaves q . k unchanged."""
+        D = self.deinterleave
+        if not D:
+            return a
+        h = a.reshape(-1, D // 2, 2, *a.shape[1:])
+        return np.ascontiguousarray(np.swapaxes(h, 1, 2).reshape(a.shape))
 
     def dtype(self, ck: Checkpoint) -> str:
         return ck.dtype(self.name)
@@ -353,7 +363,10 @@ def attention_sections(ck: Checkpoint, cfg, L: int) -> list[tuple[str, Src, str]
                 (p + "wo", linear(ck, q + "o_proj"), "matrix")]
         return out
     for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-        out.append((p + s, linear(ck, q + n), "matrix"))
+        src = linear(ck, q + n)
+        if cfg.architecture == "ernie4_5_moe" and s in ("wq", "wk"):     # interleaved rope
+            src = Src(src.name, deinterleave=cfg.head_size)
+        out.append((p + s, src, "matrix"))
     if q + "o_proj.bias" in ck:
         raise ConfigError(f"checkpoint: {q}o_proj.bias: an output-projection bias is not supported")
     if cfg.attention_bias:
@@ -419,5 +432,9 @@ def router_source(ck: Checkpoint, L: int) -> Src:
 
 
 def router_bias_source(ck: Checkpoint, L: int) -> Optional[Src]:
-    n = _block(ck, L) + ".gate.e_score_correction_bias"
-    return Src(n) if n in ck else None
+    b = _block(ck, L)
+    for n in (b + ".gate.e_score_correction_bias", b + ".moe_statics.e_score_correction_bias",
+              b + ".gate.moe_statics.e_score_correction_bias"):      # ERNIE's [1, E]
+        if n in ck:
+            return Src(n)
+    return None

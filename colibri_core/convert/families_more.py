@@ -1,10 +1,13 @@
 """The families added after the first six (issue 32): Granite MoE (`granitemoe`,
-`granitemoeshared`) and GLM-4.5 (`glm4_moe`). families.py dispatches here for them; the
+`granitemoeshared`), GLM-4.5 (`glm4_moe`) and ERNIE-4.5-MoE (`ernie4_5_moe`). families.py dispatches here for them; the
 defaults are those of the transformers 5 config classes, as there.
 
 What they need beyond the first six, each a config field the one pipeline applies:
 Granite's four scalars (`embedding_multiplier`, `attention_multiplier`,
-`residual_multiplier`, `logits_scaling`) and GLM's partial rotary (`rotary_dim`).
+`residual_multiplier`, `logits_scaling`), GLM's partial rotary (`rotary_dim`), ERNIE's selection bias on the
+softmax probabilities (`select_bias_on_probs`). ERNIE's interleaved rope pairs need no
+field: the converter reorders each head's q and k rows (families.Src.deinterleave) so the
+pipeline's rotate-half rotates the same pairs; q and k alike, so the scores are the same.
 """
 from __future__ import annotations
 
@@ -27,11 +30,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      bos_token_id=None, eos_token_id=None),
 }
 DEFAULTS["granitemoeshared"] = DEFAULTS["granitemoe"]
+DEFAULTS["ernie4_5_moe"] = dict(
+    vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28,
+    num_attention_heads=20, num_key_value_heads=4, head_dim=None, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, use_bias=False,
+    moe_intermediate_size=1536, moe_k=6, moe_num_experts=64, moe_num_shared_experts=2,
+    moe_layer_start_index=1, moe_layer_end_index=27, moe_layer_interval=1, moe_norm_min=1e-12,
+    bos_token_id=1, eos_token_id=2)
 
 ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
 }
 
 PARTIAL_ROTARY = ("glm4_moe",)        # the families whose partial_rotary_factor is run
@@ -54,6 +65,9 @@ def fields(fam: str, c, d: dict, refuse: Callable) -> None:
                  residual_multiplier=float(c("residual_multiplier")),
                  logits_scaling=float(c("logits_scaling")))
         return
+    if fam == "ernie4_5_moe":
+        _ernie(c, d, refuse)
+        return
     # glm4_moe: DeepSeek-V3's routing and layer stack on grouped-query attention
     D = int(c("head_dim", None) or H // nh)
     k = c("first_k_dense_replace") or 0
@@ -69,4 +83,30 @@ def fields(fam: str, c, d: dict, refuse: Callable) -> None:
              routed_scaling_factor=float(c("routed_scaling_factor")),
              n_group=c.int("n_group"), topk_group=c.int("topk_group"))
     if "moe" not in d["layer_types"]:
+        d.update(num_experts=0, top_k=0, shared_expert_intermediate_size=0)
+
+
+def _ernie(c, d: dict, refuse: Callable) -> None:
+    if c("use_bias"):
+        refuse("use_bias=true for ERNIE-4.5", "biases on every linear (the output projection's "
+               "and the FFNs') are not run")
+    if c("quantization_config", None):
+        refuse("quantization_config for ERNIE-4.5", "its q/k rows are reordered at conversion; "
+               "convert an unquantized checkpoint")
+    n, step = d["num_layers"], c("moe_layer_interval") or 1
+    lo, hi = c("moe_layer_start_index"), c("moe_layer_end_index")
+    if not all(isinstance(v, int) for v in (lo, hi, step)):
+        refuse(f"moe_layer_start_index={lo!r} / moe_layer_end_index={hi!r} / "
+               f"moe_layer_interval={step!r}", "integers only (lists are the VL models')")
+    E = int(c("moe_num_experts") or 0)
+    kinds = ["moe" if E and (i + 1) % step == 0 and lo <= i <= hi else "dense" for i in range(n)]
+    I = c.int("moe_intermediate_size")
+    # softmax top-k chosen on the probabilities plus the correction bias, weights the chosen
+    # probabilities renormalised (transformers clamps the sum at moe_norm_min, 1e-12; 1e-20 here)
+    d.update(head_dim=int(c("head_dim", None) or d["hidden_size"] // d["num_heads"]),
+             layer_types=kinds, num_experts=E, top_k=int(c("moe_k") or 0),
+             intermediate_size=c.int("intermediate_size"), moe_intermediate_size=I,
+             norm_topk_prob=True, select_bias_on_probs=True,
+             shared_expert_intermediate_size=I * int(c("moe_num_shared_experts") or 0))
+    if "moe" not in kinds:
         d.update(num_experts=0, top_k=0, shared_expert_intermediate_size=0)
