@@ -127,7 +127,8 @@ class ReferenceModel:
                 continue
             kc, vc = cache.read(L, s0 + n)                   # float32 rows (dequantized)
             out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0)
-        return self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo")) * np.float32(cfg.residual_multiplier)
+        o = self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
+        return o * np.float32(cfg.residual_multiplier)              # Granite
 
     # ------------------------------------------------------------------ MoE
     def _moe(self, lw: LayerWeights, xn: np.ndarray, k_tok: np.ndarray, es: ExpertSet) -> np.ndarray:

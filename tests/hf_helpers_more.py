@@ -31,8 +31,9 @@ def make_more_model(family: str, seed: int = 0, **over):
         if family == "granitemoeshared":
             kw["shared_intermediate_size"] = 224
         kw.update(over)
-        cfg, cls = ((tr.GraniteMoeSharedConfig(**kw), tr.GraniteMoeSharedForCausalLM)
-                    if family == "granitemoeshared" else (tr.GraniteMoeConfig(**kw), tr.GraniteMoeForCausalLM))
+        shared = family == "granitemoeshared"
+        cfg = (tr.GraniteMoeSharedConfig if shared else tr.GraniteMoeConfig)(**kw)
+        cls = tr.GraniteMoeSharedForCausalLM if shared else tr.GraniteMoeForCausalLM
     elif family == "glm4_moe":
         kw = dict(common, intermediate_size=320, moe_intermediate_size=96, n_routed_experts=8,
                   num_experts_per_tok=3, first_k_dense_replace=1, n_group=4, topk_group=2,
@@ -112,9 +113,8 @@ def _load_ernie(model, colibri_dir: Path):
     """ERNIE: q/k rows back in the checkpoint's interleaved order, the correction bias
     under `gate.moe_statics`."""
     torch, _ = hf_helpers._imports()
-    from colibri_core.weights import load_model
-    w = load_model(colibri_dir)
-    D = w.cfg.head_size
+    from colibri_core.config import load_model_config
+    D = load_model_config(Path(colibri_dir) / "config.json").head_size
     state = model.state_dict()
 
     def interleave(a):                     # inverse of families.Src.deinterleave
@@ -126,7 +126,6 @@ def _load_ernie(model, colibri_dir: Path):
     class _Wrap:                           # load_dequantized_into writes through state_dict()
         def state_dict(self):
             return sd
-    w.close()
     load_dequantized_into(_Wrap(), colibri_dir)
     for k, v in state.items():
         if k.endswith(("q_proj.weight", "k_proj.weight")):

@@ -101,7 +101,8 @@ def test_converted_config_carries_the_family_features(built):
     assert c.shared_expert_intermediate_size == 224 and c.norm_topk_prob and not c.shared_expert_gate
     _, _, out = built("glm4_moe", 32)
     c = load_model_config(out / "config.json")
-    assert (c.rotary_dim, c.head_size, c.scoring_func, c.n_group, c.topk_group) == (32, 64, "sigmoid", 4, 2)
+    assert (c.rotary_dim, c.head_size, c.scoring_func, c.n_group, c.topk_group) == \
+        (32, 64, "sigmoid", 4, 2)
     assert c.layer_types == ["dense", "moe", "moe"] and c.qk_norm == "per_head" and c.attention_bias
 
 

@@ -60,7 +60,8 @@ def _route_c(logits, k, select_bias, *, fixed, bias_on_probs):
         "scaling": 1.0, "exp2_q30": fp(exp2, "int64_t *"), "bias_on_probs": bias_on_probs})
     kk = np.ascontiguousarray(k, np.int32)
     kmax = int(kk.max())
-    out_l, ids, w = np.zeros((n, E), np.float32), np.zeros((n, kmax), np.int64), np.zeros((n, kmax), np.float32)
+    out_l, ids = np.zeros((n, E), np.float32), np.zeros((n, kmax), np.int64)
+    w = np.zeros((n, kmax), np.float32)
     assert lib.ck_step_route(r, fp(xn), n, fp(kk, "int32_t *"), kmax, fp(out_l),
                              fp(ids, "int64_t *"), fp(w), 0) == 0
     return ids, w

@@ -94,7 +94,8 @@ static void route_general(const ck_router *r, const float *logits, int k, int64_
     if (r->scoring != CK_ROUTE_SIGMOID)
         for (int64_t i = 0; i < e; i++) {
             prob[i] /= sum;
-            if (r->bias_on_probs) sel[i] = prob[i] + (r->select_bias ? (double)ck_ldf(r->select_bias + i) : 0.0);
+            if (r->bias_on_probs)
+                sel[i] = prob[i] + (r->select_bias ? (double)ck_ldf(r->select_bias + i) : 0.0);
         }
     if (r->n_group > 1 && r->topk_group < r->n_group) {
         const int64_t gsz = e / r->n_group;

@@ -3,7 +3,8 @@
     convert(hf_dir, out_dir, bits=4, group_size=128, calibration=None)
 
 - Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (MLA attention, grouped
-  sigmoid routing); see families.py for the config mapping and what is refused.
+  sigmoid routing); Granite MoE, GLM-4.5, ERNIE-4.5-MoE (families_more.py); see
+  families.py for the config mapping and what is refused.
 - Precision (`bits`): 4 -> q4 (lm_head q6; embedding and attention K/V q8), 8 -> q8,
   16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
   checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.

@@ -310,7 +310,9 @@ class Src:
 
     def f32(self, ck: Checkpoint) -> np.ndarray:
         a = ck.get(self.name, self.index)
-        return self._order(a if self.rows is None else np.ascontiguousarray(a[self.rows[0]:self.rows[1]]))
+        if self.rows is not None:
+            a = np.ascontiguousarray(a[self.rows[0]:self.rows[1]])
+        return self._order(a)
 
     def _order(self, a: np.ndarray) -> np.ndarray:
         """Interleaved rope pairs (2i, 2i+1) of each head moved to (i, i + D/2), the
@@ -407,8 +409,8 @@ def expert_sources(ck: Checkpoint, L: int, e: int, I: int) -> tuple[Src, Src, Sr
     p = _block(ck, L) + ".experts"
     if p[:-8] + ".input_linear.weight" in ck:             # Granite's names of the fused tensors
         p = p[:-8]
-        return (Src(f"{p}.input_linear.weight", e, (0, I)), Src(f"{p}.input_linear.weight", e, (I, 2 * I)),
-                Src(f"{p}.output_linear.weight", e))
+        gu = f"{p}.input_linear.weight"
+        return Src(gu, e, (0, I)), Src(gu, e, (I, 2 * I)), Src(f"{p}.output_linear.weight", e)
     if f"{p}.gate_up_proj" in ck:
         shape = ck.shape(f"{p}.gate_up_proj")
         if shape[1] != 2 * I:

@@ -1,13 +1,15 @@
 """The families added after the first six (issue 32): Granite MoE (`granitemoe`,
-`granitemoeshared`), GLM-4.5 (`glm4_moe`) and ERNIE-4.5-MoE (`ernie4_5_moe`). families.py dispatches here for them; the
-defaults are those of the transformers 5 config classes, as there.
+`granitemoeshared`), GLM-4.5 (`glm4_moe`) and ERNIE-4.5-MoE (`ernie4_5_moe`). families.py
+dispatches here for them; the defaults are those of the transformers 5 config classes, as
+there.
 
 What they need beyond the first six, each a config field the one pipeline applies:
 Granite's four scalars (`embedding_multiplier`, `attention_multiplier`,
-`residual_multiplier`, `logits_scaling`), GLM's partial rotary (`rotary_dim`), ERNIE's selection bias on the
-softmax probabilities (`select_bias_on_probs`). ERNIE's interleaved rope pairs need no
-field: the converter reorders each head's q and k rows (families.Src.deinterleave) so the
-pipeline's rotate-half rotates the same pairs; q and k alike, so the scores are the same.
+`residual_multiplier`, `logits_scaling`), GLM's partial rotary (`rotary_dim`), ERNIE's
+selection bias on the softmax probabilities (`select_bias_on_probs`). ERNIE's interleaved
+rope pairs need no field: the converter reorders each head's q and k rows
+(families.Src.deinterleave) so the pipeline's rotate-half rotates the same pairs; q and k
+alike, so the scores are the same.
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def fields(fam: str, c, d: dict, refuse: Callable) -> None:
              num_experts=c.int("n_routed_experts"), top_k=c.int("num_experts_per_tok"),
              intermediate_size=c.int("intermediate_size"),
              moe_intermediate_size=c.int("moe_intermediate_size"),
-             shared_expert_intermediate_size=c.int("moe_intermediate_size") * int(c("n_shared_experts") or 0),
+             shared_expert_intermediate_size=(c.int("moe_intermediate_size")
+                                              * int(c("n_shared_experts") or 0)),
              scoring_func="sigmoid", norm_topk_prob=bool(c("norm_topk_prob")),
              routed_scaling_factor=float(c("routed_scaling_factor")),
              n_group=c.int("n_group"), topk_group=c.int("topk_group"))
