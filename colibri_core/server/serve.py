@@ -64,7 +64,9 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
     """Build the engine (engine_factory()), bind, print the URL, serve until stopped."""
     import uvicorn
 
+    from . import memory
     from .protocol import GracefulServer, with_header_timeout
+    memory.pin_thresholds()             # before the engine's threads take their arenas
     _quiet_access_logs()
     # The engine's startup scan of the watched folder logs refusals before the server can
     # listen to its events: capture them for /v1/experts.
