@@ -7,7 +7,7 @@ others or hold memory the next one needs (docs/ROBUSTNESS.md, "The server's limi
                                 or as soon as the bytes read pass it)
     headers, body arrival       HEADER_TIMEOUT_S (protocol.py), BODY_IDLE_S / BODY_TIMEOUT_S
                                 (408 and the connection closed)
-    JSON nesting                the parser's own limit (Python's recursion limit): a 400
+    JSON nesting                the parser's own limit (nesting.json_loads): a 400
     text to tokenize            `text_bound()`: characters a context can hold, checked
                                 before tokenizing (a tokenizer holds the GIL)
     answer size                 MAX_ANSWER_UNITS tokens, each counting 1 + its log-prob
@@ -16,11 +16,11 @@ others or hold memory the next one needs (docs/ROBUSTNESS.md, "The server's limi
 from __future__ import annotations
 
 import asyncio
-import json
 
 from starlette.requests import ClientDisconnect, Request
 
 from ..errors import RequestTooLarge
+from ..nesting import TooDeep, json_loads
 from .errors import ApiError, bad_request
 
 KiB, MiB = 1024, 1024 * 1024
@@ -95,8 +95,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_json(request: Request, limit: int) -> dict:
     raw = await read_body(request, limit)
     try:
-        body = json.loads(raw)
-    except RecursionError:
+        body = json_loads(raw)
+    except TooDeep:
         raise bad_request("request body: JSON nested too deeply (the parser's limit is "
                           "about 1000 levels)", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
