@@ -24,8 +24,8 @@ from . import kernels
 from .closedguard import refuse_after_close
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import ConfigError, EngineClosedError, RequestError
-from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_with,
-                            same_changes, with_change)
+from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_remaining,
+                            release_with, same_changes, with_change)
 from .generate import Generation
 from .hotplug.events import ExpertEvents
 from .kvcache import KVPool
@@ -221,6 +221,7 @@ class Engine:
             self.stop_audit()                   # every line queued so far, written
             if self.hotplug is not None:
                 self.hotplug.close()            # joins the worker: nothing is prepared after
+                release_remaining(self._snapshot_refs, self.hotplug)
                 self.hotplug = None
             with self._prepared_lock:
                 self._prepared.clear()

@@ -138,8 +138,8 @@ def _read_into(path: Path, view: memoryview, offset: int, direct: bool) -> None:
         got, n = 0, len(view)
         while got < n:
             k = os.preadv(fd, [view[got:]], offset + got)
-            if k == 0:
-                raise ModelFormatError(f"{path}: file shrank while reading an expert")
+            if k == 0:         # truncated while the engine uses it: as in mmap mode
+                raise ModelFileDamaged(path)
             got += k
         if not direct:
             os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)

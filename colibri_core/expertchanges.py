@@ -60,7 +60,17 @@ def release_with(refs: dict, snapshot, manager, experts: list, armed: list) -> N
         if armed[0]:
             release_all(manager, experts)
     ref = weakref.ref(snapshot, gone)
-    refs[id(ref)] = ref
+    refs[id(ref)] = (ref, experts)
+
+
+def release_remaining(refs: dict, manager) -> None:
+    """At close (the hot-plug manager closed): release now the experts still waiting for a
+    snapshot to die (one a caller keeps, a pinned Generation), and drop the callbacks,
+    whose closures kept them alive after close()."""
+    waiting = list(refs.values())
+    refs.clear()
+    for _ref, experts in waiting:
+        release_all(manager, experts)
 
 
 def with_change(es, kind: str, expert, previous):

@@ -13,7 +13,10 @@ Modules (each importing only those above it):
     probe.py     the probe itself, its verdicts, and the warm helper that forks one child
                  per probe (`python -m colibri_core.hotplug.probe --serve`)
     probepool.py ProbePool: the helper seen from the engine, P probes at once, restarts
+    sandbox.py   the isolated helper's seccomp filter (before the expert is loaded) and
+                 its descriptors
     isolated.py  isolated mode: ffn_forward in a helper process over shared memory
+    stagedmap.py the staged copy mapped under the SIGBUS guard; releasing experts
     expert.py    HotExpert, ExpertChange, Q4Weights, PreparedExpert (dlopen, on the worker)
     inotify.py   inotify read directly: the raw masks (IN_MOVED_TO, IN_CLOSE_WRITE...)
     watcher.py   the folder's watch: queues paths and how they arrived, nothing else

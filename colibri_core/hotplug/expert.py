@@ -9,7 +9,6 @@ Shape legend: N = tokens, H = hidden size, I = intermediate size, Hp/Ip padded t
 """
 from __future__ import annotations
 
-import mmap
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,12 +20,14 @@ from ..quant import Q4Tensor, padded_cols
 from .errors import ExpertCrashed, ExpertForwardError, ExpertProbeError, ExpertReleased
 from .isolated import IsolatedRunner
 from .meta import ExpertFileInfo
+from .stagedmap import StagedMapping
 from .state import VersionRecord
 
 INPROCESS, ISOLATED = "inprocess", "isolated"
 ISOLATION_MODES = (INPROCESS, ISOLATED)
 
 _ffi = FFI()
+_LOST_LIBRARIES: list = []       # libraries whose staged copy was truncated: never closed
 _ffi.cdef("int ffn_forward(const float *x, float *y, int n_tokens, int hidden);")
 
 
@@ -87,7 +88,7 @@ class HotExpert:
     _runner: IsolatedRunner | None = field(default=None, repr=False)
     _lock: threading.Lock | None = field(default=None, repr=False)
     _fn: object = field(default=None, repr=False)
-    _mm: mmap.mmap | None = field(default=None, repr=False)
+    _mm: StagedMapping | None = field(default=None, repr=False)
 
     # -- the call
     def forward(self, x: np.ndarray, out: np.ndarray) -> None:
@@ -110,6 +111,11 @@ class HotExpert:
         if self.status == "released":
             raise ExpertReleased(f"expert {self.name} {self.version}: forward() after"
                                  " release()")
+        if self._mm is not None and self._mm.damaged:
+            self.status = "crashed"
+            raise ExpertCrashed(f"expert {self.name} {self.version} (slot {self.slot}): "
+                                f"{self.dead_reason}; the expert is disabled",
+                                path=self.staged_path)
         if self._runner is not None:
             with self._lock:
                 if self.status == "released":
@@ -140,10 +146,17 @@ class HotExpert:
         """False once an isolated helper died (checked without blocking)."""
         if self.status == "crashed":
             return False
-        if self._runner is not None and not self._runner.alive():
+        if (self._runner is not None and not self._runner.alive()) or \
+                (self._mm is not None and self._mm.damaged):
             self.status = "crashed"
             return False
         return True
+
+    @property
+    def dead_reason(self) -> str:
+        if self._mm is not None and self._mm.damaged:
+            return f"its staged copy {self.staged_path} was truncated while mapped"
+        return "isolated helper " + ((self._runner.dead_reason if self._runner else "") or "died")
 
     @property
     def helper_pid(self) -> int | None:
@@ -163,6 +176,10 @@ class HotExpert:
         self.status = "released"
         if self._runner is not None:
             self._runner.close()
+        elif self._mm is not None and self._mm.damaged and self.lib is not None:
+            # its code pages are lost too: dlclose (also cffi's, when the library object
+            # is collected) would run its finalizers from them, a SIGBUS. Kept, never called.
+            _LOST_LIBRARIES.append(self.lib)
         elif self.lib is not None:
             cache = self.lib.__dict__
             _ffi.dlclose(self.lib)
@@ -205,10 +222,8 @@ class PreparedExpert:
         meta = info.meta
         # the router row (and the q4 weights) live in the staged .so, or for a bundle in
         # its staged router_row.npy (bundle.py; a bundle has no q4 weights)
-        with open(info.router_file or staged, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.router_row = np.frombuffer(self._mm, "<f4", meta.hidden_size,
-                                        info.router_row.offset)
+        self._mm = StagedMapping(info.router_file or staged)      # under the SIGBUS guard
+        self.router_row = self._mm.view("<f4", meta.hidden_size, info.router_row.offset)
         self.q4 = None
         if info.q4 is not None:
             h, i, g = meta.hidden_size, meta.intermediate_size, meta.group_size
@@ -237,7 +252,7 @@ class PreparedExpert:
 
         def view(part: str, dtype: str, shape: tuple[int, int]) -> np.ndarray:
             p = parts[f"{m}.{part}"]
-            return np.frombuffer(self._mm, dtype, p.nbytes // np.dtype(dtype).itemsize,
+            return self._mm.view(dtype, p.nbytes // np.dtype(dtype).itemsize,
                                  p.offset).reshape(shape)
         return Q4Tensor(view("data", "u1", (rows, padded_cols(cols, group) // 2)),
                         view("scales", "<f4", (rows, ng)), view("zeros", "u1", (rows, ng)),

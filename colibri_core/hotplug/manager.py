@@ -58,6 +58,7 @@ from .probepool import ProbePool
 from .staging import (FileChanged, FileSig, check_file, check_folder, ensure_private_dir,
                       open_source, stage_file)
 from .listing import manager_rows, resolve_name
+from .stagedmap import faults, release_each
 from .state import NameRecord, VersionRecord, load_state, lock_state_dir, save_state
 from .watcher import FolderWatcher, is_expert_name, isolation_from_name
 
@@ -321,7 +322,7 @@ class HotplugManager:
         (kind "remove", reason "crashed"). The state file is saved by the worker a moment
         later.
         """
-        if not self._ops and not any(e._runner is not None for e in self._active.values()):
+        if not (self._ops or faults() or any(e._runner is not None for e in self._active.values())):
             return []
         changes: list[ExpertChange] = []
         with self._lock:            # the whole drain: preview() never sees half of one
@@ -333,7 +334,7 @@ class HotplugManager:
                 else:
                     gone = [e for e in self._active.values() if e.source_path == op[1]]
                     changes += [self._remove(e, "deleted") for e in gone]
-            for e in [e for e in self._active.values() if e._runner is not None]:
+            for e in list(self._active.values()):    # a dead helper, a truncated staged copy
                 if not e.alive:
                     changes.append(self._remove(e, "crashed"))
             if changes:
@@ -414,8 +415,7 @@ class HotplugManager:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         del dropped
-        for e in self._take_releases():
-            e._release()
+        release_each(self._take_releases())
 
     def _take_releases(self) -> list[HotExpert]:
         with self._lock:
@@ -522,7 +522,7 @@ class HotplugManager:
         """Take `expert` out of the active set: reason "deleted" | "renamed" | "crashed"."""
         message = ""
         if reason == "crashed":
-            message = "isolated helper " + (expert._runner.dead_reason or "died")
+            message = expert.dead_reason
             log.error("expert %s %s (slot %d) disabled: %s", expert.name, expert.version,
                       expert.slot, message)
         with self._lock:
@@ -611,11 +611,7 @@ class HotplugManager:
             if housekeeping:
                 del dropped                   # snapshots, plans: freed here, finalizers run
                 releases += self._take_releases()
-                for e in releases:
-                    try:
-                        e._release()
-                    except Exception:  # noqa: BLE001
-                        log.exception("unloading expert %s failed", e.name)
+                release_each(releases)        # emptied: this frame keeps no expert alive
                 if dirty:
                     self._save_state()
             try:
