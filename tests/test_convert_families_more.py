@@ -61,14 +61,17 @@ CASES = {
 def built(tmp_path_factory):
     models, dirs = {}, {}
 
-    def get(case: str, bits: int = 32):
+    def get(case: str, bits: int = 32, dtype: str = "f32"):
         fam, over, how = CASES[case]
         if case not in models:
             models[case] = make_more_model(fam, seed=1, hidden_size=H, **over)
-        if case not in dirs:
-            dirs[case] = tmp_path_factory.mktemp(case)
-            save(models[case], dirs[case] / "hf", **how)
-        d = dirs[case]
+        key = (case, dtype)
+        if key not in dirs:
+            import torch
+            dirs[key] = tmp_path_factory.mktemp(f"{case}_{dtype}")
+            save(models[case], dirs[key] / "hf", dtype={"f32": None, "bf16": torch.bfloat16}[dtype],
+                 **how)
+        d = dirs[key]
         out = d / f"out{bits}"
         if not out.exists():
             convert(d / "hf", out, bits=bits)
@@ -106,25 +109,65 @@ def test_converted_config_carries_the_family_features(built):
     assert c.layer_types == ["dense", "moe", "moe"] and c.qk_norm == "per_head" and c.attention_bias
 
 
-QUANT = ["granitemoeshared", "glm4_moe", "ernie4_5_moe"]
+QUANT = [("granitemoeshared", 4, "f32"), ("glm4_moe", 4, "f32"), ("ernie4_5_moe", 4, "f32"),
+         ("ernie4_5_moe", 16, "bf16")]
 
 
-@pytest.mark.parametrize("case", QUANT)
-def test_4bit_matches_dequantized_transformers(built, case):
-    model, _, out = built(case, 4)
+@pytest.mark.parametrize("case,bits,dtype", QUANT, ids=[f"{c}-{b}-{d}" for c, b, d in QUANT])
+def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
+    model, _, out = built(case, bits, dtype)
     fam, over, _ = CASES[case]
     deq = load_dequantized_more(make_more_model(fam, seed=1, hidden_size=H, **over), out)
     with _float_engine(out) as eng:
         ours = [eng.next_token_logits(ids, all_positions=True) for ids in PROMPTS]
         errs = [rel_err(o, hf_logits(deq, ids)) for o, ids in zip(ours, PROMPTS)]
-        assert max(errs) <= 1e-3, f"{case}: 4-bit float path vs dequantized reference {max(errs):.2e}"
+        assert max(errs) <= 1e-3, f"{case}: {bits}-bit float path vs dequantized reference {max(errs):.2e}"
         greedy_match(eng, deq, PROMPTS[0], 16)
     loss = max(rel_err(o, hf_logits(model, ids)) for o, ids in zip(ours, PROMPTS))
-    print(f"{case} 4-bit: vs dequantized {max(errs):.2e}; loss vs original weights: max rel "
-          f"logit error {loss:.3f}")
+    print(f"{case} {bits}-bit ({dtype} checkpoint): vs dequantized {max(errs):.2e}; loss vs "
+          f"original weights: max rel logit error {loss:.3f}")
     with _float_engine(out) as ref, Engine.from_model_dir(out) as fast:
         for ids in PROMPTS[:2]:
-            check_fast_path(fast, ref, ids, f"{case}-4")
+            check_fast_path(fast, ref, ids, f"{case}-{bits}")
+
+
+def test_bits16_keeps_the_checkpoint_bits_in_ernie_row_order(built):
+    """--bits 16 of a bf16 ERNIE checkpoint: the same bits, q/k rows in the rotate-half
+    order (each head's even rows, then its odd rows), every other matrix as stored."""
+    from colibri_core.convert.safetensors_reader import Checkpoint
+    from colibri_core.weights import load_model
+    _, hf, out = built("ernie4_5_moe", 16, "bf16")
+    ck, w = Checkpoint(hf), load_model(out)
+    try:
+        D, a = w.cfg.head_size, w.layers[1].attn
+        for got, n in ((a.wq, "q_proj"), (a.wk, "k_proj")):
+            src = ck.raw(f"model.layers.1.self_attn.{n}.weight")
+            heads = src.reshape(-1, D, src.shape[1])
+            want = np.concatenate([heads[:, 0::2], heads[:, 1::2]], axis=1).reshape(src.shape)
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(a.wv, ck.raw("model.layers.1.self_attn.v_proj.weight"))
+        np.testing.assert_array_equal(w.layers[1].router_bias,
+                                      ck.get("model.layers.1.mlp.moe_statics.e_score_correction_bias")[0])
+    finally:
+        w.close()
+
+
+def test_awq_calibration_on_a_granite_checkpoint(tmp_path):
+    """--calibration on Granite runs end to end (its calibration forward scales the embedding
+    and the residual branches as the model does) and the AWQ-scaled 4-bit model matches
+    transformers on its own dequantized weights (the scales applied exactly)."""
+    from hf_helpers import CALIBRATION_TEXT, write_tokenizer
+    model = make_more_model("granitemoeshared", seed=2, hidden_size=H)
+    save(model, tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    (tmp_path / "cal.txt").write_text(CALIBRATION_TEXT)
+    cfg = convert(tmp_path / "hf", tmp_path / "awq", bits=4, calibration=tmp_path / "cal.txt")
+    assert cfg.quantization["method"] == "awq"
+    deq = load_dequantized_more(make_more_model("granitemoeshared", seed=2, hidden_size=H),
+                                tmp_path / "awq")
+    with _float_engine(tmp_path / "awq") as eng:
+        for ids in PROMPTS:
+            assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
 
 
 REFUSALS = [
@@ -148,3 +191,17 @@ def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patc
         convert(d, tmp_path / "out")
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_greedy_with_a_token_equal_to_the_pad_id(built, tmp_path):
+    """`colibri verify` compares greedy tokens with transformers' generate under an explicit
+    attention mask: a prompt token 0 (its pad_token_id) is not padding (it was, and a
+    correct conversion showed 0/8 identical tokens)."""
+    import io
+    from colibri_core.convert.verify import verify
+    model, hf, out = built("glm4_moe", 32)
+    (tmp_path / "p.txt").write_text(" ".join(map(str, PROMPTS[0] + [0])) + "\n0 5 17 0 9\n")
+    res = verify(hf, out, tmp_path / "p.txt", n_new=8, routing="float", activations="float",
+                 out=io.StringIO(), reference=model)
+    assert [(r.greedy_same, r.greedy_total) for r in res] == [(8, 8), (8, 8)]
+    assert max(r.max_rel_err for r in res) <= 1e-4

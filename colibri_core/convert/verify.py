@@ -90,9 +90,12 @@ def _ref_logits(model, ids) -> np.ndarray:
 
 def _ref_greedy(model, ids, n: int) -> list[int]:
     import torch
+    x = torch.tensor([list(ids)])
+    # an explicit mask: without one, generate takes prompt tokens equal to pad_token_id
+    # (0 here) for padding and masks them out
     with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0][len(ids):].tolist()
 
 
