@@ -206,6 +206,10 @@ class TestNoStall:
         assert took < 10, took                         # was 16-17 s
         assert h.worst < HEALTH_BOUND_S, h.worst       # was 9.3 s
 
+    def test_score_token_ids_per_request_are_bounded_before_any_work(self, srv):
+        items = [{"prompt": [7] * 1000, "candidates": [[5], [6]]} for _ in range(600)]
+        assert_error(post(srv, "/v1/score", {"items": items}), 413, "max_call_tokens")
+
     def test_score_characters_per_request_are_bounded(self, srv):
         prompt = "w " * 30_000                           # under the context's bound alone
         r = post(srv, "/v1/score", {"items": [{"prompt": prompt, "candidates": ["x"] * 300}]})

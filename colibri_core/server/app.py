@@ -344,7 +344,8 @@ def build_app(server: Server) -> Starlette:
 
     async def score(request, rec):
         body = await read_json(request, LIMITS["score"])
-        raw, experts = params.score_request(body, eng)
+        # a thread: checking up to millions of token ids is Python work the loop shares
+        raw, experts = await asyncio.to_thread(params.score_request, body, eng)
         job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
         try:
             await _collect(request, job, rec, until_token=False)

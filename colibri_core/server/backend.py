@@ -47,6 +47,7 @@ class LocalBackend:
         self.tokenizer = engine.tokenizer
         self.model_dir = engine.model_dir
         self.num_experts = engine.num_experts
+        self.max_call_tokens = engine.config.max_call_tokens   # checked before any work
         self._tasks: list = []
         self._upload_locks: dict[str, list] = {}     # name -> [lock, users]
 

@@ -309,7 +309,8 @@ def score_request(body: dict, engine) -> tuple[list, Optional[int]]:
                           param="items")
     ctx = engine.model_cfg.max_position_embeddings
     max_chars = text_bound(engine)
-    n_seq = chars = 0
+    max_tokens = getattr(engine, "max_call_tokens", None)
+    n_seq = chars = ids = 0
     for i, x in enumerate(raw):
         at = "" if single else f"items[{i}]."
         if not isinstance(x, dict):
@@ -343,6 +344,7 @@ def score_request(body: dict, engine) -> tuple[list, Optional[int]]:
                 total = size + len(c)
             elif _ids(c):
                 total = (size if not text else 0) + len(c)
+                ids += total
             else:
                 raise bad_request(f"{where}: expected non-empty text or a non-empty list of "
                                   f"token ids, got {type(c).__name__}", param=where)
@@ -351,6 +353,10 @@ def score_request(body: dict, engine) -> tuple[list, Optional[int]]:
                 raise bad_request(f"{where}: {total:,} {what} with its prompt, more than the "
                                   f"model's context of {ctx} tokens can hold (at most "
                                   f"{unit:,} {what})", param=where)
+        if max_tokens is not None and ids > max_tokens:
+            raise RequestTooLarge(f"items: over {max_tokens:,} token ids in one request "
+                                  f"(each candidate's with its prompt's): the engine's "
+                                  f"max_call_tokens; split the request")
         if chars > MAX_SCORE_CHARS:
             raise RequestTooLarge(f"items: over {MAX_SCORE_CHARS:,} characters to tokenize "
                                   f"in one request (each text candidate is tokenized after "
