@@ -4,11 +4,11 @@ transformers' logits as tests/test_convert_families.py proves the first six.
 Tiny random models (hidden 320: two full groups of 128 and a partial one) with every feature
 of the family on (hf_helpers_more.make_more_model): Granite's embedding / attention /
 residual / logit multipliers away from 1, with and without its shared expert, tied
-embeddings; GLM-4.5's partial rotary (half the head), q/k/v biases, q/k norms, sigmoid
+embeddings, YaRN; GLM-4.5's partial rotary (half the head), q/k/v biases, q/k norms, sigmoid
 routing with the correction bias and expert groups, shared expert, a dense first layer,
 and YaRN rope scaling over the partial rotary dims; ERNIE-4.5's interleaved rope pairs, its
 correction bias added to the softmax probabilities, shared experts, dense layers by
-moe_layer_start_index / interval, tied embeddings.
+moe_layer_start_index / interval, tied embeddings; YaRN over the interleaved pairs.
 
 - bits 32, float routing/activations: max relative logit error <= 1e-4 over prompts of
   15, 3, 1 and 48 tokens, and 16 greedy tokens identical to transformers' `generate`
@@ -38,12 +38,13 @@ from hf_helpers_more import load_dequantized_more, make_more_model
 H = 320
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7],
            [int(v) for v in np.random.default_rng(48).integers(0, 300, 48)]]
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+YARN_FULL = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+             "rope_theta": 10000.0}
+YARN = dict(YARN_FULL, partial_rotary_factor=0.5)
 
 # name: (family, overrides, how the checkpoint is saved)
 CASES = {
-    "granitemoe_tied": ("granitemoe", {"tie_word_embeddings": True}, {}),
+    "granitemoe_tied_yarn": ("granitemoe", {"tie_word_embeddings": True, "rope_parameters": YARN_FULL}, {}),
     "granitemoeshared": ("granitemoeshared", {}, {}),
     "granitemoeshared_fused": ("granitemoeshared", {"num_key_value_heads": 4}, {"fused": True}),
     "glm4_moe": ("glm4_moe", {}, {}),
@@ -53,7 +54,8 @@ CASES = {
     "ernie4_5_moe": ("ernie4_5_moe", {}, {}),
     "ernie4_5_moe_interval": ("ernie4_5_moe", {"moe_layer_interval": 2, "moe_layer_start_index": 0,
                                                "moe_num_shared_experts": 0, "num_hidden_layers": 4,
-                                               "tie_word_embeddings": False}, {"fused": True}),
+                                               "tie_word_embeddings": False,
+                                               "rope_parameters": YARN_FULL}, {"fused": True}),
 }
 
 
