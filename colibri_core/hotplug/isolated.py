@@ -36,14 +36,24 @@ def helper_main(argv: list[str]) -> int:
 
     from cffi import FFI
 
+    from . import sandbox
+
     path, hidden, capacity, shm_fd, req_fd, resp_fd = argv[0], *map(int, argv[1:6])
     os.dup2(2, 1)                                      # stdout belongs to no one
     ffi = FFI()
     ffi.cdef("int ffn_forward(const float *x, float *y, int n_tokens, int hidden);")
-    lib = ffi.dlopen(path, ffi.RTLD_NOW)
-    fn = lib.ffn_forward
     mm = mmap.mmap(shm_fd, 2 * capacity * hidden * 4)
     base = ffi.cast("float *", ffi.from_buffer(mm))
+    # The sandbox (sandbox.py), before the expert's first instruction -- its constructors
+    # run inside dlopen: only the pipes and stderr stay open, then the filter.
+    sandboxed = sandbox.supported()
+    sandbox.close_other_fds({1, 2, req_fd, resp_fd})
+    if sandboxed:
+        sandbox.install_before_load()
+    lib = ffi.dlopen(path, ffi.RTLD_NOW)
+    fn = lib.ffn_forward
+    if sandboxed:
+        sandbox.install_after_load()
     x, y = base, base + capacity * hidden
     os.write(resp_fd, _INT.pack(READY))
     while True:
@@ -159,6 +169,9 @@ class IsolatedRunner:
             return "closed its pipe"
         if rc < 0:
             import signal
+            if -rc == signal.SIGSYS:
+                return ("killed by SIGSYS: the sandbox refused a system call (seccomp; "
+                        "docs/HOTPLUG.md, section 5)")
             try:
                 return f"killed by {signal.Signals(-rc).name}"
             except ValueError:
