@@ -7,6 +7,8 @@
                    registry's experts into its own watched folder
     ingress.py     RayBackend (server/backend.py's methods over Serve's handle) and the
                    ingress deployment: server/app.py's ASGI app, unchanged
+    placement.py   CPUs per replica from the cluster found, the start-up line when not
+                   all replicas fit, the ingress's /ready gate counting replicas
     deploy.py      build and run the application: the Python entry point and the CLI
 
 Ray (`pip install 'colibri[ray]'`) is imported only by the functions that use it: without

@@ -56,6 +56,7 @@ TARGET_ONGOING = 16      # autoscaling: requests per replica it aims at (the eng
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 PROXIES = ("haproxy", "serve")
+_placements: list = []   # deploy()'s placement.Placement of each call, for main()'s line
 RAY_HINT = "the fleet needs Ray Serve: pip install 'colibri[ray]' (ray[serve], the " \
            "version pyproject.toml pins)"
 
@@ -151,7 +152,8 @@ def build_app(model_dir, engine_cfg, settings, *, replicas: int = 1,
         serve.ingress()(Ingress), name="colibri-ingress",
         ray_actor_options={"num_cpus": 0, "runtime_env": env}, max_ongoing_requests=4096)
     return ingress.bind(engine.bind(str(model_dir), engine_settings, settings.routing_stats),
-                        str(model_dir), dataclasses.asdict(settings))
+                        str(model_dir), dataclasses.asdict(settings),
+                        replicas if autoscale is None else autoscale[0])
 
 
 def deploy(model_dir, engine_cfg=None, settings=None, *, replicas: int = 1,
@@ -192,6 +194,13 @@ def deploy(model_dir, engine_cfg=None, settings=None, *, replicas: int = 1,
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, runtime_env=env or None,
                  log_to_driver=False)
+    from .placement import plan
+    placed = plan(replicas if autoscale is None else autoscale[0],
+                  ray.cluster_resources().get("CPU", 0), engine_cfg.threads, cpus)
+    cpus = placed.cpus                   # --replica-cpus, else what the cluster gives each
+    _placements.append(placed)
+    if placed.warning:
+        print(placed.warning, file=sys.stderr, flush=True)
     start_registry(Path(model_dir).resolve(), experts_dir and os.path.abspath(experts_dir),
                    os.path.abspath(state), runtime_env=env)
     serve.start(http_options={"host": settings.host, "port": settings.port},
@@ -224,10 +233,11 @@ def main(args) -> int:
     if settings.port == 0:
         raise ConfigError("--port 0: Ray Serve's proxy needs a fixed port with --ray")
     autoscale = parse_autoscale(args.autoscale)
-    cpus = args.replica_cpus or engine_cfg.threads
+    placed = _placements
     url = deploy(model_dir, engine_cfg, settings, replicas=args.replicas,
-                 autoscale=autoscale, cpus=cpus, address=args.ray_address,
+                 autoscale=autoscale, cpus=args.replica_cpus, address=args.ray_address,
                  registry_dir=args.registry_dir, proxy=args.ray_proxy)
+    cpus = placed[-1].cpus if placed else args.replica_cpus
     size = f"{args.replicas}" if autoscale is None else f"{autoscale[0]}..{autoscale[1]}"
     print(f"colibri: fleet: {size} engine replicas x {cpus} CPUs of {settings.model_id} "
           f"({model_dir}); registry watching {engine_cfg.experts_dir or 'no folder'}",

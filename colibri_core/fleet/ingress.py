@@ -292,10 +292,13 @@ class Ingress:
     """The ingress deployment's body: the ASGI app over RayBackend (deploy.py wraps it
     with serve.ingress(); Serve runs the app's lifespan)."""
 
-    def __init__(self, engines, model_dir: str, settings: dict):
+    def __init__(self, engines, model_dir: str, settings: dict, expected_replicas: int = 1):
         from ..server.app import Server, Settings, build_app
-        self.server = Server(RayBackend(engines, model_dir), Settings(**settings))
-        self.asgi = build_app(self.server)
+        from .placement import ReadyGate
+        backend = RayBackend(engines, model_dir)
+        self.server = Server(backend, Settings(**settings))
+        # /ready counts the replicas that report (placement.py)
+        self.asgi = ReadyGate(build_app(self.server), backend.registry, expected_replicas)
 
     def __serve_build_asgi_app__(self):
         return self.asgi
