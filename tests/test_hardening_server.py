@@ -168,6 +168,14 @@ class TestNo500:
         assert [ln for ln in new if " completions 499 " in ln], "\n".join(new)
         assert not [ln for ln in new if "Traceback" in ln or " 500 " in ln], "\n".join(new)
 
+    def test_many_unknown_fields_are_one_log_line(self, caplog):
+        from colibri_core.server.params import check_fields
+        body = {"prompt": "a", **{f"x{i}": i for i in range(20_000)}}
+        with caplog.at_level("INFO", logger="colibri.server"):
+            check_fields(body, "completions", False, "req-1")
+        lines = [r.getMessage() for r in caplog.records if "unknown field" in r.getMessage()]
+        assert len(lines) == 1 and "19992 more" in lines[0], lines[:2]
+
     def test_fuzzed_bodies_never_500(self, srv):
         """Random JSON values in every field of each route: 2xx or 4xx, never 5xx."""
         rng = random.Random(38)

@@ -60,6 +60,7 @@ NOT_IMPLEMENTED = {
 def check_fields(body: dict, route: str, strict: bool, request_id: str) -> None:
     known = COMPLETIONS if route == "completions" else CHAT
     missing = NOT_IMPLEMENTED[route]
+    unknown = []
     for name, value in body.items():
         if name in known:
             continue
@@ -70,9 +71,13 @@ def check_fields(body: dict, route: str, strict: bool, request_id: str) -> None:
                                   code="unsupported_parameter")
             continue
         if strict:
-            raise bad_request(f"{name}: unknown field (the server runs with --strict-params)",
-                              param=name, code="unknown_parameter")
-        log.info("request %s: unknown field %r ignored", request_id, name)
+            raise bad_request(f"{name[:64]!r}: unknown field (the server runs with "
+                              f"--strict-params)", param=name[:64], code="unknown_parameter")
+        unknown.append(name)
+    if unknown:       # one line per request, however many fields (a body may hold 100,000)
+        names = ", ".join(repr(n[:64]) for n in unknown[:8])
+        more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        log.info("request %s: unknown field(s) %s%s ignored", request_id, names, more)
 
 
 # ----------------------------------------------------------------------------- values
