@@ -3,6 +3,7 @@ descriptors compared before and after (docs/ROBUSTNESS.md, "Callers and lifetime
 
     python benchmarks/leaks.py --reps 200          # the documented run
     python benchmarks/leaks.py --reps 20 --json    # what CI runs (tests/test_hardening_engine.py)
+    python benchmarks/leaks.py --slope 1000        # RSS slope of engine open/close (<= 1 KB)
 
 A case passes when, after N/4 warm-up repetitions (at least one), N more grow RSS by less
 than --rss-mib (default 5) and leave the descriptor count unchanged. The warm-up is that
@@ -124,12 +125,41 @@ def run(reps: int, rss_mib: float = 5.0) -> list[dict]:
     return out
 
 
+def slope(cycles: int, max_bytes: float = 1024.0) -> dict:
+    """Engine open/close `cycles` times (the first fifth is warm-up): RSS every 10 cycles,
+    the slope of a least-squares line over the rest, in bytes per cycle (issue 39: <= 1 KB;
+    a leak of one engine's objects, ~36 KB, would show at once)."""
+    xs, ys = [], []
+    for i in range(1, cycles + 1):
+        case_engine_open_close()
+        if i % 10 == 0:
+            gc.collect()
+            xs.append(i)
+            ys.append(_rss())
+    pts = [(x, y) for x, y in zip(xs, ys) if x >= cycles // 5]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return {"case": "engine open/close slope", "cycles": cycles, "from": pts[0][0],
+            "bytes_per_cycle": round(b), "rss_kib": [pts[0][1] // 1024, pts[-1][1] // 1024],
+            "ok": b <= max_bytes}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rss-mib", type=float, default=5.0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--slope", type=int, metavar="CYCLES", help="instead: RSS slope of "
+                    "CYCLES engine open/close cycles after the first fifth (<= 1 KB each)")
     args = ap.parse_args(argv)
+    if args.slope:
+        r = slope(args.slope)
+        print(json.dumps(r) if args.json else
+              f"engine open/close: {r['bytes_per_cycle']} bytes/cycle over cycles "
+              f"{r['from']}..{r['cycles']} (RSS {r['rss_kib'][0]} -> {r['rss_kib'][1]} KiB) "
+              f"{'ok' if r['ok'] else 'LEAK'}")
+        return 0 if r["ok"] else 1
     res = run(args.reps, args.rss_mib)
     if args.json:
         print(json.dumps(res))
