@@ -178,3 +178,27 @@ def test_engine_open_close_rss_slope_is_flat():
     assert r.returncode in (0, 1), r.stderr[-2000:]
     res = __import__("json").loads(r.stdout.strip().splitlines()[-1])
     assert res["ok"] and res["bytes_per_cycle"] <= 1024, res
+
+
+INSPECT = textwrap.dedent("""
+    import os, sys
+    from colibri_core import cli, validate
+    real, done = validate.tensor_problems, []
+    def cut_then_check(name, t):             # the first file scanned, cut short under it
+        if not done:
+            done.append(os.truncate(os.path.join(sys.argv[1], "expert_1_0.bin"), 4096))
+        return real(name, t)
+    validate.tensor_problems = cut_then_check
+    sys.exit(cli.main(["inspect", sys.argv[1], "--verify"]))
+""")
+
+
+def test_inspect_verify_maps_under_the_guard(tmp_path):
+    """Item 6: `colibri inspect --verify` reading a file truncated under it reports it
+    (exit 2) instead of dying of SIGBUS."""
+    from colibri_core.config import builtin_model_dir
+    d = shutil.copytree(builtin_model_dir(), tmp_path / "m")
+    r = subprocess.run([sys.executable, "-c", INSPECT, str(d)], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "expert_1_0.bin: truncated while being checked" in r.stdout, r.stdout[-2000:]
