@@ -230,6 +230,7 @@ def measure(shape: str, a) -> dict:
     for rnd in range(a.rounds):                 # alternating: C L, then L C, ...
         for eng in (("colibri", "llama") if rnd % 2 == 0 else ("llama", "colibri")):
             log(f"round {rnd + 1}: prefill and decode, {eng} ...")
+            warm(cfiles if eng == "colibri" else [gguf])    # both may not fit in memory
             if eng == "colibri":
                 runs["prefill_colibri"].append(run_child(
                     {"what": "prefill", "model": str(mdir), "threads": a.threads,
