@@ -30,6 +30,16 @@ def json_loads(data: str | bytes) -> Any:
                       "1,000 levels); Colibri's files nest a few levels") from None
 
 
+def guarded(parse, text) -> Any:
+    """parse(text) for any other recursive parser (tomllib: expert.toml), with a
+    RecursionError raised as TooDeep."""
+    try:
+        return parse(text)
+    except RecursionError:
+        raise TooDeep("nested deeper than the parser allows (about 1,000 levels); "
+                      "Colibri's files nest a few levels") from None
+
+
 def yaml_load(text: str, loader) -> Any:
     """yaml.load(text, Loader=loader), refusing nesting deeper than YAML_MAX_DEPTH before
     anything is composed."""

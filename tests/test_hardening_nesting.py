@@ -227,3 +227,15 @@ def test_engine_stop_hook_still_reads_the_engine():
     eng.close()
     assert seen == [0]
     assert isinstance(EngineClosedError("x"), ColibriError)
+
+
+def test_expert_toml_nested_deep(tmp_path):
+    """A bundle's metadata file (expert.toml, capped at 64 KiB): 30,000 `[` deep was a
+    RecursionError in the hot-plug worker; now the bundle's typed refusal."""
+    from colibri_core.hotplug.bundle import _read_toml
+    from colibri_core.hotplug.errors import ExpertMetadataError
+    p = tmp_path / "expert.toml"
+    p.write_text('name = "x"\nlayers = ' + "[" * 30_000 + "]" * 30_000 + "\n")
+    with pytest.raises(ExpertMetadataError) as ei:
+        _read_toml(str(p))
+    assert "expert.toml" in one_line(ei.value) and "nested" in str(ei.value)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..nesting import TooDeep, guarded
 from .elf import STT_FUNC, ElfFile, check_host
 from .errors import ExpertAbiError, ExpertMetadataError, ExpertRejected, ExpertSecurityError
 from .meta import (FLAG_PORTABLE, FLAG_THREAD_SAFE, MAX_LAYERS, NAME_RE, SUPPORTED_ABI_VERSIONS, SYM_FORWARD,
@@ -281,8 +282,8 @@ def _read_toml(path: str) -> dict:
         raise ExpertMetadataError(f"{path}: more than {MAX_TOML_BYTES} bytes, expected a few"
                                   f" keys ({', '.join(TOML_KEYS)})", path=path)
     try:
-        doc = toml.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, toml.TOMLDecodeError) as e:
+        doc = guarded(toml.loads, raw.decode("utf-8"))
+    except (UnicodeDecodeError, toml.TOMLDecodeError, TooDeep) as e:
         raise ExpertMetadataError(f"{path}: not valid TOML ({e})", path=path) from None
 
     def bad(key: str, expected: str):
