@@ -346,9 +346,12 @@ class Engine:
                  top_k: Optional[int] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, seed: Optional[int] = None,
                  stop: Optional[list[str]] = None, pin_experts: bool = False,
-                 sampler=None, request_id: Optional[str] = None) -> Generation:
+                 sampler=None, request_id: Optional[str] = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, min_p: float = 0.0) -> Generation:
         """`sampler`: a callable(logits) -> token id replacing the Sampler built from
-        temperature/top_p/seed (the server's adds top-k, logit bias and log-probs);
+        temperature/top_p/seed/penalties/min_p (the server's adds top-k, logit bias and
+        log-probs; penalties: sampler.py);
         `request_id`: the id the hooks see (default `req-N`)."""
         s = self.config.sampling
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -372,7 +375,10 @@ class Engine:
             try:
                 sampler = Sampler(s.temperature if temperature is None else temperature,
                                   s.top_p if top_p is None else top_p,
-                                  s.seed if seed is None else seed)
+                                  s.seed if seed is None else seed,
+                                  presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty, min_p=min_p)
             except (TypeError, ValueError) as e:
                 raise RequestError(f"sampling settings: {e}") from None
         return Generation(self, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,

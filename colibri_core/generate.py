@@ -312,6 +312,10 @@ class Decode(Job):
         self.out_tokens: list[int] = []
         self.sets: list = []                # [(first token index, es)]
         inner = getattr(gen.sampler, "inner", gen.sampler)      # the server's wraps one
+        # penalties count this sequence's tokens (sampler.py); None: nothing per token
+        self.penalties = getattr(inner, "penalties", None)
+        if self.penalties is not None:
+            self.penalties.start(gen.prompt_ids)
         self.sampling = getattr(inner, "audit_params", None) if self.audit is not None else None
         mask = getattr(gen.sampler, "mask", None)                # ignore_eos: EOS masked
         if self.sampling is not None and mask is not None:
@@ -394,6 +398,8 @@ class Decode(Job):
         self.t_prev = now
         req = self.request
         req.n_tokens += 1
+        if self.penalties is not None:
+            self.penalties.push(tok)
         if self.audit is not None:
             self.out_tokens.append(tok)
             if not self.sets or self.sets[-1][1] is not es:

@@ -211,7 +211,8 @@ def replay(eng, paths: list, experts_dir: Optional[Path] = None,
     for it in gens:
         s = it.d.get("sampling") or {}
         if it.d.get("expert_sets") or not isinstance(it.d.get("expert_set"), dict) or \
-                s.get("temperature") != 0 or s.get("logit_bias"):
+                s.get("temperature") != 0 or s.get("logit_bias") or \
+                any(k.endswith("_penalty") for k in s):     # penalties: not replayed
             rep.not_replayable += 1
         else:
             gen_by_set.setdefault(it.d["expert_set"]["id"], []).append(it)

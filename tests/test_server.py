@@ -195,7 +195,10 @@ def test_ignore_eos_and_experts_per_token(client, ref):
     (dict(extra_body={"experts_per_token": 99}), "experts_per_token"),
     (dict(logit_bias={"999999": 1}), "logit_bias"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(extra_body={"presence_penalty": 0.5}), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
 ])
 def test_completion_bad_inputs_name_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

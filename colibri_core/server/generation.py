@@ -44,6 +44,10 @@ class GenParams:
     logprobs: Optional[int] = None      # None: off; else how many alternatives per token
     echo: bool = False
     experts: Optional[int] = None       # experts per token (None: the engine's choice)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -163,7 +167,9 @@ def run_generation(ctx, p: GenParams, book) -> dict:
         seed = None if p.seed is None else p.seed + i
         try:
             inner = Sampler(p.temperature, p.top_p, seed, top_k=p.top_k,
-                            logit_bias=p.logit_bias)
+                            logit_bias=p.logit_bias, presence_penalty=p.presence_penalty,
+                            frequency_penalty=p.frequency_penalty,
+                            repetition_penalty=p.repetition_penalty, min_p=p.min_p)
         except (TypeError, ValueError) as e:
             raise RequestError(f"sampling settings: {e}") from None
         sampler = RecordingSampler(inner, p.logprobs, eos, texts)

@@ -4,7 +4,8 @@ Fields are sorted into: implemented; documented by OpenAI but not implemented (a
 naming the field when set to anything but its default); and unknown (ignored and logged,
 or a 400 with --strict-params). Colibri's own fields: `experts_per_token` (experts per
 token for this request; a `MODE:kN|` prompt prefix works too), `ignore_eos`, and `top_k`
-(the sampling top-k, as llama-server and vLLM read it; 0 or -1: off).
+(the sampling top-k, as llama-server and vLLM read it; 0 or -1: off); vLLM's
+`repetition_penalty` and `min_p` (sampler.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ MAX_LOGIT_BIAS = 1024            # entries: checked one by one on the event loop
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
-          "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+          "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 COMPLETIONS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                  "parallel_tool_calls"}
@@ -41,14 +43,9 @@ def _unset(v) -> bool:
 
 
 # field -> predicate "is this the default (harmless) value?"
-NOT_IMPLEMENTED_COMMON = {
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-}
 NOT_IMPLEMENTED = {
-    "completions": {**NOT_IMPLEMENTED_COMMON, "best_of": _none_or(1), "suffix": _unset},
-    "chat": {**NOT_IMPLEMENTED_COMMON,
-             "tools": _unset, "tool_choice": _none_or("none"), "functions": _unset,
+    "completions": {"best_of": _none_or(1), "suffix": _unset},
+    "chat": {"tools": _unset, "tool_choice": _none_or("none"), "functions": _unset,
              "function_call": _none_or("none"),
              "response_format": lambda v: v is None or v == {"type": "text"},
              "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
@@ -211,7 +208,12 @@ def sampling(body: dict, engine, route: str) -> GenParams:
         top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=max(top_k, 0), seed=seed, stop=_stop(body),
         logit_bias=_logit_bias(body, V), ignore_eos=_bool(body, "ignore_eos"),
-        experts=integer(body, "experts_per_token", None, lo=1, hi=E))
+        experts=integer(body, "experts_per_token", None, lo=1, hi=E),
+        presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0,
+                                lo_open=True),
+        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0))
     if route == "completions":
         lp = body.get("logprobs")
         if lp is not None:
