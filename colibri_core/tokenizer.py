@@ -131,4 +131,8 @@ class StreamDecoder:
 
     def _commit(self, end: int, text: str, done: str) -> str:
         self.prefix, self.read = self.read, end
+        if self.prefix >= 4096:              # ids before the window are never read again
+            del self.ids[:self.prefix]
+            self.read -= self.prefix
+            self.prefix = 0
         return text[len(done):]
