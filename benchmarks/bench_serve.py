@@ -141,7 +141,7 @@ class Server:
         experts.mkdir(mode=0o755)
         cmd = [sys.executable, "-m", "colibri_core", "serve", "--model", str(mdir), "--port",
                "0", "--threads", str(threads), "--experts-dir", str(experts),
-               "--queue-size", str(queue), *extra]
+               "--queue-size", str(queue), "--model-id", "bench", *extra]
         self.proc, self.url, self.log = launch(cmd, "server", 120)
 
     def metrics(self) -> str:

@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument("--model-id", dest="model_id",
                    help="the model name clients see (default: the config's or folder's name)")
+    p.add_argument("--served-model-name", dest="served_model_name", nargs="+", metavar="NAME",
+                   default=[], help="other names requests may give for the model (aliases; "
+                                    "any other name is a 404 model_not_found)")
     p.add_argument("--experts-dir", dest="experts_dir",
                    help="watched folder of hot-plugged experts (default: the config's "
                         "experts_dir, else ./experts_so when it exists)")

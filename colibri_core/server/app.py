@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import memory, params
+from . import memory, params, surface
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
@@ -62,6 +62,7 @@ class Settings:
     shutdown_timeout_s: float = 10.0
     client_timeout_s: float = 10.0      # headers within it; no pause in a body over it
     model_id: str = "colibri"
+    aliases: tuple = ()                 # --served-model-name: other names requests may give
     routing_stats: bool = True          # count routed tokens per expert
 
 
@@ -314,6 +315,7 @@ def build_app(server: Server) -> Starlette:
 
     async def completions(request, rec):
         body = await read_json(request, LIMITS["generate"])
+        surface.check_model(body, st)
         params.check_fields(body, "completions", st.strict_params, rec.rid)
         p = params.sampling(body, eng, "completions")
         p.prompts = params.completion_prompts(body)
@@ -322,6 +324,7 @@ def build_app(server: Server) -> Starlette:
 
     async def chat_completions(request, rec):
         body = await read_json(request, LIMITS["generate"])
+        surface.check_model(body, st)
         params.check_fields(body, "chat", st.strict_params, rec.rid)
         p = params.sampling(body, eng, "chat")
         messages, prefix_k = params.chat_messages(body)
@@ -344,6 +347,7 @@ def build_app(server: Server) -> Starlette:
 
     async def score(request, rec):
         body = await read_json(request, LIMITS["score"])
+        surface.check_model(body, st)
         # a thread: checking up to millions of token ids is Python work the loop shares
         raw, experts = await asyncio.to_thread(params.score_request, body, eng)
         job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
@@ -359,10 +363,8 @@ def build_app(server: Server) -> Starlette:
                             headers={GEN_HEADER: str(g["generation"]), SET_HEADER: g["id"]})
 
     async def models(request, rec):
-        return JSONResponse({"object": "list", "data": [{
-            "id": st.model_id, "object": "model", "created": int(S.started_at),
-            "owned_by": "colibri", "max_model_len": eng.model_cfg.max_position_embeddings,
-            "num_experts": eng.num_experts, "top_k": eng.model_cfg.top_k}]})
+        return JSONResponse({"object": "list", "data": [
+            surface.model_card(S, name) for name in surface.model_names(st)]})
 
     async def experts(request, rec):
         return JSONResponse(await eng.listing())
@@ -434,6 +436,7 @@ def build_app(server: Server) -> Starlette:
         r("/v1/chat/completions", chat_completions, "chat", ("POST",)),
         r("/v1/score", score, "score", ("POST",)),
         r("/v1/models", models, "models"),
+        *(r(path, fn, name, methods) for path, fn, name, methods in surface.routes(S)),
         r("/v1/experts", experts, "experts"),
         r("/v1/experts/events", expert_events, "expert_events"),
         r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),

@@ -198,7 +198,8 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     routing_stats=args.routing_stats,
                     client_timeout_s=getattr(args, "client_timeout", 10.0),
                     shutdown_timeout_s=getattr(args, "shutdown_timeout", 10.0),
-                    model_id=args.model_id)
+                    model_id=args.model_id,
+                    aliases=tuple(getattr(args, "served_model_name", None) or ()))
 
 
 def resolve(args):

@@ -1,0 +1,122 @@
+"""The API surface of issue 36 item 3, against a live server: model names (404
+model_not_found, --served-model-name aliases, GET /v1/models/{id}), /tokenize and
+/detokenize, penalties and min_p over HTTP."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_helpers import LiveServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("experts")
+    srv = LiveServer("--served-model-name", "my-alias", "other/name", experts_dir=d)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    from colibri_core.engine import Engine
+    with Engine.from_config("builtin") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+# ----------------------------------------------------------------------------- models
+
+def test_models_retrieve_and_list_aliases(client):
+    m = client.models.retrieve("builtin")
+    assert m.id == "builtin" and m.object == "model"
+    assert client.models.retrieve("other/name").id == "other/name"
+    assert [x.id for x in client.models.list().data] == ["builtin", "my-alias", "other/name"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_unknown_model_is_404_and_an_alias_is_served(client, route):
+    def call(model):
+        if route == "completions":
+            return client.completions.create(model=model, prompt="The with", max_tokens=2,
+                                             temperature=0)
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            temperature=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        call("gpt-4o")
+    assert e.value.status_code == 404
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert call("my-alias").model == "builtin"        # answered under the served id
+
+
+def test_score_checks_the_model_and_a_missing_model_is_accepted(server):
+    r = httpx.post(server.url + "/v1/score", json={"model": "nope", "prompt": "a",
+                                                   "candidates": ["b"]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert r.status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={"model": 3, "prompt": "a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+def test_tokenize_detokenize_round_trip(server, ref):
+    text = "The import system is, héllo"
+    r = httpx.post(server.url + "/tokenize", json={"content": text})
+    assert r.status_code == 200
+    ids = r.json()["tokens"]
+    assert ids == ref.tokenizer.encode(text)
+    bos = ref.model_cfg.bos_token_id
+    r2 = httpx.post(server.url + "/tokenize", json={"content": text, "add_special": True,
+                                                    "with_pieces": True}).json()["tokens"]
+    want = ([bos] if bos is not None else []) + ids
+    assert [t["id"] for t in r2] == want
+    assert [t["piece"] for t in r2] == [ref.tokenizer.token_text(i) for i in want]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()
+    assert back == {"content": text}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "a", "add_special": "yes"}, "add_special"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+])
+def test_tokenize_bad_inputs_name_the_field(server, path, body, param):
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+
+
+# ----------------------------------------------------------------------------- penalties
+
+def test_penalties_over_http_match_the_engine(client, ref):
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    got = client.completions.create(model="builtin", prompt="The with statement",
+                                    max_tokens=12, temperature=0, extra_body={
+                                        "repetition_penalty": 1.3}, **kw)
+    want = ref.generate("The with statement", max_new_tokens=12, temperature=0,
+                        repetition_penalty=1.3, **kw).run()
+    assert got.choices[0].text == want.text
+    plain = ref.generate("The with statement", max_new_tokens=12, temperature=0).run()
+    assert want.token_ids != plain.token_ids        # the penalties did something here
+
+
+def test_min_p_one_over_http_is_greedy(client, ref):
+    """min_p 1 keeps only the most likely token: sampling at temperature 1 is greedy."""
+    got = client.completions.create(model="builtin", prompt="The", max_tokens=8, seed=5,
+                                    temperature=1.0, extra_body={"min_p": 1.0})
+    assert got.choices[0].text == ref.generate("The", max_new_tokens=8,
+                                               temperature=0).run().text
