@@ -212,3 +212,14 @@ def test_engine_goes_on_when_an_isolated_expert_calls_kill(tiny_model_dir, tmp_p
                        timeout=120, preexec_fn=_limits, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert "SIGSYS" in r.stdout and "TOKENS 4" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
+def test_abort_still_dies_of_sigabrt(tmp_path):
+    """Signals to itself stay allowed: an expert that abort()s dies of SIGABRT, and the
+    reason says so (not the sandbox)."""
+    src = SOURCE.replace("BODY", "abort();").replace("CTOR", "")
+    so = reference_so(tmp_path / "abort.so", source=src)
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(so)], env=dict(
+        os.environ, PYTHONPATH=str(REPO), ESCAPE_NOW="1"), timeout=60, preexec_fn=_limits,
+        capture_output=True, text=True)
+    assert "RESULT crashed" in r.stdout and "SIGABRT" in r.stdout, r.stdout

@@ -8,7 +8,8 @@ file) are untouched; what it denies kills the helper with SIGSYS (SECCOMP_RET_KI
 no handler can catch or skip it), the engine reads that as the expert's death and
 removes it ("killed by SIGSYS: the sandbox refused a system call").
 
-Denied: signals to any process (kill, tkill, tgkill, sigqueue, pidfd_*), ptrace and
+Denied: signals to any other process (kill, tkill, tgkill but to itself, sigqueue,
+pidfd_*), ptrace and
 reading or writing another process's memory, every socket call, new processes (fork,
 vfork, execve, clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall
 back to clone), creating, renaming, deleting or changing files and folders, mounts and
@@ -56,7 +57,8 @@ NR = {
     "io_uring_register": 427, "pidfd_open": 434, "clone3": 435, "openat2": 437,
     "pidfd_getfd": 438,
 }
-SPECIAL = {"clone", "openat", "ioctl", "clone3", "openat2", "seccomp"}
+SPECIAL = {"clone", "openat", "ioctl", "clone3", "openat2", "seccomp", "kill", "tkill",
+           "tgkill"}
 DENIED = sorted(set(NR) - SPECIAL)
 
 
@@ -94,6 +96,11 @@ def _program(after_load: bool) -> list[tuple[int, int, int, int]]:
     p.append((_LD_W_ABS, 0, 0, _NR_OFF))
     p += arg_rule(NR["ioctl"], 1, _JEQ_K, TIOCSTI, RET_KILL, RET_ALLOW)
     p.append((_LD_W_ABS, 0, 0, _NR_OFF))
+    # signals to itself only (abort() is tgkill(own pid): it still dies of SIGABRT, with
+    # that reason); any other pid, 0 (its group) or -1 (everyone) is denied
+    for name in ("kill", "tkill", "tgkill"):
+        p += arg_rule(NR[name], 0, _JEQ_K, os.getpid(), RET_ALLOW, RET_KILL)
+        p.append((_LD_W_ABS, 0, 0, _NR_OFF))
     for name in ("clone3", "openat2"):
         p += [(_JEQ_K, 0, 1, NR[name]), (_RET_K, 0, 0, RET_ENOSYS)]
     for name in DENIED:
