@@ -126,6 +126,19 @@ def test_fleet_registry_state_nested_deep(tmp_path):
     assert REG in one_line(ei.value)
 
 
+def test_tokenizer_config_nested_deep_for_the_chat_template(tmp_path, caplog):
+    """The server's chat template reader: a warning naming the file, no template, no crash."""
+    import logging
+    from colibri_core.server.chat import ChatTemplate
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000)
+    with caplog.at_level(logging.WARNING):
+        assert ChatTemplate.from_model_dir(tmp_path) is None
+        assert "tokenizer_config.json: not read" in caplog.text and "nested" in caplog.text
+        (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+        assert ChatTemplate.from_model_dir(tmp_path) is None
+    assert "expected a JSON object, found list" in caplog.text
+
+
 def test_audit_log_line_nested_deep(tmp_path):
     p = tmp_path / "audit.jsonl"
     p.write_text(deep_json + "\n")

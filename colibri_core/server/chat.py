@@ -11,11 +11,13 @@ non-ASCII text and takes indent/separators/sort_keys, with the tokenizer's speci
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 from ..files import read_text
+from ..nesting import json_loads
 from .errors import ApiError, bad_request
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
@@ -63,8 +65,15 @@ class ChatTemplate:
         tc = d / "tokenizer_config.json"
         if tc.is_file():
             try:
-                cfg = json.loads(read_text(tc))
-            except (OSError, ValueError):
+                cfg = json_loads(read_text(tc))
+            except (OSError, ValueError) as e:     # TooDeep is a ValueError
+                cfg = {}
+                logging.getLogger("colibri.server").warning(
+                    "%s: not read (%s); the chat template and special tokens from it are "
+                    "not used", tc, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            if not isinstance(cfg, dict):
+                logging.getLogger("colibri.server").warning(
+                    "%s: expected a JSON object, found %s; not used", tc, type(cfg).__name__)
                 cfg = {}
         specials = {}
         for name in SPECIAL_TOKENS:
