@@ -120,3 +120,56 @@ def test_min_p_one_over_http_is_greedy(client, ref):
                                     temperature=1.0, extra_body={"min_p": 1.0})
     assert got.choices[0].text == ref.generate("The", max_new_tokens=8,
                                                temperature=0).run().text
+
+
+# ----------------------------------------------------------------------------- text_offset
+
+def _check_offsets(text, lp, ids, ref, n_echo):
+    """Each token's text_offset is where its text starts in the returned text: the echo's
+    tokens at the lengths of their decoded prefixes (BOS: no text), then the answer's."""
+    offs = lp.text_offset
+    assert len(offs) == len(lp.tokens) and offs == sorted(offs)
+    for i in range(n_echo):
+        assert text[:offs[i]] == ref.tokenizer.decode(ids[:i])
+    assert offs[n_echo] == len(ref.tokenizer.decode(ids))
+
+
+def test_text_offset_against_the_returned_text_with_echo(client, ref):
+    prompt = "The import system"
+    ids = ref.encode(prompt)
+    assert ref.tokenizer.token_text(ids[0]) != ""       # BOS has a text of its own
+    r = client.completions.create(model="builtin", prompt=prompt, max_tokens=6,
+                                  temperature=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text.startswith(prompt)
+    _check_offsets(c.text, c.logprobs, ids, ref, len(ids))
+    # the answer's tokens: each offset is the returned text's length before it
+    out = ref.generate(prompt, max_new_tokens=6, temperature=0).run()
+    want, at = [], len(prompt)
+    from colibri_core.tokenizer import StreamDecoder
+    dec = StreamDecoder(ref.tokenizer)
+    for t in out.token_ids:
+        want.append(at)
+        at += len(dec.push(t))
+    assert c.logprobs.text_offset[len(ids):] == want
+
+
+def test_text_offset_streamed_is_absolute(client, ref):
+    prompt = "The import system"
+    whole = client.completions.create(model="builtin", prompt=prompt, max_tokens=6,
+                                      temperature=0, echo=True, logprobs=1)
+    offs = []
+    for ch in client.completions.create(model="builtin", prompt=prompt, max_tokens=6,
+                                        temperature=0, echo=True, logprobs=1, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            offs += ch.choices[0].logprobs.text_offset
+    assert offs == whole.choices[0].logprobs.text_offset
+
+
+def test_version_flag():
+    import subprocess
+    import sys
+    from colibri_core import __version__
+    r = subprocess.run([sys.executable, "-m", "colibri_core", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"colibri {__version__}"

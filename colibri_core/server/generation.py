@@ -56,6 +56,7 @@ class Start:
     prompt_ids: list
     echo_text: str = ""
     echo_logprobs: Optional[list] = None   # [(token, logprob | None, top | None)] per token
+    echo_offsets: Optional[list] = None    # where each prompt token starts in echo_text
 
 
 @dataclass
@@ -192,8 +193,10 @@ def run_generation(ctx, p: GenParams, book) -> dict:
             if pi not in echoed:
                 lps = prompt_logprobs(eng, gen.prompt_ids, gen.k, p.logprobs, texts) \
                     if p.logprobs is not None else None
-                echoed[pi] = (_echo_text(eng, p.prompts[pi], gen.prompt_ids), lps)
-            start.echo_text, start.echo_logprobs = echoed[pi]
+                text = _echo_text(eng, p.prompts[pi], gen.prompt_ids)
+                offs = echo_offsets(eng, gen.prompt_ids, text) if lps is not None else None
+                echoed[pi] = (text, lps, offs)
+            start.echo_text, start.echo_logprobs, start.echo_offsets = echoed[pi]
         ctx.emit(start)
     usage = {"prompt_tokens": sum(len(c.gen.prompt_ids) for c in choices),
              "completion_tokens": 0}
@@ -371,6 +374,22 @@ def _kmp_table(stop: str) -> tuple:
             k += 1
         table[i] = k
     return tuple(table)
+
+
+def echo_offsets(eng, ids: list, text: str) -> list:
+    """Where each prompt token starts in the echoed text: the tokens decoded as a stream
+    (tokenizer.StreamDecoder), so a special token (BOS) that the text leaves out, or a
+    token's own text that differs from its piece of the whole ("▁The"), adds nothing
+    wrong; clipped to the text (a text that tokenizes and decodes back differently)."""
+    from ..tokenizer import StreamDecoder
+    out, off = [], 0
+    if eng.tokenizer is None:
+        return [0] * len(ids)
+    dec = StreamDecoder(eng.tokenizer)
+    for t in ids:
+        out.append(min(off, len(text)))
+        off += len(dec.push(t))
+    return out
 
 
 def _echo_text(eng, prompt, ids) -> str:

@@ -14,16 +14,14 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _completion_lp(entries: list, start_offset: int) -> dict:
-    """OpenAI completions log-probs: tokens, token_logprobs, top_logprobs, text_offset."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    off = start_offset
+def _completion_lp(entries: list, offsets: list) -> dict:
+    """OpenAI completions log-probs: tokens, token_logprobs, top_logprobs, text_offset
+    (each token's start in the choice's returned text, echo included: `offsets`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": offsets}
     for tok, lp, top in entries:
         out["tokens"].append(tok)
         out["token_logprobs"].append(lp)
         out["top_logprobs"].append(None if top is None else {t: v for t, v in top})
-        out["text_offset"].append(off)
-        off += len(tok)
     return out
 
 
@@ -45,14 +43,19 @@ class Collector:
 
     def add(self, ev) -> None:
         c = self.choices.setdefault(ev.choice, {"text": [], "lp": [], "echo": "",
-                                                "echo_lp": None, "finish": None, "set": None})
+                                                "echo_lp": None, "finish": None, "set": None,
+                                                "off": [], "chars": 0})
         if isinstance(ev, Start):
             c["echo"] = ev.echo_text
             c["echo_lp"] = ev.echo_logprobs
+            c["off"] = list(ev.echo_offsets or [])
+            c["chars"] = len(ev.echo_text)
         elif isinstance(ev, Token):
             c["text"].append(ev.text)
             if ev.logprob is not None:
                 c["lp"].append(ev.logprob)
+                c["off"].append(c["chars"])
+            c["chars"] += len(ev.text)
             if not self.sets or self.sets[-1][0] != ev.generation:
                 self.sets.append((ev.generation, ev.set_id))
             if c["set"] is None:      # a choice is pinned: its tokens' one set
@@ -74,7 +77,7 @@ class Collector:
                 lp = None
                 if self.logprobs:
                     entries = (c["echo_lp"] or []) + c["lp"]
-                    lp = _completion_lp(entries, 0)
+                    lp = _completion_lp(entries, c["off"])
                 choices.append({"index": i, "text": c["echo"] + text, "logprobs": lp,
                                 "finish_reason": c["finish"], "expert_set": c["set"]})
         # expert_sets with expert_set_generation / _id: deprecated for one release (each
@@ -96,6 +99,7 @@ class Chunker:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.last_set: Optional[tuple] = None
+        self.chars: dict[int, int] = {}   # choice -> characters sent (text_offset)
 
     def _chunk(self, choice: dict, ev=None) -> dict:
         d = {**self.base, "choices": [choice]}
@@ -114,8 +118,9 @@ class Chunker:
                 return self._chunk({"index": ev.choice, "delta": {"role": "assistant",
                                                                   "content": ""},
                                     "logprobs": None, "finish_reason": None})
+            self.chars[ev.choice] = len(ev.echo_text)
             if ev.echo_text or ev.echo_logprobs:
-                lp = _completion_lp(ev.echo_logprobs, 0) if self.logprobs and \
+                lp = _completion_lp(ev.echo_logprobs, ev.echo_offsets) if self.logprobs and \
                     ev.echo_logprobs else None
                 return self._chunk({"index": ev.choice, "text": ev.echo_text, "logprobs": lp,
                                     "finish_reason": None})
@@ -125,7 +130,9 @@ class Chunker:
                 lp = _chat_lp([ev.logprob]) if self.logprobs and ev.logprob else None
                 return self._chunk({"index": ev.choice, "delta": {"content": ev.text},
                                     "logprobs": lp, "finish_reason": None}, ev)
-            lp = _completion_lp([ev.logprob], 0) if self.logprobs and ev.logprob else None
+            off = self.chars.get(ev.choice, 0)
+            self.chars[ev.choice] = off + len(ev.text)
+            lp = _completion_lp([ev.logprob], [off]) if self.logprobs and ev.logprob else None
             return self._chunk({"index": ev.choice, "text": ev.text, "logprobs": lp,
                                 "finish_reason": None}, ev)
         if isinstance(ev, End):
