@@ -173,3 +173,50 @@ def test_version_flag():
     r = subprocess.run([sys.executable, "-m", "colibri_core", "--version"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"colibri {__version__}"
+
+
+# ----------------------------------------------------------------------------- token ids
+
+@pytest.fixture(scope="module")
+def bare(tiny_model_dir, tmp_path_factory):
+    """A model without a tokenizer: answers carry token ids."""
+    srv = LiveServer("--model", str(tiny_model_dir), "--model-id", "tiny",
+                     experts_dir=tmp_path_factory.mktemp("experts2"))
+    yield srv
+    srv.stop()
+
+
+def test_a_model_without_tokenizer_returns_its_token_ids(bare, tiny_model_dir):
+    import json
+
+    from colibri_core.engine import Engine
+    prompt = [5, 6, 7, 8]
+    with Engine.from_model_dir(tiny_model_dir) as eng:
+        want = eng.generate(prompt, max_new_tokens=6, temperature=0).run()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    r = httpx.post(bare.url + "/v1/completions", json=body, timeout=60).json()
+    c = r["choices"][0]
+    assert c["token_ids"] == want.token_ids and len(want.token_ids) == 6
+    assert c["prompt_token_ids"] == list(want.prompt_ids)
+    ids, prompt_ids = [], None
+    with httpx.stream("POST", bare.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                ids += ch.get("token_ids", [])
+                prompt_ids = ch.get("prompt_token_ids", prompt_ids)
+    assert ids == want.token_ids and prompt_ids == list(want.prompt_ids)
+    r = httpx.post(bare.url + "/tokenize", json={"content": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer"
+
+
+def test_return_token_ids_on_request(client, ref):
+    r = client.completions.create(model="builtin", prompt="The with", max_tokens=4,
+                                  temperature=0, extra_body={"return_token_ids": True})
+    want = ref.generate("The with", max_new_tokens=4, temperature=0).run()
+    assert r.choices[0].token_ids == want.token_ids
+    assert r.choices[0].prompt_token_ids == list(want.prompt_ids)
+    plain = client.completions.create(model="builtin", prompt="The with", max_tokens=4,
+                                      temperature=0)
+    assert getattr(plain.choices[0], "token_ids", None) is None

@@ -267,7 +267,7 @@ def build_app(server: Server) -> Starlette:
                 events = await _collect(request, job, rec, until_token=False)
             except Cancelled:
                 return Response(status_code=499)
-            coll = Collector(chat, logprobs)
+            coll = Collector(chat, logprobs, p.return_token_ids)
             for ev in events:
                 coll.add(ev)
             body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
@@ -276,7 +276,8 @@ def build_app(server: Server) -> Starlette:
             first = await _collect(request, job, rec, until_token=True)
         except Cancelled:
             return Response(status_code=499)
-        chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage)
+        chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage,
+                          p.return_token_ids)
         rec.deferred = True
 
         async def body():

@@ -48,6 +48,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    return_token_ids: bool = False      # token_ids and prompt_token_ids on each choice
 
 
 @dataclass

@@ -28,7 +28,8 @@ MAX_LOGIT_BIAS = 1024            # entries: checked one by one on the event loop
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
           "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+          "return_token_ids"}
 COMPLETIONS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                  "parallel_tool_calls"}
@@ -213,7 +214,9 @@ def sampling(body: dict, engine, route: str) -> GenParams:
         frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0,
                                 lo_open=True),
-        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0))
+        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        # a model without a tokenizer has no text to return: its ids always
+        return_token_ids=_bool(body, "return_token_ids") or engine.tokenizer is None)
     if route == "completions":
         lp = body.get("logprobs")
         if lp is not None:

@@ -35,23 +35,28 @@ def _chat_lp(entries: list) -> dict:
 class Collector:
     """Builds the non-streaming body of one request from its events."""
 
-    def __init__(self, chat: bool, logprobs: bool):
+    def __init__(self, chat: bool, logprobs: bool, ids: bool = False):
         self.chat = chat
         self.logprobs = logprobs
+        self.ids = ids                    # token_ids / prompt_token_ids on each choice
         self.choices: dict[int, dict] = {}
         self.sets: list = []              # distinct (generation, id), in order of use
 
     def add(self, ev) -> None:
         c = self.choices.setdefault(ev.choice, {"text": [], "lp": [], "echo": "",
                                                 "echo_lp": None, "finish": None, "set": None,
-                                                "off": [], "chars": 0})
+                                                "off": [], "chars": 0, "ids": [],
+                                                "prompt_ids": []})
         if isinstance(ev, Start):
+            c["prompt_ids"] = ev.prompt_ids
             c["echo"] = ev.echo_text
             c["echo_lp"] = ev.echo_logprobs
             c["off"] = list(ev.echo_offsets or [])
             c["chars"] = len(ev.echo_text)
         elif isinstance(ev, Token):
             c["text"].append(ev.text)
+            if ev.token_id >= 0:          # -1: held-back text, no token of its own
+                c["ids"].append(ev.token_id)
             if ev.logprob is not None:
                 c["lp"].append(ev.logprob)
                 c["off"].append(c["chars"])
@@ -73,6 +78,7 @@ class Collector:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "logprobs": _chat_lp(c["lp"]) if self.logprobs else None,
                                 "finish_reason": c["finish"], "expert_set": c["set"]})
+                self._ids(choices[-1], c)
             else:
                 lp = None
                 if self.logprobs:
@@ -80,6 +86,7 @@ class Collector:
                     lp = _completion_lp(entries, c["off"])
                 choices.append({"index": i, "text": c["echo"] + text, "logprobs": lp,
                                 "finish_reason": c["finish"], "expert_set": c["set"]})
+                self._ids(choices[-1], c)
         # expert_sets with expert_set_generation / _id: deprecated for one release (each
         # choice's expert_set names its set)
         return {"id": rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -88,11 +95,17 @@ class Collector:
                                 for g, s in sets]}
 
 
+    def _ids(self, choice: dict, c: dict) -> None:
+        if self.ids:
+            choice["prompt_token_ids"] = [int(t) for t in c["prompt_ids"]]
+            choice["token_ids"] = c["ids"]
+
+
 class Chunker:
     """Builds the SSE chunks of one streaming request from its events."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, logprobs: bool,
-                 include_usage: bool):
+                 include_usage: bool, ids: bool = False):
         self.base = {"id": rid, "object": "chat.completion.chunk" if chat else
                      "text_completion", "created": created, "model": model}
         self.chat = chat
@@ -100,6 +113,7 @@ class Chunker:
         self.include_usage = include_usage
         self.last_set: Optional[tuple] = None
         self.chars: dict[int, int] = {}   # choice -> characters sent (text_offset)
+        self.ids = ids                    # token_ids per chunk, prompt_token_ids first
 
     def _chunk(self, choice: dict, ev=None) -> dict:
         d = {**self.base, "choices": [choice]}
@@ -113,13 +127,23 @@ class Chunker:
         return d
 
     def chunk(self, ev) -> Optional[dict]:
+        out = self._chunk_of(ev)
+        if out is not None and self.ids:          # vLLM's return_token_ids, per chunk
+            ch = out["choices"][0]
+            if isinstance(ev, Start):
+                ch["prompt_token_ids"] = [int(t) for t in ev.prompt_ids]
+            elif isinstance(ev, Token):
+                ch["token_ids"] = [ev.token_id] if ev.token_id >= 0 else []
+        return out
+
+    def _chunk_of(self, ev) -> Optional[dict]:
         if isinstance(ev, Start):
             if self.chat:
                 return self._chunk({"index": ev.choice, "delta": {"role": "assistant",
                                                                   "content": ""},
                                     "logprobs": None, "finish_reason": None})
             self.chars[ev.choice] = len(ev.echo_text)
-            if ev.echo_text or ev.echo_logprobs:
+            if ev.echo_text or ev.echo_logprobs or self.ids:
                 lp = _completion_lp(ev.echo_logprobs, ev.echo_offsets) if self.logprobs and \
                     ev.echo_logprobs else None
                 return self._chunk({"index": ev.choice, "text": ev.echo_text, "logprobs": lp,
