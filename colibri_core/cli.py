@@ -596,8 +596,8 @@ def cmd_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     engine_defaults, builtin, shipped = _defaults_help()
     p = CliParser(prog="colibri", description="CPU-first MoE inference engine")
-    from . import __version__
-    p.add_argument("--version", action="version", version=f"colibri {__version__}")
+    from .server.surface import VersionAction
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="generate text, streaming tokens to the terminal",

@@ -169,7 +169,8 @@ def test_text_offset_streamed_is_absolute(client, ref):
 def test_version_flag():
     import subprocess
     import sys
-    from colibri_core import __version__
+    from importlib.metadata import version
+    __version__ = version("colibri")
     r = subprocess.run([sys.executable, "-m", "colibri_core", "--version"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"colibri {__version__}"
@@ -220,3 +221,35 @@ def test_return_token_ids_on_request(client, ref):
     plain = client.completions.create(model="builtin", prompt="The with", max_tokens=4,
                                       temperature=0)
     assert getattr(plain.choices[0], "token_ids", None) is None
+
+
+# ----------------------------------------------------------------------------- --ctx-size
+
+def test_ctx_size_bounds_each_request(bare, tiny_model_dir, tmp_path):
+    srv = LiveServer("--model", str(tiny_model_dir), "--model-id", "tiny", "--ctx-size", "12",
+                     experts_dir=tmp_path)
+    try:
+        url = srv.url + "/v1/completions"
+        r = httpx.post(url, json={"prompt": list(range(1, 14)), "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400
+        e = r.json()["error"]
+        assert e["param"] == "prompt" and e["code"] == "context_length_exceeded"
+        assert "12" in e["message"]
+        r = httpx.post(url, json={"prompt": list(range(1, 9)), "max_tokens": 50,
+                                  "temperature": 0, "ignore_eos": True}, timeout=60).json()
+        assert len(r["choices"][0]["token_ids"]) == 4          # 8 + 4 = 12
+        assert r["choices"][0]["finish_reason"] == "length"
+        # the same request on a server without --ctx-size goes past 12
+        r = httpx.post(bare.url + "/v1/completions", json={
+            "prompt": list(range(1, 9)), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}, timeout=60).json()
+        assert len(r["choices"][0]["token_ids"]) == 6
+        assert httpx.get(srv.url + "/v1/models/tiny").json()["max_model_len"] == 12
+    finally:
+        srv.stop()
+
+
+def test_ctx_size_over_the_model_context_is_refused_at_start(tiny_model_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="--ctx-size 100000: more than the model's"):
+        LiveServer("--model", str(tiny_model_dir), "--ctx-size", "100000",
+                   experts_dir=tmp_path).stop()

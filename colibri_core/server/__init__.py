@@ -25,6 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument("--model-id", dest="model_id",
                    help="the model name clients see (default: the config's or folder's name)")
+    p.add_argument("--ctx-size", dest="ctx_size", type=int, metavar="N",
+                   help="per-request context in tokens, prompt and answer (default: the "
+                        "model's; at most that): a longer prompt is a 400, an answer stops "
+                        "where it fills it")
     p.add_argument("--served-model-name", dest="served_model_name", nargs="+", metavar="NAME",
                    default=[], help="other names requests may give for the model (aliases; "
                                     "any other name is a 404 model_not_found)")

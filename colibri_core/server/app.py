@@ -63,6 +63,7 @@ class Settings:
     client_timeout_s: float = 10.0      # headers within it; no pause in a body over it
     model_id: str = "colibri"
     aliases: tuple = ()                 # --served-model-name: other names requests may give
+    ctx_size: Optional[int] = None      # --ctx-size: per-request context (None: the model's)
     routing_stats: bool = True          # count routed tokens per expert
 
 
@@ -260,6 +261,7 @@ def build_app(server: Server) -> Starlette:
     async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
         rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
         created = int(time.time())
+        p.ctx_size = st.ctx_size
         job = eng.generate(p, rec.rid, st.request_timeout_s, stream)
         logprobs = p.logprobs is not None
         if not stream:

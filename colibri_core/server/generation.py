@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import EngineBusyError, RequestCancelled, RequestError
 from ..ops import log_softmax, softmax
 from ..sampler import Sampler
+from . import surface
 
 Prompt = Union[str, list]
 
@@ -49,6 +50,7 @@ class GenParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     return_token_ids: bool = False      # token_ids and prompt_token_ids on each choice
+    ctx_size: Optional[int] = None      # the server's per-request context (--ctx-size)
 
 
 @dataclass
@@ -179,6 +181,7 @@ def run_generation(ctx, p: GenParams, book) -> dict:
         # pinned: a choice is computed under one expert set, the one it names
         gen = eng.generate(p.prompts[pi], max_new_tokens=n_new, top_k=p.experts, stop=[],
                            sampler=sampler, request_id=rid, pin_experts=True)
+        surface.fit_context(gen, p.ctx_size)          # --ctx-size
         return _Choice(index, gen, sampler, p.stop)
     # Each prompt's first choice gives its length: the answer's size is checked before
     # the other choices (and any echo) cost anything.
@@ -194,8 +197,9 @@ def run_generation(ctx, p: GenParams, book) -> dict:
             if pi not in echoed:
                 lps = prompt_logprobs(eng, gen.prompt_ids, gen.k, p.logprobs, texts) \
                     if p.logprobs is not None else None
-                text = _echo_text(eng, p.prompts[pi], gen.prompt_ids)
-                offs = echo_offsets(eng, gen.prompt_ids, text) if lps is not None else None
+                text = surface.echo_text(eng, p.prompts[pi], gen.prompt_ids)
+                offs = surface.echo_offsets(eng, gen.prompt_ids, text) \
+                    if lps is not None else None
                 echoed[pi] = (text, lps, offs)
             start.echo_text, start.echo_logprobs, start.echo_offsets = echoed[pi]
         ctx.emit(start)
@@ -375,29 +379,6 @@ def _kmp_table(stop: str) -> tuple:
             k += 1
         table[i] = k
     return tuple(table)
-
-
-def echo_offsets(eng, ids: list, text: str) -> list:
-    """Where each prompt token starts in the echoed text: the tokens decoded as a stream
-    (tokenizer.StreamDecoder), so a special token (BOS) that the text leaves out, or a
-    token's own text that differs from its piece of the whole ("▁The"), adds nothing
-    wrong; clipped to the text (a text that tokenizes and decodes back differently)."""
-    from ..tokenizer import StreamDecoder
-    out, off = [], 0
-    if eng.tokenizer is None:
-        return [0] * len(ids)
-    dec = StreamDecoder(eng.tokenizer)
-    for t in ids:
-        out.append(min(off, len(text)))
-        off += len(dec.push(t))
-    return out
-
-
-def _echo_text(eng, prompt, ids) -> str:
-    if isinstance(prompt, str):
-        from ..kselect import split_mode_prefix
-        return split_mode_prefix(prompt)[1]
-    return eng.tokenizer.decode(ids) if eng.tokenizer is not None else ""
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -75,6 +75,10 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
         engine = engine_factory()
     try:
         book.engine = engine
+        ctx = engine.model_cfg.max_position_embeddings
+        if settings.ctx_size is not None and settings.ctx_size > ctx:
+            raise ConfigError(f"--ctx-size {settings.ctx_size}: more than the model's "
+                              f"context of {ctx} tokens")
         backend = LocalBackend(engine, book, routing_stats=settings.routing_stats)
         server = Server(backend, settings)
         sock = _bind(settings.host, settings.port)
@@ -183,6 +187,9 @@ def settings_from_args(args, engine_cfg) -> Settings:
         raise ConfigError("--allow-expert-upload needs an API key (--api-key or "
                           f"${API_KEY_ENV}) and a hash allowlist (--expert-allowlist FILE or "
                           "the config's hotplug.allowlist): an uploaded expert is native code")
+    ctx_size = getattr(args, "ctx_size", None)
+    if ctx_size is not None and ctx_size < 1:
+        raise ConfigError(f"--ctx-size {ctx_size}: expected at least 1 token")
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size {args.queue_size}: expected at least 1")
     for flag, v in (("--request-timeout", args.request_timeout),
@@ -199,7 +206,8 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     client_timeout_s=getattr(args, "client_timeout", 10.0),
                     shutdown_timeout_s=getattr(args, "shutdown_timeout", 10.0),
                     model_id=args.model_id,
-                    aliases=tuple(getattr(args, "served_model_name", None) or ()))
+                    aliases=tuple(getattr(args, "served_model_name", None) or ()),
+                    ctx_size=ctx_size)
 
 
 def resolve(args):

@@ -3,12 +3,29 @@ names a request may give (404 `model_not_found` for any other), `GET /v1/models/
 and llama-server's `/tokenize` and `/detokenize` (docs/SERVE.md)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 from starlette.responses import JSONResponse
 
 from .errors import ApiError, bad_request
 from .limits import LIMITS, read_json
+
+
+class VersionAction(argparse.Action):
+    """`colibri --version`: the installed package's version, looked up only when asked."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            v = version("colibri")
+        except PackageNotFoundError:          # run from a checkout that is not installed
+            v = "unknown (not installed)"
+        print(f"colibri {v}")                 # stdout, as `python --version`
+        parser.exit(0)
 
 
 def model_names(settings) -> list[str]:
@@ -39,8 +56,44 @@ def model_card(server, name: str) -> dict:
     eng, st = server.backend, server.settings
     return {"id": name, "object": "model", "created": int(server.started_at),
             "owned_by": "colibri", "root": st.model_id,
-            "max_model_len": eng.model_cfg.max_position_embeddings,
+            "max_model_len": st.ctx_size or eng.model_cfg.max_position_embeddings,
             "num_experts": eng.num_experts, "top_k": eng.model_cfg.top_k}
+
+
+def echo_offsets(eng, ids: list, text: str) -> list:
+    """Where each prompt token starts in the echoed text: the tokens decoded as a stream
+    (tokenizer.StreamDecoder), so a special token (BOS) that the text leaves out, or a
+    token's own text that differs from its piece of the whole ("▁The"), adds nothing
+    wrong; clipped to the text (a text that tokenizes and decodes back differently)."""
+    from ..tokenizer import StreamDecoder
+    out, off = [], 0
+    if eng.tokenizer is None:
+        return [0] * len(ids)
+    dec = StreamDecoder(eng.tokenizer)
+    for t in ids:
+        out.append(min(off, len(text)))
+        off += len(dec.push(t))
+    return out
+
+
+def echo_text(eng, prompt, ids) -> str:
+    if isinstance(prompt, str):
+        from ..kselect import split_mode_prefix
+        return split_mode_prefix(prompt)[1]
+    return eng.tokenizer.decode(ids) if eng.tokenizer is not None else ""
+
+
+def fit_context(gen, ctx_size) -> None:
+    """--ctx-size: a prompt over it is a 400; the answer stops ("length") where prompt and
+    answer fill it. Before the generation starts: its KV reservation follows."""
+    if not ctx_size:
+        return
+    n = len(gen.prompt_ids)
+    if n > ctx_size:
+        raise bad_request(f"prompt: {n} tokens, more than the server's per-request context "
+                          f"of {ctx_size} tokens (--ctx-size)", param="prompt",
+                          code="context_length_exceeded")
+    gen.max_new_tokens = min(gen.max_new_tokens, ctx_size - n)
 
 
 def _tokenizer(eng):
