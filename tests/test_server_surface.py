@@ -253,3 +253,58 @@ def test_ctx_size_over_the_model_context_is_refused_at_start(tiny_model_dir, tmp
     with pytest.raises(RuntimeError, match="--ctx-size 100000: more than the model's"):
         LiveServer("--model", str(tiny_model_dir), "--ctx-size", "100000",
                    experts_dir=tmp_path).stop()
+
+
+# ----------------------------------------------------------------------------- logging
+
+def _json_lines(srv):
+    import json
+    out = []
+    for line in srv.lines:
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def test_log_format_json_access_and_engine_lines(tiny_model_dir, tmp_path):
+    from server_helpers import wait_until
+    srv = LiveServer("--model", str(tiny_model_dir), "--model-id", "tiny",
+                     "--log-format", "json", experts_dir=tmp_path)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, headers={
+            "X-Request-ID": "req-json-1"}, json={"prompt": [1, 2, 3], "max_tokens": 3,
+                                                 "temperature": 0, "no_such_field": 1})
+        assert r.status_code == 200
+        wait_until(lambda: any(d.get("request_id") == "req-json-1"
+                               for d in _json_lines(srv)), "the access line")
+        lines = _json_lines(srv)
+        acc = next(d for d in lines if d.get("request_id") == "req-json-1")
+        assert acc["logger"] == "colibri.server.access" and acc["level"] == "info"
+        assert acc["route"] == "completions" and acc["status"] == 200
+        assert acc["tokens"] == 3 and acc["prompt_tokens"] == 3 and acc["total_ms"] > 0
+        assert any(d["logger"] == "colibri.server" and "no_such_field" in d["msg"]
+                   for d in lines)
+        assert not any(line.startswith("colibri: access:") for line in srv.lines)
+    finally:
+        srv.stop()
+
+
+def test_log_level_warning_drops_access_lines(tiny_model_dir, tmp_path):
+    srv = LiveServer("--model", str(tiny_model_dir), "--log-level", "warning",
+                     experts_dir=tmp_path)
+    try:
+        for _ in range(2):
+            assert httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+        srv.terminate()
+        assert not any("access" in line for line in srv.lines)
+    finally:
+        srv.stop()
+
+
+def test_log_options_are_checked(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "colibri_core", "serve", "--log-format", "xml"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--log-format" in r.stderr

@@ -29,6 +29,13 @@ def add_arguments(p) -> None:
                    help="per-request context in tokens, prompt and answer (default: the "
                         "model's; at most that): a longer prompt is a 400, an answer stops "
                         "where it fills it")
+    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning",
+                                                             "error"),
+                   help="the server's and engine's log level (default: info for access "
+                        "lines and engine events, warning for the rest)")
+    p.add_argument("--log-format", dest="log_format", choices=("text", "json"),
+                   default="text", help="text (default) or json: one JSON object per line "
+                                        "on stderr, access lines with their fields")
     p.add_argument("--served-model-name", dest="served_model_name", nargs="+", metavar="NAME",
                    default=[], help="other names requests may give for the model (aliases; "
                                     "any other name is a 404 model_not_found)")

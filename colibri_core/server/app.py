@@ -64,6 +64,8 @@ class Settings:
     model_id: str = "colibri"
     aliases: tuple = ()                 # --served-model-name: other names requests may give
     ctx_size: Optional[int] = None      # --ctx-size: per-request context (None: the model's)
+    log_level: Optional[str] = None     # --log-level (None: info for ours, as always)
+    log_format: str = "text"            # --log-format: text or json (logs.py)
     routing_stats: bool = True          # count routed tokens per expert
 
 
@@ -188,7 +190,12 @@ class Record:
         gens = ",".join(map(str, self.gens)) or "-"
         access_log.info("%s %s %d prompt=%d tokens=%d first_ms=%s total_ms=%.1f gen=%s",
                         self.rid, self.route, status, self.prompt_tokens, self.tokens, first,
-                        total, gens)
+                        total, gens, extra={"fields": {     # --log-format json's fields
+                            "request_id": self.rid, "route": self.route, "status": status,
+                            "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
+                            "first_ms": None if self.first_s is None else
+                            round(self.first_s * 1000, 1), "total_ms": round(total, 1),
+                            "generations": self.gens}})
 
 
 def _request_id(request: Request) -> str:

@@ -64,13 +64,14 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
     """Build the engine (engine_factory()), bind, print the URL, serve until stopped."""
     import uvicorn
 
-    from . import memory
+    from . import logs, memory
     from .protocol import GracefulServer, with_header_timeout
     memory.pin_thresholds()             # before the engine's threads take their arenas
     _quiet_access_logs()
     # The engine's startup scan of the watched folder logs refusals before the server can
     # listen to its events: capture them for /v1/experts.
     book = ExpertBook(engine=None)
+    logs.configure(settings.log_level, settings.log_format)
     with book.capture_startup_refusals():
         engine = engine_factory()
     try:
@@ -90,7 +91,10 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
         config = uvicorn.Config(app, log_level="warning", access_log=False, workers=1,
                                 timeout_graceful_shutdown=settings.shutdown_timeout_s
                                 + STREAM_CLOSE_S, lifespan="on",
-                                http=with_header_timeout(settings.client_timeout_s))
+                                http=with_header_timeout(settings.client_timeout_s),
+                                # json: uvicorn's lines through our root handler (logs.py)
+                                **({"log_config": None} if settings.log_format == "json"
+                                   else {}))
         uv = GracefulServer(config, server)
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown; a no-op
         # handler underneath makes that re-raise harmless, so SIGTERM exits 0.
@@ -207,7 +211,8 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     shutdown_timeout_s=getattr(args, "shutdown_timeout", 10.0),
                     model_id=args.model_id,
                     aliases=tuple(getattr(args, "served_model_name", None) or ()),
-                    ctx_size=ctx_size)
+                    ctx_size=ctx_size, log_level=getattr(args, "log_level", None),
+                    log_format=getattr(args, "log_format", None) or "text")
 
 
 def resolve(args):
