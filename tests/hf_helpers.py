@@ -65,6 +65,13 @@ def make_hf_model(family: str, seed: int = 0, **over):
             cfg, cls = tr.DeepseekV2Config(**kw), tr.DeepseekV2ForCausalLM
     else:
         raise ValueError(family)
+    return random_model(cfg, cls, seed)
+
+
+def random_model(cfg, cls, seed: int):
+    """cls(cfg) in eval mode with seeded random weights whose activations stay O(1):
+    norms near 1, biases and selection biases small, matrices scaled by their fan-in."""
+    torch, _ = _imports()
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).eval()

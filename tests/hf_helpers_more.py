@@ -48,23 +48,7 @@ def make_more_model(family: str, seed: int = 0, **over):
         cfg, cls = tr.Ernie4_5_MoeConfig(**kw), tr.Ernie4_5_MoeForCausalLM
     else:
         raise ValueError(family)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "embed" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    return model
+    return hf_helpers.random_model(cfg, cls, seed)
 
 
 def load_dequantized_more(model, colibri_dir: Path):
