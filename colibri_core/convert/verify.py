@@ -100,9 +100,11 @@ def _ref_greedy(model, ids, n: int) -> list[int]:
 
 
 def verify(hf_dir, model_dir, prompts_file=None, n_new: int = 16, routing: str = "fixed",
-           activations: str = "int8", out=sys.stdout, reference=None) -> list[PromptResult]:
-    """Compare and print; returns the per-prompt results. `reference`: an already built
-    transformers model (tests), instead of loading `hf_dir`."""
+           activations: str = "int8", out=None, reference=None) -> list[PromptResult]:
+    """Compare and print (to `out`, default the sys.stdout of the call, not of the import);
+    returns the per-prompt results. `reference`: an already built transformers model
+    (tests), instead of loading `hf_dir`."""
+    out = sys.stdout if out is None else out
     from ..engine import Engine
     hf_dir, model_dir = Path(hf_dir), Path(model_dir)
     ref, why = (reference, None) if reference is not None else _load_reference(hf_dir)
