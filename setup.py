@@ -6,6 +6,7 @@ from setuptools import setup
 setup(
     packages=[
         "colibri_core",
+        "colibri_core.cli",
         "colibri_core.convert",
         "colibri_core.hotplug",
         "colibri_core.server",

@@ -17,7 +17,7 @@ Design notes: docs/SERVE.md.
 
 
 def add_arguments(p) -> None:
-    """`colibri serve`'s options (cli.py adds the subcommand)."""
+    """`colibri serve`'s options (cli/ adds the subcommand)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="run config file or shipped config name (default: builtin)")
     src.add_argument("--model", help="model directory (engine defaults)")
