@@ -50,6 +50,7 @@ class Engine:
         self.config = config
         self.model_dir = Path(model_dir)
         self.hotplug = None
+        self.hotplug_error = None             # why hot-plug stopped (a failed drain), if it did
         self.hooks = None
         self.audit = None                     # audit.AuditLog once start_audit() is called
         # every request, from any thread, runs on the scheduler's one thread
@@ -503,6 +504,18 @@ class Engine:
             if not self._closed:
                 self._prepared.append(entry)
 
+    def _drain_or_stop(self) -> list:
+        """hotplug.drain(), or, when it fails (a bug), no change now nor later: the engine
+        keeps serving the set it has rather than failing or stalling every request."""
+        try:
+            return self.hotplug.drain()
+        except Exception as exc:                 # noqa: BLE001 - logged with its traceback
+            self.hotplug_error = f"{type(exc).__name__}: {exc}"
+            log.exception("hot-plug stopped: applying expert changes failed; the engine keeps "
+                          "serving expert-set generation %d; restart it to resume hot-plug",
+                          self.model.expert_set.generation)
+            return []
+
     def _take_prepared(self, es, changes: list):
         """(expert set, its plan or NO_PLAN, how many of `changes` that covers, the entry
         when one covers them all): the prepared entries that chain from `es` and match
@@ -546,8 +559,8 @@ class Engine:
         # Under _prepared_lock from drain() to the swap, so that the hot-plug worker builds
         # its next set on the one this makes.
         with self._prepared_lock:
-            if self.hotplug is not None:
-                changes = self.hotplug.drain()
+            if self.hotplug is not None and self.hotplug_error is None:
+                changes = self._drain_or_stop()
                 if changes:
                     es, plan, used, whole = self._take_prepared(es, changes)
                     for ch in changes[used:]:              # not prepared: built here

@@ -396,3 +396,33 @@ def test_expert_set_id_without_model_checksums(tiny_model_dir, tmp_path):
             w.close()
     with Engine(tiny_model_dir) as eng:
         assert ids[0] == ids[1] != eng.expert_set_id
+
+
+def test_a_failing_drain_stops_hotplug_and_the_engine_keeps_serving(tmp_path, caplog):
+    """A bug in applying expert changes must not stall or fail every request: hot-plug
+    stops (once, logged with the reason) and requests run on the set already live."""
+    import logging
+    d = tmp_path / "watched"
+    d.mkdir()
+    with Engine.from_config("builtin", threads=1, experts_dir=str(d)) as eng:
+        want = eng.generate([1, 2, 3], max_new_tokens=4, temperature=0).run().token_ids
+        calls = []
+
+        def broken():
+            calls.append(1)
+            raise RuntimeError("drain broke")
+        eng.hotplug.drain = broken
+        out = []
+
+        def two():                      # in a thread: a stalled engine fails, never hangs
+            for _ in range(2):
+                out.append(eng.generate([1, 2, 3], max_new_tokens=4, temperature=0).run().token_ids)
+        with caplog.at_level(logging.ERROR, logger="colibri"):
+            t = threading.Thread(target=two, daemon=True)
+            t.start()
+            t.join(60)
+        assert not t.is_alive(), "requests stalled after drain() failed"
+        assert out == [want, want]
+        assert len(calls) == 1
+        assert eng.hotplug_error == "RuntimeError: drain broke"
+        assert caplog.text.count("hot-plug stopped") == 1
