@@ -313,6 +313,7 @@ def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patc
     with pytest.raises(ConfigError, match="not supported") as e:
         convert(d, tmp_path / "out")
     assert needle in str(e.value) and "\n" not in str(e.value)
+    capsys.readouterr()                  # the fixture's own output (transformers' progress bars)
     assert main(["convert", str(d), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("colibri: error:") and needle in err[0]
