@@ -340,6 +340,19 @@ def check_fast_path(fast, ref, ids, case, bound=0.05):
     return err, flips
 
 
+def assert_float_parity(case: str, model, out, prompts) -> None:
+    """The converted model at 32 bits, float routing and activations: logits within 1e-4
+    relative of transformers' on every prompt, and 16 greedy tokens through the KV cache
+    equal to transformers' on the first."""
+    from colibri_core.engine import Engine
+    with Engine.from_model_dir(out, routing="float", activations="float") as eng:
+        errs = [rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(model, ids))
+                for ids in prompts]
+        print(f"{case}: 32-bit max relative logit error {max(errs):.2e}")
+        assert max(errs) <= 1e-4, f"{case}: relative logit error {max(errs):.2e}"
+        greedy_match(eng, model, prompts[0], 16)
+
+
 def greedy_match(eng, model, ids, n=16) -> list[int]:
     """Colibri's greedy tokens (prefill + decode through its KV cache) equal transformers'
     (fails with the reference's top-1/top-2 gap at the first divergence). Colibri stops

@@ -27,9 +27,10 @@ from colibri_core.convert import convert
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 
-from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, check_fast_path, greedy_match, hf_greedy,
-                        hf_logits, inject_outliers, load_dequantized_into, make_hf_model,
-                        mean_kl, perplexity, rel_err, save, save_awq, write_tokenizer)
+from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, assert_float_parity, check_fast_path,
+                        greedy_match, hf_greedy, hf_logits, inject_outliers,
+                        load_dequantized_into, make_hf_model, mean_kl, perplexity, rel_err,
+                        save, save_awq, write_tokenizer)
 
 H = 320
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7]]
@@ -88,12 +89,7 @@ def _float_engine(out):
 @pytest.mark.parametrize("case", list(CASES))
 def test_float_weights_match_transformers(built, case):
     model, _, out = built(case, 32)
-    with _float_engine(out) as eng:
-        errs = [rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(model, ids))
-                for ids in PROMPTS]
-        print(f"{case}: 32-bit max relative logit error {max(errs):.2e}")
-        assert max(errs) <= 1e-4, f"{case}: relative logit error {max(errs):.2e}"
-        greedy_match(eng, model, PROMPTS[0], 16)
+    assert_float_parity(case, model, out, PROMPTS)
 
 
 # ----------------------------------------------------------------------------- bits 16/8/4

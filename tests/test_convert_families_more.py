@@ -32,7 +32,8 @@ from colibri_core.convert import convert
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 
-from hf_helpers import check_fast_path, greedy_match, hf_logits, rel_err, save
+from hf_helpers import (assert_float_parity, check_fast_path, greedy_match, hf_logits,
+                        rel_err, save)
 from hf_helpers_more import load_dequantized_more, make_more_model
 
 H = 320
@@ -88,12 +89,7 @@ def _float_engine(out):
 @pytest.mark.parametrize("case", list(CASES))
 def test_float_weights_match_transformers(built, case):
     model, _, out = built(case, 32)
-    with _float_engine(out) as eng:
-        errs = [rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(model, ids))
-                for ids in PROMPTS]
-        print(f"{case}: 32-bit max relative logit error {max(errs):.2e}")
-        assert max(errs) <= 1e-4, f"{case}: relative logit error {max(errs):.2e}"
-        greedy_match(eng, model, PROMPTS[0], 16)
+    assert_float_parity(case, model, out, PROMPTS)
 
 
 def test_converted_config_carries_the_family_features(built):
