@@ -231,11 +231,7 @@ def load_dequantized_into(model, colibri_dir: Path):
             put(q + "mlp.gate.e_score_correction_bias", lw.router_bias)
         gu = sd[q + "mlp.experts.gate_up_proj"]
         dn = sd[q + "mlp.experts.down_proj"]
-        for ex in lw.experts:
-            f, s = ex.ffn, ex.ffn.act_scales
-            g = np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0)
-            gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
-            dn[ex.index].copy_(torch.from_numpy(effective(f.w2, s.get("w2")).astype(np.float32)))
+        put_fused_experts(gu, dn, lw.experts)
         if lw.shared is not None:
             name = "shared_expert." if q + "mlp.shared_expert.gate_proj.weight" in sd else "shared_experts."
             put_ffn(q + "mlp." + name, lw.shared)
@@ -340,12 +336,28 @@ def check_fast_path(fast, ref, ids, case, bound=0.05):
     return err, flips
 
 
+def float_engine(out):
+    """The converted model with float routing and activations: what parity is checked on."""
+    from colibri_core.engine import Engine
+    return Engine.from_model_dir(out, routing="float", activations="float")
+
+
+def put_fused_experts(gu, dn, experts) -> None:
+    """Write experts' effective (dequantized, activation-scaled) w1|w3 and w2 into
+    transformers' fused `gate_up_proj` / `down_proj` tensors, expert by expert."""
+    torch, _ = _imports()
+    for ex in experts:
+        f, s = ex.ffn, ex.ffn.act_scales
+        g = np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0)
+        gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
+        dn[ex.index].copy_(torch.from_numpy(effective(f.w2, s.get("w2")).astype(np.float32)))
+
+
 def assert_float_parity(case: str, model, out, prompts) -> None:
     """The converted model at 32 bits, float routing and activations: logits within 1e-4
     relative of transformers' on every prompt, and 16 greedy tokens through the KV cache
     equal to transformers' on the first."""
-    from colibri_core.engine import Engine
-    with Engine.from_model_dir(out, routing="float", activations="float") as eng:
+    with float_engine(out) as eng:
         errs = [rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(model, ids))
                 for ids in prompts]
         print(f"{case}: 32-bit max relative logit error {max(errs):.2e}")

@@ -79,11 +79,7 @@ def load_dequantized_more(model, colibri_dir: Path):
         m = q + "block_sparse_moe."
         put(m + "router.weight", lw.router)
         gu, dn = sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
-        for ex in lw.experts:
-            f, s = ex.ffn, ex.ffn.act_scales
-            g = np.concatenate([effective(f.w1, s.get("w1")), effective(f.w3, s.get("w3"))], axis=0)
-            gu[ex.index].copy_(torch.from_numpy(g.astype(np.float32)))
-            dn[ex.index].copy_(torch.from_numpy(effective(f.w2, s.get("w2")).astype(np.float32)))
+        hf_helpers.put_fused_experts(gu, dn, lw.experts)
         if lw.shared is not None:
             f, s = lw.shared, lw.shared.act_scales
             put(q + "shared_mlp.input_linear.weight",

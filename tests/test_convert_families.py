@@ -28,7 +28,7 @@ from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 
 from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, assert_float_parity, check_fast_path,
-                        greedy_match, hf_greedy, hf_logits, inject_outliers,
+                        float_engine, greedy_match, hf_greedy, hf_logits, inject_outliers,
                         load_dequantized_into, make_hf_model, mean_kl, perplexity, rel_err,
                         save, save_awq, write_tokenizer)
 
@@ -80,10 +80,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _float_engine(out):
-    return Engine.from_model_dir(out, routing="float", activations="float")
-
-
 # ----------------------------------------------------------------------------- bits 32
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -113,7 +109,7 @@ def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
     orig = {tuple(ids): hf_logits(model, ids) for ids in PROMPTS}
     fam, over, _ = CASES[case]
     deq = load_dequantized_into(make_hf_model(fam, seed=1, hidden_size=H, **over), out)
-    with _float_engine(out) as eng:
+    with float_engine(out) as eng:
         ours = {tuple(ids): eng.next_token_logits(ids, all_positions=True) for ids in PROMPTS}
         errs = [rel_err(ours[tuple(ids)], hf_logits(deq, ids)) for ids in PROMPTS]
         assert max(errs) <= 1e-3, f"{case} bits {bits}: float path vs dequantized reference {max(errs):.2e}"
@@ -128,7 +124,7 @@ def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
           f"original: max rel logit error {loss:.3f}, greedy {agree}/{len(g_ours)}, "
           f"perplexity {dppl * 100:+.2f}%")
     # the default fast path against the float path
-    with _float_engine(out) as ref, Engine.from_model_dir(out) as fast:
+    with float_engine(out) as ref, Engine.from_model_dir(out) as fast:
         for ids in PROMPTS[:2]:
             check_fast_path(fast, ref, ids, f"{case}-{bits}")
 
@@ -275,7 +271,7 @@ def test_missing_and_null_config_fields_fall_back_like_transformers(built, tmp_p
     ref = transformers.MixtralForCausalLM.from_pretrained(d, dtype="float32").eval()
     out = convert(d, tmp_path / "out", bits=32)
     assert out.rope_theta == 1e6 and out.rms_norm_eps == 1e-5 and out.head_dim == 80
-    with _float_engine(tmp_path / "out") as eng:
+    with float_engine(tmp_path / "out") as eng:
         assert rel_err(eng.next_token_logits(PROMPTS[0], all_positions=True),
                        hf_logits(ref, PROMPTS[0])) <= 1e-4
 
@@ -333,7 +329,7 @@ def test_awq_beats_rtn_on_activation_outliers(tmp_path):
                            ("rtn", None, {})):
         # the lm_head at 8 bits as when these figures were documented (docs/CONVERT.md, AWQ)
         cfg = convert(tmp_path / "hf", tmp_path / name, bits=4, q4_clip=clip, lm_head_bits=8, **kw)
-        with _float_engine(tmp_path / name) as eng:
+        with float_engine(tmp_path / name) as eng:
             lg = eng.next_token_logits(ids, all_positions=True)
         rms = float(np.sqrt(((lg - ref) ** 2).mean() / (ref ** 2).mean()))
         res[name] = (rms, mean_kl(lg, ref), cfg)
@@ -359,7 +355,7 @@ def test_awq_beats_rtn_on_activation_outliers(tmp_path):
         w.close()
     # and the engine applies them exactly: parity with transformers on the effective weights
     deq = load_dequantized_into(make_hf_model("qwen3_moe", seed=2, hidden_size=H), tmp_path / "awq")
-    with _float_engine(tmp_path / "awq") as eng:
+    with float_engine(tmp_path / "awq") as eng:
         assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
 
 
@@ -382,7 +378,7 @@ def test_autoawq_checkpoint_imported_without_requantizing(tmp_path):
     finally:
         w.close()
     deq = load_dequantized_into(model, tmp_path / "out")
-    with _float_engine(tmp_path / "out") as eng:
+    with float_engine(tmp_path / "out") as eng:
         for ids in PROMPTS:
             assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
     with pytest.raises(ConfigError, match="already AWQ-quantized"):

@@ -32,8 +32,8 @@ from colibri_core.convert import convert
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 
-from hf_helpers import (assert_float_parity, check_fast_path, greedy_match, hf_logits,
-                        rel_err, save)
+from hf_helpers import (assert_float_parity, check_fast_path, float_engine, greedy_match,
+                        hf_logits, rel_err, save)
 from hf_helpers_more import load_dequantized_more, make_more_model
 
 H = 320
@@ -82,10 +82,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _float_engine(out):
-    return Engine.from_model_dir(out, routing="float", activations="float")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_float_weights_match_transformers(built, case):
     model, _, out = built(case, 32)
@@ -116,7 +112,7 @@ def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
     model, _, out = built(case, bits, dtype)
     fam, over, _ = CASES[case]
     deq = load_dequantized_more(make_more_model(fam, seed=1, hidden_size=H, **over), out)
-    with _float_engine(out) as eng:
+    with float_engine(out) as eng:
         ours = [eng.next_token_logits(ids, all_positions=True) for ids in PROMPTS]
         errs = [rel_err(o, hf_logits(deq, ids)) for o, ids in zip(ours, PROMPTS)]
         assert max(errs) <= 1e-3, f"{case}: {bits}-bit float path vs dequantized reference {max(errs):.2e}"
@@ -124,7 +120,7 @@ def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
     loss = max(rel_err(o, hf_logits(model, ids)) for o, ids in zip(ours, PROMPTS))
     print(f"{case} {bits}-bit ({dtype} checkpoint): vs dequantized {max(errs):.2e}; loss vs "
           f"original weights: max rel logit error {loss:.3f}")
-    with _float_engine(out) as ref, Engine.from_model_dir(out) as fast:
+    with float_engine(out) as ref, Engine.from_model_dir(out) as fast:
         for ids in PROMPTS[:2]:
             check_fast_path(fast, ref, ids, f"{case}-{bits}")
 
@@ -163,7 +159,7 @@ def test_awq_calibration_on_a_granite_checkpoint(tmp_path):
     assert cfg.quantization["method"] == "awq"
     deq = load_dequantized_more(make_more_model("granitemoeshared", seed=2, hidden_size=H),
                                 tmp_path / "awq")
-    with _float_engine(tmp_path / "awq") as eng:
+    with float_engine(tmp_path / "awq") as eng:
         for ids in PROMPTS:
             assert rel_err(eng.next_token_logits(ids, all_positions=True), hf_logits(deq, ids)) <= 1e-3
 
