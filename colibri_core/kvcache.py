@@ -17,17 +17,61 @@ type.
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import numpy as np
 
 from . import memstat, mla
+from .memstat import available_bytes
 from .config import EngineConfig, ModelConfig
 from .errors import InsufficientMemoryError, KVPoolFullError, RequestError
 from .quant import dequantize_kv_q8, quantize_kv_q8
-from .residency import kv_bytes_per_position, kv_pool_tokens
 from .seqcache import SequenceCache
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16, "q8": np.int8}
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str = "f32") -> int:
+    """KV-cache bytes of one position of one sequence, all layers (kvcache.KVCache in
+    `dtype`: f32 4 bytes a value, f16 2, q8 1 plus a float32 scale per kv head; MLA's
+    latent cache is float32 whatever the dtype)."""
+    if cfg.attention == "mla":
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    row = {"f32": 4 * cfg.head_size, "f16": 2 * cfg.head_size, "q8": cfg.head_size + 4}[dtype]
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
+
+
+DEFAULT_POOL_TOKENS = 65536   # without a memory budget, at most: shared by many requests
+MIN_POOL_TOKENS = 4096        # ... and at least (or the context if shorter): one long prompt
+
+
+def model_bytes(cfg: ModelConfig) -> int:
+    """The model's files' bytes, as config.json records them (0 when it lists none)."""
+    return sum(info.size for info in cfg.files.values())
+
+
+def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig,
+                   available: Optional[int] = None) -> int:
+    """The KV pool's capacity in positions: EngineConfig.kv_pool_tokens, else the older
+    residency.kv_tokens; else under a memory budget one sequence at the model's full
+    context (what the budget reserves). Without one: half of the memory available at
+    start, less the model's files (they must stay in the page cache), over a position's
+    bytes, within [min(4,096, context), max(65,536, context)]. Capacity alone costs no
+    memory (rows are allocated per sequence), but the scheduler admits sequences up to
+    it: Qwen3-30B-A3B's 65,536 f32 positions are 12 GiB (docs/ARCHITECTURE.md)."""
+    got = engine.kv_pool_tokens or engine.residency.kv_tokens
+    if got:
+        return got
+    ctx = cfg.max_position_embeddings
+    if engine.max_resident_mb is not None:
+        return ctx
+    most, least = max(DEFAULT_POOL_TOKENS, ctx), min(MIN_POOL_TOKENS, ctx)
+    avail = available_bytes() if available is None else available
+    if avail is None:
+        return most
+    fit = (avail - model_bytes(cfg)) // 2 // kv_bytes_per_position(cfg, engine.kv_dtype)
+    return int(max(least, min(most, fit)))
+
 
 
 def check_memory(need: int, what: str) -> None:

@@ -122,8 +122,8 @@ def test_kv_pool_default_follows_memory_context_and_row_size(tmp_path):
 def test_a_small_default_pool_refuses_a_long_request_in_one_line(tmp_path, monkeypatch):
     d = tmp_path / "m"
     write_random_model(d, context=8192)
-    import colibri_core.residency as residency
-    monkeypatch.setattr(residency, "available_bytes", lambda: 0)    # no memory to spare
+    import colibri_core.kvcache as kvcache
+    monkeypatch.setattr(kvcache, "available_bytes", lambda: 0)    # no memory to spare
     with Engine.from_model_dir(d, threads=1) as e:
         assert e.kv_pool.capacity_tokens == 4096
         with pytest.raises(RequestTooLarge, match="kv_pool_tokens=4096"):
