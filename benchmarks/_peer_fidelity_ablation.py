@@ -5,7 +5,7 @@ Q4_0, on bench_vs_llamacpp.py's cached benchmark model (run that first).
 
 For each format and each role (embed, attn_q, attn_k, attn_v, attn_o, router, experts,
 lm_head, all), the float32 transformers model of the fp16 checkpoint gets that role's
-weights replaced by the format's dequantized weights (Colibri: colibri_core.quant
+weights replaced by the format's dequantized weights (Colibri: colibri_core.format.quant
 dequantize of the converted files, AWQ/act scales none here; llama.cpp: gguf.quants
 dequantize of the Q4_0 GGUF, Q/K rows un-permuted), and the logits of the same prompts as
 the benchmark's fidelity check are compared to the unmodified model's (rel. RMS). Also the
@@ -41,12 +41,12 @@ class Colibri:
     name = "colibri q4"
 
     def __init__(self, path: Path):
-        from colibri_core.weights import load_model
+        from colibri_core.model.weights import load_model
         self.w = load_model(path)
 
     @staticmethod
     def deq(t) -> np.ndarray:
-        from colibri_core.ops import float_matrix     # q4, q6, q8, bf16 or float -> float32
+        from colibri_core.model.ops import float_matrix     # q4, q6, q8, bf16 or float -> float32
         return float_matrix(t)
 
     def get(self, role: str, layer: int | None = None, expert: int | None = None, which=None):

@@ -119,7 +119,7 @@ class Draw:
         return (s * (0.75 + 0.5 * self.rng.random((rows, ng), np.float32))).astype(np.float32)
 
     def mat(self, kind: str, rows: int, cols: int, gain: float = 1.0):
-        from colibri_core.quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
+        from colibri_core.format.quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
         cp = padded_cols(cols, GROUP)
         ng = cp // GROUP
         s = gain / np.sqrt(self.VAR[kind] * cols)
@@ -141,7 +141,7 @@ class Draw:
 
 
 def _main_sections(cfg, dr: Draw):
-    from colibri_core.mla import mla_shapes
+    from colibri_core.model.mla import mla_shapes
     H, V = cfg.hidden_size, cfg.vocab_size
     # the embedding: unit-variance rows (q8 codes times 1/sqrt(var): gain sqrt(H))
     yield "embed", dr.mat("q8", V, H, gain=np.sqrt(H))
@@ -180,7 +180,7 @@ def _main_sections(cfg, dr: Draw):
 
 
 def _experts(cfg, dr: Draw):
-    from colibri_core.weights import FFNWeights
+    from colibri_core.model.weights import FFNWeights
     H, I = cfg.hidden_size, cfg.expert_intermediate
     for L in cfg.moe_layers:
         for e in range(cfg.num_experts):
@@ -189,7 +189,7 @@ def _experts(cfg, dr: Draw):
 
 def colibri_bytes(cfg) -> int:
     """The bytes write_colibri writes (parts rounded up to 4 KiB, a header page each)."""
-    from colibri_core.quant import padded_cols
+    from colibri_core.format.quant import padded_cols
     r = lambda n: -(-n // 4096) * 4096                             # noqa: E731
 
     def mat(kind, rows, cols):
@@ -234,7 +234,7 @@ def check_written(files) -> None:
 
 
 def write_colibri(shape: str, out: Path, seed: int = 0) -> Path:
-    from colibri_core.weights import write_model_dir
+    from colibri_core.model.weights import write_model_dir
     cfg = model_config(shape)
     if (out / "config.json").exists():
         return out

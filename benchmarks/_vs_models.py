@@ -291,7 +291,7 @@ def _summarize(rows, vocab: int, k: int, n_exp: int) -> dict:
 
 
 def colibri_inventory(path: Path) -> dict:
-    from colibri_core.modelfile import ContainerFile
+    from colibri_core.format.modelfile import ContainerFile
     cfg = json.loads((path / "config.json").read_text())
     rows = []
     for fn in sorted(cfg["files"]):

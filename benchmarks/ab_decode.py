@@ -46,7 +46,7 @@ def checkout(ref: str) -> Path:
     path = REPO / "build" / f"ab-{commit[:12]}"
     if not path.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True)
-    subprocess.run([sys.executable, "colibri_core/_kernels_build.py"], cwd=path, check=True,
+    subprocess.run([sys.executable, "colibri_core/kernels/build.py"], cwd=path, check=True,
                    stdout=subprocess.DEVNULL)
     return path
 

@@ -116,7 +116,7 @@ def attributed(eng, fn, log: Path) -> dict:
     RouteSink calls and takes, the score lines' rendering and queueing, the writer's
     writes), per item, over one run with the log on: what the log costs, measured apart
     from the machine's other load (which a wall-time A/B on a shared machine cannot)."""
-    from colibri_core import audit, scoring
+    from colibri_core.runtime import audit, scoring
     spent = [0.0]
 
     def wrap(obj, name):
@@ -190,7 +190,7 @@ def main(argv=None) -> dict:
                 res["decode"] = ab("decode tok/s",
                                    lambda e: time_decode(e, a.streams, a.tokens, 1), eng,
                                    a.rounds, tmp / "decode.jsonl")
-                from colibri_core import audit as audit_mod
+                from colibri_core.runtime import audit as audit_mod
                 tok = [0]
                 att = attributed(eng, lambda e: (time_decode(e, a.streams, a.tokens, 1),
                                                  a.streams * a.tokens)[1], tmp / "decode.jsonl")
@@ -202,8 +202,8 @@ def main(argv=None) -> dict:
                 res["decode"]["attributed"] = att
                 del tok, audit_mod
         if "replay" not in skip:
-            from colibri_core.fingerprint import fingerprint_of_dir
-            from colibri_core.hotplug.builder import build_expert
+            from colibri_core.model.fingerprint import fingerprint_of_dir
+            from colibri_core.experts.hotplug.builder import build_expert
             from colibri_core.replay import replay
             watched = tmp / "experts"
             watched.mkdir(mode=0o700)

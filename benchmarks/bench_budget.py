@@ -5,7 +5,7 @@
 
 The model: Mixtral-shaped random INT4 (hidden 1024, 8 MoE layers x 32 experts, top-2,
 moe_inter 2816, vocab 32000; ~1.26 GB on disk), built once with
-colibri_core.testing.write_random_model under benchmarks/out/ (git-ignored).
+colibri_core.model.testing.write_random_model under benchmarks/out/ (git-ignored).
 
 Each row is a fresh child process, started with the model's pages dropped from the page
 cache (fsync + posix_fadvise DONTNEED on every file, checked with mincore; with
@@ -57,7 +57,7 @@ def child(a) -> None:
     import numpy as np
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
-    from colibri_core.residency import proc_memory, proc_read_bytes
+    from colibri_core.experts.residency import proc_memory, proc_read_bytes
     from colibri_core import kernels  # noqa: F401  (imported before the overhead is read)
 
     settings = json.loads(a.settings)
@@ -134,7 +134,7 @@ def model_files(model: Path) -> list[Path]:
 
 
 def drop_model_cache(model: Path, drop_caches: bool) -> tuple[int, str]:
-    from colibri_core.residency import drop_file_cache, file_cache_bytes
+    from colibri_core.experts.residency import drop_file_cache, file_cache_bytes
     note = "posix_fadvise DONTNEED per file"
     for f in model_files(model):
         drop_file_cache(f, sync=True)
@@ -250,7 +250,7 @@ class Cgroup:
 def probe_overhead(a) -> int:
     """RSS of a child after its imports (the fixed overhead a budget does not cover)."""
     code = ("import numpy, colibri_core.engine, colibri_core.kernels;"
-            "from colibri_core.residency import proc_memory; print(proc_memory()['VmRSS'])")
+            "from colibri_core.experts.residency import proc_memory; print(proc_memory()['VmRSS'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(r.stdout.split()[-1])
 

@@ -74,7 +74,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=150)
     a = ap.parse_args(argv)
-    from colibri_core import pipeline, steptables
+    from colibri_core.forward import pipeline, steptables
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
 

@@ -69,7 +69,7 @@ def summary(values, scale=1e3) -> dict:
 
 def build_pool(out: Path, specs: list[tuple[str, str, int, int]]) -> dict:
     """(name, version, layer, seed) -> .so path, built once (cached by those four)."""
-    from colibri_core.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.builder import build_expert
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for name, version, layer, seed in specs:
@@ -161,7 +161,7 @@ def run(args) -> dict:
     from colibri_core import kernels
     from colibri_core.config import HotplugConfig
     from colibri_core.engine import Engine
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.testing import compile_test_expert
 
     names = [f"solo{i}" for i in range(10)]
     solo_specs = [(names[i % 10], f"v{i}", 1 + i % 3, 1000 + i) for i in range(args.drops)]
@@ -298,7 +298,7 @@ def run(args) -> dict:
 
 
 def bench_probe(work: Path, so: Path, n: int = 15) -> dict:
-    from colibri_core.hotplug.probe import run_probe
+    from colibri_core.experts.hotplug.probe import run_probe
     out = {}
     times = []
     for _ in range(n):
@@ -307,8 +307,8 @@ def bench_probe(work: Path, so: Path, n: int = 15) -> dict:
         times.append(time.perf_counter() - t)
     out["fresh_interpreter_ms"] = summary(times)
     try:
-        from colibri_core.hotplug.probepool import ProbePool
-        from colibri_core.hotplug.probe import interpret
+        from colibri_core.experts.hotplug.probepool import ProbePool
+        from colibri_core.experts.hotplug.probe import interpret
     except ImportError:
         return out
     pool = ProbePool(P_SLOTS, cwd=str(work))
@@ -334,8 +334,8 @@ def bench_probe(work: Path, so: Path, n: int = 15) -> dict:
 
 
 def bench_calls(work: Path) -> list[dict]:
-    from colibri_core.hotplug import HotplugManager
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug import HotplugManager
+    from colibri_core.experts.hotplug.testing import compile_test_expert
     rows = []
     for hidden in (64, 2048):
         folder, state = work / f"calls{hidden}", work / f"calls{hidden}-state"

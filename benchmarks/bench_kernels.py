@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from colibri_core import kernels as K  # noqa: E402
-from colibri_core.quant import (Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4, quantize_q6,  # noqa: E402
+from colibri_core.format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4, quantize_q6,  # noqa: E402
                                 quantize_q8)
 
 COLD_BYTES = 160 << 20  # > any L3 we expect to meet

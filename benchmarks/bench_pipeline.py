@@ -66,13 +66,13 @@ from common import OUT, best_read_bandwidth, git_commit, machine  # noqa: E402
 
 PROMPT = 64
 BATCHES = (4, 16, 64)
-FORWARD_FILES = ("colibri_core/model.py", "colibri_core/decode.py", "colibri_core/mla.py",
-                 "colibri_core/ops.py", "colibri_core/routing.py", "colibri_core/kernels.py",
-                 "colibri_core/pipeline.py", "colibri_core/_kernels/ck_core.c",
-                 "colibri_core/_kernels/ck_decode.c", "colibri_core/_kernels/ck_pool.c",
-                 "colibri_core/_kernels/ck_step.c", "colibri_core/_kernels/ck_step.h",
-                 "colibri_core/_kernels/ck_step_attn.c", "colibri_core/_kernels/ck_step_moe.c",
-                 "colibri_core/steptables.py", "colibri_core/reference.py", "colibri_core/kvcache.py")
+FORWARD_FILES = ("colibri_core/forward/model.py", "colibri_core/decode.py", "colibri_core/model/mla.py",
+                 "colibri_core/model/ops.py", "colibri_core/model/routing.py", "colibri_core/kernels/__init__.py",
+                 "colibri_core/forward/pipeline.py", "colibri_core/kernels/c/ck_core.c",
+                 "colibri_core/kernels/c/ck_decode.c", "colibri_core/kernels/c/ck_pool.c",
+                 "colibri_core/kernels/c/ck_step.c", "colibri_core/kernels/c/ck_step.h",
+                 "colibri_core/kernels/c/ck_step_attn.c", "colibri_core/kernels/c/ck_step_moe.c",
+                 "colibri_core/forward/steptables.py", "colibri_core/forward/reference.py", "colibri_core/model/kvcache.py")
 
 
 def log(*a):
@@ -88,7 +88,7 @@ def weights_per_token(model_dir: Path) -> dict:
     at top-k of E per MoE layer) `bytes` and `macs` per token; `routed_expert` the bytes
     and multiply-adds of one routed expert (averaged over the model's); `fixed_bytes` /
     `fixed_macs` what every token reads whatever its experts; `bytes_per_token` the total."""
-    from colibri_core.modelfile import ContainerFile
+    from colibri_core.format.modelfile import ContainerFile
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     parts = {p: {"bytes": 0, "macs": 0} for p in
              ("embed", "attention", "dense", "shared", "norms", "router", "lm_head", "routed")}
@@ -193,7 +193,7 @@ def kernel_rate(threads: int, quick: bool) -> dict:
     hot, at `threads` threads, timed by bench_kernels.bench; `macs_per_s` the higher."""
     import bench_kernels as BK
     from colibri_core import kernels as K
-    from colibri_core.quant import quantize_q4
+    from colibri_core.format.quant import quantize_q4
     K.set_threads(threads)
     rng = np.random.default_rng(0)
     rows, cols = 1024, 2816
@@ -365,7 +365,7 @@ def whole_model_budget(model_dir: Path) -> float:
     """max_resident_mb (MiB) of about 1.1x the model's files, raised where needed until the
     budget's expert cache holds every expert (residency.check_budget's plan)."""
     from colibri_core.config import EngineConfig
-    from colibri_core.residency import check_budget
+    from colibri_core.experts.residency import check_budget
     mb = round(1.1 * model_bytes(model_dir) / MiB, 1)
     for _ in range(8):
         plan = check_budget(model_dir, EngineConfig(max_resident_mb=mb,

@@ -47,7 +47,7 @@ spec.loader.exec_module(sys.modules[spec.name])
 from colibri_core import kernels as K
 from colibri_core.engine import Engine
 from colibri_core.config import EngineConfig
-from colibri_core.quant import quantize_q4
+from colibri_core.format.quant import quantize_q4
 shapes, ns = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 e = Engine(sys.argv[1], EngineConfig(threads=int(sys.argv[2])))
 m, rng, out = e.model, np.random.default_rng(0), {"backend": K.backend()}
@@ -108,7 +108,7 @@ def parts(model: str, threads: int, rounds: int) -> None:
     sys.path.insert(0, str(REPO))                        # this tree's colibri_core
     from bench_decode_breakdown import TimedLib
     from colibri_core import kernels as K
-    from colibri_core import pipeline
+    from colibri_core.forward import pipeline
     from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
     eng = Engine(model, EngineConfig(threads=threads))

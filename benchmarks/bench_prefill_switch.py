@@ -46,7 +46,7 @@ VARIANTS = {"matvec": 1 << 30, "batch": 1, "default": 0}
 
 
 def rand_q4(rng, rows: int, cols: int, group: int):
-    from colibri_core.quant import Q4Tensor, padded_cols
+    from colibri_core.format.quant import Q4Tensor, padded_cols
     cp = padded_cols(cols, group)
     return Q4Tensor(rng.integers(0, 256, (rows, cp // 2), dtype=np.uint8),
                     rng.uniform(1e-3, 2e-3, (rows, cp // group)).astype(np.float32),

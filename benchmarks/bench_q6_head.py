@@ -82,7 +82,7 @@ def decode(model: Path, threads: int, tokens: int, prompt: int) -> dict:
 
 def head_alone(models: dict, threads: int) -> dict:
     from colibri_core import kernels as K
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
     K.set_threads(threads)       # the backend: COLIBRI_KERNELS's, as in the decode runs
     res = {}
     for name, path in models.items():

@@ -121,7 +121,7 @@ def measure_cost(eng, fixed: float, one: float, reps: int) -> dict:
                 times[g].append(dt)
                 nbytes[g].append(step_bytes(m, fixed, one))
     t1 = statistics.median(times[1])
-    from colibri_core.speculative import PromptLookup
+    from colibri_core.runtime.speculative import PromptLookup
     hist = list(rng.integers(1, V, 600))
     d = PromptLookup(hist)
     d.draft(8)
@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     from colibri_core import kernels
     from colibri_core.config import EngineConfig, builtin_model_dir
     from colibri_core.engine import Engine
-    from colibri_core.tokenizer import Tokenizer
+    from colibri_core.runtime.tokenizer import Tokenizer
     texts = held_out_texts(a.prompts)
     tok = Tokenizer(builtin_model_dir() / "tokenizer.json", 1024)
     ids = [tok.encode(t) for t in texts]

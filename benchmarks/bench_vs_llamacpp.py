@@ -215,7 +215,7 @@ def pyspy(engine: str, job: dict, threads: int, rate: int = 250) -> str | None:
     if p.returncode != 0 or not raw.exists():
         return "py-spy failed: " + (p.stderr.strip().splitlines() or ["?"])[-1]
     if engine == "colibri":
-        import colibri_core.generate as g
+        import colibri_core.runtime.generate as g
         src = Path(g.__file__).read_text().splitlines()
         fwd = [i + 1 for i, ln in enumerate(src) if "eng.model.forward(" in ln]
         decode_tag = f"generate.py:{fwd[-1]})" if len(fwd) >= 2 else "Model.forward"

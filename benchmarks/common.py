@@ -22,7 +22,7 @@ BENCH_SHAPE = dict(vocab=32000, hidden=1024, layers=("moe",) * 8, experts=8, top
 
 def bench_model(path: Path | None = None, **shape) -> Path:
     """Build (or reuse) a random Colibri benchmark model directory."""
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     spec = {**BENCH_SHAPE, **shape}
     path = path or OUT / ("bench_model_" + "_".join(f"{k}{len(v) if isinstance(v, tuple) else v}"
                                                     for k, v in sorted(spec.items())))

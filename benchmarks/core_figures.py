@@ -15,8 +15,8 @@ import numpy as np
 def main():
     from colibri_core import kernels
     from colibri_core.engine import Engine
-    from colibri_core.quant import matvec_q4_ref, quantize_q4
-    from colibri_core.routing import fixed_point_softmax_weights
+    from colibri_core.format.quant import matvec_q4_ref, quantize_q4
+    from colibri_core.model.routing import fixed_point_softmax_weights
 
     rng = np.random.default_rng(0)
     worst = 0.0

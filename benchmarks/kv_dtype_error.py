@@ -2,7 +2,7 @@
 
     python benchmarks/kv_dtype_error.py [--steps 64] [--json]
 
-For each model (a random one from colibri_core.testing and the built-in one), the f32
+For each model (a random one from colibri_core.model.testing and the built-in one), the f32
 cache decodes `steps` greedy tokens after a fixed 128-token prompt, with int8 activations
 (the default) and with float activations (the C pipeline's float tiles, where no
 int8 rounding of the attention's output hides the cache's own error); the f16 and q8 caches are then
@@ -59,7 +59,7 @@ def measure(model, prompt: list, steps: int = 64) -> dict:
 
 
 def random_model(path: Path) -> Path:
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     write_random_model(path, seed=5, vocab=512, hidden=256, layers=("dense", "moe", "moe"),
                        experts=6, top_k=2, inter=384, moe_inter=192, shared=96, heads=8,
                        kv_heads=2, context=256)

@@ -6,7 +6,7 @@ Start at `engine.Engine`; the data flows config -> modelfile/weights -> kernels 
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # lazy, so `import colibri_core.quant` stays light
+def __getattr__(name):  # lazy, so `import colibri_core.format.quant` stays light
     if name == "Engine":
         from .engine import Engine
         return Engine

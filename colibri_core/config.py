@@ -100,7 +100,7 @@ class ModelConfig(BaseModel):
     rotary_dim: Optional[int] = Field(default=None, gt=0)   # the first dims of a head rotated
                                                             # (partial rotary); None: all
 
-    # Attention variant. "mla": DeepSeek multi-head latent attention (colibri_core/mla.py);
+    # Attention variant. "mla": DeepSeek multi-head latent attention (colibri_core/model/mla.py);
     # head_dim is then qk_nope_head_dim + qk_rope_head_dim and num_kv_heads == num_heads.
     attention: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: Optional[int] = Field(default=None, gt=0)   # None: plain wq
@@ -234,7 +234,7 @@ class HotplugConfig(BaseModel):
 
 
 class ResidencyConfig(BaseModel):
-    """The expert cache behind EngineConfig.max_resident_mb (colibri_core/expertcache.py);
+    """The expert cache behind EngineConfig.max_resident_mb (colibri_core/experts/expertcache.py);
     ignored without a budget."""
     model_config = _STRICT
     policy: Literal["lru", "lfu"] = "lfu"          # lfu: frequency with exponential aging

@@ -24,17 +24,17 @@ from . import kernels
 from .closedguard import refuse_after_close
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import ConfigError, EngineClosedError, RequestError
-from .expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_remaining,
-                            release_with, same_changes, with_change)
-from .generate import Generation
-from .hotplug.events import ExpertEvents
-from .kvcache import KVPool
-from .model import Model
-from .kselect import check_k, split_mode_prefix
-from .sampler import Sampler
-from .scheduler import Scheduler
-from .tokenizer import Tokenizer
-from .weights import load_model
+from .experts.expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_remaining,
+                                    release_with, same_changes, with_change)
+from .runtime.generate import Generation
+from .experts.hotplug.events import ExpertEvents
+from .model.kvcache import KVPool
+from .forward.model import Model
+from .runtime.kselect import check_k, split_mode_prefix
+from .runtime.sampler import Sampler
+from .runtime.scheduler import Scheduler
+from .runtime.tokenizer import Tokenizer
+from .model.weights import load_model
 
 log = logging.getLogger("colibri")
 _request_ids = itertools.count(1)
@@ -64,11 +64,11 @@ class Engine:
         if config.process_limit_mb is not None and os.path.isfile(self.model_dir / "config.json"):
             # the whole process under a limit: measure the fixed overhead now, before any
             # of the model is loaded, and give the budget the rest (residency.py)
-            from .residency import derive_budget
+            from .experts.residency import derive_budget
             config, _ = derive_budget(self.model_dir, config)
             self.config = config
         if config.max_resident_mb is not None and os.path.isfile(self.model_dir / "config.json"):
-            from .residency import check_budget
+            from .experts.residency import check_budget
             check_budget(self.model_dir, config)    # too small a budget: refused before loading
         # Copy-in under a budget: expert files are read into the cache's slots, not at load.
         lazy = config.max_resident_mb is not None and config.load_mode == "copy"
@@ -139,7 +139,7 @@ class Engine:
         if self._closed:
             raise self._closed_error()
         r = self.model.residency.report(page_cache)
-        from .expertset import HotSlot
+        from .experts.expertset import HotSlot
         seen = {}
         for exps in self.model.expert_set.experts.values():
             for e in exps:
@@ -267,7 +267,7 @@ class Engine:
     def model_fingerprint(self) -> str:
         """The model's fingerprint (fingerprint.py; worked out once, on first use): what
         a hot-plugged expert built for this model records as its base_model."""
-        from .fingerprint import model_fingerprint
+        from .model.fingerprint import model_fingerprint
         return model_fingerprint(self.weights)
 
     @property
@@ -411,14 +411,14 @@ class Engine:
         `expert_set` {generation, id} of the one set that computed it, `k`, `tokens`);
         each sequence is pinned to the set current at its admission, sequences with the
         same `groups` label to the set of the first of them admitted (scoring.py)."""
-        from .scoring import score
+        from .runtime.scoring import score
         return score(self, sequences, top_k, all_positions, track,
                      request_id or f"req-{next(_request_ids)}", groups)
 
     def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:
         """Write one audit line per scored item and generated sequence to `path`
         (audit.py; rotated past `max_mb` per file) until stop_audit(). Off until called."""
-        from .audit import AuditLog, RouteSink
+        from .runtime.audit import AuditLog, RouteSink
         if self.audit is not None:
             raise RequestError(f"the audit log is on already ({self.audit.path})")
         cfg = self.config
@@ -435,7 +435,7 @@ class Engine:
 
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:
-        from .hotplug.manager import HotplugManager
+        from .experts.hotplug.manager import HotplugManager
         hp = config.hotplug
         experts_dir = Path(config.experts_dir)
         state_dir = Path(hp.state_dir) if hp.state_dir else experts_dir / ".colibri-state"

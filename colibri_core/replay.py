@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .audit import RouteSink, input_digest, output_digest, routing_of
+from .runtime.audit import RouteSink, input_digest, output_digest, routing_of
 from .errors import AuditLogError, ColibriError
 from .nesting import TooDeep, json_loads
 
@@ -150,7 +150,7 @@ def _sha256_file(path: Path) -> str:
 def _find_expert(e: dict, rec: dict, experts_dir: Optional[Path]) -> Path:
     """The file of hot-plugged expert `e` of expert_set line `rec`: kept by the audit
     log, or in --experts-dir with the same sha256; else one line naming it."""
-    from .hotplug.bundle import bundle_identity
+    from .experts.hotplug.bundle import bundle_identity
     sha = e["sha256"]
     tried = [Path(rec["log"] + ".experts") / e["file"]]
     if experts_dir is not None:
@@ -178,8 +178,8 @@ def _find_expert(e: dict, rec: dict, experts_dir: Optional[Path]) -> Path:
 def build_set(eng, rec: dict, experts_dir: Optional[Path], loaded: list, base=None):
     """The expert set of expert_set line `rec`, on `base` (default: `eng`'s current set,
     which must hold the model's experts only)."""
-    from .hotplug.bundle import read_staged
-    from .hotplug.expert import PreparedExpert
+    from .experts.hotplug.bundle import read_staged
+    from .experts.hotplug.expert import PreparedExpert
     es = base if base is not None else eng.model.expert_set
     H = eng.model_cfg.hidden_size
     for e in sorted(rec["experts"], key=lambda e: e["slot"]):
@@ -287,7 +287,7 @@ def _check_batch(model, es, batch: list, sink, rep: Report) -> None:
         if output_digest(out) != d["output"]["sha256"]:
             what.append("output differs")
             if d["all_positions"] and d.get("scores"):
-                from .audit import next_token_logprobs
+                from .runtime.audit import next_token_logprobs
                 got = np.asarray(next_token_logprobs(out, d["tokens"]))
                 want = np.asarray(d["scores"], np.float64)
                 if got.shape == want.shape:

@@ -10,7 +10,7 @@
  * and it is picked up by a running engine whose model has hidden_size 128 and an MoE layer
  * 1, such as the built-in model (MoE layers 1-3); `make HIDDEN=... LAYER=... MODEL=...` for
  * others. The Makefile records the model's fingerprint (COLIBRI_BASE_MODEL, from
- * `python -m colibri_core.fingerprint --c MODEL`): another model refuses the expert.
+ * `python -m colibri_core.model.fingerprint --c MODEL`): another model refuses the expert.
  * Everything the engine needs is below: the metadata record, the router row and
  * ffn_forward. Read colibri_core/include/colibri_expert.h for the contract.
  */

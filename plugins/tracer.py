@@ -30,7 +30,7 @@ import numpy as np
 
 from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
-from colibri_core.modelfile import expert_name
+from colibri_core.format.modelfile import expert_name
 
 KINDS = ("routing", "memory", "timing")
 _ENV_KINDS = "COLIBRI_DEBUG"

@@ -44,7 +44,7 @@ def heldout_windows(engine, n_windows: int | None = None, stride: int = SPAN) ->
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    from colibri_core.ops import log_softmax
+    from colibri_core.model.ops import log_softmax
 
     return -log_softmax(logits)[np.arange(len(targets)), targets]
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def tiny_model_dir(tmp_path_factory):
     """A small random mixed-stack model written directly in Colibri's format (no torch):
     layer 0 dense, layers 1-2 MoE (4 experts, top-2, gated shared expert)."""
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     d = tmp_path_factory.mktemp("tiny")
     write_random_model(d / "m", seed=0)
     return d / "m"

@@ -159,7 +159,7 @@ def write_tokenizer(path: Path) -> Path:
 
 
 def _deq(t):
-    from colibri_core.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
+    from colibri_core.format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
                                     dequantize_q8)
     if isinstance(t, Q4Tensor):
         return dequantize_q4(t)
@@ -185,7 +185,7 @@ def load_dequantized_into(model, colibri_dir: Path):
     """Copy Colibri's effective weights (dequantized, AWQ scales divided out; norms,
     biases and routers too) back into the Hugging Face `model` (in place)."""
     torch, _ = _imports()
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
 
     w = load_model(colibri_dir)
     sd = model.state_dict()
@@ -402,7 +402,7 @@ def save_awq(model, path: Path, group: int = 64) -> dict:
     does (scales in f16). Returns {linear prefix: (q [out,in], zeros, scales f32)}."""
     torch, _ = _imports()
     from safetensors.torch import save_file
-    from colibri_core.quant import quantize_q4, unpack_nibbles
+    from colibri_core.format.quant import quantize_q4, unpack_nibbles
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = _unfused({k: v.detach().contiguous() for k, v in model.state_dict().items()})

@@ -59,7 +59,7 @@ def load_dequantized_more(model, colibri_dir: Path):
     if "ernie" in type(model).__name__.lower():
         return _load_ernie(model, colibri_dir)
     torch, _ = hf_helpers._imports()
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
     w = load_model(colibri_dir)
     sd = model.state_dict()
 

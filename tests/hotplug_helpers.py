@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core.hotplug import HotplugManager
-from colibri_core.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug import HotplugManager
+from colibri_core.experts.hotplug.testing import compile_test_expert
 
 H = 64
 FIRST_SLOT = 16

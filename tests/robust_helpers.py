@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_core.modelfile import ContainerFile
+from colibri_core.format.modelfile import ContainerFile
 
 
 # ----------------------------------------------------------------------------- model dirs
@@ -219,7 +219,7 @@ def damage_model(model: Path, how: str) -> None:
 
 def nan_model(tmp_path, section="lm_head", part="scales", index=0):
     """A random model whose `section` holds a NaN in `part` at `index`."""
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     d = tmp_path / "nan"
     write_random_model(d, seed=2)
     poke_f32(d, "model.bin", section, part, index, float("nan"))

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from colibri_core.audit import input_digest, output_digest, routing_arrays
+from colibri_core.runtime.audit import input_digest, output_digest, routing_arrays
 from colibri_core.engine import Engine
 from colibri_core.errors import AuditLogError, ConfigError
 from colibri_core.replay import replay
@@ -37,7 +37,7 @@ def _lines(path):
 
 
 def _hot_engine(tmp_path, **kw):
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.testing import compile_test_expert
     watched = tmp_path / "watched"
     watched.mkdir(mode=0o755, exist_ok=True)
     so = compile_test_expert(tmp_path / "hot.so", hidden=H, layer=1, name="hot",
@@ -47,7 +47,7 @@ def _hot_engine(tmp_path, **kw):
 
 def _router_bias_hot(tmp_path, name="hot", bias=50.0, seed=3):
     """A q4 expert routed by every token of layer 1 (router bias 50)."""
-    from colibri_core.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.builder import build_expert
     rng = np.random.default_rng(seed)
     npz = tmp_path / f"{name}.npz"
     I = 64
@@ -106,8 +106,8 @@ def test_an_items_candidates_share_one_set(tiny_model_dir):
     """Engine.score's groups: sequences with one label are pinned to one set object."""
     with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
         seqs = _seqs(6, seed=2)
-        from colibri_core.scheduler import Request
-        from colibri_core.scoring import ScoreJob
+        from colibri_core.runtime.scheduler import Request
+        from colibri_core.runtime.scoring import ScoreJob
         box = [None]
         req = Request("r")
         a, b = (ScoreJob(req, seqs[0], 2, False, None, box),
@@ -322,7 +322,7 @@ def test_replay_generates_greedy_sequences_again(tiny_model_dir, tmp_path):
     """Greedy generations (EOS masked or not, pinned) are generated again under their
     set and their tokens compared; sampled ones are counted as not replayable; a changed
     digest is flagged."""
-    from colibri_core.sampler import Sampler
+    from colibri_core.runtime.sampler import Sampler
     log = tmp_path / "audit.jsonl"
     with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
         eng.start_audit(log)

@@ -18,7 +18,7 @@ from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
-from colibri_core.residency import MiB, check_budget, file_cache_bytes, proc_memory
+from colibri_core.experts.residency import MiB, check_budget, file_cache_bytes, proc_memory
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(1, 500, 32)]
 N_NEW = 8
@@ -27,7 +27,7 @@ N_NEW = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """5 layers (1 dense, 4 MoE x 16 experts of ~430 KB, top-2): 27 MB of experts."""
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     d = tmp_path_factory.mktemp("budget") / "m"
     write_random_model(d, seed=3, vocab=512, hidden=256, layers=("dense",) + ("moe",) * 4,
                        experts=16, top_k=2, inter=512, moe_inter=1024, shared=0, heads=4,

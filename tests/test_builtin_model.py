@@ -31,7 +31,7 @@ def hf_twin():
     model = tr.Qwen2MoeForCausalLM(hf_cfg).eval()
     with torch.no_grad():   # norms and biases are not in the dequantized copy: load them too
         load_dequantized_into(model, builtin_model_dir())
-        from colibri_core.weights import load_model
+        from colibri_core.model.weights import load_model
         w = load_model(builtin_model_dir())
         sd = model.state_dict()
         for lw in w.layers:
@@ -117,8 +117,10 @@ def test_builtin_q6_head_kl_floor():
     q8 < 0.00015, q6 under a tenth of q4."""
     import sys
     from pathlib import Path
-    from colibri_core import kernels as K, ops, quant as Q
-    from colibri_core.reference import ReferenceModel
+    from colibri_core import kernels as K
+    from colibri_core.model import ops
+    from colibri_core.format import quant as Q
+    from colibri_core.forward.reference import ReferenceModel
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "scripts"))
     from eval_builtin_context import heldout_windows

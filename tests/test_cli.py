@@ -109,7 +109,7 @@ def test_long_prompt_is_not_echoed_whole():
 def test_budget_report_shows_what_exists(size):
     """For a budget that holds a few experts and for one larger than the model."""
     from colibri_core.config import EngineConfig, load_model_config
-    from colibri_core.residency import check_budget
+    from colibri_core.experts.residency import check_budget
     cfg = load_model_config(builtin_model_dir() / "config.json")
     plan = check_budget(builtin_model_dir(), EngineConfig(max_resident_mb=100000))
     mb = ((plan.minimum + 3 * plan.expert_bytes) / 2**20 + 0.05 if size == "small"
@@ -197,7 +197,7 @@ def test_experts_list_json(tmp_path):
 
 def _all_parsers():
     from colibri_core.cli import build_parser
-    from colibri_core.hotplug.builder import build_parser as builder_parser
+    from colibri_core.experts.hotplug.builder import build_parser as builder_parser
     todo, seen = [build_parser(), builder_parser()], []
     while todo:
         p = todo.pop()

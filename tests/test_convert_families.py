@@ -132,7 +132,7 @@ def test_quantized_matches_dequantized_transformers(built, case, bits, dtype):
 def test_bits16_copies_checkpoint_bits(built):
     """--bits 16 of a bf16 checkpoint stores the very same bytes (lossless)."""
     from colibri_core.convert.safetensors_reader import Checkpoint
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
     _, hf, out = built("deepseek_v3", 16, "bf16")
     ck = Checkpoint(hf)
     w = load_model(out)
@@ -174,8 +174,8 @@ def test_bits4_precision_defaults_and_q4_clip(built, tmp_path):
     documented rule (`q4_clip`, recorded in config.json); --q4-clip minmax is plain RTN."""
     from colibri_core.cli import main
     from colibri_core.convert.safetensors_reader import Checkpoint
-    from colibri_core.quant import Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4
-    from colibri_core.weights import load_model
+    from colibri_core.format.quant import Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4
+    from colibri_core.model.weights import load_model
     _, hf, out = built("mixtral", 4)
     ck = Checkpoint(hf)
     assert main(["convert", str(hf), str(tmp_path / "mm"), "--q4-clip", "minmax"]) == 0
@@ -232,8 +232,8 @@ def test_interrupted_conversion_leaves_nothing_valid_looking(built, tmp_path, mo
 def test_streaming_writer_holds_one_tensor(tmp_path):
     """write_container streams a generator: each tensor is released once written, and a
     section table larger than the reserved header room is handled by shifting once."""
-    from colibri_core.modelfile import ContainerFile, write_container
-    from colibri_core.quant import quantize_q4
+    from colibri_core.format.modelfile import ContainerFile, write_container
+    from colibri_core.format.quant import quantize_q4
     alive = []
 
     def sections():
@@ -316,7 +316,7 @@ def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patc
 
 def test_awq_beats_rtn_on_activation_outliers(tmp_path):
     from tokenizers import Tokenizer
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
     model = inject_outliers(make_hf_model("qwen3_moe", seed=2, hidden_size=H))
     save(model, tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
@@ -360,8 +360,8 @@ def test_awq_beats_rtn_on_activation_outliers(tmp_path):
 
 
 def test_autoawq_checkpoint_imported_without_requantizing(tmp_path):
-    from colibri_core.quant import unpack_nibbles
-    from colibri_core.weights import load_model
+    from colibri_core.format.quant import unpack_nibbles
+    from colibri_core.model.weights import load_model
     model = make_hf_model("qwen2_moe", seed=3, hidden_size=H, moe_intermediate_size=128,
                           shared_expert_intermediate_size=192)
     packed = save_awq(model, tmp_path / "hf", group=64)
@@ -409,8 +409,8 @@ def test_tensor_bits_per_class_and_the_report(built, tmp_path, capsys):
     it cannot store is refused with one line naming it."""
     from colibri_core.cli import main
     from colibri_core.convert import tensor_classes
-    from colibri_core.quant import Q4Tensor, Q6Tensor, Q8Tensor, bits_per_weight
-    from colibri_core.weights import load_model
+    from colibri_core.format.quant import Q4Tensor, Q6Tensor, Q8Tensor, bits_per_weight
+    from colibri_core.model.weights import load_model
     _, hf, _ = built("mixtral", 4)
     out = tmp_path / "six"
     assert main(["convert", str(hf), str(out), "--tensor-bits", "attn_qo=6,attn_kv=6",

@@ -129,7 +129,7 @@ def test_bits16_keeps_the_checkpoint_bits_in_ernie_row_order(built):
     """--bits 16 of a bf16 ERNIE checkpoint: the same bits, q/k rows in the rotate-half
     order (each head's even rows, then its odd rows), every other matrix as stored."""
     from colibri_core.convert.safetensors_reader import Checkpoint
-    from colibri_core.weights import load_model
+    from colibri_core.model.weights import load_model
     _, hf, out = built("ernie4_5_moe", 16, "bf16")
     ck, w = Checkpoint(hf), load_model(out)
     try:

@@ -10,10 +10,10 @@ import pytest
 from colibri_core.config import ModelConfig
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError, ModelFormatError
-from colibri_core.quant import Q4Tensor, Q8Tensor, quantize_q4, quantize_q8
-from colibri_core.testing import write_random_model
-from colibri_core.validate import check_tensor, scan_model_dir, tensor_problems
-from colibri_core.weights import load_model, verify_checksums, write_model_dir
+from colibri_core.format.quant import Q4Tensor, Q8Tensor, quantize_q4, quantize_q8
+from colibri_core.model.testing import write_random_model
+from colibri_core.format.validate import check_tensor, scan_model_dir, tensor_problems
+from colibri_core.model.weights import load_model, verify_checksums, write_model_dir
 
 from robust_helpers import (damage_model, fd_count, maps_of, model_dict, nan_model, one_line,
                             part_offset, poke, poke_f32)

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from colibri_core.hotplug.errors import RollbackError
-from colibri_core.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.errors import RollbackError
+from colibri_core.experts.hotplug.testing import compile_test_expert
 from hotplug_helpers import drain_until, drop, folder, make_manager, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -115,8 +115,8 @@ def test_rolled_back_file_is_listed_and_list_works_beside_a_running_manager(
     assert row["refused"]["reason"] == "rolled-back" and "alpha 2" in row["refused"]["message"]
     mgr._save_state()
     # the read-only view another process takes while this manager holds the state folder
-    from colibri_core.hotplug.listing import folder_view
-    from colibri_core.hotplug.state import state_dir_in_use
+    from colibri_core.experts.hotplug.listing import folder_view
+    from colibri_core.experts.hotplug.state import state_dir_in_use
     assert state_dir_in_use(mgr.state_dir)
     view = folder_view(str(folder), mgr.state_dir)
     assert [(x["name"], x["version"], x["status"]) for x in view["experts"]] == [
@@ -176,7 +176,7 @@ def test_upload_of_an_expert_built_for_another_model_is_refused(tmp_path):
     history; bound to the built-in model it goes live."""
     import hashlib
 
-    from colibri_core.fingerprint import fingerprint_for
+    from colibri_core.model.fingerprint import fingerprint_for
     from server_helpers import LiveServer
     fps = {m: fingerprint_for(m) for m in ("builtin", "fraud")}
     d = tmp_path / "experts"

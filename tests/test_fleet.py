@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from colibri_core.fleet.fleetset import FleetRefusal, FleetSet
-from colibri_core.hotplug.errors import RollbackError
-from colibri_core.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.errors import RollbackError
+from colibri_core.experts.hotplug.testing import compile_test_expert
 
 H, FIRST = 64, 8
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from colibri_core.config import (EngineConfig, ModelConfig, RunConfig, load_model_config,
                                  load_run_config, parse, read_mapping)
 from colibri_core.errors import ConfigError, ExpertIndexError, ModelFormatError, RequestError
-from colibri_core.modelfile import _PREFIX, ContainerFile
-from colibri_core.kselect import split_mode_prefix
-from colibri_core.weights import load_model
+from colibri_core.format.modelfile import _PREFIX, ContainerFile
+from colibri_core.runtime.kselect import split_mode_prefix
+from colibri_core.model.weights import load_model
 
 from fuzz_helpers import TRIED, EDGE_INTS, fuzz, guarded, json_values, mutated
 from fuzz_helpers import scratch  # noqa: F401  (a fixture)
@@ -171,7 +171,7 @@ def tok_engine(tmp_path_factory):
     from hf_helpers import write_tokenizer
 
     from colibri_core.engine import Engine
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     d = tmp_path_factory.mktemp("fuzzeng")
     write_random_model(d / "m", seed=4, tokenizer=write_tokenizer(d))
     e = Engine.from_model_dir(d / "m", threads=1)
@@ -340,7 +340,7 @@ def test_fuzz_model_dir(tiny_model_dir, model_cfg_base, scratch, data):
     def go():
         w = load_model(dst, mode)
         try:
-            from colibri_core.model import Model
+            from colibri_core.forward.model import Model
             m = Model(w, EngineConfig(threads=1))
             cache = m.new_cache(4)
             k = max(1, min(w.cfg.top_k or 1, w.cfg.num_experts or 1))

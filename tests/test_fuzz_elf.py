@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colibri_core.hotplug.errors import ExpertRejected
+from colibri_core.experts.hotplug.errors import ExpertRejected
 
 from fuzz_helpers import fuzz, guarded
 from fuzz_helpers import scratch  # noqa: F401  (a fixture)
@@ -44,7 +44,7 @@ class ElfLayout:
     """Where the mutable structures of a valid expert .so lie (from its own headers)."""
 
     def __init__(self, path: Path):
-        from colibri_core.hotplug.elf import SHT_DYNSYM, SHT_SYMTAB, ElfFile
+        from colibri_core.experts.hotplug.elf import SHT_DYNSYM, SHT_SYMTAB, ElfFile
         self.raw = path.read_bytes()
         self.size = len(self.raw)
         r = self.raw
@@ -132,8 +132,8 @@ def experts(tmp_path_factory):
     """Two valid experts: the C test expert (no q4 weights) and a built one (q4 symbols)."""
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
-    from colibri_core.hotplug.builder import build_expert
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.testing import compile_test_expert
     d = tmp_path_factory.mktemp("elf")
     a = compile_test_expert(d / "plain.so", hidden=128, layer=1, name="plain")
     rng = np.random.default_rng(0)
@@ -145,7 +145,7 @@ def experts(tmp_path_factory):
 
 
 def test_valid_experts_read(experts, scratch):
-    from colibri_core.hotplug.meta import read_expert_file
+    from colibri_core.experts.hotplug.meta import read_expert_file
     for name, lay in experts.items():
         p = scratch / f"ok-{name}.so"
         p.write_bytes(lay.raw)
@@ -156,8 +156,8 @@ def test_valid_experts_read(experts, scratch):
 @fuzz(500)
 @given(data=st.data())
 def test_fuzz_expert_elf(experts, scratch, data):
-    from colibri_core.hotplug.elf import ElfFile
-    from colibri_core.hotplug.meta import read_expert_file
+    from colibri_core.experts.hotplug.elf import ElfFile
+    from colibri_core.experts.hotplug.meta import read_expert_file
     which = data.draw(st.sampled_from(sorted(experts)))
     raw = data.draw(mutated_elf(experts[which]))
     p = scratch / f"fuzz-{which}.so"

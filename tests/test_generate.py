@@ -7,7 +7,7 @@ import pytest
 from colibri_core.config import EngineConfig, LengthRule
 from colibri_core.engine import Engine
 from colibri_core.errors import RequestError
-from colibri_core.kselect import split_mode_prefix
+from colibri_core.runtime.kselect import split_mode_prefix
 
 
 @pytest.fixture()

@@ -26,9 +26,9 @@ import pytest
 from colibri_core.config import builtin_model_dir, load_run_config, read_mapping
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError, ModelFormatError
-from colibri_core.modelfile import MAGIC, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES, ContainerFile
+from colibri_core.format.modelfile import MAGIC, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES, ContainerFile
 from colibri_core.plugins import PluginLoadError
-from colibri_core.weights import load_model
+from colibri_core.model.weights import load_model
 
 from robust_helpers import colibri_cmd, memory_limit, one_line, read_config, refresh_files, write_config
 
@@ -258,7 +258,7 @@ def test_expert_file_table_has_its_own_smaller_cap(damaged):
 
 
 def test_writer_refuses_a_table_over_the_cap(tmp_path):
-    from colibri_core.modelfile import write_container
+    from colibri_core.format.modelfile import write_container
     long = [(f"{i}" + "n" * (MAX_TABLE_BYTES // 3), np.zeros(1, np.float32)) for i in range(4)]
     with pytest.raises(ValueError, match="exceeds the format's cap"):
         write_container(tmp_path / "x.bin", long)

@@ -9,8 +9,8 @@ import pytest
 from colibri_core.engine import Engine
 from colibri_core.errors import InsufficientMemoryError, ModelFormatError, RequestTooLarge
 from colibri_core.server.errors import from_exception
-from colibri_core.testing import write_random_model
-from colibri_core.tokenizer import StreamDecoder
+from colibri_core.model.testing import write_random_model
+from colibri_core.runtime.tokenizer import StreamDecoder
 
 
 

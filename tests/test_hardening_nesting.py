@@ -18,9 +18,9 @@ from colibri_core.convert.safetensors_reader import SafetensorsFile
 from colibri_core.engine import Engine
 from colibri_core.errors import (AuditLogError, ColibriError, ConfigError, EngineClosedError,
                                  ModelFormatError)
-from colibri_core.hotplug.errors import HotplugStateError
-from colibri_core.hotplug.state import STATE_FILE, load_state
-from colibri_core.modelfile import MAGIC, MAX_EXPERT_TABLE_BYTES, parse_table
+from colibri_core.experts.hotplug.errors import HotplugStateError
+from colibri_core.experts.hotplug.state import STATE_FILE, load_state
+from colibri_core.format.modelfile import MAGIC, MAX_EXPERT_TABLE_BYTES, parse_table
 from colibri_core.nesting import TooDeep, json_loads, yaml_load
 from colibri_core.replay import read_log
 
@@ -245,8 +245,8 @@ def test_engine_stop_hook_still_reads_the_engine():
 def test_expert_toml_nested_deep(tmp_path):
     """A bundle's metadata file (expert.toml, capped at 64 KiB): 30,000 `[` deep was a
     RecursionError in the hot-plug worker; now the bundle's typed refusal."""
-    from colibri_core.hotplug.bundle import _read_toml
-    from colibri_core.hotplug.errors import ExpertMetadataError
+    from colibri_core.experts.hotplug.bundle import _read_toml
+    from colibri_core.experts.hotplug.errors import ExpertMetadataError
     p = tmp_path / "expert.toml"
     p.write_text('name = "x"\nlayers = ' + "[" * 30_000 + "]" * 30_000 + "\n")
     with pytest.raises(ExpertMetadataError) as ei:

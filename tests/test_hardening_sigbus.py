@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from colibri_core.config import builtin_model_dir
-from colibri_core.scheduler import AHEAD
+from colibri_core.runtime.scheduler import AHEAD
 
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN = builtin_model_dir()
@@ -149,8 +149,8 @@ import json, os, sys, threading
 import numpy as np
 from colibri_core import mapguard
 from colibri_core.errors import ModelFileDamaged
-from colibri_core.expertcache import _populate
-from colibri_core.modelfile import ContainerFile
+from colibri_core.experts.expertcache import _populate
+from colibri_core.format.modelfile import ContainerFile
 
 d = sys.argv[1]
 out = {}
@@ -242,7 +242,7 @@ def test_a_fault_outside_the_model_reaches_the_previous_handler(tmp_path, before
 ISOLATED = """
 import json, sys
 import numpy as np
-from colibri_core.hotplug.isolated import IsolatedRunner
+from colibri_core.experts.hotplug.isolated import IsolatedRunner
 r = IsolatedRunner(sys.argv[1], 64, capacity=4, call_timeout_s=5.0)
 x = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
 out = []
@@ -256,7 +256,7 @@ r.close()
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_isolated_helper_cannot_shrink_the_shared_buffer(tmp_path):
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.testing import compile_test_expert
     so = compile_test_expert(tmp_path / "shrink.isolated.so", hidden=64, fault="shrink_shm")
     got = result_of(run_py(ISOLATED, so))
     # rc 9 would mean a truncation succeeded; the engine's reads and writes survived
@@ -265,7 +265,7 @@ def test_isolated_helper_cannot_shrink_the_shared_buffer(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux-only")
 def test_the_shared_buffer_is_sealed():
-    from colibri_core.hotplug.isolated import _sealed_memfd
+    from colibri_core.experts.hotplug.isolated import _sealed_memfd
     fd = _sealed_memfd(8192)
     try:
         assert os.fstat(fd).st_size == 8192

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from colibri_core.config import builtin_model_dir
-from colibri_core.tokenizer import StreamDecoder, Tokenizer
+from colibri_core.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from colibri_core import modelfile
+from colibri_core.format import modelfile
 from colibri_core.engine import Engine
 
 from robust_helpers import solo_tokens as _solo
 from colibri_core.errors import ModelFormatError, RequestError
-from colibri_core.modelfile import sha256_file
-from colibri_core.quant import quantize_q4
-from colibri_core.testing import write_random_model
+from colibri_core.format.modelfile import sha256_file
+from colibri_core.format.quant import quantize_q4
+from colibri_core.model.testing import write_random_model
 
 
 def test_bad_request_values_are_typed_errors(eng):

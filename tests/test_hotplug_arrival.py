@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from colibri_core.hotplug.errors import ExpertSecurityError
-from colibri_core.hotplug.expert import _ffi
-from colibri_core.hotplug.staging import FileChanged, FileSig, open_source
-from colibri_core.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.errors import ExpertSecurityError
+from colibri_core.experts.hotplug.expert import _ffi
+from colibri_core.experts.hotplug.staging import FileChanged, FileSig, open_source
+from colibri_core.experts.hotplug.testing import compile_test_expert
 from test_hotplug_manager import (FIRST_SLOT, H, Events, TokenLoop, drop,  # noqa: F401
                                   folder, make_manager)
 

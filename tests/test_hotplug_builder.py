@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core.hotplug import HotplugManager
-from colibri_core.hotplug.builder import build_expert, main
-from colibri_core.hotplug.errors import ExpertBuildError
-from colibri_core.hotplug.meta import read_expert_file
-from colibri_core.hotplug.probe import run_probe
-from colibri_core.quant import dequantize_q4, quantize_q4
+from colibri_core.experts.hotplug import HotplugManager
+from colibri_core.experts.hotplug.builder import build_expert, main
+from colibri_core.experts.hotplug.errors import ExpertBuildError
+from colibri_core.experts.hotplug.meta import read_expert_file
+from colibri_core.experts.hotplug.probe import run_probe
+from colibri_core.format.quant import dequantize_q4, quantize_q4
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

@@ -15,8 +15,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from colibri_core.hotplug.bundle import bundle_identity, read_bundle
-from colibri_core.modelfile import sha256_file
+from colibri_core.experts.hotplug.bundle import bundle_identity, read_bundle
+from colibri_core.format.modelfile import sha256_file
 from hotplug_helpers import folder, make_manager  # noqa: F401  (fixtures)
 from hotplug_helpers import (CRASHING_C, FIRST_SLOT, H, drain_until, output_scale,
                              reference_so, wait_for, write_bundle)
@@ -182,7 +182,7 @@ def _crashing(b):
 
 
 def _with_metadata(b):
-    from colibri_core.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.testing import compile_test_expert
     compile_test_expert(b / "expert_32.so", hidden=H, name="x")
 
 
@@ -321,7 +321,7 @@ def test_read_bundle_fields(scratch):
 def test_toml_needs_tomllib_or_tomli(scratch, monkeypatch):
     import sys
 
-    from colibri_core.hotplug.errors import ExpertRejected
+    from colibri_core.experts.hotplug.errors import ExpertRejected
     b = write_bundle(scratch / "f.expert")
     monkeypatch.setitem(sys.modules, "tomllib", None)
     monkeypatch.setitem(sys.modules, "tomli", None)
@@ -353,8 +353,8 @@ def test_bundle_through_the_engine(tiny_model_dir, tmp_path):
 
 def test_build_from_c_makes_a_regular_expert(make_manager, folder, tmp_path, capsys):
     from colibri_core.cli import main as cli_main
-    from colibri_core.hotplug.meta import read_expert_file
-    from colibri_core.hotplug.probe import run_probe
+    from colibri_core.experts.hotplug.meta import read_expert_file
+    from colibri_core.experts.hotplug.probe import run_probe
     from hotplug_helpers import REFERENCE_C
     src = tmp_path / "ref" / "expert_32.c"
     src.parent.mkdir()
@@ -386,7 +386,7 @@ def test_build_from_c_makes_a_regular_expert(make_manager, folder, tmp_path, cap
 
 
 def test_build_from_c_errors(tmp_path, capsys):
-    from colibri_core.hotplug.builder import main
+    from colibri_core.experts.hotplug.builder import main
     np.save(tmp_path / "row.npy", np.zeros(H, np.float32))
     hidden = tmp_path / "hidden.c"
     hidden.write_text("__attribute__((visibility(\"hidden\")))\n"

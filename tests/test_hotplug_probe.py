@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from colibri_core.hotplug.errors import ExpertCrashed, ExpertProbeError
-from colibri_core.hotplug.isolated import IsolatedRunner
-from colibri_core.hotplug.probe import run_probe
-from colibri_core.hotplug.testing import MAGIC_INPUT, compile_test_expert
+from colibri_core.experts.hotplug.errors import ExpertCrashed, ExpertProbeError
+from colibri_core.experts.hotplug.isolated import IsolatedRunner
+from colibri_core.experts.hotplug.probe import run_probe
+from colibri_core.experts.hotplug.testing import MAGIC_INPUT, compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from colibri_core.hotplug.errors import ExpertProbeError
-from colibri_core.hotplug.probe import interpret, run_probe
-from colibri_core.hotplug.probepool import ProbePool
-from colibri_core.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.errors import ExpertProbeError
+from colibri_core.experts.hotplug.probe import interpret, run_probe
+from colibri_core.experts.hotplug.probepool import ProbePool
+from colibri_core.experts.hotplug.testing import compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -102,7 +102,7 @@ def test_the_helper_is_a_clean_interpreter_not_a_fork_of_the_engine(pool):
     pid = pool.helper_pid
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
-    assert b"colibri_core.hotplug.probe" in argv and b"--serve" in argv, argv
+    assert b"colibri_core.experts.hotplug.probe" in argv and b"--serve" in argv, argv
     with open(f"/proc/{pid}/maps") as f:
         maps = f.read()
     import numpy                                   # loaded here, in the engine's process

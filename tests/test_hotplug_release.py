@@ -21,7 +21,7 @@ import pytest
 
 from colibri_core.config import EngineConfig, HotplugConfig
 from colibri_core.engine import Engine
-from colibri_core.hotplug.expert import HotExpert
+from colibri_core.experts.hotplug.expert import HotExpert
 
 from test_engine_hotplug import Looper, _build
 

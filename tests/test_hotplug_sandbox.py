@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri_core.hotplug import sandbox
+from colibri_core.experts.hotplug import sandbox
 
 from hotplug_helpers import reference_so
 
@@ -65,8 +65,8 @@ int ffn_forward(const float *x, float *y, int n_tokens, int hidden)
 # The helper's parent: starts the runner, calls it with 3 tokens, prints what happened.
 DRIVER = textwrap.dedent("""
     import sys, numpy as np
-    from colibri_core.hotplug.errors import ExpertCrashed
-    from colibri_core.hotplug.isolated import IsolatedRunner
+    from colibri_core.experts.hotplug.errors import ExpertCrashed
+    from colibri_core.experts.hotplug.isolated import IsolatedRunner
     try:
         r = IsolatedRunner(sys.argv[1], 8, call_timeout_s=10)
         r.forward(np.ones((3, 8), np.float32), np.zeros((3, 8), np.float32))
@@ -161,7 +161,7 @@ def test_helper_keeps_only_its_pipes(tmp_path):
     keep = os.open(os.devnull, os.O_RDONLY)        # inheritable: must not reach the expert
     os.set_inheritable(keep, True)
     try:
-        from colibri_core.hotplug.isolated import IsolatedRunner
+        from colibri_core.experts.hotplug.isolated import IsolatedRunner
         import numpy as np
         r = IsolatedRunner(str(so), 8)
         try:

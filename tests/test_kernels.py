@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from colibri_core import kernels as K
-from colibri_core import ops
-from colibri_core import quant as Q
+from colibri_core.model import ops
+from colibri_core.format import quant as Q
 
 FLOAT_TOL = 1e-5
 INT8_TOL = 1e-5

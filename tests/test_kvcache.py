@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core import ops
+from colibri_core.model import ops
 from colibri_core.config import EngineConfig, builtin_model_dir
 from colibri_core.engine import Engine
 from colibri_core.errors import RequestTooLarge, KVCacheFreedError, KVPoolFullError, PluginError, RequestError
 from colibri_core.hookspecs import hookimpl
 from colibri_core.kernels import ffi, lib
-from colibri_core.kvcache import KVPool
-from colibri_core.quant import dequantize_kv_q8, quantize_kv_q8
-from colibri_core.residency import kv_bytes_per_position, plan_budget
-from colibri_core.testing import write_random_model
+from colibri_core.model.kvcache import KVPool
+from colibri_core.format.quant import dequantize_kv_q8, quantize_kv_q8
+from colibri_core.experts.residency import kv_bytes_per_position, plan_budget
+from colibri_core.model.testing import write_random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kv_dtype_error  # noqa: E402

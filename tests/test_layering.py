@@ -22,7 +22,7 @@ PKG = "colibri_core"
 FOLDERS = {"builtin_plugins": REPO / "plugins"}
 EXTENSION = f"{PKG}._colibri_kernels"            # the compiled kernels (cffi)
 ROOT = "engine.py"                                # the composition root
-HOTPLUG, BUILTINS = f"{PKG}.hotplug", f"{PKG}.builtin_plugins"
+HOTPLUG, BUILTINS = f"{PKG}.experts.hotplug", f"{PKG}.builtin_plugins"
 
 
 def listed_order(text: str) -> list[str]:
@@ -118,7 +118,7 @@ def violations(doc_text: str, mods: dict[str, Path]) -> list[str]:
             if dep == EXTENSION:
                 if name != f"{PKG}.kernels":
                     problems.append(f"{where}:{line} imports the compiled extension: only "
-                                    f"kernels.py may")
+                                    f"kernels/ may")
                 continue
             graph[name].add(dep)
             if dep.startswith(BUILTINS) and not name.startswith(BUILTINS):
@@ -178,14 +178,14 @@ def test_the_check_catches_what_it_must(tmp_path):
         fake_mods = dict(fake, **{name: path})
         return violations(text, fake_mods)
 
-    upward = plant(f"{PKG}.quant", "from .model import Model\n")
-    assert any("quant" in p and "lists after quant.py" in p for p in upward), upward
-    deferred = plant(f"{PKG}.routing", "def f():\n    from . import pipeline\n")
-    assert any("colibri_core.pipeline" in p for p in deferred), deferred
-    typing_only = plant(f"{PKG}.generate", "from typing import TYPE_CHECKING\n"
-                                           "if TYPE_CHECKING:\n    from .engine import Engine\n")
+    upward = plant(f"{PKG}.format.quant", "from ..forward.model import Model\n")
+    assert any("quant" in p and "lists after format/" in p for p in upward), upward
+    deferred = plant(f"{PKG}.model.routing", "def f():\n    from ..forward import pipeline\n")
+    assert any("colibri_core.forward.pipeline" in p for p in deferred), deferred
+    typing_only = plant(f"{PKG}.runtime.generate", "from typing import TYPE_CHECKING\n"
+                                                   "if TYPE_CHECKING:\n    from ..engine import Engine\n")
     assert any("colibri_core.engine" in p for p in typing_only), typing_only
-    hot = plant(f"{PKG}.model", "from .hotplug.errors import HotplugError\n")
+    hot = plant(f"{PKG}.forward.model", "from ..experts.hotplug.errors import HotplugError\n")
     assert any("only the composition root" in p for p in hot), hot
     builtin = plant(f"{PKG}.engine", "from .builtin_plugins.tracer import Tracer\n")
     assert any("load built-in plugins by name" in p for p in builtin), builtin
@@ -199,10 +199,10 @@ def test_the_check_catches_what_it_must(tmp_path):
 
 def test_every_kind_of_routed_expert_is_an_Expert(tiny_model_dir):
     """weights.Expert names what the model reads from an expert; each kind has it."""
-    from colibri_core.expertcache import CopyInExpert
-    from colibri_core.expertset import ExpertSet, HotSlot
-    from colibri_core.modelfile import expert_name
-    from colibri_core.weights import Expert, load_model
+    from colibri_core.experts.expertcache import CopyInExpert
+    from colibri_core.experts.expertset import ExpertSet, HotSlot
+    from colibri_core.format.modelfile import expert_name
+    from colibri_core.model.weights import Expert, load_model
 
     w = load_model(tiny_model_dir)
     try:

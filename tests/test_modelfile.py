@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from colibri_core.errors import ExpertIndexError, ModelFormatError
-from colibri_core.modelfile import ALIGN, ContainerFile, write_container
-from colibri_core.quant import quantize_q4, quantize_q6
-from colibri_core.weights import load_model, verify_checksums
+from colibri_core.format.modelfile import ALIGN, ContainerFile, write_container
+from colibri_core.format.quant import quantize_q4, quantize_q6
+from colibri_core.model.weights import load_model, verify_checksums
 
 
 def test_roundtrip_and_alignment(tmp_path):
@@ -61,7 +61,7 @@ def test_q6_sections_are_format_1_1_and_others_stay_1_0(tmp_path):
 
 
 def test_model_dir_with_q6_head_is_1_1(tmp_path):
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     cfg = write_random_model(tmp_path / "m6", head="q6")
     assert (cfg.format.major, cfg.format.minor) == (1, 1)
     cfg = write_random_model(tmp_path / "m8")
@@ -185,8 +185,8 @@ def test_preload_rereads_a_file_cached_in_small_folios(tmp_path):
     from types import SimpleNamespace
     from colibri_core.memstat import (MADV_POPULATE_READ, drop_file_cache, file_pmd_mapped,
                                       madvise)
-    from colibri_core.modelfile import HUGE_PAGE, MADV_HUGEPAGE
-    from colibri_core.residency import Residency
+    from colibri_core.format.modelfile import HUGE_PAGE, MADV_HUGEPAGE
+    from colibri_core.experts.residency import Residency
     rng = np.random.default_rng(1)
     big = quantize_q4(rng.standard_normal((8192, 1024)).astype(np.float32), 128)   # ~4.4 MB
     path = tmp_path / "big.bin"

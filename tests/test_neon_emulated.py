@@ -1,6 +1,6 @@
 """The NEON backend, executed: tests/c/ck_neon_driver.c (C only, no Python on the target)
 compiled with the kernel sources by Debian's aarch64 cross compiler, with the flags the
-package's own build uses (_kernels_build.kernel_flags("aarch64"): -ffp-contract=off is
+package's own build uses (kernels/build.py's kernel_flags("aarch64"): -ffp-contract=off is
 among them), and run under qemu-aarch64 user emulation twice: `-cpu cortex-a53` (no
 dot-product instructions: the plain NEON tables run) and `-cpu max` (sdot). The driver
 compares every NEON kernel with the scalar reference in the same binary and prints one
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KDIR = ROOT / "colibri_core" / "_kernels"
+KDIR = ROOT / "colibri_core" / "kernels" / "c"
 DRIVER = ROOT / "tests" / "c" / "ck_neon_driver.c"
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 PACKAGES = "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
@@ -38,9 +38,9 @@ LINE = re.compile(r"^KERNEL (\S+) (\S+) (PASS|FAIL|SKIP) cases=(\d+) (.*)$")
 
 
 def build_script():
-    """This checkout's colibri_core/_kernels_build.py (the flags and the source list)."""
+    """This checkout's colibri_core/kernels/build.py (the flags and the source list)."""
     spec = importlib.util.spec_from_file_location("_ck_build_under_test",
-                                                  ROOT / "colibri_core" / "_kernels_build.py")
+                                                  ROOT / "colibri_core" / "kernels" / "build.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -54,7 +54,7 @@ def test_one_list_of_flags():
     assert b.kernel_flags("x86_64") == (["-O3", "-fopenmp", "-std=gnu11"], ["-fopenmp"])
     kwds = b.ffibuilder._assigned_source[3]          # what cffi will compile with
     assert (kwds["extra_compile_args"], kwds["extra_link_args"]) == b.kernel_flags()
-    r = subprocess.run([sys.executable, str(ROOT / "colibri_core" / "_kernels_build.py"), "--cflags",
+    r = subprocess.run([sys.executable, str(ROOT / "colibri_core" / "kernels" / "build.py"), "--cflags",
                         "aarch64"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == b.kernel_flags("aarch64")[0], r.stderr
 

@@ -8,8 +8,8 @@ import pytest
 
 from colibri_core.engine import Engine
 from colibri_core.errors import RequestError
-from colibri_core.ops import softmax
-from colibri_core.sampler import Sampler
+from colibri_core.model.ops import softmax
+from colibri_core.runtime.sampler import Sampler
 
 
 def ref_penalize(logits, prompt, out, presence=0.0, frequency=0.0, repetition=1.0):

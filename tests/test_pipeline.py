@@ -18,9 +18,9 @@ from colibri_core.engine import Engine
 from colibri_core.errors import RequestError
 from colibri_core.hookspecs import hookimpl
 from colibri_core.kernels import lib
-from colibri_core.pipeline import Pipeline
-from colibri_core.reference import ReferenceModel
-from colibri_core.testing import write_random_model
+from colibri_core.forward.pipeline import Pipeline
+from colibri_core.forward.reference import ReferenceModel
+from colibri_core.model.testing import write_random_model
 
 SHAPES = {
     # dense + MoE with a gated shared expert; hidden 192: partial last group
@@ -257,7 +257,7 @@ class ScriptedControl:
     """steptables.ThreadControl fed scripted pool statistics instead of the pool's."""
 
     def __init__(self):
-        from colibri_core.steptables import ThreadControl
+        from colibri_core.forward.steptables import ThreadControl
         self.c = ThreadControl(_Scratch())
         self.c.p_stats = K.ffi.cast("int64_t *", K.ffi.from_buffer(np.zeros(4, np.int64)))
 
@@ -295,7 +295,7 @@ def test_unquantized_embedding_rows(models, dtype):
     """An embedding kept at 16/32 bits (`--embed-bits 16|32`) is read by the C row
     conversion (ck_mat_row; bf16 sections are uint16: widened, not cast), bit for bit as
     the reference's."""
-    from colibri_core.quant import dequantize_q4
+    from colibri_core.format.quant import dequantize_q4
     with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
         m = eng.model
         e = dequantize_q4(m.w.embed).astype(np.float32)
@@ -325,8 +325,8 @@ def test_an_expert_of_another_group_size_runs_in_c(models, act):
     reference."""
     from types import SimpleNamespace
 
-    from colibri_core.quant import dequantize_q4, quantize_q4
-    from colibri_core.weights import FFNWeights
+    from colibri_core.format.quant import dequantize_q4, quantize_q4
+    from colibri_core.model.weights import FFNWeights
     with Engine(models["mixed_shared_odd"], EngineConfig(activations=act)) as eng:
         m = eng.model
         es = m.expert_set
@@ -426,8 +426,8 @@ def test_an_expert_larger_than_the_models_grows_the_scratch(models):
     steps), and the C call runs it."""
     from types import SimpleNamespace
 
-    from colibri_core.quant import quantize_q4
-    from colibri_core.weights import FFNWeights
+    from colibri_core.format.quant import quantize_q4
+    from colibri_core.model.weights import FFNWeights
     rng = np.random.default_rng(3)
     with Engine(models["mixed_shared_odd"], EngineConfig()) as eng:
         m = eng.model

@@ -11,8 +11,8 @@ import pytest
 from colibri_core.config import EngineConfig
 from colibri_core.engine import Engine
 from colibri_core.kernels import ffi, lib
-from colibri_core.routing import _EXP2_TABLE, route
-from colibri_core.testing import write_random_model
+from colibri_core.model.routing import _EXP2_TABLE, route
+from colibri_core.model.testing import write_random_model
 
 FIELDS = dict(embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.3,
               logits_scaling=4.0, rotary_dim=16)

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from colibri_core import kernels as K
-from colibri_core import ops
+from colibri_core.model import ops
 from colibri_core.config import EngineConfig
 from colibri_core.engine import Engine
 from colibri_core.kernels import ffi, lib
-from colibri_core.pipeline import Pipeline
-from colibri_core.quant import quantize_q4, quantize_q6, quantize_q8
-from colibri_core.routing import route
-from colibri_core.testing import write_random_model
+from colibri_core.forward.pipeline import Pipeline
+from colibri_core.format.quant import quantize_q4, quantize_q6, quantize_q8
+from colibri_core.model.routing import route
+from colibri_core.model.testing import write_random_model
 
 SHAPES = {
     # dense + MoE with a gated shared expert; hidden 192: partial last group
@@ -245,7 +245,7 @@ def test_router_matches_routing_route_bit_for_bit(eng):
 def _route_c(logits, k, *, scoring, norm, scaling, bias=None, select_bias=None,
              n_group=1, topk_group=1):
     """ck_step_route on `logits` [n, E] exactly: xn = logits padded, router = identity."""
-    from colibri_core.routing import _EXP2_TABLE
+    from colibri_core.model.routing import _EXP2_TABLE
     n, E = logits.shape
     H = E + 3
     xn = np.zeros((n, H), np.float32)
@@ -526,7 +526,7 @@ def mla_eng(request, tmp_path_factory):
     """over_budget: W_UK / W_UV past the float budget, read from wkv_b's quantized rows;
     awq: activation scales on every MLA matrix (wkv_b's divided out of its columns)."""
     from hf_helpers import make_hf_model, save, write_tokenizer
-    from colibri_core import pipeline as P
+    from colibri_core.forward import pipeline as P
     from colibri_core.convert import convert
     name = request.param
     over = {"q_lora_rank": None, "rope_interleave": False} if name.endswith("plain_q") else {}

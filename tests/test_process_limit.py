@@ -17,7 +17,7 @@ from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
 from colibri_core.memstat import PAGE, proc_memory, resident_bytes
-from colibri_core.residency import (ENGINE_RESERVE, MiB, activation_bytes, check_budget,
+from colibri_core.experts.residency import (ENGINE_RESERVE, MiB, activation_bytes, check_budget,
                                     derive_budget, embedding_layout, process_overhead_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ PROFILE = ROOT / "configs" / "small-256mb.yaml"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A large vocabulary (16384 x 256, q4: 2.2 MB of embedding) and 2 MoE layers."""
-    from colibri_core.testing import write_random_model
+    from colibri_core.model.testing import write_random_model
     d = tmp_path_factory.mktemp("plimit") / "m"
     write_random_model(d, seed=5, vocab=16384, hidden=256, layers=("moe", "moe"), experts=8,
                        top_k=2, moe_inter=512, shared=0, heads=4, kv_heads=2, context=256)

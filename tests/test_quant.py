@@ -6,8 +6,8 @@ import warnings
 import numpy as np
 import pytest
 
-from colibri_core import quant
-from colibri_core.quant import (dequantize_q4, dequantize_q8, fake_quant_q4, matvec_q4_q8_ref,
+from colibri_core.format import quant
+from colibri_core.format.quant import (dequantize_q4, dequantize_q8, fake_quant_q4, matvec_q4_q8_ref,
                                 matvec_q4_ref, pack_nibbles, quantize_act_q8, quantize_q4,
                                 quantize_q8, unpack_nibbles)
 

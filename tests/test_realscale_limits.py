@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core import filemap
+from colibri_core.format import filemap
 from colibri_core.config import EngineConfig, load_model_config
 from colibri_core.engine import Engine
 from colibri_core.errors import ModelFormatError, RequestTooLarge
-from colibri_core.modelfile import ContainerFile
-from colibri_core.residency import kv_bytes_per_position, kv_pool_tokens, preload_files
-from colibri_core.testing import write_random_model
+from colibri_core.format.modelfile import ContainerFile
+from colibri_core.experts.residency import kv_bytes_per_position, kv_pool_tokens, preload_files
+from colibri_core.model.testing import write_random_model
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS, EXPERTS = 58, 256            # DeepSeek-V3's routed experts: 14,848 files
@@ -40,7 +40,7 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, sys
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))   # hard: cannot be raised
     from colibri_core.engine import Engine
-    from colibri_core.filemap import map_count
+    from colibri_core.format.filemap import map_count
     before = map_count()
     with Engine.from_model_dir(sys.argv[1], threads=1) as e:
         mapped = map_count() - before
@@ -122,7 +122,7 @@ def test_kv_pool_default_follows_memory_context_and_row_size(tmp_path):
 def test_a_small_default_pool_refuses_a_long_request_in_one_line(tmp_path, monkeypatch):
     d = tmp_path / "m"
     write_random_model(d, context=8192)
-    import colibri_core.kvcache as kvcache
+    import colibri_core.model.kvcache as kvcache
     monkeypatch.setattr(kvcache, "available_bytes", lambda: 0)    # no memory to spare
     with Engine.from_model_dir(d, threads=1) as e:
         assert e.kv_pool.capacity_tokens == 4096

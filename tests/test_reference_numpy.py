@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from colibri_core.modelfile import ContainerFile
+from colibri_core.format.modelfile import ContainerFile
 
 
 def _unpack(data):                                    # FORMAT.md nibble order, written anew

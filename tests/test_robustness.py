@@ -22,8 +22,8 @@ from colibri_core.config import (EngineConfig, LengthRule, ModelConfig, load_mod
 from colibri_core.engine import Engine
 from colibri_core.errors import (ColibriError, EngineClosedError, ConfigError, ExpertIndexError, ModelFormatError,
                                  RequestError)
-from colibri_core.testing import write_random_model
-from colibri_core.weights import load_model
+from colibri_core.model.testing import write_random_model
+from colibri_core.model.weights import load_model
 
 from robust_helpers import (colibri_cmd, copy_model, damage_model, fd_count, maps_of,
                             model_dict, nan_model, one_line, part_offset, poke, read_config,
@@ -459,7 +459,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
     # The conversion is slowed down (a pause after each file it writes) so that the
     # interrupt lands mid-way, whatever the machine's speed.
     code = ("import sys, time\n"
-            "import colibri_core.weights as w\n"
+            "import colibri_core.model.weights as w\n"
             "orig = w.write_container\n"
             "def slow(*a, **k):\n"
             "    r = orig(*a, **k); time.sleep(0.05); return r\n"
@@ -497,7 +497,7 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
     from colibri_core.config import HotplugConfig
-    from colibri_core.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.builder import build_expert
     H, I = 128, 64
     build = tmp_path / "build"
     build.mkdir()
@@ -509,7 +509,7 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
         build_expert(build / f"w{v}.npz", build / f"x{v}.so", layer=1, name="x", version=str(v),
                      portable=True)
         sos.append(build / f"x{v}.so")
-    from colibri_core.hotplug.expert import _ffi
+    from colibri_core.experts.hotplug.expert import _ffi
     kept = len(getattr(_ffi, "_libraries", []))
     watched = tmp_path / "experts"
     watched.mkdir(mode=0o755)

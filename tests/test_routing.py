@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from colibri_core.ops import softmax
-from colibri_core.routing import fixed_point_softmax_weights, route
+from colibri_core.model.ops import softmax
+from colibri_core.model.routing import fixed_point_softmax_weights, route
 
 
 @pytest.mark.parametrize("E,scale", [(4, 0.1), (8, 1.0), (60, 3.0), (64, 10.0)])

@@ -146,7 +146,7 @@ def test_text_offset_against_the_returned_text_with_echo(client, ref):
     # the answer's tokens: each offset is the returned text's length before it
     out = ref.generate(prompt, max_new_tokens=6, temperature=0).run()
     want, at = [], len(prompt)
-    from colibri_core.tokenizer import StreamDecoder
+    from colibri_core.runtime.tokenizer import StreamDecoder
     dec = StreamDecoder(ref.tokenizer)
     for t in out.token_ids:
         want.append(at)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from colibri_core.sampler import Sampler
+from colibri_core.runtime.sampler import Sampler
 from colibri_core.server.chat import ChatTemplate
 from colibri_core.server.errors import ApiError
 from colibri_core.server.generation import StopCutter
@@ -160,7 +160,7 @@ def test_stop_strings_never_leak_across_tokens():
 
 def test_engine_errors_map_to_openai_errors():
     from colibri_core.errors import ModelFormatError, RequestError
-    from colibri_core.hotplug.errors import ExpertSecurityError, RollbackError
+    from colibri_core.experts.hotplug.errors import ExpertSecurityError, RollbackError
     from colibri_core.server.errors import from_exception
     cases = [(RequestError("token id 5000 out of range 0..1023"), 400, "invalid_request_error"),
              (RollbackError("expert 'x' is not active: nothing to roll back"), 404, None),

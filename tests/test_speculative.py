@@ -12,9 +12,9 @@ from colibri_core.config import EngineConfig, builtin_model_dir, parse
 from colibri_core.engine import Engine
 from colibri_core.errors import ConfigError
 from colibri_core.hookspecs import hookimpl
-from colibri_core.sampler import Sampler
-from colibri_core.speculative import PromptLookup, speculative_choice
-from colibri_core.testing import write_random_model
+from colibri_core.runtime.sampler import Sampler
+from colibri_core.runtime.speculative import PromptLookup, speculative_choice
+from colibri_core.model.testing import write_random_model
 
 SPEC = dict(speculative_decoding="prompt_lookup", draft_tokens=4)
 

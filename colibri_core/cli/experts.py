@@ -11,7 +11,7 @@ from .modeldir import engine_from_args, require_model_dir
 
 
 def cmd_expert_build(args) -> int:
-    from ..hotplug.builder import main as build_main
+    from ..experts.hotplug.builder import main as build_main
     return build_main(args.rest, parser_class=CliParser)
 
 
@@ -39,7 +39,7 @@ def cmd_experts_list(args) -> int:
                               "model_fingerprint": eng.model_fingerprint, "experts": rows,
                               "refused": refused}, indent=1))
             return 0
-        from ..hotplug.listing import format_rows
+        from ..experts.hotplug.listing import format_rows
         print(f"expert set generation {eng.expert_set_generation}, id {eng.expert_set_id}, "
               f"model fingerprint {eng.model_fingerprint[:16]}")
         print("\n".join(format_rows(rows)))
@@ -60,7 +60,7 @@ def _held_state_dir(args):
     """(experts_dir, state_dir) when a running manager holds the hot-plug state folder
     `experts list` would use (a server runs on it), else None."""
     from ..config import find_config, load_run_config
-    from ..hotplug.state import state_dir_in_use
+    from ..experts.hotplug.state import state_dir_in_use
     experts_dir, state_dir = getattr(args, "experts_dir", None), None
     if not args.model:
         cfg, _ = load_run_config(find_config(args.config or "builtin"))
@@ -76,7 +76,7 @@ def _experts_list_read_only(args, experts_dir: str, state_dir: str) -> int:
     """`experts list` beside a running engine: its state file and the folder, read-only
     (no lock taken, nothing loaded or written; the running engine's own view, with its
     refusals and history: GET /v1/experts, /v1/experts/events)."""
-    from ..hotplug.listing import folder_view, format_view
+    from ..experts.hotplug.listing import folder_view, format_view
     view = folder_view(experts_dir, state_dir)
     if args.json:
         print(json.dumps({"read_only": True, "experts_dir": experts_dir,
@@ -89,7 +89,7 @@ def _experts_list_read_only(args, experts_dir: str, state_dir: str) -> int:
 
 
 def cmd_experts_fingerprint(args) -> int:
-    from ..fingerprint import fingerprint_for
+    from ..model.fingerprint import fingerprint_for
     model = require_model_dir(args.model) if args.model else None
     print(fingerprint_for(args.config, model))
     return 0

@@ -7,9 +7,9 @@ from .modeldir import require_model_dir
 
 
 def cmd_inspect(args) -> int:
-    from .. import mapguard  # noqa: F401 - every mapping under the SIGBUS guard (a file
+    from ..kernels import mapguard  # noqa: F401 - every mapping under the SIGBUS guard (a file
     #                         truncated while --verify reads it is reported, not fatal)
-    from ..weights import load_model, verify_checksums
+    from ..model.weights import load_model, verify_checksums
     path = require_model_dir(args.model_dir)
     w = load_model(path)          # validates sizes, tables and shapes
     cfg = w.cfg
@@ -31,7 +31,7 @@ def cmd_inspect(args) -> int:
             print(f"    {s.name:24s} {s.dtype}{g} {list(s.shape)}")
     w.close()
     if args.verify:
-        from ..validate import scan_model_dir
+        from ..format.validate import scan_model_dir
         problems = verify_checksums(path)            # sha256 of every file
         values = scan_model_dir(path)                # NaN/Inf in any section
         for p in problems + values:

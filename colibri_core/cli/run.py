@@ -47,7 +47,7 @@ def _budget_lines(eng) -> list[str]:
     plan = eng.model.residency.plan
     if plan is None:
         return []
-    from ..residency import MiB
+    from ..experts.residency import MiB
     cap = eng.model.residency.capacity
     lines = []
     if plan.process_limit:
@@ -100,7 +100,7 @@ def cmd_run(args) -> int:
                 shown = "…" + shown[-ECHO_MAX_CHARS:]
             out.write(shown)
             out.flush()
-        from ..residency import proc_read_bytes
+        from ..experts.residency import proc_read_bytes
         read0 = proc_read_bytes()
         t0 = time.perf_counter()
         first = None
@@ -130,7 +130,7 @@ def cmd_run(args) -> int:
 def _memory_line(eng, read0, n_tokens: int) -> str:
     """`colibri: memory ...`: the budget, what is resident (RSS, the model files' page
     cache), the expert cache's hit rate, bytes read from disk per generated token."""
-    from ..residency import MiB, proc_read_bytes
+    from ..experts.residency import MiB, proc_read_bytes
     r = eng.memory_report()
     pc = r.get("page_cache", {})
     parts = []

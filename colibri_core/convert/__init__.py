@@ -42,8 +42,8 @@ from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..files import read_bytes, read_text
 from ..nesting import json_loads
-from ..quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8
-from ..weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
+from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8
+from ..model.weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
                   clip_groups)
@@ -296,7 +296,7 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                                 extra_files=[hf_dir / n for n in TOKENIZER_FILES
                                              if os.path.lexists(hf_dir / n)],
                                 main_reserve=16 + n_main * 256)
-        from ..weights import load_model
+        from ..model.weights import load_model
         load_model(staging).close()                 # the result must load (shapes, sizes)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -335,7 +335,7 @@ def tensor_classes(model_dir) -> list[dict]:
     """What each tensor class of a converted model was stored as, from the files' section
     tables: [{class, count (matrices), formats (e.g. "q6 g128"), weights, bytes, bits
     (stored bits per weight: data, scales and zero points)}], in TENSOR_CLASSES order."""
-    from ..modelfile import ContainerFile, MAX_EXPERT_TABLE_BYTES
+    from ..format.modelfile import ContainerFile, MAX_EXPERT_TABLE_BYTES
     model_dir = Path(model_dir)
     acc: dict[str, dict] = {}
 
@@ -433,7 +433,7 @@ def _experts(wr: _Writer, cfg: ModelConfig, tick, bits: int) -> Iterator:
 
 def _float_layer(wr: _Writer, L: int):
     """Layer L in float32 for calibration -> (LayerWeights, {matrix key: array})."""
-    from ..mla import MLAWeights
+    from ..model.mla import MLAWeights
     ck, cfg = wr.ck, wr.cfg
     keys: dict[str, np.ndarray] = {}
 

@@ -35,11 +35,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import ops
+from ..model import ops
 from ..errors import ColibriError, ConfigError
 from ..files import read_text
-from ..tokenizer import library_message
-from ..quant import DEFAULT_Q4_CLIP, Q4Tensor, fake_quant_q4, pack_nibbles, padded_cols
+from ..runtime.tokenizer import library_message
+from ..format.quant import DEFAULT_Q4_CLIP, Q4Tensor, fake_quant_q4, pack_nibbles, padded_cols
 from .families import Src
 from .safetensors_reader import Checkpoint
 
@@ -312,7 +312,7 @@ def calibration_tokens(hf_dir: Path, text_file: Path, cfg, max_tokens: int) -> l
 def _moe_float(model, cfg, lw, xn: np.ndarray, kt: np.ndarray) -> np.ndarray:
     """The MoE block in float (same math as ReferenceModel._moe with float routing), running every
     expert through model._ffn so the observer sees each expert's own rows."""
-    from ..routing import route
+    from ..model.routing import route
     r = route(ops.router_logits(xn, lw.router), kt, mode="float", scoring=cfg.scoring_func,
               norm_topk_prob=cfg.norm_topk_prob, bias=lw.router_bias, n_group=cfg.n_group,
               topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
@@ -341,8 +341,8 @@ def calibrate(cfg, seqs: list[list[int]], embed: np.ndarray, layer_loader: Calla
     layer_loader(L) -> (LayerWeights of float32 arrays, {matrix key: weight array}) where
     the keys name the matrices as the converter does."""
     from ..config import EngineConfig
-    from ..reference import ReferenceModel
-    from ..weights import ModelWeights
+    from ..forward.reference import ReferenceModel
+    from ..model.weights import ModelWeights
 
     mw = ModelWeights(cfg, Path("."), embed=None, final_norm=None, lm_head=None, layers=[], files=[])
     model = ReferenceModel(mw, EngineConfig(routing="float", activations="float", prefetch="none"))

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from ..ops import log_softmax
+from ..model.ops import log_softmax
 
 DEFAULT_PROMPTS = [
     "The capital of France is",

@@ -28,9 +28,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from ..hotplug.errors import HotplugError, HotplugStateError, RollbackError
+from ..experts.hotplug.errors import HotplugError, HotplugStateError, RollbackError
 from ..nesting import json_loads
-from ..hotplug.meta import read_expert_file
+from ..experts.hotplug.meta import read_expert_file
 
 STATE_FORMAT = 1
 STATE_FILE = "registry.json"

@@ -163,7 +163,7 @@ class RayBackend:
     kind = "ray"
 
     def __init__(self, engines, model_dir: str):
-        from ..tokenizer import Tokenizer
+        from ..runtime.tokenizer import Tokenizer
         from .registry import get_registry
         self.engines = engines                      # Serve's handle on the engine replicas
         self.registry = get_registry()

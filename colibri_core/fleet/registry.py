@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import load_model_config
-from ..expertset import expert_set_id
-from ..hotplug.errors import HotplugError
-from ..hotplug.staging import FileSig, check_file, check_folder, open_source
-from ..hotplug.watcher import FolderWatcher, is_expert_name
+from ..experts.expertset import expert_set_id
+from ..experts.hotplug.errors import HotplugError
+from ..experts.hotplug.staging import FileSig, check_file, check_folder, open_source
+from ..experts.hotplug.watcher import FolderWatcher, is_expert_name
 from .fleetset import FleetRefusal, FleetSet
 
 log = logging.getLogger("colibri.fleet")

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..expertset import expert_set_id
+from ..experts.expertset import expert_set_id
 from ..server.backend import LocalBackend, write_atomically
 from ..server.errors import from_exception
 from ..server.experts import ExpertBook

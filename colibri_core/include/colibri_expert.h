@@ -28,7 +28,7 @@
  *     w3 (up)   [I, H]: same as w1
  *     w2 (down) [H, I]: data uint8[H][Ip/2], scales float[H][Ip/G], zeros uint8[H][Ip/G]
  * When present the engine runs these with its own kernels and ffn_forward is the fallback.
- * `colibri expert build` (colibri_core/hotplug/builder.py) writes all of this for you.
+ * `colibri expert build` (colibri_core/experts/hotplug/builder.py) writes all of this for you.
  */
 #ifndef COLIBRI_EXPERT_H
 #define COLIBRI_EXPERT_H

@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..hotplug.errors import REFUSED_LOG
-from ..modelfile import expert_name
+from ..experts.hotplug.errors import REFUSED_LOG
+from ..format.modelfile import expert_name
 from .errors import bad_request
 
 log = logging.getLogger("colibri.server")

@@ -23,8 +23,8 @@ from typing import Optional, Union
 import numpy as np
 
 from ..errors import EngineBusyError, RequestCancelled, RequestError
-from ..ops import log_softmax, softmax
-from ..sampler import Sampler
+from ..model.ops import log_softmax, softmax
+from ..runtime.sampler import Sampler
 from . import surface
 
 Prompt = Union[str, list]

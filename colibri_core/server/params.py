@@ -250,7 +250,7 @@ def completion_prompts(body: dict) -> list:
 def chat_messages(body: dict) -> tuple[list, Optional[int]]:
     """messages -> plain [{role, content: str}] for the template, and a MODE:kN| k found
     at the start of the last user message (stripped)."""
-    from ..kselect import split_mode_prefix
+    from ..runtime.kselect import split_mode_prefix
     from ..errors import RequestError
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:

@@ -65,7 +65,7 @@ def echo_offsets(eng, ids: list, text: str) -> list:
     (tokenizer.StreamDecoder), so a special token (BOS) that the text leaves out, or a
     token's own text that differs from its piece of the whole ("▁The"), adds nothing
     wrong; clipped to the text (a text that tokenizes and decodes back differently)."""
-    from ..tokenizer import StreamDecoder
+    from ..runtime.tokenizer import StreamDecoder
     out, off = [], 0
     if eng.tokenizer is None:
         return [0] * len(ids)
@@ -78,7 +78,7 @@ def echo_offsets(eng, ids: list, text: str) -> list:
 
 def echo_text(eng, prompt, ids) -> str:
     if isinstance(prompt, str):
-        from ..kselect import split_mode_prefix
+        from ..runtime.kselect import split_mode_prefix
         return split_mode_prefix(prompt)[1]
     return eng.tokenizer.decode(ids) if eng.tokenizer is not None else ""
 

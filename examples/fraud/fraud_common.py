@@ -178,8 +178,8 @@ def dequantized_hf_model(model_dir: Path = MODEL_DIR):
     (so the new expert is trained against exactly the weights it will run beside)."""
     import torch
     import transformers
-    from colibri_core.ops import float_matrix as deq     # any stored format, as float32
-    from colibri_core.weights import load_model
+    from colibri_core.model.ops import float_matrix as deq     # any stored format, as float32
+    from colibri_core.model.weights import load_model
 
     model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**HF_CONFIG)).eval()
     sd = model.state_dict()

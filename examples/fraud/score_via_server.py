@@ -172,13 +172,13 @@ def main(argv=None) -> dict:
                     help="give up if the expert is not live this long after the drop")
     a = ap.parse_args(argv)
     from colibri_core.engine import Engine
-    from colibri_core.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.builder import build_expert
     from colibri_core.replay import replay
     say = lambda *s: print(*s, flush=True)  # noqa: E731
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     so = out / "card_testing.so"
-    from colibri_core.fingerprint import fingerprint_of_dir
+    from colibri_core.model.fingerprint import fingerprint_of_dir
     build_expert(EXPERT_NPZ, so, NEW_EXPERT_LAYER, "card_testing", "1", q4_clip=expert_q4_clip(),
                  base_model=fingerprint_of_dir(MODEL_DIR))       # bound to the fraud model
     live_dir = out / "engine_experts"              # the in-process engine's, with the expert

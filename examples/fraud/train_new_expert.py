@@ -143,7 +143,7 @@ def main() -> int:
 
     import torch
     import torch.nn.functional as F
-    from colibri_core.quant import dequantize_q4, quantize_q4
+    from colibri_core.format.quant import dequantize_q4, quantize_q4
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     t0 = time.time()

@@ -1,10 +1,10 @@
-/* ck_neon_driver.c -- the NEON backend (colibri_core/_kernels/ck_neon.c) against the scalar
+/* ck_neon_driver.c -- the NEON backend (colibri_core/kernels/c/ck_neon.c) against the scalar
  * reference (ck_scalar.c), compiled into one aarch64 binary with the kernel sources and
  * run without Python. tests/test_neon_emulated.py builds it with Debian's cross compiler
  * and the package's own kernel flags (_kernels_build.kernel_flags) and runs it under
  * qemu-aarch64 with -cpu cortex-a53 (plain NEON) and -cpu max (sdot); by hand:
  * docs/ARCHITECTURE.md, "The NEON backend". Not part of the extension (_kernels_build.py
- * compiles the .c files of colibri_core/_kernels only).
+ * compiles the .c files of colibri_core/kernels/c only).
  *
  * Checked, on random data and odd shapes (partial groups and 64-blocks, groups of 64,
  * 128 and 192, more than 32 groups, every tile shape the dispatch can ask for, parts at

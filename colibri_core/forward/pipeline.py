@@ -1,0 +1,497 @@
+"""The one forward pipeline: n tokens of m sequences through the model, for prefill,
+decode and scoring alike.
+
+Per layer a fixed, small number of C calls (ck_step.c): the attention block, the router,
+the expert block; then the lm_head. Between them, and only there, Python does what is not
+arithmetic: the plugin hooks (free when no plugin implements them), the routing override
+check, the memory budget's expert cache, hot-plugged experts that bring their own code.
+Every step allocates nothing once its scratch has grown to the step's size.
+
+Every configuration runs in these C calls: int8 or float activations, AWQ activation
+scales, q4 / q6 / q8 or float-stored weights, experts of any group size; what they cannot
+run is refused at load (steptables.set_ffn, check_attention). numpy is only the tests'
+reference (reference.py). Every routing (fixed-point or float softmax, sigmoid
+scores with the correction bias, group limits) is chosen in C; only tokens whose router
+logits are not finite take routing.route's fallback.
+
+Batch invariance: a token's logits do not depend on which other tokens share its step
+(ck_step.c says how); the scheduler batches requests on it.
+
+Shape legend: n tokens in the step, H hidden, E router slots, K the step's largest k.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+
+from ..model import ops
+from ..experts.expertcache import Pending as _PENDING
+from ..kernels import ffi, lib
+from ..model.routing import LayerTrace, Routing, route
+from .steptables import (_MLA_DEQUANT_BUDGET, Keep, _shape, Scratch, SetTables, check_attention,
+                         set_ffn, set_mat)
+from ..model.weights import run_own_code
+
+log = logging.getLogger("colibri")
+
+_ERRORS = {1: "more than two activation group sizes in one call",
+           2: "step scratch too small", 3: "non-finite router logits",
+           4: "no memory for attention scores"}
+
+
+class Pipeline:
+    """The forward of one Model (model.py): run() is every forward the engine does."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cfg = cfg = model.cfg
+        w = model.w
+        self.keep = keep = Keep()
+        self.scratch = Scratch(model)
+        self.eps = float(cfg.rms_norm_eps)
+        inv_freq, factor = ops.rope_frequencies(cfg)
+        p_inv = keep.buf(np.asarray(inv_freq, np.float64), "double *")
+        # routed tokens per MoE layer and router slot, counted after the routing hook while
+        # on (Engine.count_routed_tokens): a bincount per layer, no hook on the decode path
+        self.routed: Optional[dict[int, np.ndarray]] = None
+        self.layers = []
+        self.mla_bytes = 0                          # float W_UK / W_UV kept so far
+        for lw in w.layers:
+            check_attention(model, lw)
+            L = {"index": lw.index, "moe": lw.kind == "moe", "lw": lw, "attn": None, "mla": None}
+            if cfg.attention == "mla":
+                L["mla"] = self._mla_layer(lw, p_inv, factor)
+            else:
+                L["attn"] = self._attn_layer(lw, p_inv, factor)
+            block = keep.new("ck_ffn_block *")
+            block.hidden, block.scale = cfg.hidden_size, cfg.residual_multiplier
+            L["block"] = block
+            if lw.kind == "dense":
+                t = keep.new("ck_ffn[1]")
+                set_ffn(keep, t[0], lw.dense, f"layer {lw.index} dense FFN")
+                block.table, block.n_table = t, 1
+            elif lw.shared is not None:
+                sh = keep.new("ck_ffn *")
+                set_ffn(keep, sh, lw.shared, f"layer {lw.index} shared expert")
+                block.shared = sh
+                block.shared_gate = keep.f32(lw.shared_gate)
+            self.layers.append(L)
+        self.head = keep.new("ck_mat *")
+        set_mat(keep, self.head, w.lm_head, what="lm_head")
+        self.final_norm = keep.f32(w.final_norm)
+        self.embed_mat = keep.new("ck_mat *")
+        set_mat(keep, self.embed_mat, w.embed, what="embed")
+        self._tables: Optional[SetTables] = None
+        self._pinned: dict = {}                     # id(es) -> tables of an older, pinned set
+        self._last_tables: Optional[SetTables] = None   # the last step's (the trace's)
+        self._cache_addr: dict = {}
+        self._logits1 = None                        # the decode loop's logits buffer
+        self.last_n = 0                             # tokens of the last step
+        self.layer_k = [0] * len(self.layers)        # its k per layer (the arrays' layout)
+        self.layer_width = [0] * len(self.layers)    # the choice's width (an override's)
+
+    def _attn_layer(self, lw, p_inv, factor):
+        cfg, a, keep = self.cfg, lw.attn, self.keep
+        al = keep.new("ck_attn_layer *")
+        for n in ("wq", "wk", "wv", "wo"):
+            set_mat(keep, getattr(al, n), getattr(a, n), a.act_scales.get(n), f"layer {lw.index} {n}")
+        al.bq, al.bk, al.bv = keep.f32(a.bq), keep.f32(a.bk), keep.f32(a.bv)
+        al.qk_norm = {"none": 0, "per_head": 1, "full": 2}[cfg.qk_norm]
+        al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
+        al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
+        al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        al.eps, al.scale = self.eps, float(cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_size))
+        al.rot, al.out_scale = ops.rope_dim(cfg), cfg.residual_multiplier
+        al.inv_freq, al.rope_factor = p_inv, float(factor)
+        return al
+
+    def _mla_layer(self, lw, p_inv, factor):
+        from ..model.mla import LORA_NORM_EPS, softmax_scale
+        cfg, a, keep = self.cfg, lw.attn, self.keep
+        m = keep.new("ck_mla_layer *")
+        sc = a.act_scales
+        names = ("wq", "wkv_a", "wo") if a.wq is not None else ("wq_a", "wq_b", "wkv_a", "wo")
+        for n in names:
+            set_mat(keep, getattr(m, n), getattr(a, n), sc.get(n), f"layer {lw.index} {n}")
+        if a.wq is None:
+            m.q_a_norm = keep.f32(a.q_a_norm)
+            m.q_lora = cfg.q_lora_rank
+        m.kv_a_norm = keep.f32(a.kv_a_norm)
+        # W_UK / W_UV as float32 [nh, nope + v, r] (the act scale divided out) while they
+        # fit the budget; past it the block dequantizes wkv_b's rows as it reads them
+        s_b = sc.get("wkv_b")
+        free = isinstance(a.wkv_b, np.ndarray) and a.wkv_b.dtype == np.float32 and s_b is None
+        nbytes = 0 if free else 4 * int(np.prod(_shape(a.wkv_b)))
+        if self.mla_bytes + nbytes <= _MLA_DEQUANT_BUDGET:
+            self.mla_bytes += nbytes
+            wkv_b = ops.float_matrix(a.wkv_b)
+            m.wkv_b = keep.f32(wkv_b if s_b is None else wkv_b / np.asarray(s_b, np.float32))
+        else:
+            m.wkv_b = ffi.NULL
+            set_mat(keep, m.wkv_b_q, a.wkv_b, s_b, f"layer {lw.index} wkv_b")
+        m.norm, m.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
+        m.hidden, m.nh = cfg.hidden_size, cfg.num_heads
+        m.nope, m.rope, m.v, m.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        m.eps, m.lora_eps, m.scale = self.eps, LORA_NORM_EPS, float(softmax_scale(cfg))
+        m.inv_freq, m.rope_factor = p_inv, float(factor)
+        m.interleave = bool(cfg.rope_interleave)
+        return m
+
+    # ------------------------------------------------------------------ expert sets
+    def tables_for(self, es) -> SetTables:
+        t = self._tables
+        if t is not None and t.es is es:
+            return t
+        side = self._pinned.get(id(es))
+        if side is not None and side.es is es:
+            return side
+        if t is not None and es.generation < t.generation:
+            # an older snapshot a pinned request keeps (scheduler.py): its own tables,
+            # beside the current set's, until keep_pinned() lets them go
+            side = self._pinned[id(es)] = SetTables(self.model, es)
+            self.scratch.fit_ffns(side.ffns)
+            self.scratch.grow_slots(max((v["slots"] for v in side.layers.values()), default=1))
+            return side
+        self.adopt(es, SetTables(self.model, es))
+        return self._tables
+
+    def keep_pinned(self, sets) -> None:
+        """Forget the tables of older snapshots that no sequence in `sets` uses any more
+        (their experts can then be released)."""
+        live = {id(es) for es in sets}
+        for key in [k for k in self._pinned if k not in live]:
+            del self._pinned[key]
+
+    def prepare(self, es) -> SetTables:
+        """The tables of expert set `es`, built without installing them: on another thread
+        than the one stepping (the hot-plug worker prepares the next set while tokens
+        run). adopt() installs them between two steps."""
+        return SetTables(self.model, es)
+
+    def adopt(self, es, tables: SetTables):
+        """Install tables made by prepare(es); returns the ones they replace (None if
+        none), for the caller to free elsewhere. One set at a time: the tables keep their
+        expert set (and any hot-plugged expert in it) alive."""
+        if tables.es is not es:
+            raise ValueError("Pipeline.adopt: the tables were made for another expert set")
+        old, self._tables = self._tables, tables
+        self.scratch.fit_ffns(tables.ffns)
+        self.scratch.grow_slots(max((v["slots"] for v in tables.layers.values()), default=1))
+        return old
+
+    def drop(self) -> None:
+        """Forget the tables and cache pointers (they point into the mapped weights)."""
+        self._tables = None
+        self._pinned.clear()
+        self._last_tables = None
+        self._cache_addr.clear()
+
+    def close(self) -> None:
+        """Let go of everything that points into the mapped weights (Engine.close, before
+        the files are unmapped); the pipeline cannot run after this."""
+        self.drop()
+        self.layers, self.head, self.embed_mat, self.final_norm = [], None, None, None
+        self.keep = None
+
+    # ------------------------------------------------------------------ the trace
+    def routing_trace(self) -> list:
+        """The last step's routing per MoE layer (routing.LayerTrace; copies)."""
+        out, n = [], self.last_n
+        sc = self.scratch
+        t = self._last_tables
+        for i, L in enumerate(self.layers):
+            if not L["moe"] or t is None or n == 0:
+                continue
+            slots, k, width = t.layers[L["index"]]["slots"], self.layer_k[i], self.layer_width[i]
+            logits = sc.rows("logits", i, n, slots).copy()
+            ids = sc.rows("ids", i, n, k)[:, :width].copy()
+            if self.cfg.scoring_func == "softmax":
+                p = ops.softmax(logits.astype(np.float64))
+            else:
+                p = ops.sigmoid(logits.astype(np.float64))
+            scores = np.take_along_axis(p, np.maximum(ids, 0), 1).astype(np.float32)
+            scores[ids < 0] = 0.0                  # slots a routing override left unused
+            out.append(LayerTrace(L["index"], Routing(ids, sc.rows("wts", i, n, k)[:, :width].copy(), scores), logits))
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def forget_cache(self, cache) -> None:
+        """A KV cache was freed: drop the addresses kept for it (and the cache)."""
+        got = self._cache_addr.get(id(cache))
+        if got is not None and got[0] is cache:
+            del self._cache_addr[id(cache)]
+
+    def _cache_ptrs(self, cache) -> tuple:
+        """(cache, then the tok row's columns 1..: k address, v address, values per layer,
+        storage type, k scales address, v scales address; ck.h)."""
+        got = self._cache_addr.get(id(cache))
+        if got is None or got[0] is not cache:
+            if len(self._cache_addr) > 256:
+                self._cache_addr.clear()
+            k, v = cache.k, cache.v
+            q8 = getattr(cache, "dtype", "f32") == "q8"
+            got = (cache, _addr(k), _addr(v), k[0].size, _KV_KIND[getattr(cache, "dtype", "f32")],
+                   _addr(cache.k_scale) if q8 else 0, _addr(cache.v_scale) if q8 else 0)
+            self._cache_addr[id(cache)] = got
+        return got
+
+    def run(self, ids: np.ndarray, spans: list, kt: np.ndarray, es, all_logits=False,
+            reuse: bool = False) -> list:
+        """ids [n] token ids; spans [(t0, t1, cache)] each sequence's tokens; kt [n] the
+        k of each token (or one int for all). Returns per sequence the logits of its last
+        token [V], or of all its tokens [n_i, V] where all_logits says so (one bool for
+        every sequence, or one per sequence); the caches' lengths advance. reuse: the
+        logits are views of a buffer the next step overwrites (the decode loop copies
+        nothing)."""
+        model, sc = self.model, self.scratch
+        n = len(ids)
+        kmax = kt if isinstance(kt, int) else (int(kt.max()) if n else 1)
+        sc.ensure(n, kmax)
+        t = self._last_tables = self.tables_for(es)
+        s = sc.s
+        x = sc.prefix("x", n)
+        res = model.residency
+        if res.active:                              # the embedding's rows, under a budget
+            res.embed_touch(ids)
+        self._embed(ids, x)
+        if self.cfg.embedding_multiplier != 1.0:    # Granite
+            x *= np.float32(self.cfg.embedding_multiplier)
+        tok = sc.tok
+        for t0, t1, cache in spans:
+            if t1 - t0 == 1:                        # a decode token: no views, no arrays
+                (_, tok[t0, 1], tok[t0, 2], tok[t0, 3], tok[t0, 4], tok[t0, 5],
+                 tok[t0, 6]) = self._cache_ptrs(cache)
+                tok[t0, 0] = cache.length
+                continue
+            tok[t0:t1, 1:] = self._cache_ptrs(cache)[1:]
+            tok[t0:t1, 0] = np.arange(cache.length, cache.length + t1 - t0)
+        if isinstance(kt, int):
+            sc.kt[0] = kt
+            if n > 1:
+                sc.kt[1:n] = kt
+        else:
+            sc.kt[:n] = kt
+        hooks = model.hooks
+        if res.active:
+            res.begin_forward(n, [c for _, _, c in spans])
+        for i, L in enumerate(self.layers):
+            lw = L["lw"]
+            if hooks is not None and hooks.before_layer is not None:
+                hooks.before_layer(layer=lw.index, hidden=x)
+            if L["attn"] is not None:
+                self._check(lib.ck_step_attention(L["attn"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
+            else:
+                self._check(lib.ck_step_mla_attention(L["mla"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
+            if not L["moe"]:
+                self._check(lib.ck_step_experts(L["block"], sc.p_xn, n, sc.p_dense_ids,
+                                                sc.p_dense_w, 1, sc.p_x, s))
+            else:
+                self._moe(i, L, t.layers[lw.index], n, kmax)
+            if res.speculative:                     # guess the next MoE layer's experts
+                res.speculate(lw.index, x, es, sc.kt[:n])
+            if hooks is not None and hooks.after_layer is not None:
+                hooks.after_layer(layer=lw.index, hidden=x)
+        self.last_n = n
+        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else all_logits
+        if len(spans) == 1 and not every[0]:    # one sequence's last token (decode)
+            np.copyto(sc.prefix("head_x", 1), x[n - 1:n] if n > 1 else x)
+            logits = self._head(sc.prefix("head_x", 1), reuse)
+            results = [self._logits1_row if reuse and logits is self._logits1 else logits[0]]
+        else:
+            rows = [(t0, t1) if a else (t1 - 1, t1) for (t0, t1, _), a in zip(spans, every)]
+            hx = sc.head_x[:sum(b - a for a, b in rows)]
+            j = 0
+            for a, b in rows:
+                hx[j:j + b - a] = x[a:b]
+                j += b - a
+            logits = self._head(hx, reuse)
+            results, j = [], 0
+            for (a, b), whole in zip(rows, every):
+                results.append(logits[j:j + b - a] if whole else logits[j])
+                j += b - a
+        for t0, t1, cache in spans:
+            cache.length += t1 - t0
+        sc.control.after_step()
+        return results
+
+    def _embed(self, ids: np.ndarray, x: np.ndarray) -> None:
+        if len(ids) == 1:
+            lib.ck_mat_row(self.embed_mat, int(ids[0]), self.scratch.p_x)
+            return
+        for r, tid in enumerate(ids.tolist()):
+            lib.ck_mat_row(self.embed_mat, tid, ffi.cast("float *", ffi.from_buffer(x[r])))
+
+    def _head(self, hx: np.ndarray, reuse: bool) -> np.ndarray:
+        n = hx.shape[0]
+        if reuse and n == 1:
+            if self._logits1 is None:
+                self._logits1 = np.zeros((1, self.head.rows), np.float32)
+                self._logits1_row = self._logits1[0]
+                self._p_logits1 = ffi.cast("float *", ffi.from_buffer(self._logits1))
+            out, p_out = self._logits1, self._p_logits1
+        else:
+            out = np.empty((n, self.head.rows), np.float32)
+            p_out = ffi.cast("float *", ffi.from_buffer(out))
+        self._check(lib.ck_step_head(self.head, self.final_norm, self.eps, self.scratch.p_head_x,
+                                     n, p_out, self.scratch.s))
+        if self.cfg.logits_scaling != 1.0:          # Granite
+            out /= np.float32(self.cfg.logits_scaling)
+        return out
+
+    # ------------------------------------------------------------------ MoE layer
+    def _moe(self, i: int, L: dict, T: dict, n: int, kmax: int) -> None:
+        """Route layer L's tokens, give plugins their say, run the experts."""
+        model, sc, cfg = self.model, self.scratch, self.cfg
+        layer, hooks = L["index"], model.hooks
+        E = T["slots"]
+        lg = sc.rows("logits", i, n, E)            # C writes [n, E] from the start
+        p_logits, p_ids, p_wts = sc.p_layer[i]
+        choose = hooks.choose_k_token if hooks is not None else None
+        p_k = sc.p_kt
+        if choose is not None:                      # the plugin's k per token, from the logits
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, ffi.NULL, ffi.NULL, 0)
+            got = choose(layer=layer, probs=ops.softmax(lg), default_k=sc.kt[:n].astype(np.int64)) \
+                if rc == 0 else None
+            if got is not None:
+                k_tok = hooks.guard.check_choose_k_token(got, n, cfg.num_experts)
+                kmax = max(kmax, int(k_tok.max()))
+                sc.grow_k(kmax)                      # a plugin may choose more than the step's k
+                p_logits, p_ids, p_wts = sc.p_layer[i]
+                sc.kt_layer[:n] = k_tok
+                p_k = sc.p_kt_layer
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 1)
+        else:
+            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 0)
+        idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
+        if rc == lib.CK_E_NONFINITE:                # NaN/Inf logits: the router's fallback
+            r = route(lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
+                      mode=model.engine.routing, scoring=cfg.scoring_func,
+                      norm_topk_prob=cfg.norm_topk_prob, bias=T["select_bias"],
+                      n_group=cfg.n_group, topk_group=cfg.topk_group,
+                      scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
+            K = r.ids.shape[1]
+            idv[:, :K], wv[:, :K] = r.ids, r.weights
+            idv[:, K:], wv[:, K:] = -1, 0.0
+        else:
+            self._check(rc)
+        self.layer_k[i] = self.layer_width[i] = kmax
+        if hooks is not None and hooks.routing is not None:
+            p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func == "softmax" \
+                else ops.sigmoid(lg.astype(np.float64))
+            scores = np.take_along_axis(p, np.maximum(idv, 0), 1).astype(np.float32)
+            override = hooks.routing(layer=layer, expert_ids=idv, weights=wv, scores=scores, logits=lg)
+            if override is not None:                # validated here, the one place
+                new_ids, new_w = hooks.guard.check_routing(override, layer, n, kmax,
+                                                           T["experts"], cfg.num_experts)
+                m = new_ids.shape[1]
+                idv[:, :m], wv[:, :m] = new_ids, new_w
+                idv[:, m:], wv[:, m:] = -1, 0.0
+                self.layer_width[i] = m
+        if self.routed is not None:
+            self._count_routed(layer, idv[:, :self.layer_width[i]])
+        self._experts(i, L, T, n, kmax, idv, wv)
+
+    def _count_routed(self, layer: int, ids: np.ndarray) -> None:
+        counts = np.bincount(ids[ids >= 0].ravel())
+        have = self.routed.get(layer)
+        if have is None or have.size < counts.size:
+            grown = np.zeros(max(counts.size, 8), np.int64)
+            if have is not None:
+                grown[:have.size] = have
+            have = grown
+        have[:counts.size] += counts
+        self.routed[layer] = have               # (one assignment: readers see old or new)
+
+    def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:
+        model, sc = self.model, self.scratch
+        layer, hooks = L["index"], model.hooks
+        _, p_ids, p_w = sc.p_layer[i]               # idv, wv: the start of layer i's buffers
+        res = model.residency
+        timing = hooks.expert_timing if hooks is not None else None
+        prefetch = hooks.expert_prefetch if hooks is not None else None
+        block = L["block"]
+        if L.get("tables") is not T["token"]:       # the expert set's table, once per set
+            block.table, block.n_table = T["table"], T["n"]
+            L["tables"] = T["token"]                # (not T: that would keep the set alive)
+        if not (T["custom"] or res.active or timing is not None or prefetch is not None
+                or not res.all_prefetched(layer)):
+            # the common case: the routed and the shared experts in one C call
+            self._check(lib.ck_step_experts(block, sc.p_xn, n, p_ids, p_w, kmax, sc.p_x, sc.s))
+            return
+        run_ids = sc.rows("run_ids", -1, n, kmax)
+        np.copyto(run_ids, idv)
+        used = np.unique(idv[idv >= 0])
+        shared, block.shared = block.shared, ffi.NULL      # the shared expert after the waves
+        try:
+            for wave in res.waves(used):            # one wave unless a budget forces more
+                run = res.acquire(layer, wave, T["experts"])   # prefetch; budget: load + pin
+                try:
+                    if prefetch is not None:
+                        prefetch(layer=layer, experts=[(int(e), run[e].address, run[e].nbytes)
+                                                       for e in wave])
+                    self._run_wave(L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, res.active)
+                finally:
+                    res.release(layer, wave)
+        finally:
+            block.shared = shared
+        if shared != ffi.NULL:
+            run_ids[...] = -1
+            self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
+
+    def _run_wave(self, L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, budget) -> None:
+        """The routed experts `wave` (ascending ids): C experts in one call -- one call
+        per expert when a load is still in flight (each computes as soon as it is read)
+        or a plugin times experts --, hot-plugged code (ffn_forward) between."""
+        sc = self.scratch
+        layer, table, block = L["index"], T["table"], L["block"]
+        x, xn = sc.x[:n], sc.xn[:n]
+        run_ids = sc.rows("run_ids", -1, n, kmax)
+        singles = timing is not None or any(isinstance(run[e], _PENDING) for e in wave)
+        batch = []
+        for e in (int(e) for e in wave):
+            c0, t0 = _cycles(), time.perf_counter()
+            if e in T["custom"]:                    # its own code, between the C calls
+                rows, slot = np.nonzero(idv == e)
+                out = np.zeros((len(rows), x.shape[1]), np.float32)
+                run_own_code(run[e], np.ascontiguousarray(xn[rows]), out,
+                             wv[rows, slot] * np.float32(self.cfg.residual_multiplier))
+                x[rows] += out
+            else:
+                if budget and T["bound"].get(e) is not run[e]:   # where the cache holds it now
+                    ex = run[e]
+                    keep = Keep()                   # its views, for as long as it is bound
+                    set_ffn(keep, table[e], ex.ffn)
+                    T["bound"][e], T["bound_keep"][e] = ex, keep
+                if not singles:
+                    batch.append(e)
+                    continue
+                np.copyto(run_ids, np.where(idv == e, idv, -1))
+                self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
+            if timing is not None:
+                timing(layer=layer, expert=e, cycles=_cycles() - c0, seconds=time.perf_counter() - t0)
+        if batch:
+            if len(batch) == len(wave) == len(used):    # the whole choice: no mask to make
+                np.copyto(run_ids, idv)
+            else:
+                np.copyto(run_ids, np.where(np.isin(idv, batch), idv, -1))
+            self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"colibri step kernel: {_ERRORS.get(rc, rc)}")
+
+
+_KV_KIND = {"f32": lib.CK_KV_F32, "f16": lib.CK_KV_F16, "q8": lib.CK_KV_Q8}
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(ffi.cast("intptr_t", ffi.from_buffer(a)))
+
+
+def _cycles() -> int:
+    return int(lib.ck_rdtsc())
+

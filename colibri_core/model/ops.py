@@ -1,0 +1,221 @@
+"""The model's math in plain numpy, one function per op: the one home of every op.
+
+The reference forward (reference.py, mla.py), the router (routing.py), the sampler and the
+expert cache's speculation call these; the C kernels (kernels.py, ck_step.c) compute the
+same ops fast and are tested against them. Every function computes in the dtype it is
+given: the engine passes float32 (what its results were always computed in), the tests
+pass float64 to get the exact value a kernel must come close to.
+
+The weight formats (q4 / q8 packing, quantize and dequantize, the int8 activation
+quantization) live in quant.py, their one home; here they are only used.
+
+Shape legend: T tokens, H hidden, NH / NKV query / key-value heads, D head dim, S cached
+positions, E experts (router slots), K experts per token, I intermediate size.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
+                            dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref)
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), written as the kernels do (ck_silu): x / (1 + e^-x)."""
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x - max) / sum along `axis` (max subtracted: no overflow)."""
+    z = np.exp(x - x.max(axis=axis, keepdims=True))
+    z /= z.sum(axis=axis, keepdims=True)
+    return z
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """log(softmax(x)) along `axis`, in float64 (log-probabilities of tokens)."""
+    z = np.asarray(x, np.float64)
+    z = z - z.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    """bf16 values stored as uint16 -> float32 (the upper half of a float32)."""
+    return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
+
+
+def float_matrix(w) -> np.ndarray:
+    """Any stored matrix (q4, q6, q8, bf16 as uint16, float) as float32."""
+    if isinstance(w, Q4Tensor):
+        return dequantize_q4(w).astype(np.float32)
+    if isinstance(w, Q6Tensor):
+        return dequantize_q6(w).astype(np.float32)
+    if isinstance(w, Q8Tensor):
+        return dequantize_q8(w).astype(np.float32)
+    a = np.asarray(w)
+    if a.dtype == np.uint16:
+        return bf16_to_f32(a)
+    return a.astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------- embedding, norm
+
+def embedding(table, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` [T] of the embedding table (q4, q6, q8, bf16 or float) as float32 [T, H]."""
+    if isinstance(table, Q4Tensor):
+        rows = Q4Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
+                        table.cols, table.group)
+        return dequantize_q4(rows).astype(np.float32)
+    if isinstance(table, Q6Tensor):
+        rows = Q6Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
+                        table.cols, table.group)
+        return dequantize_q6(rows).astype(np.float32)
+    if isinstance(table, Q8Tensor):
+        rows = Q8Tensor(table.data[ids], table.scales[ids], len(ids), table.cols, table.group)
+        return dequantize_q8(rows).astype(np.float32)
+    rows = np.asarray(table[ids])
+    if rows.dtype == np.uint16:
+        return bf16_to_f32(rows)
+    return rows.astype(np.float32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis."""
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return (x / np.sqrt(var + eps)) * w
+
+
+# ----------------------------------------------------------------------------- rotary
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_dim(cfg: ModelConfig) -> int:
+    """Dimensions rotated per head: the whole head, its first rotary_dim (partial rotary),
+    or MLA's rope part."""
+    return cfg.qk_rope_head_dim if cfg.attention == "mla" else (cfg.rotary_dim or cfg.head_size)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """The rotary table of a model: (inverse frequencies [D/2] float64, attention factor
+    applied to cos/sin). YaRN scaling follows transformers (the tables in float32)."""
+    dim = rope_dim(cfg)
+    base = cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return 1.0 / pos_freqs, 1.0
+    factor = rs.factor
+    af = rs.attention_factor
+    if af is None:
+        if rs.mscale and rs.mscale_all_dim:
+            af = yarn_mscale(factor, rs.mscale) / yarn_mscale(factor, rs.mscale_all_dim)
+        else:
+            af = yarn_mscale(factor)
+
+    def corr_dim(rot):
+        return (dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(rs.beta_fast), corr_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float64)
+    extra = 1.0 - ramp                                   # extrapolation weight
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv.astype(np.float32).astype(np.float64), float(af)
+
+
+def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, factor: float,
+               interleave: bool = False) -> np.ndarray:
+    """Rotary embedding of x [T, heads, D] at positions pos [T]; cos/sin in float32.
+
+    interleave=False: rotate-half (pairs (i, i + D/2), the Hugging Face layout); True:
+    pairs (2i, 2i+1), result written de-interleaved (first the rotated even lanes, then
+    the odd ones: DeepSeek's rope_interleave). Fewer frequencies than D/2 (partial rotary):
+    only the first 2 * len(inv_freq) dims rotate, the rest pass through."""
+    rot = 2 * len(inv_freq)
+    if rot < x.shape[-1]:
+        return np.concatenate([apply_rope(x[..., :rot], pos, inv_freq, factor, interleave),
+                               x[..., rot:]], axis=-1)
+    ang = pos[:, None].astype(np.float64) * inv_freq[None, :]             # [T, D/2]
+    cos = (np.cos(ang) * factor).astype(np.float32)[:, None, :]
+    sin = (np.sin(ang) * factor).astype(np.float32)[:, None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def causal_softmax(scores: np.ndarray, start: int) -> np.ndarray:
+    """Attention weights from scores [..., n, S] of n new tokens at positions start..
+    start+n-1 over S = start + n positions: later positions masked out, softmax over S."""
+    n, S = scores.shape[-2:]
+    if n > 1:
+        mask = np.arange(S)[None, :] > (start + np.arange(n))[:, None]
+        scores = np.where(mask, -np.inf, scores)
+    return softmax(scores, axis=-1)
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float,
+              start: int) -> np.ndarray:
+    """Grouped-query attention of n new tokens q [n, NH, D] (positions start..) over the
+    cached keys / values [S, NKV, D] (S = start + n, the new tokens' rows included),
+    NH a multiple of NKV -> [n, NH, D]."""
+    n, NH, D = q.shape
+    NKV = keys.shape[1]
+    qs = q.reshape(n, NKV, NH // NKV, D)
+    sc = np.einsum("tkgd,skd->kgts", qs, keys) * scale                   # [NKV, G, n, S]
+    p = causal_softmax(sc, start)
+    o = np.einsum("kgts,skd->tkgd", p.astype(values.dtype), values)
+    return o.reshape(n, NH, D)
+
+
+# ----------------------------------------------------------------------------- router
+
+def router_logits(x: np.ndarray, router: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [T, H] @ router [E, H]^T (+ bias [E]) -> [T, E]."""
+    logits = x @ router.T
+    if bias is not None:
+        logits += bias
+    return logits
+
+
+def top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices [T, k] of the k largest values per row, largest first, ties -> lower index."""
+    order = np.argsort(-values, axis=1, kind="stable")
+    return order[:, :k]
+
+
+# ----------------------------------------------------------------------------- FFN
+
+def gated_ffn(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray) -> np.ndarray:
+    """SiLU-gated FFN on float matrices: silu(x W1^T) * (x W3^T) @ W2^T."""
+    return (silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def expert_ffn_ref(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray,
+                   act: str = "float") -> np.ndarray:
+    """float64 reference of kernels.expert_ffn (before the routing weight):
+    silu(x W1^T) * (x W3^T) @ W2^T. act="int8" follows the int8 kernel: x and the hidden
+    activation h (rounded to float32) are quantized per group before each product."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    mv = matvec_q4_q8_ref if act == "int8" else matvec_q4_ref
+    h = silu(mv(w1, x)) * mv(w3, x)
+    return mv(w2, h.astype(np.float32) if act == "int8" else h)

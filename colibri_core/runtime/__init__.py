@@ -1,0 +1,3 @@
+"""Requests over the model: continuous batching (scheduler), a generation (generate),
+scoring (scoring), sampling, tokens <-> text, per-request k (kselect), self-speculative
+decoding (speculative) and the audit log (audit)."""

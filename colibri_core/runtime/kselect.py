@@ -1,0 +1,43 @@
+"""Per-request k: parsing the `MODE:kN|` prompt prefix and choosing k by precedence.
+
+Precedence (first that applies wins):
+  1. the explicit argument (`top_k=` / `--top-k`);
+  2. a `MODE:kN|` prefix at the very start of the prompt (stripped before tokenizing);
+  3. a plugin implementing `colibri_choose_k`;
+  4. the engine config's length policy (first matching rule, on the prompt's token count);
+  5. the model's `top_k`.
+"""
+from __future__ import annotations
+
+import numbers
+import re
+
+from ..errors import RequestError
+
+MODE_PREFIX = "MODE:"
+_MODE_RE = re.compile(r"MODE:k([0-9]{1,4})\|")      # ASCII digits only (not \d: '٣')
+
+
+def split_mode_prefix(prompt: str) -> tuple[int | None, str]:
+    """`MODE:k2|text` -> (2, "text"); a prompt without the prefix -> (None, prompt)."""
+    if not prompt.startswith(MODE_PREFIX):
+        return None, prompt
+    m = _MODE_RE.match(prompt)
+    if m is None:
+        shown = prompt[:20] + ("..." if len(prompt) > 20 else "")
+        raise RequestError(f"malformed MODE: prefix in prompt {shown!r}: expected "
+                           f"'MODE:kN|' with N a positive integer, e.g. 'MODE:k2|'")
+    k = int(m.group(1))
+    if k < 1:
+        raise RequestError(f"MODE:k{k}| asks for k={k}; k must be at least 1")
+    return k, prompt[m.end():]
+
+
+def check_k(k: int, num_experts: int, source: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise RequestError(f"top_k={k!r:.40} from {source} is not an integer: give a whole "
+                           f"number of experts (allowed 1..{num_experts})")
+    if not 1 <= k <= num_experts:
+        raise RequestError(f"top_k={k!r} from {source} is out of range: this model has "
+                           f"{num_experts} experts per MoE layer (allowed 1..{num_experts})")
+    return int(k)

@@ -1,0 +1,598 @@
+"""Continuous batching: many requests share one engine, batched into the same forward steps.
+
+One thread per engine (`colibri-sched`, started with the first request, ended when the
+engine closes or after `IDLE_EXIT_S` without work) is the only one that calls the model,
+applies expert changes and calls the per-token hooks. Callers on any thread (or event
+loop) submit a Request -- a generation is one sequence, a score_batch many -- and read
+what it produced; nothing they do touches the model.
+
+    queue (bounded: max_queued_requests; when full, wait or EngineBusyError)
+      -> between two steps: expert changes applied, cancelled requests retired, queued
+         sequences admitted while the KV budget has room (first come, first served)
+      -> one step: running decodes first (one token each, or with speculative
+         decoding that token and its draft: Job.decode_tokens), then prompt chunks fill
+         the rest, at most max_step_tokens tokens while a stream decodes
+         (max_batch_tokens while none does) and then at most max_prefill_tokens of
+         each prompt; one Model.forward per expert set among the
+         step's sequences (a pinned sequence keeps its snapshot; the others use the
+         current one), each sequence with its kind of output (last-token logits, or all
+         its positions: scoring, a draft's verification)
+      -> per sequence, in the step's order: its logits handled (sampling, stop strings,
+         hooks: Job.after_step), then finished sequences retired and their KV freed
+
+Batch invariance (pipeline.py) makes a sequence's logits independent of the others in
+its step and of how its prompt was split, so every request gets exactly the tokens it
+would get alone. A failing forward is run again one sequence at a time, so that a fault
+one sequence causes (a plugin's bad answer for its rows) fails only its request.
+
+A sequence may run at most AHEAD tokens ahead of its reader: a reader that stops reading
+pauses its sequence (and keeps its KV cache) until it reads on, closes its Generation, or
+drops it (the finalizer cancels it; freed at the next step).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..errors import EngineBusyError, EngineClosedError, RequestError, RequestTooLarge
+from ..model.kvcache import check_memory
+
+log = logging.getLogger("colibri")
+
+AHEAD = 4               # tokens a sequence may compute before its reader takes them
+IDLE_EXIT_S = 2.0       # the thread ends after this long without work (restarted on demand)
+
+
+class Job:
+    """One sequence: its prompt, k and KV capacity, and what it does with its logits
+    (subclasses: generate.Decode, scoring.ScoreJob). Fields below `feed` belong to the scheduler."""
+
+    all_logits = False          # every position's logits (scoring), or the last token's
+    decodes = False             # a stream: after its prompt, one token per step
+
+    def __init__(self, request: "Request", tokens, k: int, capacity: int, pin: bool = False):
+        self.request = request
+        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.k = int(k)
+        self.capacity = int(capacity)
+        self.pin = pin
+        self.feed: Optional[int] = None     # the next decode token (None: none yet)
+        self.done = False
+        self.fed = 0                        # prompt tokens already run
+        self.cache = None
+        self.es = None                      # its snapshot when pinned (set at admission)
+
+    def ready(self) -> bool:
+        """Whether the step may run its next decode token."""
+        return self.feed is not None
+
+    def decode_tokens(self, room: int) -> np.ndarray:
+        """The tokens of its next decode step: `feed`, and a speculative decode's draft
+        of at most `room` more (then after_step gets all their logits, [n, V])."""
+        return np.array([self.feed], np.int64)
+
+    def after_step(self, logits: np.ndarray, es, final: bool) -> None:
+        """The logits of what this step ran for the sequence ([V], or [n, V] with
+        all_logits or a draft), computed with expert set `es`; `final`: its prompt is complete (or
+        it was a decode token). Set `feed` to go on, or `done`. On the scheduler thread;
+        an exception fails this job's request only."""
+        raise NotImplementedError
+
+
+class Request:
+    """What one caller submitted: its jobs, its state, and what its reader waits on."""
+
+    def __init__(self, request_id: str):
+        self.id = request_id
+        self.jobs: list[Job] = []
+        self.state = "new"              # new | queued | running | done
+        self.error: Optional[BaseException] = None
+        self.cancelled = False
+        self.stop_reason: Optional[str] = None
+        self.queue_wait_s: Optional[float] = None   # from submit() to its admission
+        self.events: deque = deque()    # produced, not yet read (generations)
+        self._sched: Optional["Scheduler"] = None
+        self._cv: Optional[threading.Condition] = None
+        self._t_submit = 0.0
+        self._pending: deque = deque()  # jobs not admitted yet
+
+    # -- the scheduler thread --------------------------------------------------------
+    def started(self) -> None:
+        """Admitted (before its first step): hooks such as colibri_request_start."""
+
+    def ended(self) -> None:
+        """Retired (finished, failed, cancelled or closed): colibri_request_end."""
+
+    def push(self, event) -> None:
+        with self._cv:
+            self.events.append(event)
+            self._cv.notify_all()
+
+    # -- any thread -----------------------------------------------------------------------
+    def cancel(self) -> None:
+        """The result is not wanted any more: retired at the next step (idempotent,
+        never blocks; safe from a finalizer)."""
+        s = self._sched
+        if s is None or self.state == "done":
+            return
+        with s._lock:
+            if self.state != "done" and not self.cancelled:
+                self.cancelled = True
+                s._wake.notify_all()
+
+    def next_event(self):
+        """The next event (blocks until there is one); None at the end; the request's
+        error once its events are read."""
+        s = self._sched
+        with self._cv:
+            while not self.events and self.state != "done":
+                self._cv.wait()
+            if self.events:
+                ev = self.events.popleft()
+                if len(self.events) == s.ahead - 1:    # its sequence may run again
+                    s._wake.notify_all()
+                return ev
+        if self.error is not None:
+            raise self.error.with_traceback(None)
+        return None
+
+    def wait(self) -> None:
+        """Until the request is done; raises its error."""
+        with self._cv:
+            while self.state != "done":
+                self._cv.wait()
+        if self.error is not None:
+            raise self.error.with_traceback(None)
+
+
+def cancel_when_gone(owner, req: Request) -> None:
+    """Cancel `req` once `owner` (its Generation) is garbage: a weak reference both
+    ways, so that nothing the request holds (its error's traceback) keeps `owner` alive."""
+    ref = weakref.ref(req)
+    weakref.finalize(owner, _cancel_ref, ref)
+
+
+def _cancel_ref(ref) -> None:
+    req = ref()
+    if req is not None:
+        req.cancel()
+
+
+class Scheduler:
+    """The engine's batching loop (see the module docstring). `engine` gives `model`,
+    `config`, `_apply_expert_changes()` and `_request_ended()`."""
+
+    def __init__(self, engine, what: str):
+        self.engine = engine
+        self.what = what                        # named in the errors (the model folder)
+        cfg = engine.config
+        self.max_step_tokens = cfg.max_step_tokens
+        self.max_prefill_tokens = cfg.max_prefill_tokens
+        self.max_batch_tokens = max(cfg.max_batch_tokens, cfg.max_step_tokens)
+        self.max_queued = cfg.max_queued_requests
+        self.when_full = cfg.when_full
+        self._lock = threading.RLock()          # an RLock: cancel() may run in a finalizer
+        self._wake = threading.Condition(self._lock)     # work for the thread
+        self._room = threading.Condition(self._lock)     # a queue place for submit()
+        self._queue: deque[Request] = deque()
+        self._running: list[Job] = []           # admitted, in admission order
+        self._requests: list[Request] = []      # running requests, in admission order
+        self._ops: deque = deque()              # [fn, done, result/error] run between steps
+        self._thread: Optional[threading.Thread] = None
+        self._ident: Optional[int] = None
+        self._rr = 0                            # decode rotation when more than fit
+        self.closed = False
+        self._closing = False
+        self._release: Optional[Callable[[], None]] = None
+        self._release_error: Optional[BaseException] = None
+        self.kv = None                          # the engine's KV pool (kvcache.KVPool)
+        self.steps = 0                          # steps run
+        self.ahead = AHEAD                      # tokens a stream may run ahead of its reader
+        # For tests: called on this thread between two steps, before admission, with the
+        # step number; and, when a list, one entry per step: [(request id, tokens, expert
+        # set generation)] in the step's order.
+        self.step_hook: Optional[Callable[[int], None]] = None
+        self.trace: Optional[list] = None
+
+    # ------------------------------------------------------------------ any thread
+    def closed_error(self) -> EngineClosedError:
+        return EngineClosedError(f"{self.what}: this engine is closed; create a new one")
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission (not counting cancelled ones)."""
+        return sum(1 for r in self._queue if not r.cancelled)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not retired (their sequences in the steps)."""
+        return len(self._requests)
+
+    def on_thread(self) -> bool:
+        """Whether the caller is the scheduler's thread (a hook, the step's own code)."""
+        return self._ident == threading.get_ident()
+
+    def budget(self):
+        """The engine's KV pool (kvcache.KVPool): admission is by its free positions."""
+        if self.kv is None:
+            self.kv = self.engine.kv_pool
+        return self.kv
+
+    def submit(self, req: Request) -> Request:
+        """Queue `req` (its jobs set). Refused at once when it can never run (memory, KV
+        budget) or the engine is closed; when the queue is full, waits for a place or
+        raises EngineBusyError (EngineConfig.when_full)."""
+        kv = self.budget()
+        # One look at the machine's memory per request, for all its sequences together
+        # (it reads /proc and the cgroup's files: per sequence it cost more than a scored item)
+        positions = sum(j.capacity for j in req.jobs)
+        check_memory(kv.bytes_per_position * positions,
+                     f"KV caches of {positions} positions ({len(req.jobs)} sequences)")
+        for j in req.jobs:
+            if j.capacity > kv.capacity_tokens:
+                raise RequestTooLarge(
+                    f"request {req.id}: a sequence needs {j.capacity} KV positions, more than "
+                    f"the KV pool holds (kv_pool_tokens={kv.capacity_tokens}, engine config); "
+                    f"ask for fewer tokens or raise kv_pool_tokens")
+        with self._lock:
+            while True:
+                if self.closed:
+                    raise self.closed_error()
+                waiting = sum(1 for r in self._queue if not r.cancelled)
+                if waiting < self.max_queued:        # (cancelled ones leave at the next step)
+                    break
+                if self.when_full == "refuse" or self.on_thread():
+                    raise EngineBusyError(
+                        f"engine busy: {waiting} requests wait already "
+                        f"(max_queued_requests={self.max_queued}); retry later, or set "
+                        f"when_full='wait'")
+                self._room.wait()
+            req._sched, req._cv = self, threading.Condition(self._lock)
+            req._pending = deque(req.jobs)
+            req._t_submit = time.perf_counter()
+            req.state = "queued"
+            self._queue.append(req)
+            self._ensure_thread()
+            self._wake.notify_all()
+        return req
+
+    def call(self, fn: Callable[[], object]):
+        """Run `fn` on the scheduler's thread between two steps and return its result
+        (at once when called on that thread). Nothing when the engine is closed."""
+        if self.on_thread():
+            return fn()
+        op = [fn, threading.Event(), None, None]
+        with self._lock:
+            if self.closed:
+                return None
+            self._ops.append(op)
+            self._ensure_thread()
+            self._wake.notify_all()
+        op[1].wait()
+        if op[3] is not None:
+            raise op[3]
+        return op[2]
+
+    def close(self, release: Callable[[], None]) -> None:
+        """Refuse from now on, cancel queued and running requests (EngineClosedError),
+        run `release`, and return once all that is done -- except on the scheduler's own
+        thread (a hook): then it happens when the current step ends. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = self._closing = True
+            self._release = release
+            thread = self._thread
+            self._wake.notify_all()
+            self._room.notify_all()
+        if thread is None:
+            self._shutdown()                   # no thread: nothing runs, done here
+        elif thread.ident != threading.get_ident():
+            thread.join()
+            err, self._release_error = self._release_error, None
+            if err is not None:                # release() raised on the thread: here too
+                raise err.with_traceback(None)
+
+    # ------------------------------------------------------------------ the thread
+    def _ensure_thread(self) -> None:        # under _lock
+        if self._thread is None and not self._closing:
+            self._thread = threading.Thread(target=self._loop, name="colibri-sched",
+                                            daemon=True)
+            self._thread.start()
+
+    def _has_work(self) -> bool:             # under _lock
+        if self._ops or any(r.cancelled for r in self._requests) \
+                or any(r.cancelled for r in self._queue):
+            return True
+        if self._queue:
+            q = self._queue[0]
+            if q.cancelled or (q._pending and q._pending[0].capacity <= self.kv.free_tokens):
+                return True
+        return any(j.fed < len(j.tokens) or j.ready() for j in self._running)
+
+    def _loop(self) -> None:
+        self._ident = threading.get_ident()
+        self.budget()
+        while True:
+            with self._lock:
+                while not self._closing and not self._has_work():
+                    if not self._wake.wait(IDLE_EXIT_S) and not self._closing \
+                            and not self._has_work():
+                        self._thread = self._ident = None      # idle: ends (restarted
+                        return                                 # by the next request)
+                if self._closing:
+                    break
+            try:
+                self._step()
+            except BaseException as exc:         # noqa: BLE001 - a bug here: fail what ran
+                log.exception("scheduler step failed")
+                for r in list(self._requests):
+                    self._fail(r, exc)
+                self._retire()
+        try:
+            self._shutdown()
+        except BaseException as exc:             # noqa: BLE001 - close() raises it
+            self._release_error = exc
+
+    def _step(self) -> None:
+        """Between two steps: expert changes, queued calls, cancellations, admission;
+        then one step and the retirement of what it finished."""
+        eng = self.engine
+        eng._apply_expert_changes()
+        while self._ops:
+            with self._lock:
+                op = self._ops.popleft()
+            try:
+                op[2] = op[0]()
+            except BaseException as exc:         # noqa: BLE001 - handed to the caller
+                op[3] = exc
+            op[1].set()
+        if self.step_hook is not None:
+            self.step_hook(self.steps)
+        self._retire()
+        self._admit()
+        plan = self._compose()
+        if plan:
+            self._run(plan)
+            self.steps += 1
+        self._retire()
+
+    def _admit(self) -> None:
+        kv, started = self.kv, []
+        with self._lock:
+            while self._queue:
+                req = self._queue[0]
+                if req.cancelled:
+                    self._finish(req)
+                    continue
+                while req._pending and req._pending[0].capacity <= kv.free_tokens:
+                    j = req._pending[0]
+                    try:
+                        j.cache = kv.alloc(j.capacity)
+                    except Exception as exc:      # noqa: BLE001 - memory: this request only
+                        self._fail(req, exc)
+                        break
+                    req._pending.popleft()
+                    if j.pin:
+                        j.es = self.engine.model.expert_set
+                    self._running.append(j)
+                    if req.state == "queued":
+                        req.state = "running"
+                        req.queue_wait_s = time.perf_counter() - req._t_submit
+                        self._requests.append(req)
+                        started.append(req)
+                if req.error is not None:
+                    self._finish(req)
+                    continue
+                if not req._pending:
+                    self._queue.popleft()
+                    self._room.notify()
+                    continue
+                break                            # the head waits for room: first come first
+        for req in started:
+            try:
+                req.started()
+            except Exception as exc:             # noqa: BLE001 - this request only
+                self._fail(req, exc)
+
+    def _compose(self) -> list:
+        """[(job, tokens)] of the next step: decodes, then prompt chunks."""
+        running = [j for j in self._running if not j.done and j.request.error is None
+                   and not j.request.cancelled]
+        decoding = any(j.decodes and j.fed >= len(j.tokens) for j in running)
+        budget = self.max_step_tokens if decoding else self.max_batch_tokens
+        ready = [j for j in running if j.fed >= len(j.tokens) and j.ready()]
+        if len(ready) > budget:                  # more streams than a step carries: rotate
+            r = self._rr % len(ready)
+            ready = ready[r:] + ready[:r]
+            self._rr += budget
+        take = ready[:budget]
+        budget -= len(take)
+        plan = []
+        for j in take:                           # a draft takes what the step has left
+            toks = j.decode_tokens(budget)
+            budget -= len(toks) - 1
+            plan.append((j, toks, len(toks) > 1))
+        # beside running streams each prompt advances at most max_prefill_tokens a step:
+        # one long prompt barely slows the streams, and prompts arriving together advance
+        # together (one shared cap would prefill them one after another)
+        per_prompt = self.max_prefill_tokens if decoding else None
+        for j in running:
+            if budget <= 0:
+                break
+            left = len(j.tokens) - j.fed
+            if left > 0:
+                n = min(left, budget, per_prompt or left)
+                plan.append((j, j.tokens[j.fed:j.fed + n], j.all_logits))
+                budget -= n
+        return plan
+
+    def _run(self, plan: list) -> None:
+        model = self.engine.model
+        current = model.expert_set
+        groups: dict = {}                        # expert set -> indices
+        for i, (j, _, _) in enumerate(plan):
+            es = j.es if j.pin else current
+            groups.setdefault(id(es), (es, []))[1].append(i)
+        outs: list = [None] * len(plan)
+        sets: list = [None] * len(plan)
+        for es, idx in groups.values():
+            got = self._forward([plan[i] for i in idx], es)
+            for i, o in zip(idx, got):
+                outs[i], sets[i] = o, es
+        if self.trace is not None:
+            self.trace.append([(j.request.id, len(t), sets[i].generation)
+                               for i, (j, t, _) in enumerate(plan)])
+        for (j, toks, _), out, es in zip(plan, outs, sets):     # the step's order
+            req = j.request
+            if req.error is not None:
+                continue
+            if isinstance(out, BaseException):
+                self._fail(req, out)
+                continue
+            if j.fed < len(j.tokens):
+                j.fed += len(toks)
+            else:
+                j.feed = None
+            try:
+                j.after_step(out, es, j.fed >= len(j.tokens))
+            except Exception as exc:             # noqa: BLE001 - this request only
+                self._fail(req, exc)
+
+    def _forward(self, items: list, es) -> list:
+        """One Model.forward over the items (job, tokens, all their logits or the last
+        token's); when it fails, each item alone (its result or its error), so that a
+        fault one sequence causes fails only that one."""
+        model = self.engine.model
+        jobs = [j for j, _, _ in items]
+        lengths = [j.cache.length for j in jobs]
+        try:
+            return model.forward([t for _, t, _ in items], [j.cache for j in jobs],
+                                 [j.k for j in jobs], all_logits=[a for _, _, a in items],
+                                 expert_set=es)
+        except Exception as exc:                 # noqa: BLE001 - attributed below
+            if len(items) == 1:
+                return [exc]
+        outs = []
+        for (j, t, a), n in zip(items, lengths):
+            j.cache.length = n
+            try:
+                outs.append(model.forward([t], [j.cache], [j.k], all_logits=a,
+                                          expert_set=es)[0])
+            except Exception as exc:             # noqa: BLE001 - this sequence's
+                j.cache.length = n
+                outs.append(exc)
+        return outs
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.error is None:
+            req.error = exc
+            req.stop_reason = "error"
+
+    def _retire(self) -> None:
+        """Requests finished, failed or cancelled: out of the step, their KV freed (and
+        cancelled ones out of the queue). A finished sequence of a request with more to
+        run (score_batch's) gives its KV back at once, so the rest can be admitted."""
+        with self._lock:
+            done = [j for j in self._running if j.done and j.cache is not None]
+            if done:
+                self._running = [j for j in self._running if not (j.done and j.cache is not None)]
+        pipe = self.engine.model.pipeline
+        for j in done:
+            pipe.forget_cache(j.cache)
+            self.kv.free(j.cache)
+            j.cache = None
+        with self._lock:
+            gone = [r for r in self._requests
+                    if r.error is not None or r.cancelled or
+                    (not r._pending and all(j.done for j in r.jobs))]
+            gone += [r for r in self._queue if r.cancelled and r.state == "queued"]
+            if not gone:
+                return
+        pinned = any(j.pin for r in gone for j in r.jobs)
+        for r in gone:
+            self._finish(r)
+        if pinned:
+            self.engine.model.pipeline.keep_pinned(
+                [j.es for j in self._running if j.es is not None])
+        self.engine._request_ended()
+
+    def _finish(self, req: Request) -> None:
+        """Take a request out of the queue and the step, free its caches, tell its hooks
+        and its reader. Idempotent."""
+        mine = set(map(id, req.jobs))
+        with self._lock:
+            if req.state == "done":
+                return
+            self._running = [j for j in self._running if id(j) not in mine]
+            if req in self._requests:
+                self._requests.remove(req)
+            if req in self._queue:
+                self._queue.remove(req)
+                self._room.notify()
+        pipe = self.engine.model.pipeline
+        for j in req.jobs:
+            if j.cache is not None:
+                pipe.forget_cache(j.cache)
+                self.kv.free(j.cache)
+                j.cache = None
+        if req.state != "queued":
+            if req.cancelled and req.error is None:
+                req.stop_reason = None          # the reader stopped early
+            try:
+                req.ended()
+            except Exception as exc:             # noqa: BLE001 - logged: it has ended
+                log.warning("request %s: its end hook failed: %s", req.id, exc)
+        with self._lock:
+            req.state = "done"
+            req._cv.notify_all()
+
+    def _shutdown(self) -> None:
+        """The engine closes: queued and running requests end with EngineClosedError
+        (their end hooks first), then the engine's resources are released."""
+        with self._lock:
+            queued, running = list(self._queue), list(self._requests)
+            self._queue.clear()
+            self._requests = []
+            ops, self._ops = list(self._ops), deque()
+        err = self.closed_error()
+        for r in running:
+            self._fail(r, err)
+            try:
+                r.ended()
+            except Exception as exc:             # noqa: BLE001
+                log.warning("request %s: its end hook failed: %s", r.id, exc)
+        release, self._release = self._release, None
+        try:
+            if release is not None:
+                release()
+        finally:
+            with self._lock:
+                for r in queued + running:
+                    self._fail(r, err)
+                    for j in r.jobs:
+                        if j.cache is not None and self.kv is not None:
+                            self.kv.free(j.cache)
+                            j.cache = None
+                    r.state = "done"
+                    if r._cv is not None:
+                        r._cv.notify_all()
+                self._running = []
+                for op in ops:
+                    op[1].set()
+                self._thread = self._ident = None
+                self._room.notify_all()
+
+
+def ensure_not_on_thread(sched: Scheduler, what: str) -> None:
+    """A blocking call from the scheduler's own thread (a plugin hook) would wait for
+    itself: refused."""
+    if sched.on_thread():
+        raise RequestError(f"{what} called from inside a step (a plugin hook on the engine's "
+                           f"thread): it would wait for itself; call it from another thread")
