@@ -1,5 +1,6 @@
 """The reference forward: the model's math in numpy over the reference ops (ops.py, mla.py,
-routing.py) and the general kernels of kernels.py, one block at a time.
+routing.py), one block at a time. It calls no C: its matrix products are ops.matmul (the
+kernels' int8 or float products in numpy), its attention ops.attention.
 
 It is not the engine's runtime path -- that is pipeline.py's one pipeline -- but:
   - the tests' reference model (a C entry point of the pipeline is checked against the
@@ -17,13 +18,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import kernels
 from ..model import mla, ops
 from ..model.kvcache import KVCache, new_cache
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
 from ..experts.expertset import ExpertSet
-from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor
 from ..model.routing import LayerTrace, route
 from ..model.weights import FFNWeights, LayerWeights, ModelWeights, run_own_code
 
@@ -60,30 +59,11 @@ class ReferenceModel:
             self.observer(w, x)
         if act_scale is not None:
             x = x / act_scale
-        if isinstance(w, Q4Tensor):
-            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-            kernels.q4_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
-            return out
-        if isinstance(w, Q8Tensor):
-            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-            kernels.q8_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
-            return out
-        if isinstance(w, Q6Tensor):
-            out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-            kernels.q6_matmul(w, np.ascontiguousarray(x, np.float32), out, act=self.act)
-            return out
-        return (x @ ops.float_matrix(w).T).astype(np.float32, copy=False)
+        return ops.matmul(w, x, self.act)
 
     def _ffn(self, ffn: FFNWeights, x: np.ndarray, out: np.ndarray,
              row_weights: Optional[np.ndarray] = None, accumulate: bool = False) -> None:
         sc = ffn.act_scales
-        if (isinstance(ffn.w1, Q4Tensor) and isinstance(ffn.w2, Q4Tensor) and "w2" not in sc
-                and self.observer is None and sc.get("w1") is sc.get("w3")):
-            if "w1" in sc:                       # AWQ: w1 and w3 share one input scale
-                x = np.ascontiguousarray(x / sc["w1"], np.float32)
-            kernels.expert_ffn(ffn.w1, ffn.w3, ffn.w2, x, out, act=self.act,
-                               row_weights=row_weights, accumulate=accumulate)
-            return
         g = self.linear(ffn.w1, x, sc.get("w1"))
         u = self.linear(ffn.w3, x, sc.get("w3"))
         y = self.linear(ffn.w2, ops.silu(g) * u, sc.get("w2"))
@@ -122,10 +102,6 @@ class ReferenceModel:
             s0 = cache.length
             n = t1 - t0
             cache.write(L, s0, k[t0:t1], v[t0:t1])         # in the cache's storage type
-            if n == 1 and cache.dtype == "f32":   # decode step: the C kernel over the KV cache
-                kernels.attention_decode(np.ascontiguousarray(q[t0]), cache.k[L], cache.v[L],
-                                         s0 + 1, out[t0], scale=scale)
-                continue
             kc, vc = cache.read(L, s0 + n)                   # float32 rows (dequantized)
             out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0)
         o = self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))

@@ -1,8 +1,9 @@
 """The model's math in plain numpy, one function per op: the one home of every op.
 
 The reference forward (reference.py, mla.py), the router (routing.py), the sampler and the
-expert cache's speculation call these; the C kernels (kernels.py, ck_step.c) compute the
-same ops fast and are tested against them. Every function computes in the dtype it is
+expert cache's speculation call these; the C kernels (kernels/, ck_step*.c) compute the
+same ops fast and are tested against them. `matmul` is the kernels' matrix product in
+numpy, int8 activations included: the reference forward calls no C. Every function computes in the dtype it is
 given: the engine passes float32 (what its results were always computed in), the tests
 pass float64 to get the exact value a kernel must come close to.
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
-                            dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref)
+                            dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref, padded_cols,
+                            quantize_act_q8, unpack_nibbles, unpack_q6)
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -65,6 +67,47 @@ def float_matrix(w) -> np.ndarray:
     if a.dtype == np.uint16:
         return bf16_to_f32(a)
     return a.astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------- matrix product
+
+_MATMUL_BYTES = 64 << 20      # float64 group dots of one slice of tokens, at most
+
+
+def matmul(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
+    """x [T, C] @ w^T -> float32 [T, R] for any stored matrix, as the C kernels compute it.
+
+    act="int8" and a q4 / q6 / q8 matrix: x quantized per group of w
+    (quant.quantize_act_q8, bit-identical to the kernels'), exact integer dots per group,
+    then sum over groups of scale_w * scale_x * (dot - zero * xsum), in float64 (the
+    kernels round each group's term to float32: they agree to ~1e-7 relative).
+    act="float", or a float matrix (f32 / f16 / bf16 as uint16): x @ the matrix as
+    float32 (quantized ones dequantized)."""
+    x = np.asarray(x, np.float32)
+    if act != "int8" or not isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor)):
+        return (x @ float_matrix(w).T).astype(np.float32, copy=False)
+    g, rows = w.group, w.rows
+    ng = padded_cols(w.cols, g) // g
+    if isinstance(w, Q8Tensor):
+        codes, zeros = np.asarray(w.data), None
+    else:
+        codes = (unpack_nibbles if isinstance(w, Q4Tensor) else unpack_q6)(np.asarray(w.data))
+        zeros = np.asarray(w.zeros, np.float64).T                         # [NG, R]
+    q = codes.reshape(rows, ng, g).transpose(1, 2, 0).astype(np.float64)  # [NG, G, R]
+    sw = np.asarray(w.scales, np.float64).T                              # [NG, R]
+    out = np.empty((x.shape[0], rows), np.float32)
+    step = max(1, _MATMUL_BYTES // max(1, 8 * ng * rows))
+    for t0 in range(0, x.shape[0], step):
+        xq, xs, xsum = quantize_act_q8(x[t0:t0 + step], g)
+        n = xq.shape[0]
+        xg = xq.reshape(n, ng, g).transpose(1, 0, 2).astype(np.float64)   # [NG, n, G]
+        dots = np.matmul(xg, q)                                          # [NG, n, R]: exact
+        if zeros is not None:
+            dots -= xsum.T.astype(np.float64)[:, :, None] * zeros[:, None, :]
+        dots *= sw[:, None, :]
+        dots *= xs.T.astype(np.float64)[:, :, None]
+        out[t0:t0 + n] = dots.sum(axis=0)
+    return out
 
 
 # ----------------------------------------------------------------------------- embedding, norm
@@ -212,8 +255,8 @@ def gated_ffn(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray) -> 
 
 def expert_ffn_ref(w1: Q4Tensor, w3: Q4Tensor, w2: Q4Tensor, x: np.ndarray,
                    act: str = "float") -> np.ndarray:
-    """float64 reference of kernels.expert_ffn (before the routing weight):
-    silu(x W1^T) * (x W3^T) @ W2^T. act="int8" follows the int8 kernel: x and the hidden
+    """float64 reference of the kernels' expert FFN (kernels.expert_ffn, ck_step_experts;
+    before the routing weight): silu(x W1^T) * (x W3^T) @ W2^T. act="int8" follows the int8 kernel: x and the hidden
     activation h (rounded to float32) are quantized per group before each product."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float32))
     mv = matvec_q4_q8_ref if act == "int8" else matvec_q4_ref
