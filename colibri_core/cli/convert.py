@@ -27,7 +27,12 @@ def tensor_bits_arg(text: str) -> dict:
 def cmd_convert(args) -> int:
     from ..convert import TOKENIZER_FILES, convert
     t0 = time.perf_counter()
-    kind = dir_kind(Path(args.hf_dir))
+    gguf_report: list = []
+    gguf_in = str(args.hf_dir).endswith(".gguf")         # a GGUF file (docs/CONVERT.md, GGUF)
+    kind = "hf" if gguf_in else dir_kind(Path(args.hf_dir))
+    if args.tokenizer is not None and not gguf_in:
+        raise ColibriError("--tokenizer DIR applies to a .gguf input; a checkpoint folder's "
+                           "own tokenizer files are copied")
     if kind == "colibri":
         raise ColibriError(f"{args.hf_dir} is already a Colibri model directory; `colibri "
                            f"convert` reads a Hugging Face checkpoint (config.json with "
@@ -40,7 +45,8 @@ def cmd_convert(args) -> int:
                   lm_head_bits=args.lm_head_bits, embed_bits=args.embed_bits,
                   kv_bits=args.kv_bits, tensor_bits=args.tensor_bits, q4_clip=args.q4_clip,
                   calibration=args.calibration, progress=args.progress or sys.stderr.isatty(),
-                  overwrite=args.force)
+                  overwrite=args.force, **({"tokenizer_dir": args.tokenizer, "report": gguf_report}
+                                           if gguf_in else {}))
     q = cfg.quantization
     print(f"colibri: converted {args.hf_dir} -> {args.out_dir} ({cfg.architecture}, "
           f"{q.get('method', '?')} {q.get('bits', '?')}-bit, {len(cfg.files)} files) in "
@@ -55,6 +61,10 @@ def cmd_convert(args) -> int:
     tot_b, tot_w = sum(r["bytes"] for r in rows), sum(r["weights"] for r in rows)
     print(f"  {'all':<11} {sum(r['count'] for r in rows):>5} matrices     "
           f"{8 * tot_b / max(tot_w, 1):6.2f} bits, {tot_b / 2**20:8.2f} MiB", file=sys.stderr)
+    for line in gguf_report:
+        print(line if line.startswith("colibri") else f"colibri: {line}", file=sys.stderr)
+    if gguf_in:
+        return 0
     copied = [n for n in TOKENIZER_FILES if n in cfg.files]
     absent = [n for n in TOKENIZER_FILES if n not in cfg.files]
     if copied:
@@ -96,13 +106,18 @@ def add_parsers(sub) -> None:
     """`convert` and `verify`."""
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     c.add_argument("hf_dir", metavar="HF_DIR",
-                   help="Hugging Face checkpoint folder (config.json, *.safetensors)")
+                   help="Hugging Face checkpoint folder (config.json, *.safetensors), or a "
+                        ".gguf file (a split GGUF from its first file)")
     c.add_argument("out_dir", metavar="OUT_DIR",
                    help="the Colibri model directory to write (with its tokenizer files)")
-    c.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32],
-                   help="4: q4 (lm_head q6, embedding and K/V q8), 8: q8, 16: the checkpoint's "
-                        "own bf16/f16, 32: f32")
-    c.add_argument("--group-size", type=int, default=128, dest="group_size",
+    c.add_argument("--bits", type=int, default=None, choices=[4, 8, 16, 32],
+                   help="4 (default): q4 (lm_head q6, embedding and K/V q8), 8: q8, 16: the "
+                        "checkpoint's own bf16/f16, 32: f32; for a .gguf input the default is "
+                        "per tensor class from the file's types")
+    c.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="for a .gguf input: copy the tokenizer files from DIR instead of "
+                        "building tokenizer.json from the GGUF's metadata")
+    c.add_argument("--group-size", type=int, default=None, dest="group_size",
                    help="quantization group size, a multiple of 64 (default 128)")
     c.add_argument("--kv-bits", type=int, choices=[4, 6, 8, 16, 32], dest="kv_bits",
                    help="attention K/V projections (default 8 under --bits 4; 6: q6)")

@@ -111,6 +111,11 @@ class _Writer:
                  awq: Optional[AwqSpec], scales: Scales, q4_clip: str = DEFAULT_Q4_CLIP):
         self.ck, self.cfg, self.bits, self.group, self.awq, self.scales = ck, cfg, bits, group, awq, scales
         self.q4_clip = q4_clip
+        self.class_group: dict = {}       # per tensor class group size (a GGUF's classes)
+
+    def group_of(self, key: str) -> int:
+        cls = "experts" if key.startswith("expert.") else tensor_class(key)
+        return self.class_group.get(cls, self.group)
 
     def float32(self, src: fam.Src) -> np.ndarray:
         if src.awq:
@@ -149,30 +154,38 @@ class _Writer:
             w = w * sc.fold_cols[key].astype(np.float64)[None, :]
         if s is not None:
             w = w * s.astype(np.float64)[None, :]
+        g = self.group_of(key)
         if key in sc.clip:
-            w = clip_groups(w, self.group, sc.clip[key])
+            w = clip_groups(w, g, sc.clip[key])
         if bits == 4:
-            return quantize_q4(w, self.group, clip=self.q4_clip), s
+            return quantize_q4(w, g, clip=self.q4_clip), s
         if bits == 6:
-            return quantize_q6(w, self.group, clip=self.q4_clip), s
-        return quantize_q8(w, self.group), s
+            return quantize_q6(w, g, clip=self.q4_clip), s
+        return quantize_q8(w, g), s
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(read_bytes(path, ConfigError)).hexdigest()
 
 
-def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
+def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[int] = None,
             lm_head_bits: Optional[int] = None, embed_bits: Optional[int] = None,
             kv_bits: Optional[int] = None, tensor_bits: Optional[dict] = None,
             calibration=None, calibration_tokens_max: int = 512,
             q4_clip: Optional[str] = None, progress: bool = False,
-            overwrite: bool = False) -> ModelConfig:
+            overwrite: bool = False, tokenizer_dir=None, report: Optional[list] = None) -> ModelConfig:
     """Convert; returns the written model config. Raises ConfigError (one line) for
     unsupported architectures and options, ModelFormatError for broken checkpoints.
     tensor_bits: {class: bits} for classes of TENSOR_CLASSES; lm_head_bits, embed_bits
     and kv_bits, when given, win over its lm_head, embed and attn_kv entries."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    gg = None                  # a GGUF file (gguf_convert.py): classes' bits from its types
+    if hf_dir.suffix == ".gguf" or hf_dir.is_file():
+        from . import gguf_convert
+        gg, bits, tensor_bits, group_size, gguf_record = gguf_convert.prepare(
+            hf_dir, bits, tensor_bits, group_size or 128, group_size is not None, calibration)
+    bits = 4 if bits is None else bits
+    group_size = group_size or 128
     if bits not in VALID_BITS:
         raise ConfigError(f"--bits {bits}: must be one of {', '.join(map(str, VALID_BITS))}")
     tb = dict(tensor_bits or {})
@@ -197,8 +210,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         q4_clip = "minmax" if calibration is not None else DEFAULT_Q4_CLIP
     if q4_clip not in Q4_CLIPS:
         raise ConfigError(f"--q4-clip {q4_clip}: must be one of {', '.join(Q4_CLIPS)}")
-    hf = _read_json(hf_dir / "config.json")
-    fields = fam.model_config_fields(hf, add_bos=_add_bos(hf_dir))
+    hf = gg.hf if gg is not None else _read_json(hf_dir / "config.json")
+    fields = fam.model_config_fields(hf, add_bos=gg.add_bos if gg is not None else _add_bos(hf_dir))
     spec = awq_spec(hf)
     if calibration is not None:
         if spec is not None:
@@ -232,7 +245,12 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
             raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
         raise
     cfg.check_experts()
-    ck = Checkpoint(hf_dir, hf.get("transformers_weights"))
+    ck = gg.ck if gg is not None else Checkpoint(hf_dir, hf.get("transformers_weights"))
+    if gg is not None:
+        method = "gguf"
+        tok_files, tok_line = gguf_convert.tokenizer_files(gg, tokenizer_dir)
+        if report is not None:
+            report.append(tok_line)
 
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a directory")
@@ -260,6 +278,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
     try:
         staging.mkdir(parents=True)
         wr = _Writer(ck, cfg, bits, group_size, spec, scales, q4_clip)
+        if gg is not None:
+            wr.class_group = gguf_record["group_size"]
         if calibration is not None:
             if bar is not None:
                 bar.set_description("calibrate")
@@ -280,6 +300,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
                  if c in ("attn_qo", "dense_ffn", "shared_ffn", "experts") and b != bits}
         if other:                  # recorded only when set (earlier conversions stay as they were)
             quant["tensor_bits"] = other
+        if gg is not None:
+            quant["gguf"] = gguf_record
         if {4, 6} & set(cls_bits.values()):
             quant["q4_clip"] = q4_clip
         if calibration is not None:
@@ -293,8 +315,8 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
         n_main = 4 + sum(12 + 2 * n_attn + (8 if cfg.shared_expert_intermediate_size else 6)
                          for _ in cfg.layer_types)
         final = write_model_dir(staging, cfg, main, routing, experts,
-                                extra_files=[hf_dir / n for n in TOKENIZER_FILES
-                                             if os.path.lexists(hf_dir / n)],
+                                extra_files=tok_files if gg is not None else
+                                [hf_dir / n for n in TOKENIZER_FILES if os.path.lexists(hf_dir / n)],
                                 main_reserve=16 + n_main * 256)
         from ..model.weights import load_model
         load_model(staging).close()                 # the result must load (shapes, sizes)
@@ -307,6 +329,10 @@ def convert(hf_dir, out_dir, *, bits: int = 4, group_size: int = 128,
     finally:
         if bar is not None:
             bar.close()
+        if gg is not None:
+            gguf_convert.cleanup(gg)
+    if gg is not None and report is not None:
+        report.extend(gguf_convert.report(gguf_record, tensor_classes(out_dir)))
     return final
 
 

@@ -1,0 +1,200 @@
+"""What `convert` does differently for a GGUF file (issue 33): the precision of each tensor
+class is chosen from the GGUF's own types, the tokenizer comes from its metadata.
+
+Precision: every GGUF tensor is dequantized (gguf package) and, per tensor class
+(convert.TENSOR_CLASSES), stored in the Colibri format of the most bits per weight that
+is not more than the GGUF's class had (its bits per weight over all its weights):
+f32 (32) > the 16-bit type (16; an F16/BF16 tensor is copied bit for bit) > q8 (8.25) >
+q6 (6.31; the classes the C pipeline runs at 6 bits) > q4 (4.31), each at the smallest
+group of 64, 128, 256 that keeps it under the GGUF's bits (Q8_0's 8.5: q8 g64, 8.5; Q4_K's
+4.5: q4 g128, 4.31; a Q4_K_M expert class of Q4_K and Q6_K, ~4.8: q4 g64, 4.63). A class
+below 4.16 bits (Q3_K, Q2_K) still gets q4 g256 (4.16), the floor; the report shows it.
+No C kernel runs a GGUF block format: K-quants, Q8_0 and MXFP4 are requantized.
+`--bits` / `--tensor-bits` (and the per-class flags) override the choice as for a
+checkpoint folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from .gguf_families import TYPE_BITS
+from .gguf_reader import GGUFSource, open_gguf
+
+SIX_BIT = ("embed", "lm_head", "attn_qo", "attn_kv")
+
+
+def stored_bits(bits: int, group: int) -> float:
+    """Colibri's stored bits per weight of a format (data, f32 scale, u8 zero point)."""
+    return {32: 32.0, 16: 16.0, 8: 8 + 32 / group, 6: 6 + 40 / group, 4: 4 + 40 / group}[bits]
+
+
+def tensor_class(hf_name: str) -> Optional[str]:
+    """TENSOR_CLASSES entry of a Hugging Face weight name (None: norms, routers, biases)."""
+    if hf_name == "model.embed_tokens.weight":
+        return "embed"
+    if hf_name == "lm_head.weight":
+        return "lm_head"
+    if not hf_name.endswith(".weight") or "norm" in hf_name:
+        return None
+    if ".mlp.experts." in hf_name:
+        return "experts"
+    if ".mlp.shared_experts." in hf_name:
+        return "shared_ffn"
+    if hf_name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")):
+        return "dense_ffn"
+    if ".self_attn." in hf_name:
+        return "attn_kv" if hf_name.endswith(("k_proj.weight", "v_proj.weight")) else "attn_qo"
+    return None
+
+
+def class_types(src: GGUFSource) -> dict[str, dict[str, int]]:
+    """{class: {GGUF type: weights}}."""
+    out: dict[str, dict[str, int]] = {}
+    for n in src.ck.names():
+        c = tensor_class(n)
+        if c is None:
+            continue
+        for t, w in src.ck.types_of([n]).items():
+            d = out.setdefault(c, {})
+            d[t] = d.get(t, 0) + w
+    if "lm_head" not in out and "embed" in out:        # tied: the embedding is the lm_head
+        out["lm_head"] = dict(out["embed"])
+    return out
+
+
+def class_bits(types: dict[str, int]) -> float:
+    w = sum(types.values())
+    return sum(TYPE_BITS[t] * n for t, n in types.items()) / max(w, 1)
+
+
+GROUPS = (64, 128, 256)
+
+
+def choose(cls: str, gguf_bits: float, groups=GROUPS) -> tuple[int, int]:
+    """(bits, group) for a class: the most bits per weight not above the GGUF's, at the
+    smallest group that keeps it so; q4 at the largest group when nothing fits."""
+    cands = (32, 16, 8, 6, 4) if cls in SIX_BIT else (32, 16, 8, 4)
+    for b in cands:
+        for g in sorted(groups):
+            if stored_bits(b, g) <= gguf_bits + 1e-9:
+                return b, g
+    return 4, max(groups)
+
+
+def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_size: int,
+            group_given: bool, calibration) -> tuple[GGUFSource, int, dict, int, dict]:
+    """-> (source, bits, tensor_bits, group size, the GGUF record for config.json, whose
+    "group_size" is the group of each class)."""
+    if calibration is not None:
+        raise ConfigError(f"--calibration: {path} is a GGUF file (already quantized); AWQ "
+                          f"calibration applies to Hugging Face checkpoints")
+    src = open_gguf(path)
+    types = class_types(src)
+    gb = {c: class_bits(t) for c, t in types.items()}
+    groups = (group_size,) if group_given else GROUPS
+    tb = dict(tensor_bits or {})
+    cls_group = {}
+    for c, v in gb.items():
+        b, g = choose(c, v, groups)
+        if bits is None and c not in tb:
+            tb[c] = b
+        cls_group[c] = g if tb.get(c, bits) == b else min(groups)
+    if bits is None:
+        bits = tb.get("experts") or tb.get("dense_ffn") or 4
+    record = {"file": src.path.name, "architecture": src.arch, "group_size": cls_group,
+              "classes": {c: {"types": {t: n for t, n in sorted(types[c].items())},
+                              "bits": round(gb[c], 4)} for c in sorted(types)}}
+    return src, bits, tb, group_size, record
+
+
+def report(record: dict, rows: list[dict]) -> list[str]:
+    """Lines: per class, the GGUF's types and bits per weight -> what was stored."""
+    stored = {r["class"]: r for r in rows}
+    out = ["colibri: GGUF tensor classes: GGUF types (bits per weight) -> stored (bits per weight)"]
+    for c, g in record["classes"].items():
+        r = stored.get(c)
+        kinds = "+".join(g["types"])
+        to = f"{r['formats']} {r['bits']:.2f}" if r else "(tied: the embedding)"
+        verdict = "kept" if r and set(g["types"]) <= {"F32", "F16", "BF16"} and r["bits"] >= g["bits"] \
+            else "requantized"
+        out.append(f"  {c:<11} {kinds:<16} {g['bits']:6.2f} -> {to:<18} {verdict}")
+    return out
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def tokenizer_files(src: GGUFSource, tokenizer_dir: Optional[Path]) -> tuple[list[Path], str]:
+    """Tokenizer files for the converted model, and a line saying where they came from.
+    With `tokenizer_dir`, its files are copied; otherwise tokenizer.json is built from the
+    GGUF's metadata by transformers' GGUF loader (when transformers is installed) and the
+    chat template written from `tokenizer.chat_template`."""
+    from . import TOKENIZER_FILES
+    if tokenizer_dir is not None:
+        d = Path(tokenizer_dir)
+        files = [d / n for n in TOKENIZER_FILES if os.path.lexists(d / n)]
+        if not any(f.name == "tokenizer.json" for f in files):
+            raise ConfigError(f"--tokenizer {d}: no tokenizer.json in it")
+        return files, f"tokenizer files from {d}"
+    tmp = Path(tempfile.mkdtemp(prefix="colibri-gguf-tok-"))
+    src._tmp = tmp                                   # removed by cleanup()
+    files: list[Path] = []
+    tmpl = src.meta.get("tokenizer.chat_template")
+    cfg: dict = {}
+    if src.add_bos is not None:
+        cfg["add_bos_token"] = bool(src.add_bos)
+    if isinstance(tmpl, str):
+        (tmp / "chat_template.jinja").write_text(tmpl)
+        files.append(tmp / "chat_template.jinja")
+    why = _build_tokenizer_json(src, tmp, cfg)
+    if why is None:
+        files.insert(0, tmp / "tokenizer.json")
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    files.append(tmp / "tokenizer_config.json")
+    if why is not None:
+        return files, (f"tokenizer: not built from {src.path.name} ({why}); pass --tokenizer DIR "
+                       f"(the model's Hugging Face tokenizer.json folder), or run from token ids")
+    return files, (f"tokenizer.json built from {src.path.name}'s metadata (transformers' GGUF "
+                   f"loader)" + (", chat template from tokenizer.chat_template" if tmpl else ""))
+
+
+def _build_tokenizer_json(src: GGUFSource, out: Path, cfg: dict) -> Optional[str]:
+    """Write out/tokenizer.json (and fill tokenizer_config `cfg`); None, or why not."""
+    if src.meta.get("tokenizer.ggml.model") is None:
+        return "the file has no tokenizer metadata"
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except Exception:
+        return "building it needs transformers' GGUF tokenizer loader (pip install transformers)"
+    try:
+        arch, tok, tok_cfg = get_gguf_tokenizer(str(src.parts[0]))
+        fast, extra = convert_gguf_tokenizer(arch, tok)
+        fast.save(str(out / "tokenizer.json"))
+        _drop_added_past(out / "tokenizer.json", int(src.hf["vocab_size"]))
+    except Exception as e:
+        return f"transformers could not build it: {type(e).__name__}: {str(e)[:120]}"
+    for k, v in {**tok_cfg, **(extra or {})}.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            cfg.setdefault(k, v)
+    return None
+
+
+def _drop_added_past(path: Path, vocab: int) -> None:
+    """Remove added tokens with ids the model has no row for (transformers' GPT-2 builder
+    adds an `<|endoftext|>` when the file's vocabulary lacks one)."""
+    t = json.loads(path.read_text(encoding="utf-8"))
+    kept = [a for a in t.get("added_tokens") or [] if a.get("id", 0) < vocab]
+    if len(kept) != len(t.get("added_tokens") or []):
+        t["added_tokens"] = kept
+        path.write_text(json.dumps(t, ensure_ascii=False), encoding="utf-8")
+
+
+def cleanup(src: GGUFSource) -> None:
+    tmp = getattr(src, "_tmp", None)
+    if tmp is not None:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
