@@ -2,6 +2,7 @@
 figure was measured on (commit, machine)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import resource
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "out"
+BENCH = Path(__file__).resolve().parent        # benchmarks/
+REPO = BENCH.parent                             # the repository root
+OUT = BENCH / "out"
 
 # The Mixtral-shaped benchmark model of issue 4.
 BENCH_SHAPE = dict(vocab=32000, hidden=1024, layers=("moe",) * 8, experts=8, top_k=2,
@@ -66,9 +68,9 @@ def machine() -> str:
 def git_commit() -> str:
     """The commit measured (`+dirty` when the work tree has uncommitted changes)."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH, text=True,
                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH,
                                text=True, capture_output=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -166,3 +168,16 @@ def best_read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
     res["GBps"] = cands[res["source"]]
     res.update(threads=threads, array_mib=mib, reps=reps)
     return res
+
+
+def fraud_module(name: str):
+    """examples/fraud/<name>.py loaded from its file. The example's scripts import each
+    other by bare name (they run from their folder), so fraud_stream and fraud_common are
+    loaded first under those names."""
+    for n in ("fraud_stream", "fraud_common", name):
+        if n not in sys.modules:
+            spec = importlib.util.spec_from_file_location(n, REPO / "examples" / "fraud" / f"{n}.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[n] = mod
+            spec.loader.exec_module(mod)
+    return sys.modules[name]

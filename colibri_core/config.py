@@ -291,7 +291,7 @@ class EngineConfig(BaseModel):
     # the scheduler (scheduler.py): a step carries at most `max_step_tokens` tokens while
     # any stream is decoding (running decodes first, one token each, then prompt chunks),
     # and up to `max_batch_tokens` while none is. 256: the best aggregate rate measured
-    # with a 1,920-token prompt arriving during 15 streams (benchmarks/bench_scheduler.py,
+    # with a 1,920-token prompt arriving during 15 streams (benchmarks/speed/bench_scheduler.py,
     # docs/BENCHMARKS.md "Scheduler"); only 32 kept the streams' p99 within 2x there, but
     # the cap counts decodes too, so 32 would cap a step at 32 streams and starve prompts. Requests waiting for admission: at most
     # `max_queued_requests`; one more waits for a place, or is refused with
@@ -303,7 +303,7 @@ class EngineConfig(BaseModel):
     # arriving does not slow the running streams' tokens, while prompts arriving together
     # still advance together. 8: a 1,920-token prompt arriving during 15 streams
     # raised their per-token p99 1.60x (16: 2.10x; no cap: 15x), prefilled in 13 s instead
-    # of 7.6 (benchmarks/bench_scheduler.py --steps 256 --prefill 8, 2026-12-01 23:29 UTC)
+    # of 7.6 (benchmarks/speed/bench_scheduler.py --steps 256 --prefill 8, 2026-12-01 23:29 UTC)
     max_prefill_tokens: Optional[int] = Field(default=8, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     when_full: Literal["wait", "refuse"] = "wait"

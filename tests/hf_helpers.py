@@ -432,7 +432,7 @@ def save_awq(model, path: Path, group: int = 64) -> dict:
 
 
 # ----------------------------------------------------------------------------- AWQ material
-# Shared by tests/test_convert_families.py and benchmarks/convert_report.py.
+# Shared by tests/test_convert_families.py and benchmarks/accuracy/convert_report.py.
 
 AWQ_OUTLIERS = [3, 77, 150, 290]
 

@@ -229,12 +229,9 @@ def test_metrics_ignores_routing_outside_requests(pm, relay):
 
 
 def test_adaptive_k_figures_on_the_builtin_model():
-    """The floor of docs/BENCHMARKS.md's adaptive-k table (benchmarks/bench_adaptive_k.py):
+    """The floor of docs/BENCHMARKS.md's adaptive-k table (benchmarks/accuracy/bench_adaptive_k.py):
     p = 0.5 routes fewer experts than k = 2, at well under fixed k = 1's KL from k = 2."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_adaptive_k import measure
+    from adaptive_k_helpers import measure
     rows = {r["setting"]: r for r in measure(ps=(0.5,))}
     ada, k1 = rows["adaptive p=0.5"], rows["fixed k=1"]
     assert ada["experts_per_token"] < 2.0

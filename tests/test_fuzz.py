@@ -16,7 +16,7 @@ as well as random byte flips and truncations.
 CI runs a few hundred examples per fuzzer (tens of seconds in all). A longer run:
 
     COLIBRI_FUZZ_EXAMPLES=100000 python -m pytest tests/test_fuzz.py -q
-    python benchmarks/fuzz.py --minutes 30          # rounds with fresh seeds, a summary
+    python -m benchmarks.robustness.fuzz --minutes 30          # rounds with fresh seeds, a summary
 
 COLIBRI_FUZZ_REPORT=path.json writes how many inputs each fuzzer tried (docs/ROBUSTNESS.md).
 """

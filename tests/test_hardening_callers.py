@@ -170,10 +170,10 @@ def test_errors_carry_their_http_answer():
 
 
 def test_lifetime_cases_do_not_leak():
-    """benchmarks/leaks.py at 20 repetitions (the documented run is 200)."""
+    """benchmarks/robustness/leaks.py at 20 repetitions (the documented run is 200)."""
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "leaks.py"), "--reps", "20",
-                        "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.robustness.leaks", "--reps", "20",
+                        "--json"], cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(results) == 6

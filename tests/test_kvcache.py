@@ -4,7 +4,6 @@ accounting through every way a request can end, the budget's share, the CLI flag
 import gc
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +18,7 @@ from colibri_core.model.kvcache import KVPool
 from colibri_core.format.quant import dequantize_kv_q8, quantize_kv_q8
 from colibri_core.experts.residency import kv_bytes_per_position, plan_budget
 from colibri_core.model.testing import write_random_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import kv_dtype_error  # noqa: E402
+from kv_error_helpers import measure, prompt_for, random_model
 
 DTYPES = ["f32", "f16", "q8"]
 
@@ -139,7 +136,7 @@ def test_batch_invariance_with_low_precision_caches(eng, kv):
 
 FLOORS = {
     # model/activations: (f16 max rel, q8 max rel, greedy agreement at least)
-    # measured (benchmarks/kv_dtype_error.py, docs/BENCHMARKS.md): int8 activations
+    # measured (benchmarks/accuracy/kv_dtype_error.py, docs/BENCHMARKS.md): int8 activations
     # 2.6e-2 / 3.1e-2 (random), 2.5e-2 / 2.9e-2 (built-in) -- the floor of any
     # perturbation through int8 activations --; float activations 1.7e-4 / 4.1e-3
     # (random), 3.5e-4 / 0.19 (built-in: one step's routing flips)
@@ -153,9 +150,9 @@ FLOORS = {
 @pytest.mark.parametrize("act", ["int8", "float"])
 @pytest.mark.parametrize("which", ["random", "builtin"])
 def test_error_against_f32_over_64_steps(which, act, tmp_path):
-    path = kv_dtype_error.random_model(tmp_path / "m") if which == "random" else builtin_model_dir()
+    path = random_model(tmp_path / "m") if which == "random" else builtin_model_dir()
     with Engine.from_model_dir(path, threads=2, activations=act) as e:
-        got = kv_dtype_error.measure(e.model, kv_dtype_error.prompt_for(e), 64)
+        got = measure(e.model, prompt_for(e), 64)
     f16_max, q8_max, agree = FLOORS[f"{which}/{act}"]
     assert got["f16"]["max_rel"] < f16_max, got
     assert got["q8"]["max_rel"] < q8_max, got

@@ -1,6 +1,6 @@
 """EngineConfig.process_limit_mb (residency.derive_budget), the embedding counted by the rows
 a forward touches, the KV pool sized to the profile's context, and the shipped 256 MiB
-profile (configs/small-256mb.yaml). Fast: no cgroup (benchmarks/bench_256mb.py measures
+profile (configs/small-256mb.yaml). Fast: no cgroup (benchmarks/speed/bench_256mb.py measures
 the profile under one)."""
 import gc
 import json

@@ -1,21 +1,15 @@
-"""benchmarks/_qwen2moe_gguf.py, the tensors precision_sensitivity.py gives llama.cpp: each
+"""qwen2moe_helpers.py, the tensors precision_sensitivity.py gives llama.cpp: each
 FFN computed the way llama.cpp's qwen2moe graph computes it (softmax router, the top-k
 weights not renormalized, the shared expert behind silu(t) / t), in float64 from those
 tensors, equals the transformers module's output -- the dense first layer's rewrite as an
 MoE layer included, whichever k experts a tie picks."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from _qwen2moe_gguf import qwen2moe_tensors  # noqa: E402
-
-from hf_helpers import make_hf_model, save  # noqa: E402
+from hf_helpers import make_hf_model, save
+from qwen2moe_helpers import qwen2moe_tensors
 
 
 def silu(v):

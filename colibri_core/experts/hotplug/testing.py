@@ -1,6 +1,6 @@
 """Test experts: a small C expert with switchable faults, compiled on demand.
 
-Used by tests/test_hotplug*.py and benchmarks/bench_hotplug.py, and handy to try the
+Used by tests/test_hotplug*.py and benchmarks/speed/bench_hotplug.py, and handy to try the
 hot-plug folder by hand. `compile_test_expert(out, fault="segv")` builds an expert whose
 ffn_forward segfaults; the other faults are listed in FAULTS.
 
