@@ -181,3 +181,19 @@ def fraud_module(name: str):
             sys.modules[n] = mod
             spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def import_colibri_core(code: Path):
+    """colibri_core from the checkout `code` (a benchmark measuring another checkout's code):
+    this one's imported as usual, another's loaded from its folder, before anything imports
+    the package."""
+    if code == REPO or "colibri_core" in sys.modules:
+        import colibri_core
+        return colibri_core
+    pkg = code / "colibri_core"
+    spec = importlib.util.spec_from_file_location("colibri_core", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["colibri_core"] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import OUT, REPO, machine, read_bandwidth
+from benchmarks.common import OUT, REPO, import_colibri_core, machine, read_bandwidth
 
 P_SLOTS = 2
 H, I = 128, 64                    # the built-in model's hidden size; the experts' intermediate
@@ -456,22 +456,6 @@ def main(argv=None) -> int:
         Path(args.json).write_text(out)
     print(out if not args.md else table([(res["commit"], res)]))
     return 0
-
-
-def import_colibri_core(code: Path):
-    """colibri_core from the checkout `code`: this one's imported as usual, another's loaded
-    from its folder before anything imports the package."""
-    if code == REPO or "colibri_core" in sys.modules:
-        import colibri_core
-        return colibri_core
-    import importlib.util
-    pkg = code / "colibri_core"
-    spec = importlib.util.spec_from_file_location("colibri_core", pkg / "__init__.py",
-                                                  submodule_search_locations=[str(pkg)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["colibri_core"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def compare(args) -> int:

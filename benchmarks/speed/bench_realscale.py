@@ -24,7 +24,7 @@ compare ratios within a run):
   `llama-batched-bench -npp 64 -ntg N -npl 1,4,16` (S_TG). Every step's logits are
   asserted finite.
 - per-token p50 (1 sequence) / the bandwidth floor: bytes of weights one token reads
-  (bench_pipeline.weights_per_token: routed experts at top-k of E) / the read bandwidth
+  (_pipeline_inputs.weights_per_token: routed experts at top-k of E) / the read bandwidth
   measured in the same run (common.best_read_bandwidth). llama.cpp's floor from its
   GGUF's tensor sizes the same way.
 - peak RSS of the decode process of each engine (wait4's ru_maxrss; both map their
@@ -189,7 +189,7 @@ def gguf_floor_bytes(cfg) -> float:
 
 
 def measure(shape: str, a) -> dict:
-    from benchmarks.speed.bench_pipeline import weights_per_token
+    from benchmarks.speed._pipeline_inputs import weights_per_token
     from benchmarks.peers._llamacpp_tools import ensure_tools, parse_batched_bench
     p = RM.ensure(shape, a.dir)
     mdir, gguf = p["colibri"], p["gguf"]

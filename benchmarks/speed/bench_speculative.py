@@ -12,7 +12,7 @@ Per model, in one process:
          g = 1..9, medians of interleaved repeats at ~100 positions; the experts a step
          reads (the union over its tokens of each MoE layer's routed experts, from
          Model.last_routing) and the weight bytes that makes (the model files' sections:
-         bench_pipeline.weights_per_token); and T_draft, one PromptLookup.draft call
+         _pipeline_inputs.weights_per_token); and T_draft, one PromptLookup.draft call
   runs   greedy generation of `--tokens` tokens for `--prompts` held-out prompts (the
          built-in model's validation documents, scripts/builtin_corpus.py: never trained
          on; the benchmark model gets the same texts' token ids), plain and with
@@ -82,7 +82,7 @@ def distinct4(ids: list[int]) -> float:
 
 def expert_bytes(model_dir: Path) -> tuple[float, float]:
     """(bytes every token reads whatever its experts, bytes of one routed expert)."""
-    from benchmarks.speed.bench_pipeline import weights_per_token
+    from benchmarks.speed._pipeline_inputs import weights_per_token
     w = weights_per_token(model_dir)
     return float(w["fixed_bytes"]), float(w["routed_expert"]["bytes"])
 
