@@ -179,15 +179,15 @@ def build_set(eng, rec: dict, experts_dir: Optional[Path], loaded: list, base=No
     """The expert set of expert_set line `rec`, on `base` (default: `eng`'s current set,
     which must hold the model's experts only)."""
     from .experts.hotplug.bundle import read_staged
-    from .experts.hotplug.expert import PreparedExpert
+    from .experts.hotplug.expert import LoadedExpert
     es = base if base is not None else eng.model.expert_set
     H = eng.model_cfg.hidden_size
     for e in sorted(rec["experts"], key=lambda e: e["slot"]):
         path = _find_expert(e, rec, experts_dir)
         try:
             info = read_staged(str(path), H, set(eng.model_cfg.moe_layers))
-            prep = PreparedExpert(info, e["sha256"], str(path), str(path), "inprocess",
-                                  call_timeout_s=5.0, capacity=64)
+            prep = LoadedExpert(info, e["sha256"], str(path), str(path), "inprocess",
+                                call_timeout_s=5.0, capacity=64)
         except ColibriError as err:
             raise AuditLogError(f"{rec['where']}: expert {e['name']} ({path}): {err}") from None
         loaded.append(prep)

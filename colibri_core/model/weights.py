@@ -41,7 +41,7 @@ class Expert(Protocol):
     - ModelExpert: the model's own, views into its mapped expert_{layer}_{index}.bin;
     - expertcache.CopyInExpert: a model expert read into a frame of the budget's cache;
     - expertset.HotSlot: a hot-plugged expert (hotplug.HotExpert, itself made from a
-      checked file, hotplug.PreparedExpert) placed in a router slot of a layer.
+      checked file, hotplug.LoadedExpert) placed in a router slot of a layer.
 
     `ffn` holds INT4 weights our kernels run; when it is None the expert computes itself
     with `forward(x, out)` (a hot-plugged .so's ffn_forward). `address` / `nbytes` locate

@@ -17,12 +17,18 @@ Modules (each importing only those above it):
                  its descriptors
     isolated.py  isolated mode: ffn_forward in a helper process over shared memory
     stagedmap.py the staged copy mapped under the SIGBUS guard; releasing experts
-    expert.py    HotExpert, ExpertChange, Q4Weights, PreparedExpert (dlopen, on the worker)
+    expert.py    HotExpert, ExpertChange, Q4Weights, LoadedExpert (dlopen, on the worker)
     inotify.py   inotify read directly: the raw masks (IN_MOVED_TO, IN_CLOSE_WRITE...)
     watcher.py   the folder's watch: queues paths and how they arrived, nothing else
     listing.py   list()'s rows, rollback's names (metadata name or file), and the
                  read-only view of a folder a running engine holds (state file + folder)
-    manager.py   HotplugManager: worker thread + drain()/release()/rollback()/list()
+    book.py      the manager's book: names, slots, versions, the active set, the state
+                 file, refusals (one rule), rollback's target; no thread
+    checking.py  the intake's checks of one file: check, stage, probe, load, queue
+    intake.py    the manager's intake: the watch and the worker thread (settling, the
+                 checks, batches for drain(), housekeeping)
+    adoption.py  the manager's engine side: drain(), preview(), the releases
+    manager.py   HotplugManager: the three parts under one lock, the API
     events.py    the history of expert changes and their one INFO line each (the engine
                  records them once live, with the expert-set generation)
     buildsrc.py  the C and assembler sources the builder generates

@@ -1,6 +1,6 @@
 """HotExpert: one adopted hot-plugged expert, as the engine sees it; ExpertChange.
 
-Everything an expert needs is made on the manager's worker thread (`PreparedExpert`): the
+Everything an expert needs is made on the manager's worker thread (`LoadedExpert`): the
 staged file mapped read-only, the zero-copy views (router row, INT4 weights), the library
 loaded with dlopen(RTLD_NOW) for an in-process expert or its helper started for an isolated
 one, and the HotExpert itself (`materialize`). drain(), on the engine thread, only adopts it.
@@ -204,7 +204,7 @@ class ExpertChange:
     reason: str = ""             # for remove: "deleted" | "crashed"; for replace: "rollback"...
 
 
-class PreparedExpert:
+class LoadedExpert:
     """A checked, staged and probed expert, mapped and loaded, ready to be adopted by drain().
 
     Made on the worker thread (or by rollback()): maps the staged file and builds its views;

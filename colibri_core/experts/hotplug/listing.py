@@ -1,10 +1,10 @@
 """What `colibri experts list`, `GET /v1/experts` and rollback show and accept.
 
-`manager_rows(mgr)`: the rows of a running manager (HotplugManager.list()).
+`manager_rows(book)`: the rows of a running manager (HotplugManager.list(); book.py).
 `folder_view(experts_dir, state_dir)`: the same from the state file and the folder alone,
 read-only, for when a running engine (a server) holds the state folder: its lock is not
 taken, nothing is written, nothing is loaded (the metadata is read from the ELF files).
-`resolve_name(mgr, text)`: rollback's argument, a metadata name or the file that provides
+`resolve_name(book, text)`: rollback's argument, a metadata name or the file that provides
 it, so that the names `list` shows are the names rollback takes.
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ from .state import load_state
 from .watcher import is_expert_name
 
 
-def manager_rows(mgr) -> list[dict]:
+def manager_rows(book) -> list[dict]:
     """Active experts by slot, then known inactive names. `file` is the base name of the
     file in the watched folder that provides (provided) it: rollback accepts it too."""
     rows = []
-    with mgr._lock:
-        refused = mgr._refused
-        for e in sorted(mgr._active.values(), key=lambda e: e.slot):
+    with book.lock:
+        refused = book.refused
+        for e in sorted(book.active.values(), key=lambda e: e.slot):
             rows.append({"slot": e.slot, "name": e.name, "version": e.version,
                          "layers": list(e.layers), "origin": "hot-plugged",
                          "sha256": e.sha256, "isolation": e.isolation,
@@ -34,8 +34,8 @@ def manager_rows(mgr) -> list[dict]:
                          else "crashed", "binding": e.binding,
                          "file": os.path.basename(e.source_path),
                          "refused": _copy(refused.get(e.source_path))})
-        for name, rec in sorted(mgr._records.items(), key=lambda kv: kv[1].slot):
-            if name in mgr._active:
+        for name, rec in sorted(book.records.items(), key=lambda kv: kv[1].slot):
+            if name in book.active:
                 continue
             last = rec.last
             rows.append({"slot": rec.slot, "name": name,
@@ -55,15 +55,15 @@ def _copy(r: dict | None) -> dict | None:
     return dict(r) if r is not None else None
 
 
-def resolve_name(mgr, text: str) -> str:
+def resolve_name(book, text: str) -> str:
     """The active expert's metadata name for `text`: that name itself, or the file (base
     name or path) in the watched folder it came from. Unknown text is returned as is (the
     caller's "not active" error names it)."""
-    with mgr._lock:
-        if text in mgr._active:
+    with book.lock:
+        if text in book.active:
             return text
         base = os.path.basename(text.rstrip("/"))
-        for e in mgr._active.values():
+        for e in book.active.values():
             if os.path.basename(e.source_path) == base:
                 return e.name
     return text
