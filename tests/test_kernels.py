@@ -494,7 +494,8 @@ BEST = next(b for b in ["avx512vnni", "avx2", "neon", "scalar"] if b in BACKENDS
 def test_env_forces_backend(name):
     """COLIBRI_KERNELS=<name> picks that backend at import; "auto" and names this CPU
     lacks give the best one."""
-    code = ("import numpy as np; from colibri_core import kernels as K, quant as Q; "
+    code = ("import numpy as np; from colibri_core import kernels as K; "
+            "from colibri_core.format import quant as Q; "
             "t = Q.quantize_q4(np.ones((3, 70), np.float32), 64); "
             "y = K.q4_matmul(t, np.ones((1, 70), np.float32), np.empty((1, 3), np.float32)); "
             "print(K.backend(), round(float(y.sum())))")

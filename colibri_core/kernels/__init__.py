@@ -13,28 +13,19 @@ at import, in that order; `COLIBRI_KERNELS=<name>` (e.g. avx2, scalar) forces on
 CPU has it, and `set_backend()` switches at run time (tests, benchmarks). avx512vnni and
 avx2 give bit-identical results; neon's int8 products and activation quantization are
 bit-identical to scalar's (docs/ARCHITECTURE.md, "The NEON backend").
-Threads: OpenMP over output rows; `set_threads(n)` (default: OMP_NUM_THREADS or all cores).
-Importing this module sets GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
-is already set (see below).
+Threads: every call's parallel loops run on ck_pool.c's threads (the pipeline step's
+too), over output rows; `set_threads(n)` (default: OMP_NUM_THREADS when set, else the
+CPUs this process may run on).
 
 Quantized matrices are `quant.Q4Tensor` / `Q6Tensor` / `Q8Tensor` in the docs/FORMAT.md layout.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor, check_group, padded_cols
-
-# libgomp reads its settings when it is loaded (with the extension, just below). Its
-# default lets idle workers spin ~300K iterations; on a machine busy with other jobs the
-# scheduler then treats them as CPU hogs and a 2-thread call can wait a whole time slice
-# (measured: 60 us -> 20 ms per call). A short spin keeps back-to-back kernel calls fast
-# and lets waiting threads sleep soon. Explicit user settings win.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 try:
     from .._colibri_kernels import ffi, lib
@@ -86,7 +77,8 @@ def set_backend(name: str) -> str:
 
 
 def set_threads(n: int) -> None:
-    """Number of OpenMP threads used by every kernel call (>= 1)."""
+    """Number of threads of every kernel call (>= 1): ck_pool.c's, which the pipeline
+    step shares (its ThreadControl may run a step on fewer)."""
     if int(n) < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     lib.ck_set_threads(int(n))

@@ -26,7 +26,8 @@ void ck_init(void);                 /* picks the best backend, or COLIBRI_KERNEL
 int ck_backend(void);               /* active backend, CK_* */
 int ck_backend_available(int b);
 int ck_set_backend(int b);          /* 0 on success, -1 if not available here */
-void ck_set_threads(int n);
+void ck_set_threads(int n);          /* threads of every call (default: OMP_NUM_THREADS, else the
+                                       CPUs this process may run on) */
 void ck_set_par_min_work(int64_t w); /* calls below w MACs run on one thread; <0: default */
 /* Benchmarks and tests: matmuls and expert FFNs of n >= this many tokens (and n > 1) run
  * the backend's batch (row x several tokens) tiles, fewer tokens run the matrix-vector
@@ -54,8 +55,9 @@ typedef struct {               /* a matrix [rows, cols]: q4, q6 or q8 in the doc
 typedef struct { ck_mat w1, w3, w2; } ck_ffn;   /* gate, up [I, H]; down [H, I]; all q4 */
 
 /* ------------------------------------------------------------------ general path
- * Any number of tokens, one OpenMP region per call. These return 0, or -1 when a buffer
- * could not be allocated (the output is then unspecified). */
+ * Any number of tokens, a few parallel loops per call on ck_pool.c's threads (those of
+ * the pipeline step); they allocate their own buffers (tests, benchmarks). These return
+ * 0, or -1 when a buffer could not be allocated (the output is then unspecified). */
 
 /* x [n, cols] f32 -> xq [n, cp] int8, xs [n, ng] f32, xsum [n, ng] int32 */
 void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,

@@ -1,24 +1,27 @@
-/* ck_core.c -- backend dispatch, threads, cycle counter, and the portable drivers
- * (matmul, fused expert FFN, decode attention) that split work into row x token tiles
- * (kv heads for attention), run them on OpenMP threads and apply the epilogues.
+/* ck_core.c -- backend dispatch, threads, cycle counter, and the general drivers
+ * (matmul, fused expert FFN, decode attention: tests, benchmarks, the aarch64 driver)
+ * that split work into row x token tiles (kv heads for attention), run them as parallel
+ * loops on ck_pool.c's threads, the pipeline step's, and apply the epilogues.
  *
  * Parallelism is over output rows only: a thread owns a contiguous row range and runs
  * every token through it, so each weight row is read from memory once per call (the
- * row tile stays in L1 while the token tiles go by). */
+ * row tile stays in L1 while the token tiles go by). A call is a few loops in a row;
+ * each returns once all its chunks are done, which is the barrier between them. */
+#define _GNU_SOURCE            /* sched_getaffinity, CPU_COUNT */
 #include <math.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
 #endif
 #include "ck_internal.h"
 
 /* Below this many multiply-adds (rows * cp * n) a call stays on one thread. Measured on
- * 2 cores (AVX2, int8, hot cache): waking the OpenMP team costs 2-4 us; a 256x1024
- * matvec (5.5 us) is still faster on 1 thread, 512x1024 breaks even, 1024x1024 gains. */
+ * 2 cores (AVX2, int8, hot cache) when the threads were an OpenMP team (waking it cost
+ * 2-4 us): a 256x1024 matvec (5.5 us) was still faster on 1 thread, 512x1024 broke even,
+ * 1024x1024 gained. The pipeline step's calls use the same threshold. */
 #define CK_PAR_MIN_WORK (1 << 19)
 static int64_t g_par_min_work = CK_PAR_MIN_WORK;
 
@@ -40,6 +43,24 @@ int ck_matmul_min_tokens = CK_MATMUL_MIN_TOKENS;   /* ck_internal.h: the tiles' 
 
 static const ck_backend_t *g_be = &ck_backend_scalar;
 static int g_threads = 1;
+
+/* The default thread count: OMP_NUM_THREADS when set (its first number, as when the
+ * threads were OpenMP's: probe processes and tests set it to 1), else the CPUs this
+ * process may run on. */
+static int default_threads(void) {
+    const char *env = getenv("OMP_NUM_THREADS");
+    if (env) {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (end != env && v >= 1) return v > 512 ? 512 : (int)v;
+    }
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n >= 1 ? (int)n : 1;
+}
 static int g_inited = 0;
 
 static const ck_backend_t *backend_ptr(int b) {
@@ -70,9 +91,7 @@ static const int k_preference[] = {CK_AVX512VNNI, CK_AVX2, CK_NEON, CK_SCALAR};
 void ck_init(void) {
     if (g_inited) return;
     g_inited = 1;
-#ifdef _OPENMP
-    g_threads = omp_get_max_threads();
-#endif
+    g_threads = default_threads();
     const char *env = getenv("COLIBRI_KERNELS");
     const ck_backend_t *best = NULL;
     for (int i = 0; i < N_BACKENDS; i++) {
@@ -184,18 +203,6 @@ static int act_buf_get(act_buf *b, int64_t n, int64_t cp, int64_t ng) {
 
 static void act_buf_free(act_buf *b) { free(b->q); free(b->s); free(b->sum); }
 
-/* Runs fn(ctx) on nth threads; fn splits its loops with orphaned `omp for`s, which run
- * serially outside a parallel region. A single thread never enters one: even an
- * `if(0)` region costs about a microsecond in libgomp. */
-static void run_parallel(void (*fn)(void *), void *ctx, int nth) {
-    if (nth > 1) {
-#pragma omp parallel num_threads(nth)
-        fn(ctx);
-    } else {
-        fn(ctx);
-    }
-}
-
 typedef struct {
     const ck_backend_t *be;
     const float *x;
@@ -203,12 +210,10 @@ typedef struct {
     int8_t *xq; float *xs; int32_t *xsum;
 } quant_ctx;
 
-static void quant_rows(void *p) {
+static void quant_row(void *p, int64_t t) {
     const quant_ctx *c = p;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < c->n; t++)
-        c->be->act_quant(c->x + t * c->cols, c->cols, c->group, c->xq + t * c->cp,
-                         c->xs + t * c->ng, c->xsum + t * c->ng);
+    c->be->act_quant(c->x + t * c->cols, c->cols, c->group, c->xq + t * c->cp,
+                     c->xs + t * c->ng, c->xsum + t * c->ng);
 }
 
 void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
@@ -216,7 +221,7 @@ void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
     ck_init();
     int64_t cp = round_up(cols, group);
     quant_ctx c = {g_be, x, n, cols, group, cp, cp / group, xq, xs, xsum};
-    run_parallel(quant_rows, &c, nthreads_for(n * cp * 16));
+    ck_pool_for(quant_row, &c, n, nthreads_for(n * cp * 16));
 }
 
 /* ------------------------------------------------------------------ matmul */
@@ -235,26 +240,6 @@ static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int
     }
 }
 
-/* The row loop shared by every matmul: out[t*ldo + r] for all rows and tokens, in
- * (rt x nt) tiles; the `omp for` gives each thread a contiguous range of row tiles. */
-static void rows_all_tokens(const ck_backend_t *be, int kind, const void *w, int64_t rows,
-                            const void *act, int64_t n, float *out, int64_t ldo) {
-    const int rtp = be->rt, ntp = tokens_per_tile(be, n);
-    const int64_t ntiles = (rows + rtp - 1) / rtp;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < ntiles; i++) {
-        int64_t r0 = i * rtp;
-        int rt = rows - r0 < rtp ? (int)(rows - r0) : rtp;
-        float res[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
-            nt = tile_tokens(ntp, n - t0);
-            run_tile(be, kind, w, r0, rt, act, t0, nt, res);
-            for (int t = 0; t < nt; t++)
-                for (int r = 0; r < rt; r++) ck_stf(out + (t0 + t) * ldo + r0 + r, res[r * nt + t]);
-        }
-    }
-}
-
 typedef struct {
     quant_ctx q;            /* int8 mode: quantize x first (q.n == 0: float mode) */
     int kind;
@@ -264,46 +249,70 @@ typedef struct {
     uint8_t *pq; float *ps; /* q4 int8 from ck_panel_min_tokens tokens: the panels */
 } matmul_ctx;
 
-/* q4 x int8 through the backend's panels (the same bits as the tiles): items of
- * CK_PANEL_ROWS rows, each unpacked once for all the tokens */
-static void rows_all_panels(const matmul_ctx *c) {
+/* The row loop of every matmul, one chunk per (rt x all tokens) row tile:
+ * out[t*rows + r] for its rows and every token, in (rt x nt) tiles. */
+static void row_tile(void *p, int64_t i) {
+    const matmul_ctx *c = p;
     const ck_backend_t *be = c->q.be;
-    const ck_q4 *w = c->w;
-    const ck_act *a = c->act;
-    const int64_t n = c->q.n, np = npanels(n), ld = np * CK_PANEL;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < ld; t++)
-        pack_panel_row(t < n ? a->q + t * a->cp : NULL, a->s + t * a->ng, a->cp, a->ng, c->pq,
-                       c->ps, t);
-    const ck_panel pn = {c->pq, c->ps, a->cp, a->ng};
-    const int64_t items = (c->rows + CK_PANEL_ROWS - 1) / CK_PANEL_ROWS;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; i++) {
-        int8_t wb[CK_PANEL_ROWS * w->cp];
-        int32_t wz[CK_PANEL_ROWS * w->ng];
-        float res[CK_PANEL_ROWS * 64 * CK_PANEL];
-        ck_unpacked u;
-        const int64_t r0 = i * CK_PANEL_ROWS;
-        const int rt = c->rows - r0 < CK_PANEL_ROWS ? (int)(c->rows - r0) : CK_PANEL_ROWS;
-        unpack_rows(be, w, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
-        for (int64_t p0 = 0; p0 < np; p0 += 64) {   /* blocks of 64 panels */
-            const int64_t nb = np - p0 < 64 ? np - p0 : 64, t0 = p0 * CK_PANEL;
-            const ck_panel pb = {pn.q + p0 * CK_PANEL * pn.cp, pn.s + p0 * CK_PANEL * pn.ng,
-                                 pn.cp, pn.ng};
-            be->q4_panels(&u, &pb, nb, res, nb * CK_PANEL);
-            for (int64_t t = 0; t < nb * CK_PANEL && t0 + t < n; t++)
-                for (int r = 0; r < rt; r++)
-                    ck_stf(c->out + (t0 + t) * c->rows + r0 + r, res[r * nb * CK_PANEL + t]);
-        }
+    const int64_t n = c->q.n, rows = c->rows;
+    const int rtp = be->rt, ntp = tokens_per_tile(be, n);
+    int64_t r0 = i * rtp;
+    int rt = rows - r0 < rtp ? (int)(rows - r0) : rtp;
+    float res[CK_MAX_RT * CK_MAX_NT];
+    for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+        nt = tile_tokens(ntp, n - t0);
+        run_tile(be, c->kind, c->w, r0, rt, c->act, t0, nt, res);
+        for (int t = 0; t < nt; t++)
+            for (int r = 0; r < rt; r++) ck_stf(c->out + (t0 + t) * rows + r0 + r, res[r * nt + t]);
     }
 }
 
-static void matmul_body(void *p) {
+/* q4 x int8 through the backend's panels (the same bits as the tiles): the activation
+ * rows packed into panels, then items of CK_PANEL_ROWS rows, each unpacked once for all
+ * the tokens */
+static void pack_row(void *p, int64_t t) {
     const matmul_ctx *c = p;
+    const ck_act *a = c->act;
+    pack_panel_row(t < c->q.n ? a->q + t * a->cp : NULL, a->s + t * a->ng, a->cp, a->ng, c->pq,
+                   c->ps, t);
+}
+
+static void panel_item(void *p, int64_t i) {
+    const matmul_ctx *c = p;
+    const ck_backend_t *be = c->q.be;
+    const ck_q4 *w = c->w;
+    const ck_act *a = c->act;
+    const int64_t n = c->q.n, np = npanels(n);
+    const ck_panel pn = {c->pq, c->ps, a->cp, a->ng};
+    int8_t wb[CK_PANEL_ROWS * w->cp];
+    int32_t wz[CK_PANEL_ROWS * w->ng];
+    float res[CK_PANEL_ROWS * 64 * CK_PANEL];
+    ck_unpacked u;
+    const int64_t r0 = i * CK_PANEL_ROWS;
+    const int rt = c->rows - r0 < CK_PANEL_ROWS ? (int)(c->rows - r0) : CK_PANEL_ROWS;
+    unpack_rows(be, w, r0, rt, 0, CK_PANEL_ROWS, &u, wb, wz);
+    for (int64_t p0 = 0; p0 < np; p0 += 64) {   /* blocks of 64 panels */
+        const int64_t nb = np - p0 < 64 ? np - p0 : 64, t0 = p0 * CK_PANEL;
+        const ck_panel pb = {pn.q + p0 * CK_PANEL * pn.cp, pn.s + p0 * CK_PANEL * pn.ng,
+                             pn.cp, pn.ng};
+        be->q4_panels(&u, &pb, nb, res, nb * CK_PANEL);
+        for (int64_t t = 0; t < nb * CK_PANEL && t0 + t < n; t++)
+            for (int r = 0; r < rt; r++)
+                ck_stf(c->out + (t0 + t) * c->rows + r0 + r, res[r * nb * CK_PANEL + t]);
+    }
+}
+
+static void matmul_loops(matmul_ctx *c, int nth) {
+    const int64_t n = c->q.n;
     if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8 || c->kind == K_Q6_I8)
-        quant_rows((void *)&c->q);                                               /* + barrier */
-    if (c->pq) rows_all_panels(c);
-    else rows_all_tokens(c->q.be, c->kind, c->w, c->rows, c->act, c->q.n, c->out, c->rows);
+        ck_pool_for(quant_row, &c->q, n, nth);
+    if (c->pq) {
+        ck_pool_for(pack_row, c, npanels(n) * CK_PANEL, nth);
+        ck_pool_for(panel_item, c, (c->rows + CK_PANEL_ROWS - 1) / CK_PANEL_ROWS, nth);
+    } else {
+        const int rtp = c->q.be->rt;
+        ck_pool_for(row_tile, c, (c->rows + rtp - 1) / rtp, nth);
+    }
 }
 
 int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_int8) {
@@ -331,7 +340,7 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
             c.q.xq = b.q; c.q.xs = b.s; c.q.xsum = b.sum;
             c.kind = k_i8;
             c.act = &a;
-            run_parallel(matmul_body, &c, nth);
+            matmul_loops(&c, nth);
         } else {
             rc = -1;
         }
@@ -343,7 +352,7 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
         if (tail || cols % 64 == 0) {
             c.kind = k_f32;
             c.act = &xf;
-            run_parallel(matmul_body, &c, nth);
+            matmul_loops(&c, nth);
         } else {
             rc = -1;
         }
@@ -366,70 +375,79 @@ typedef struct {
     ck_xf xf, hf;           /* float mode */
 } ffn_ctx;
 
-static void ffn_body(void *p) {
+static void ffn_quant_x(void *p, int64_t t) {
+    const ffn_ctx *c = p;
+    c->be->act_quant(c->x + t * c->hidden, c->hidden, c->w1.group,
+                     (int8_t *)c->xa.q + t * c->xa.cp, (float *)c->xa.s + t * c->xa.ng,
+                     (int32_t *)c->xa.sum + t * c->xa.ng);
+}
+
+/* stage 1: gate and up rows of the same tile in one pass over the tokens */
+static void ffn_up_tile(void *p, int64_t i) {
     const ffn_ctx *c = p;
     const ck_backend_t *be = c->be;
     const int64_t n = c->n, hld = c->hld;
     const int rtp = be->rt, ntp = tokens_per_tile(be, n);
-    if (c->act_int8) {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++)
-            be->act_quant(c->x + t * c->hidden, c->hidden, c->w1.group,
-                          (int8_t *)c->xa.q + t * c->xa.cp, (float *)c->xa.s + t * c->xa.ng,
-                          (int32_t *)c->xa.sum + t * c->xa.ng);
-    }
-    /* stage 1: gate and up rows of the same tile in one pass over the tokens */
-    int64_t ntiles = (c->inter + rtp - 1) / rtp;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < ntiles; i++) {
-        int64_t r0 = i * rtp;
-        int rt = c->inter - r0 < rtp ? (int)(c->inter - r0) : rtp;
-        float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
-            nt = tile_tokens(ntp, n - t0);
-            if (c->act_int8) {
-                be->q4_i8(&c->w1, r0, rt, &c->xa, t0, nt, g);
-                be->q4_i8(&c->w3, r0, rt, &c->xa, t0, nt, u);
-            } else {
-                be->q4_f32(&c->w1, r0, rt, &c->xf, t0, nt, g);
-                be->q4_f32(&c->w3, r0, rt, &c->xf, t0, nt, u);
-            }
-            for (int t = 0; t < nt; t++)
-                for (int r = 0; r < rt; r++)
-                    c->h[(t0 + t) * hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
+    int64_t r0 = i * rtp;
+    int rt = c->inter - r0 < rtp ? (int)(c->inter - r0) : rtp;
+    float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
+    for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+        nt = tile_tokens(ntp, n - t0);
+        if (c->act_int8) {
+            be->q4_i8(&c->w1, r0, rt, &c->xa, t0, nt, g);
+            be->q4_i8(&c->w3, r0, rt, &c->xa, t0, nt, u);
+        } else {
+            be->q4_f32(&c->w1, r0, rt, &c->xf, t0, nt, g);
+            be->q4_f32(&c->w3, r0, rt, &c->xf, t0, nt, u);
         }
+        for (int t = 0; t < nt; t++)
+            for (int r = 0; r < rt; r++)
+                c->h[(t0 + t) * hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
     }
-    /* h's padding columns are zeroed (the float tiles read whole 64-blocks), then h is
-     * quantized for the int8 down projection */
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n; t++) {
-        for (int64_t col = c->inter; col < hld; col++) c->h[t * hld + col] = 0.0f;
-        if (c->act_int8)
-            be->act_quant(c->h + t * hld, c->inter, c->w2.group,
-                          (int8_t *)c->ha.q + t * c->ha.cp, (float *)c->ha.s + t * c->ha.ng,
-                          (int32_t *)c->ha.sum + t * c->ha.ng);
-    }
-    /* stage 2: down projection; the epilogue applies the routing weight */
-    ntiles = (c->hidden + rtp - 1) / rtp;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < ntiles; i++) {
-        int64_t r0 = i * rtp;
-        int rt = c->hidden - r0 < rtp ? (int)(c->hidden - r0) : rtp;
-        float y[CK_MAX_RT * CK_MAX_NT];
-        for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
-            nt = tile_tokens(ntp, n - t0);
-            if (c->act_int8) be->q4_i8(&c->w2, r0, rt, &c->ha, t0, nt, y);
-            else be->q4_f32(&c->w2, r0, rt, &c->hf, t0, nt, y);
-            for (int t = 0; t < nt; t++) {
-                float s = c->rw ? ck_ldf(c->rw + t0 + t) : 1.0f;
-                float *o = c->out + (t0 + t) * c->hidden + r0;
-                for (int r = 0; r < rt; r++) {
-                    float v = y[r * nt + t] * s;
-                    ck_stf(o + r, c->accumulate ? ck_ldf(o + r) + v : v);
-                }
+}
+
+/* h's padding columns are zeroed (the float tiles read whole 64-blocks), then h is
+ * quantized for the int8 down projection */
+static void ffn_h_row(void *p, int64_t t) {
+    const ffn_ctx *c = p;
+    const int64_t hld = c->hld;
+    for (int64_t col = c->inter; col < hld; col++) c->h[t * hld + col] = 0.0f;
+    if (c->act_int8)
+        c->be->act_quant(c->h + t * hld, c->inter, c->w2.group,
+                         (int8_t *)c->ha.q + t * c->ha.cp, (float *)c->ha.s + t * c->ha.ng,
+                         (int32_t *)c->ha.sum + t * c->ha.ng);
+}
+
+/* stage 2: down projection; the epilogue applies the routing weight */
+static void ffn_down_tile(void *p, int64_t i) {
+    const ffn_ctx *c = p;
+    const ck_backend_t *be = c->be;
+    const int64_t n = c->n;
+    const int rtp = be->rt, ntp = tokens_per_tile(be, n);
+    int64_t r0 = i * rtp;
+    int rt = c->hidden - r0 < rtp ? (int)(c->hidden - r0) : rtp;
+    float y[CK_MAX_RT * CK_MAX_NT];
+    for (int64_t t0 = 0, nt; t0 < n; t0 += nt) {
+        nt = tile_tokens(ntp, n - t0);
+        if (c->act_int8) be->q4_i8(&c->w2, r0, rt, &c->ha, t0, nt, y);
+        else be->q4_f32(&c->w2, r0, rt, &c->hf, t0, nt, y);
+        for (int t = 0; t < nt; t++) {
+            float s = c->rw ? ck_ldf(c->rw + t0 + t) : 1.0f;
+            float *o = c->out + (t0 + t) * c->hidden + r0;
+            for (int r = 0; r < rt; r++) {
+                float v = y[r * nt + t] * s;
+                ck_stf(o + r, c->accumulate ? ck_ldf(o + r) + v : v);
             }
         }
     }
+}
+
+static void ffn_loops(ffn_ctx *c, int nth) {
+    const int rtp = c->be->rt;
+    if (c->act_int8) ck_pool_for(ffn_quant_x, c, c->n, nth);
+    ck_pool_for(ffn_up_tile, c, (c->inter + rtp - 1) / rtp, nth);
+    ck_pool_for(ffn_h_row, c, c->n, nth);
+    ck_pool_for(ffn_down_tile, c, (c->hidden + rtp - 1) / rtp, nth);
 }
 
 int ck_expert_ffn(const ck_ffn *f, const float *x, int64_t n, float *out, const float *rw,
@@ -463,7 +481,7 @@ int ck_expert_ffn(const ck_ffn *f, const float *x, int64_t n, float *out, const 
         c.xf = (ck_xf){x, hidden, hidden, tail};
         c.hf = (ck_xf){h, c.hld, inter, NULL};
     }
-    if (ok) run_parallel(ffn_body, &c, nthreads_for((2 * c.w1.cp + c.w2.cp) * inter * n));
+    if (ok) ffn_loops(&c, nthreads_for((2 * c.w1.cp + c.w2.cp) * inter * n));
     free(h);
     act_buf_free(&xb);
     act_buf_free(&hb);
@@ -481,14 +499,12 @@ typedef struct {
     float scale;
 } attn_ctx;
 
-static void attn_body(void *p) {
+static void attn_head(void *p, int64_t j) {   /* one kv head and its g query heads */
     const attn_ctx *c = p;
     const int g = (int)(c->nh / c->nkv);
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < c->nkv; j++)   /* one kv head and its g query heads */
-        c->be->attn(c->q + j * g * c->d, g, c->d, c->k + j * c->d, c->v + j * c->d,
-                    c->nkv * c->d, c->len, c->scale, c->scores + j * g * c->len,
-                    c->out + j * g * c->d);
+    c->be->attn(c->q + j * g * c->d, g, c->d, c->k + j * c->d, c->v + j * c->d,
+                c->nkv * c->d, c->len, c->scale, c->scores + j * g * c->len,
+                c->out + j * g * c->d);
 }
 
 int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
@@ -498,7 +514,7 @@ int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, c
     if (!s) return -1;
     attn_ctx c = {g_be, q, k, v, out, s, nh, d, nkv, len, scale};
     int nth = nthreads_for(2 * nh * len * d);
-    run_parallel(attn_body, &c, nth < nkv ? nth : (int)nkv);
+    ck_pool_for(attn_head, &c, nkv, nth);
     free(s);
     return 0;
 }
