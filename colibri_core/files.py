@@ -1,5 +1,6 @@
 """Opening the files a user hands us -- configs, model files, tokenizers, plugin modules,
-checkpoints -- as regular files only.
+checkpoints -- as regular files only; and writing a file whole or not at all
+(`atomic_write`, `write_atomic`).
 
 A FIFO in place of config.json or model.bin would block open() forever (it waits for a
 writer; inside the Rust tokenizers library even Ctrl-C is not seen), a device can be read
@@ -14,12 +15,20 @@ the Hugging Face cache is normal); what a message says about a file's content is
 fixed descriptions (docs/ROBUSTNESS.md, "Files").
 Hot-plugged expert .so files have stricter rules of their own (hotplug/staging.py: no
 symlinks, owner and mode checks).
+
+Every file Colibri writes in place of another -- model files, the hot-plug state, the
+fleet's state, uploaded experts, a replica's slots -- goes through `atomic_write`: a
+temporary file in the same folder, dotted so that a watched folder ignores it, renamed over
+the target only once it is complete, so a reader (or a crash) sees the old file or the new
+one, never a part.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from typing import Callable, Union
+import tempfile
+from typing import BinaryIO, Callable, Iterator, Union
 
 from .errors import ModelFormatError
 
@@ -87,3 +96,41 @@ def read_text(path: PathLike, error: ErrorType = ModelFormatError) -> str:
     except UnicodeDecodeError as e:
         raise error(f"{path}: cannot read it as UTF-8 text (invalid byte at offset "
                     f"{e.start})") from None
+
+
+@contextlib.contextmanager
+def atomic_write(path: PathLike, mode: int = 0o644, durable: bool = True,
+                 suffix: str = ".tmp") -> Iterator[BinaryIO]:
+    """Write `path` whole or not at all: yields a binary file (read and write) on a
+    temporary file in `path`'s folder, named `.<name>.<random><suffix>`. When the block ends
+    without an error the file is flushed, fsync'ed (`durable`), given `mode` and renamed
+    over `path`, then the folder is fsync'ed (`durable`: the rename survives a crash). When
+    it raises, the temporary file is removed and `path` is left as it was."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix, dir=folder)
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def write_atomic(path: PathLike, data: Union[bytes, str], mode: int = 0o644,
+                 durable: bool = True, suffix: str = ".tmp") -> None:
+    """`data` (str: as UTF-8) as the whole content of `path`, through `atomic_write`."""
+    with atomic_write(path, mode, durable, suffix) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -24,10 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from ..files import write_atomic
 from ..experts.hotplug.errors import HotplugError, HotplugStateError, RollbackError
 from ..nesting import json_loads
 from ..experts.hotplug.meta import read_expert_file
@@ -107,7 +107,7 @@ class FleetSet:
         sha = hashlib.sha256(data).hexdigest()
         path = self._blob_path(sha)
         if not os.path.exists(path):
-            _write_atomically(path, data, 0o600)
+            write_atomic(path, data, 0o600)
         try:
             meta = read_expert_file(path, self.hidden_size, self.moe_layers).meta
         except HotplugError as e:
@@ -195,29 +195,6 @@ class FleetSet:
     def _save(self) -> None:
         doc = {"format": STATE_FORMAT, "generation": self.generation,
                "next_slot": self.next_slot, "experts": self.experts}
-        _write_atomically(os.path.join(self.state_dir, STATE_FILE),
-                          json.dumps(doc, indent=1, sort_keys=True).encode(), 0o600)
+        write_atomic(os.path.join(self.state_dir, STATE_FILE),
+                     json.dumps(doc, indent=1, sort_keys=True).encode(), 0o600)
 
-
-def _write_atomically(path: str, data: bytes, mode: int) -> None:
-    """Temp file in the same folder, fsync, chmod, rename, fsync of the folder."""
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

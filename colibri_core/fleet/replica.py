@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..experts.expertset import expert_set_id
-from ..server.backend import LocalBackend, write_atomically
+from ..server.backend import LocalBackend
+from ..files import write_atomic
 from ..server.errors import from_exception
 from ..server.experts import ExpertBook
 from ..server.generation import Token
@@ -61,7 +62,7 @@ class EngineReplica:
         self.folder = tempfile.mkdtemp(prefix="colibri-replica-")
         os.chmod(self.folder, 0o755)
         self.slots_file = os.path.join(self.folder, ".colibri-slots.json")
-        write_atomically(self._tmp("slots"), self.slots_file, b"{}")
+        write_atomic(self.slots_file, b"{}")
         hp = dict(engine_settings.get("hotplug") or {}, slots_file=self.slots_file)
         cfg = parse(EngineConfig, {**engine_settings, "experts_dir": self.folder,
                                    "hotplug": hp, "when_full": "refuse"}, "the replica")
@@ -189,8 +190,8 @@ class EngineReplica:
         self.state = "syncing"
         t0 = time.perf_counter()
         want = {n: e["sha256"] for n, e in target["experts"].items()}
-        write_atomically(self._tmp("slots"), self.slots_file,
-                         json.dumps(target["slots"], sort_keys=True).encode())
+        write_atomic(self.slots_file,
+                     json.dumps(target["slots"], sort_keys=True).encode())
         for name, e in target["experts"].items():
             if self.written.get(name) == e["sha256"]:
                 continue
@@ -198,7 +199,7 @@ class EngineReplica:
             if hashlib.sha256(data).hexdigest() != e["sha256"]:
                 raise RuntimeError(f"expert {name}: bytes from the registry do not match "
                                    f"sha256 {e['sha256']}")
-            write_atomically(self._tmp(name), self._path(name), data)
+            write_atomic(self._path(name), data)
             self.written[name] = e["sha256"]
         for name in [n for n in self.written if n not in want]:
             try:
@@ -238,10 +239,6 @@ class EngineReplica:
 
     def _path(self, name: str) -> str:
         return os.path.join(self.folder, f"{name}.so")
-
-    def _tmp(self, what: str) -> str:
-        """A dotted temporary name in the watched folder (the watch ignores it)."""
-        return os.path.join(self.folder, f".{what}.{os.getpid()}.{time.monotonic_ns()}.tmp")
 
 
 def _name_of(path: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ModelFormatError
 from .filemap import FileMapping, max_map_count
 from ..memstat import resident_bytes
-from ..files import open_regular
+from ..files import atomic_write, open_regular
 from ..nesting import json_loads
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 
@@ -190,46 +190,37 @@ def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
         entries, sizes = [], []
     else:
         header = _align(max(reserve or DEFAULT_RESERVE, _PREFIX.size + 2))
-    tmp = path.with_name(path.name + ".tmp")
     names: set[str] = set()
-    try:
-        with open(tmp, "w+b") as f:
-            off = header
-            for name, t in sections:
-                if name in names:
-                    raise ValueError(f"{path.name}: duplicate section name {name!r}")
-                names.add(name)
-                dtype, shape, extra, parts = _parts_of(t)
-                entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
-                                "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
-                sizes.append([int(a.nbytes) for _, a in parts])
-                for _, a in parts:
-                    f.seek(off)
-                    _write_array(f, a)
-                    off = _align(off + max(a.nbytes, 1))
-                del t, parts
-            final_header, table, end = _fit_header(entries, sizes, header)
-            if final_header != header:              # table outgrew the reserve: shift data
-                f.flush()
-                _shift(f, header, off, final_header - header)
-            f.seek(0)
-            minor = minor_for(e["dtype"] for e in entries)
-            f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, minor, len(table)))
-            f.write(table)
-            f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
-            f.truncate(end)
-            if end >= HUGE_PAGE:       # on disk, then out of the cache: read back in 2 MB pages
-                f.flush()
-                os.fdatasync(f.fileno())
-                _drop_cached(f.fileno(), 0)
-        os.replace(tmp, path)
-        return minor
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path, durable=False) as f:
+        off = header
+        for name, t in sections:
+            if name in names:
+                raise ValueError(f"{path.name}: duplicate section name {name!r}")
+            names.add(name)
+            dtype, shape, extra, parts = _parts_of(t)
+            entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
+                            "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
+            sizes.append([int(a.nbytes) for _, a in parts])
+            for _, a in parts:
+                f.seek(off)
+                _write_array(f, a)
+                off = _align(off + max(a.nbytes, 1))
+            del t, parts
+        final_header, table, end = _fit_header(entries, sizes, header)
+        if final_header != header:              # table outgrew the reserve: shift data
+            f.flush()
+            _shift(f, header, off, final_header - header)
+        f.seek(0)
+        minor = minor_for(e["dtype"] for e in entries)
+        f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, minor, len(table)))
+        f.write(table)
+        f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
+        f.truncate(end)
+        if end >= HUGE_PAGE:       # on disk, then out of the cache: read back in 2 MB pages
+            f.flush()
+            os.fdatasync(f.fileno())
+            _drop_cached(f.fileno(), 0)
+    return minor
 
 
 def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:

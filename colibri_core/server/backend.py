@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import uuid
 from pathlib import Path
 
+from ..files import write_atomic
 from . import memory
 from .calls import Calls
 from .errors import ApiError
@@ -130,8 +129,7 @@ class LocalBackend:
         turn[1] += 1
         try:
             async with turn[0]:
-                tmp = folder / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.upload"
-                await asyncio.to_thread(write_atomically, tmp, final, data)
+                await asyncio.to_thread(write_atomic, final, data, suffix=".upload")
         finally:
             turn[1] -= 1
             if not turn[1]:
@@ -153,21 +151,3 @@ class LocalBackend:
                 "refusals": book.refusal_counts(), "routed": book.routed_by_name(),
                 "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
                             "capacity_tokens": eng.kv_pool.capacity_tokens}}
-
-
-def write_atomically(tmp: Path, final: Path, data: bytes) -> None:
-    """Temp file (dotted: the watcher ignores it), fsync, chmod 644, rename."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

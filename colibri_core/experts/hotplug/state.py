@@ -1,8 +1,8 @@
 """The hot-plug state file: which expert names own which slots, and their versions.
 
-`<state_dir>/hotplug_state.json`, written atomically (temp file, fsync, rename, fsync of the
-folder). It is what makes the set of hot-plugged experts survive a restart with the same
-slot indices, and what rollback() reads. Layout:
+`<state_dir>/hotplug_state.json`, written atomically (files.write_atomic: temp file, fsync,
+rename, fsync of the folder). It is what makes the set of hot-plugged experts survive a
+restart with the same slot indices, and what rollback() reads. Layout:
 
     {"format": 1,
      "next_slot": 66,
@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from ...files import write_atomic
 from ...nesting import json_loads
 from .errors import HotplugStateError
 
@@ -95,17 +96,7 @@ def save_state(state_dir: str, next_slot: int, records: dict[str, NameRecord]) -
     path = os.path.join(state_dir, STATE_FILE)
     doc = {"format": STATE_FORMAT, "next_slot": next_slot,
            "experts": {name: asdict(rec) for name, rec in sorted(records.items())}}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True))
 
 
 LOCK_FILE = "hotplug.lock"
