@@ -125,7 +125,7 @@ def test_16_bit_gguf_kept(kind, tmp_path):
     assert any("kept" in line for line in report)
 
 
-QUANT_CASES = [(c, "Q8_0") for c in FAMILY_CASES] + [("mixtral_types", "Q4_0"),
+QUANT_CASES = [(c, "Q8_0") for c in FAMILY_CASES] + [("mixtral_types", "Q4_0"), ("mixtral_types", "MXFP4_MOE"),
                                                     ("mixtral_types", "Q4_1")]
 
 

@@ -28,9 +28,20 @@ from .gguf_reader import GGUFSource, open_gguf
 SIX_BIT = ("embed", "lm_head", "attn_qo", "attn_kv")
 
 
-def stored_bits(bits: int, group: int) -> float:
-    """Colibri's stored bits per weight of a format (data, f32 scale, u8 zero point)."""
-    return {32: 32.0, 16: 16.0, 8: 8 + 32 / group, 6: 6 + 40 / group, 4: 4 + 40 / group}[bits]
+def stored_bits(bits: int, group: int, shapes=None) -> float:
+    """Colibri's stored bits per weight of a format (data, f32 scale, u8 zero point), over
+    matrices of `shapes` (rows, cols) when given: a row is padded to whole groups."""
+    if bits in (32, 16):
+        return float(bits)
+    per_group = {8: 32, 6: 40, 4: 40}[bits]
+    if not shapes:
+        return bits + per_group / group
+    stored = weights = 0
+    for r, c in shapes:
+        ng = -(-c // group)
+        stored += r * (ng * group * bits + ng * per_group)
+        weights += r * c
+    return stored / max(weights, 1)
 
 
 def tensor_class(hf_name: str) -> Optional[str]:
@@ -52,9 +63,10 @@ def tensor_class(hf_name: str) -> Optional[str]:
     return None
 
 
-def class_types(src: GGUFSource) -> dict[str, dict[str, int]]:
-    """{class: {GGUF type: weights}}."""
+def class_types(src: GGUFSource, shapes: Optional[dict] = None) -> dict[str, dict[str, int]]:
+    """{class: {GGUF type: weights}}; fills `shapes` with {class: [(rows, cols), ..]}."""
     out: dict[str, dict[str, int]] = {}
+    shapes = {} if shapes is None else shapes
     for n in src.ck.names():
         c = tensor_class(n)
         if c is None:
@@ -62,8 +74,10 @@ def class_types(src: GGUFSource) -> dict[str, dict[str, int]]:
         for t, w in src.ck.types_of([n]).items():
             d = out.setdefault(c, {})
             d[t] = d.get(t, 0) + w
+        shapes.setdefault(c, []).append(tuple(src.ck.shape(n)))
     if "lm_head" not in out and "embed" in out:        # tied: the embedding is the lm_head
         out["lm_head"] = dict(out["embed"])
+        shapes["lm_head"] = list(shapes["embed"])
     return out
 
 
@@ -75,15 +89,16 @@ def class_bits(types: dict[str, int]) -> float:
 GROUPS = (64, 128, 256)
 
 
-def choose(cls: str, gguf_bits: float, groups=GROUPS) -> tuple[int, int]:
-    """(bits, group) for a class: the most bits per weight not above the GGUF's, at the
-    smallest group that keeps it so; q4 at the largest group when nothing fits."""
+def choose(cls: str, gguf_bits: float, groups=GROUPS, shapes=None) -> tuple[int, int]:
+    """(bits, group) for a class: the most bits per weight not above the GGUF's (stored
+    over the class's matrices, padding included), at the smallest group that keeps it so;
+    when nothing fits, q4 at the group that stores the fewest bits (the floor)."""
     cands = (32, 16, 8, 6, 4) if cls in SIX_BIT else (32, 16, 8, 4)
     for b in cands:
         for g in sorted(groups):
-            if stored_bits(b, g) <= gguf_bits + 1e-9:
+            if stored_bits(b, g, shapes) <= gguf_bits + 1e-9:
                 return b, g
-    return 4, max(groups)
+    return 4, min(sorted(groups), key=lambda g: stored_bits(4, g, shapes))
 
 
 def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_size: int,
@@ -94,12 +109,15 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
         raise ConfigError(f"--calibration: {path} is a GGUF file (already quantized); AWQ "
                           f"calibration applies to Hugging Face checkpoints")
     src = open_gguf(path)
-    types = class_types(src)
+    shapes: dict = {}
+    types = class_types(src, shapes)
     gb = {c: class_bits(t) for c, t in types.items()}
     groups = (group_size,) if group_given else GROUPS
     tb = dict(tensor_bits or {})
     cls_group = {}
     for c, v in gb.items():
+        # nominal bits (matrices whole groups wide, as at real sizes): on narrower test
+        # matrices the padding would steer the choice away from what a real file gets
         b, g = choose(c, v, groups)
         if bits is None and c not in tb:
             tb[c] = b

@@ -101,7 +101,7 @@ CASES = {
     # the same model as "mixtral" (its F32 / Q8_0 files and logits), in the other types
     "mixtral_types": ("mixtral", SMALL, dict(SMALL_FAMILY["mixtral"]),
                       {"F16": F_FLOAT["F16"], "BF16": F_FLOAT["BF16"], "Q4_0": ("quantize", "Q4_0"),
-                       "Q4_1": ("quantize", "Q4_1")}),
+                       "Q4_1": ("quantize", "Q4_1"), "MXFP4_MOE": ("quantize", "MXFP4_MOE")}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
@@ -111,8 +111,8 @@ CASES = {
 # the GGML types each file must hold for its 2-D weights (after llama-quantize)
 EXPECTED_TYPES = {"F32": {"F32"}, "F16": {"F16"}, "BF16": {"BF16"}, "Q8_0": {"Q8_0"},
                   "Q4_0": {"Q4_0", "Q6_K", "Q8_0"}, "Q4_1": {"Q4_1", "Q6_K", "Q8_0"},
-                  "Q4_K_M": {"Q4_K", "Q6_K"}}
-MUST_HAVE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K_M": "Q4_K"}
+                  "Q4_K_M": {"Q4_K", "Q6_K"}, "MXFP4_MOE": {"MXFP4", "Q8_0", "F16", "BF16", "F32"}}
+MUST_HAVE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K_M": "Q4_K", "MXFP4_MOE": "MXFP4"}
 PROMPTS = ([1, 17, 200, 45, 3, 99, 150, 7, 250, 31, 64, 128], [5, 260, 11],
            [int(x) for x in np.random.default_rng(33).integers(0, 288, 32)])
 # llama.cpp's logits of quantized files are kept as float16 (their errors are ~1e-2);
