@@ -257,3 +257,19 @@ def test_cli_gguf(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and "without experts" in r.stderr
+
+
+def test_tokenizer_dir_copied(tmp_path):
+    """--tokenizer DIR: its files are copied (and a DIR without tokenizer.json refused)."""
+    sys.path.insert(0, str(DATA))
+    import remake
+    ref_dir = tmp_path / "tok"
+    ref_dir.mkdir()
+    remake.write_tokenizer(ref_dir)
+    out, cfg, report = _convert("mixtral-Q8_0.gguf", tmp_path, tokenizer_dir=ref_dir)
+    assert (out / "tokenizer.json").read_bytes() == (ref_dir / "tokenizer.json").read_bytes()
+    assert "tokenizer.json" in cfg.files and any(str(ref_dir) in line for line in report)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        convert(DATA / "mixtral-Q8_0.gguf", tmp_path / "o3", bits=None, tokenizer_dir=empty)

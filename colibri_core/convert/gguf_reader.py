@@ -211,13 +211,3 @@ class GGUFSource:
 
 def open_gguf(path) -> GGUFSource:
     return GGUFSource(Path(path))
-
-
-def is_gguf(path) -> bool:
-    p = Path(path)
-    if p.suffix == ".gguf":
-        return True
-    if not p.is_file():
-        return False
-    with p.open("rb") as f:
-        return f.read(4) == b"GGUF"
