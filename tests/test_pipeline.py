@@ -339,7 +339,7 @@ def test_an_expert_of_another_group_size_runs_in_c(models, act):
                                                name=f"e1_{e}", address=0, nbytes=0)
         m.drop_tables()
         tables = m.pipeline.tables_for(es)
-        assert tables.layers[1]["table"][2].w1.group == 64
+        assert tables.layers[1].table[2].w1.group == 64
         ref = ReferenceModel(m.w, eng.config)
         prompt = np.arange(3, 15)
         c, r = m.new_cache(16), ref.new_cache(16)

@@ -147,7 +147,7 @@ def run_attention(p, L, x, caches, positions):
     for t, (c, pos) in enumerate(zip(caches, positions)):
         sc.tok[t] = (pos, *p._cache_ptrs(c)[1:])
     sc.x[:n] = x
-    rc = lib.ck_step_attention(p.layers[L]["attn"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s)
+    rc = lib.ck_step_attention(p.layers[L].attn, L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s)
     assert rc == 0
     return sc.x[:n].copy(), sc.xn[:n].copy()
 
@@ -213,10 +213,10 @@ def run_route(p, T, xn, k, kmax, fixed=True):
     sc.ensure(n, kmax)
     sc.xn[:n] = xn
     sc.kt[:n] = k
-    logits = np.zeros((n, T["slots"]), np.float32)
+    logits = np.zeros((n, T.slots), np.float32)
     ids = np.zeros((n, kmax), np.int64)
     w = np.zeros((n, kmax), np.float32)
-    rc = lib.ck_step_route(T["router"], sc.p_xn, n, sc.p_kt, kmax, fp(logits),
+    rc = lib.ck_step_route(T.router, sc.p_xn, n, sc.p_kt, kmax, fp(logits),
                            fp(ids, "int64_t *") if fixed else ffi.NULL, fp(w) if fixed else ffi.NULL, 0)
     return rc, logits, ids, w
 
@@ -320,9 +320,9 @@ def run_experts(p, L, T, xn, ids, w, x0):
     sc.xn[:n] = xn
     sc.x[:n] = x0
     ids, w = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(w, np.float32)
-    block = p.layers[L]["block"]
+    block = p.layers[L].block
     if T is not None:
-        block.table, block.n_table = T["table"], T["n"]
+        block.table, block.n_table = T.table, T.n
     rc = lib.ck_step_experts(block, sc.p_xn, n, fp(ids, "int64_t *"), fp(w), kmax, sc.p_x, sc.s)
     assert rc == 0
     return sc.x[:n].copy()
@@ -546,9 +546,9 @@ def mla_eng(request, tmp_path_factory):
                 e.model.pipeline = Pipeline(e.model)
             finally:
                 P._MLA_DEQUANT_BUDGET = saved
-            assert all(L["mla"].wkv_b == ffi.NULL and L["mla"].wkv_b_q.kind == lib.CK_W_Q4
+            assert all(L.mla.wkv_b == ffi.NULL and L.mla.wkv_b_q.kind == lib.CK_W_Q4
                        for L in e.model.pipeline.layers)
-        assert all(L["mla"] is not None for L in e.model.pipeline.layers)
+        assert all(L.mla is not None for L in e.model.pipeline.layers)
         e.all_float = "activations" in kw
         yield e
 
@@ -560,7 +560,7 @@ def run_mla(p, L, x, caches, positions):
     for t, (c, pos) in enumerate(zip(caches, positions)):
         sc.tok[t] = (pos,) + p._cache_ptrs(c)[1:]
     sc.x[:n] = x
-    assert lib.ck_step_mla_attention(p.layers[L]["mla"], L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s) == 0
+    assert lib.ck_step_mla_attention(p.layers[L].mla, L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s) == 0
     return sc.x[:n].copy(), sc.xn[:n].copy()
 
 

@@ -31,8 +31,8 @@ from ..model import ops
 from ..experts.expertcache import Pending as _PENDING
 from ..kernels import ffi, lib
 from ..model.routing import LayerTrace, Routing, route
-from .steptables import (_MLA_DEQUANT_BUDGET, Keep, _shape, Scratch, SetTables, check_attention,
-                         set_ffn, set_mat)
+from .steptables import (_MLA_DEQUANT_BUDGET, Keep, MoETables, _shape, Scratch, SetTables,
+                         StepLayer, check_attention, set_ffn, set_mat)
 from ..model.weights import run_own_code
 
 log = logging.getLogger("colibri")
@@ -57,18 +57,17 @@ class Pipeline:
         # routed tokens per MoE layer and router slot, counted after the routing hook while
         # on (Engine.count_routed_tokens): a bincount per layer, no hook on the decode path
         self.routed: Optional[dict[int, np.ndarray]] = None
-        self.layers = []
+        self.layers: list[StepLayer] = []
         self.mla_bytes = 0                          # float W_UK / W_UV kept so far
         for lw in w.layers:
             check_attention(model, lw)
-            L = {"index": lw.index, "moe": lw.kind == "moe", "lw": lw, "attn": None, "mla": None}
+            L = StepLayer(index=lw.index, moe=lw.kind == "moe", lw=lw)
             if cfg.attention == "mla":
-                L["mla"] = self._mla_layer(lw, p_inv, factor)
+                L.mla = self._mla_layer(lw, p_inv, factor)
             else:
-                L["attn"] = self._attn_layer(lw, p_inv, factor)
-            block = keep.new("ck_ffn_block *")
+                L.attn = self._attn_layer(lw, p_inv, factor)
+            block = L.block = keep.new("ck_ffn_block *")
             block.hidden, block.scale = cfg.hidden_size, cfg.residual_multiplier
-            L["block"] = block
             if lw.kind == "dense":
                 t = keep.new("ck_ffn[1]")
                 set_ffn(keep, t[0], lw.dense, f"layer {lw.index} dense FFN")
@@ -153,7 +152,7 @@ class Pipeline:
             # beside the current set's, until keep_pinned() lets them go
             side = self._pinned[id(es)] = SetTables(self.model, es)
             self.scratch.fit_ffns(side.ffns)
-            self.scratch.grow_slots(max((v["slots"] for v in side.layers.values()), default=1))
+            self.scratch.grow_slots(max((v.slots for v in side.layers.values()), default=1))
             return side
         self.adopt(es, SetTables(self.model, es))
         return self._tables
@@ -179,7 +178,7 @@ class Pipeline:
             raise ValueError("Pipeline.adopt: the tables were made for another expert set")
         old, self._tables = self._tables, tables
         self.scratch.fit_ffns(tables.ffns)
-        self.scratch.grow_slots(max((v["slots"] for v in tables.layers.values()), default=1))
+        self.scratch.grow_slots(max((v.slots for v in tables.layers.values()), default=1))
         return old
 
     def drop(self) -> None:
@@ -203,9 +202,9 @@ class Pipeline:
         sc = self.scratch
         t = self._last_tables
         for i, L in enumerate(self.layers):
-            if not L["moe"] or t is None or n == 0:
+            if not L.moe or t is None or n == 0:
                 continue
-            slots, k, width = t.layers[L["index"]]["slots"], self.layer_k[i], self.layer_width[i]
+            slots, k, width = t.layers[L.index].slots, self.layer_k[i], self.layer_width[i]
             logits = sc.rows("logits", i, n, slots).copy()
             ids = sc.rows("ids", i, n, k)[:, :width].copy()
             if self.cfg.scoring_func == "softmax":
@@ -214,7 +213,7 @@ class Pipeline:
                 p = ops.sigmoid(logits.astype(np.float64))
             scores = np.take_along_axis(p, np.maximum(ids, 0), 1).astype(np.float32)
             scores[ids < 0] = 0.0                  # slots a routing override left unused
-            out.append(LayerTrace(L["index"], Routing(ids, sc.rows("wts", i, n, k)[:, :width].copy(), scores), logits))
+            out.append(LayerTrace(L.index, Routing(ids, sc.rows("wts", i, n, k)[:, :width].copy(), scores), logits))
         return out
 
     # ------------------------------------------------------------------ the step
@@ -278,15 +277,15 @@ class Pipeline:
         if res.active:
             res.begin_forward(n, [c for _, _, c in spans])
         for i, L in enumerate(self.layers):
-            lw = L["lw"]
+            lw = L.lw
             if hooks is not None and hooks.before_layer is not None:
                 hooks.before_layer(layer=lw.index, hidden=x)
-            if L["attn"] is not None:
-                self._check(lib.ck_step_attention(L["attn"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
+            if L.attn is not None:
+                self._check(lib.ck_step_attention(L.attn, lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
             else:
-                self._check(lib.ck_step_mla_attention(L["mla"], lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
-            if not L["moe"]:
-                self._check(lib.ck_step_experts(L["block"], sc.p_xn, n, sc.p_dense_ids,
+                self._check(lib.ck_step_mla_attention(L.mla, lw.index, sc.p_x, n, sc.p_tok, sc.p_xn, s))
+            if not L.moe:
+                self._check(lib.ck_step_experts(L.block, sc.p_xn, n, sc.p_dense_ids,
                                                 sc.p_dense_w, 1, sc.p_x, s))
             else:
                 self._moe(i, L, t.layers[lw.index], n, kmax)
@@ -342,17 +341,17 @@ class Pipeline:
         return out
 
     # ------------------------------------------------------------------ MoE layer
-    def _moe(self, i: int, L: dict, T: dict, n: int, kmax: int) -> None:
+    def _moe(self, i: int, L: StepLayer, T: MoETables, n: int, kmax: int) -> None:
         """Route layer L's tokens, give plugins their say, run the experts."""
         model, sc, cfg = self.model, self.scratch, self.cfg
-        layer, hooks = L["index"], model.hooks
-        E = T["slots"]
+        layer, hooks = L.index, model.hooks
+        E = T.slots
         lg = sc.rows("logits", i, n, E)            # C writes [n, E] from the start
         p_logits, p_ids, p_wts = sc.p_layer[i]
         choose = hooks.choose_k_token if hooks is not None else None
         p_k = sc.p_kt
         if choose is not None:                      # the plugin's k per token, from the logits
-            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, ffi.NULL, ffi.NULL, 0)
+            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, ffi.NULL, ffi.NULL, 0)
             got = choose(layer=layer, probs=ops.softmax(lg), default_k=sc.kt[:n].astype(np.int64)) \
                 if rc == 0 else None
             if got is not None:
@@ -362,14 +361,14 @@ class Pipeline:
                 p_logits, p_ids, p_wts = sc.p_layer[i]
                 sc.kt_layer[:n] = k_tok
                 p_k = sc.p_kt_layer
-            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 1)
+            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 1)
         else:
-            rc = lib.ck_step_route(T["router"], sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 0)
+            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 0)
         idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
         if rc == lib.CK_E_NONFINITE:                # NaN/Inf logits: the router's fallback
             r = route(lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
                       mode=model.engine.routing, scoring=cfg.scoring_func,
-                      norm_topk_prob=cfg.norm_topk_prob, bias=T["select_bias"],
+                      norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias,
                       n_group=cfg.n_group, topk_group=cfg.topk_group,
                       scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
             K = r.ids.shape[1]
@@ -385,7 +384,7 @@ class Pipeline:
             override = hooks.routing(layer=layer, expert_ids=idv, weights=wv, scores=scores, logits=lg)
             if override is not None:                # validated here, the one place
                 new_ids, new_w = hooks.guard.check_routing(override, layer, n, kmax,
-                                                           T["experts"], cfg.num_experts)
+                                                           T.experts, cfg.num_experts)
                 m = new_ids.shape[1]
                 idv[:, :m], wv[:, :m] = new_ids, new_w
                 idv[:, m:], wv[:, m:] = -1, 0.0
@@ -405,18 +404,19 @@ class Pipeline:
         have[:counts.size] += counts
         self.routed[layer] = have               # (one assignment: readers see old or new)
 
-    def _experts(self, i, L, T, n: int, kmax: int, idv: np.ndarray, wv: np.ndarray) -> None:
+    def _experts(self, i: int, L: StepLayer, T: MoETables, n: int, kmax: int, idv: np.ndarray,
+                 wv: np.ndarray) -> None:
         model, sc = self.model, self.scratch
-        layer, hooks = L["index"], model.hooks
+        layer, hooks = L.index, model.hooks
         _, p_ids, p_w = sc.p_layer[i]               # idv, wv: the start of layer i's buffers
         res = model.residency
         timing = hooks.expert_timing if hooks is not None else None
         prefetch = hooks.expert_prefetch if hooks is not None else None
-        block = L["block"]
-        if L.get("tables") is not T["token"]:       # the expert set's table, once per set
-            block.table, block.n_table = T["table"], T["n"]
-            L["tables"] = T["token"]                # (not T: that would keep the set alive)
-        if not (T["custom"] or res.active or timing is not None or prefetch is not None
+        block = L.block
+        if L.tables is not T.token:                 # the expert set's table, once per set
+            block.table, block.n_table = T.table, T.n
+            L.tables = T.token                      # (not T: that would keep the set alive)
+        if not (T.custom or res.active or timing is not None or prefetch is not None
                 or not res.all_prefetched(layer)):
             # the common case: the routed and the shared experts in one C call
             self._check(lib.ck_step_experts(block, sc.p_xn, n, p_ids, p_w, kmax, sc.p_x, sc.s))
@@ -427,7 +427,7 @@ class Pipeline:
         shared, block.shared = block.shared, ffi.NULL      # the shared expert after the waves
         try:
             for wave in res.waves(used):            # one wave unless a budget forces more
-                run = res.acquire(layer, wave, T["experts"])   # prefetch; budget: load + pin
+                run = res.acquire(layer, wave, T.experts)   # prefetch; budget: load + pin
                 try:
                     if prefetch is not None:
                         prefetch(layer=layer, experts=[(int(e), run[e].address, run[e].nbytes)
@@ -441,30 +441,31 @@ class Pipeline:
             run_ids[...] = -1
             self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
 
-    def _run_wave(self, L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, budget) -> None:
+    def _run_wave(self, L: StepLayer, T: MoETables, n, idv, wv, p_w, kmax, wave, used, run, timing,
+                  budget) -> None:
         """The routed experts `wave` (ascending ids): C experts in one call -- one call
         per expert when a load is still in flight (each computes as soon as it is read)
         or a plugin times experts --, hot-plugged code (ffn_forward) between."""
         sc = self.scratch
-        layer, table, block = L["index"], T["table"], L["block"]
+        layer, table, block = L.index, T.table, L.block
         x, xn = sc.x[:n], sc.xn[:n]
         run_ids = sc.rows("run_ids", -1, n, kmax)
         singles = timing is not None or any(isinstance(run[e], _PENDING) for e in wave)
         batch = []
         for e in (int(e) for e in wave):
             c0, t0 = _cycles(), time.perf_counter()
-            if e in T["custom"]:                    # its own code, between the C calls
+            if e in T.custom:                    # its own code, between the C calls
                 rows, slot = np.nonzero(idv == e)
                 out = np.zeros((len(rows), x.shape[1]), np.float32)
                 run_own_code(run[e], np.ascontiguousarray(xn[rows]), out,
                              wv[rows, slot] * np.float32(self.cfg.residual_multiplier))
                 x[rows] += out
             else:
-                if budget and T["bound"].get(e) is not run[e]:   # where the cache holds it now
+                if budget and T.bound.get(e) is not run[e]:   # where the cache holds it now
                     ex = run[e]
                     keep = Keep()                   # its views, for as long as it is bound
                     set_ffn(keep, table[e], ex.ffn)
-                    T["bound"][e], T["bound_keep"][e] = ex, keep
+                    T.bound[e], T.bound_keep[e] = ex, keep
                 if not singles:
                     batch.append(e)
                     continue

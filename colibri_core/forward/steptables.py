@@ -7,6 +7,9 @@ naming the field): see set_ffn and check_attention.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
 import numpy as np
 
 from ..errors import ConfigError
@@ -380,6 +383,39 @@ class Scratch:
 
 # ----------------------------------------------------------------------------- layers
 
+@dataclass(slots=True, eq=False)
+class StepLayer:
+    """One layer of the pipeline, built once per model: its C descriptors (cffi pointers
+    kept alive by the pipeline's Keep)."""
+
+    index: int
+    moe: bool
+    lw: Any                        # weights.LayerWeights
+    attn: Any = None               # ck_attn_layer *, or None for an MLA layer
+    mla: Any = None                # ck_mla_layer *, or None
+    block: Any = None              # ck_ffn_block *: the expert block (a dense layer's FFN)
+    tables: Optional[object] = None  # the MoETables.token whose table `block` points at
+
+
+@dataclass(slots=True, eq=False)
+class MoETables:
+    """What one MoE layer's step needs of an expert set (SetTables.layers[layer])."""
+
+    router: Any                    # ck_router *
+    table: Any                     # ck_ffn[] by expert id
+    n: int                         # entries of `table`
+    custom: frozenset              # ids of hot-plugged experts that bring only ffn_forward
+    experts: list                  # the set's experts of this layer, by id
+    slots: int                     # router slots (E)
+    select_bias: Optional[np.ndarray]
+    # under a budget: what each table entry points at now, and the Keep of its views
+    bound: dict = field(default_factory=dict)
+    bound_keep: dict = field(default_factory=dict)
+    # which tables a layer's block holds (StepLayer.tables; not the tables themselves,
+    # which would keep the set alive)
+    token: object = field(default_factory=object)
+
+
 class SetTables:
     """What depends on the expert set: per MoE layer its router and its expert table."""
 
@@ -389,7 +425,7 @@ class SetTables:
         self.keep = keep = Keep()
         cfg = model.cfg
         self.exp2 = keep.buf(_EXP2_TABLE.astype(np.int64), "int64_t *")
-        self.layers: dict = {}
+        self.layers: dict[int, MoETables] = {}
         self.ffns: list = []                            # the scratch must hold them
         for lw in model.w.layers:
             if lw.kind != "moe":
@@ -420,13 +456,9 @@ class SetTables:
                     custom.add(e)
                 # else a copy-in expert (load_mode "copy"): bound to its frame when loaded
             self.ffns += [ex.ffn for ex in experts if ex is not None and ex.ffn is not None]
-            self.layers[L] = {"router": rt, "table": table, "n": len(experts),
-                              "custom": frozenset(custom),
-                              "experts": experts, "slots": router.shape[0],
-                              "select_bias": es.select_bias[L],
-                              # under a budget: what each table entry points at now
-                              "bound": {}, "bound_keep": {},
-                              "token": object()}     # which tables a layer's block holds
+            self.layers[L] = MoETables(router=rt, table=table, n=len(experts),
+                                       custom=frozenset(custom), experts=experts,
+                                       slots=router.shape[0], select_bias=es.select_bias[L])
 
 
 def _rows(a: np.ndarray, n: int, k: int) -> np.ndarray:
