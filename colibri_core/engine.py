@@ -9,12 +9,9 @@ Small on purpose; no math here. Typical use:
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import os
-import threading
-from collections import deque
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -24,8 +21,7 @@ from . import kernels
 from .closedguard import refuse_after_close
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import ConfigError, EngineClosedError, RequestError
-from .experts.expertchanges import (NO_PLAN, Prepared, expert_info, release_all, release_remaining,
-                                    release_with, same_changes, with_change)
+from .experts.expertchanges import ChangeApplier
 from .runtime.generate import Generation
 from .experts.hotplug.events import ExpertEvents
 from .model.kvcache import KVPool
@@ -99,16 +95,12 @@ class Engine:
         self.model = Model(self.weights, config, self.hooks)
         # Every request's KV caches come from this pool (kvcache.py), and go back to it.
         self.kv_pool = KVPool.for_engine(self.model_cfg, config)
-        self._pending_changes: list = []      # callables applied between two tokens
-        self._events: deque = deque()         # hot-plug events, fired as hooks on this thread
-        # Expert sets (and their pipeline tables) built ahead by the hot-plug worker, one per
-        # batch of changes it handed over, each from the one before: Prepared entries.
-        self._prepared: deque = deque()
-        self._prepared_lock = threading.Lock()
-        self._snapshot_refs: dict = {}        # weakrefs that release experts with a snapshot
+        # Expert changes (queued, hot-plugged, prepared ahead) into new expert sets between
+        # two steps (experts/expertchanges.py); the recent history, with its INFO lines.
+        self.expert_events = ExpertEvents()
+        self.expert_changes = ChangeApplier(self, self.expert_events)
         # Hot-plug changes adopted from a set prepared by the worker / built on this thread.
-        self.expert_change_stats = {"prepared": 0, "built_here": 0}
-        self.expert_events = ExpertEvents()   # the recent history, with its INFO lines
+        self.expert_change_stats = self.expert_changes.stats
         if config.experts_dir is not None:
             self._start_hotplug(config)
         if self.hooks.engine_start is not None:
@@ -139,13 +131,7 @@ class Engine:
         if self._closed:
             raise self._closed_error()
         r = self.model.residency.report(page_cache)
-        from .experts.expertset import HotSlot
-        seen = {}
-        for exps in self.model.expert_set.experts.values():
-            for e in exps:
-                if isinstance(e, HotSlot):
-                    seen[id(e.hot)] = e.nbytes
-        r["hot_plugged_bytes"] = sum(seen.values())
+        r["hot_plugged_bytes"] = self.model.expert_set.hot_plugged_bytes()
         return r
 
     def _check_policy(self, config: EngineConfig) -> None:
@@ -222,10 +208,8 @@ class Engine:
             self.stop_audit()                   # every line queued so far, written
             if self.hotplug is not None:
                 self.hotplug.close()            # joins the worker: nothing is prepared after
-                release_remaining(self._snapshot_refs, self.hotplug)
-                self.hotplug = None
-            with self._prepared_lock:
-                self._prepared.clear()
+            self.expert_changes.close()
+            self.hotplug = None
             self._close_residency()
             self.model.close()                  # its expert sets and C structs hold views
                                                 # into the mapped files
@@ -436,29 +420,19 @@ class Engine:
     # ------------------------------------------------------------------ expert changes
     def _start_hotplug(self, config: EngineConfig) -> None:
         from .experts.hotplug.manager import HotplugManager
-        hp = config.hotplug
-        experts_dir = Path(config.experts_dir)
-        state_dir = Path(hp.state_dir) if hp.state_dir else experts_dir / ".colibri-state"
-        self.hotplug = HotplugManager(
-            experts_dir, self.model_cfg.hidden_size, self.model_cfg.moe_layers,
-            first_slot=self.model_cfg.num_experts, state_dir=state_dir,
-            allowlist=hp.allowlist, isolation_default=hp.isolation,
-            probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s, on_event=self._on_event,
-            probe_slots=hp.probe_slots, prepare=self._prepare_changes,
-            slots_file=hp.slots_file, model_fingerprint=self.model_fingerprint)
+        self.hotplug = HotplugManager.for_engine(config, self.model_cfg, self.model_fingerprint,
+                                                 self._on_event, self.expert_changes.prepare)
         self.hotplug.start()
         # The folder's existing experts go through the same checks before the first token.
-        self.hotplug.wait_idle(hp.startup_timeout_s)
+        self.hotplug.wait_idle(config.hotplug.startup_timeout_s)
         self.apply_expert_changes()
 
     def _on_event(self, kind: str, info: dict) -> None:
-        # Called on the hot-plug worker (rejections, already logged there) or inside drain();
-        # hooks fire on the engine's thread at the next token boundary.
-        self._events.append((kind, info))    # (each event is a new dict)
+        self.expert_changes.on_event(kind, info)
 
     def queue_expert_change(self, change) -> None:
         """Queue a callable(ExpertSet) -> ExpertSet; applied between tokens."""
-        self._pending_changes.append(change)
+        self.expert_changes.queue(change)
 
     def trim_memory(self) -> bool:
         """While idle (a server between requests): shrink the step's scratch back to a
@@ -474,140 +448,11 @@ class Engine:
         also adopts them before every step."""
         if self._closed:
             return
-        self.scheduler.call(self._apply_and_flush)
-
-    def _apply_and_flush(self) -> None:
-        self._apply_expert_changes()
-        if self.hotplug is not None:     # not on a token's path: unload the replaced now
-            self.hotplug.flush_releases()
-
-    def _prepare_changes(self, changes: list) -> None:
-        """On the hot-plug worker, before it hands a batch of changes to drain(): build the
-        expert set they make and its pipeline tables, so that adopting them between two tokens
-        is a swap (`_apply_expert_changes`). Built on the set the batch before it makes
-        (or the current one); checked against what drain() really returns."""
-        with self._prepared_lock:
-            if self._closed or self.model.expert_set is None:
-                return
-            base = self._prepared[-1].es if self._prepared else self.model.expert_set
-        es = base
-        for kind, expert, previous in changes:
-            es = with_change(es, kind, expert, previous)
-        plan = self.model.prepare_tables(es)
-        entry = Prepared(base, changes, es, plan)
-        if entry.gone:       # released once `base` is gone, if this entry is adopted
-            release_with(self._snapshot_refs, base, self.hotplug, entry.gone, entry.armed)
-        # The young objects made here would otherwise be collected on the scheduler's
-        # thread, in the step that adopts them. Now, here.
-        gc.collect(1)
-        with self._prepared_lock:
-            if not self._closed:
-                self._prepared.append(entry)
-
-    def _drain_or_stop(self) -> list:
-        """hotplug.drain(), or, when it fails (a bug), no change now nor later: the engine
-        keeps serving the set it has rather than failing or stalling every request."""
-        try:
-            return self.hotplug.drain()
-        except Exception as exc:                 # noqa: BLE001 - logged with its traceback
-            self.hotplug_error = f"{type(exc).__name__}: {exc}"
-            log.exception("hot-plug stopped: applying expert changes failed; the engine keeps "
-                          "serving expert-set generation %d; restart it to resume hot-plug",
-                          self.model.expert_set.generation)
-            return []
-
-    def _take_prepared(self, es, changes: list):
-        """(expert set, its plan or NO_PLAN, how many of `changes` that covers, the entry
-        when one covers them all): the prepared entries that chain from `es` and match
-        `changes` from the start, object for object. Entries that can no longer match are
-        dropped. Under _prepared_lock."""
-        plan, used, first, last = NO_PLAN, 0, None, None
-        entries = self._prepared                 # (the caller holds _prepared_lock)
-        while entries:
-            p = entries[0]
-            n = len(p.changes)
-            if p.base is not es or not same_changes(p.changes, changes[used:used + n]):
-                break
-            entries.popleft()
-            first = first or p
-            es, plan, used, last = p.es, p.plan, used + n, p
-        if used < len(changes) or (entries and entries[0].base is not es):
-            entries.clear()                      # built on a set that will never be current
-        whole = None        # the one entry that is the whole change, made on the current set
-        if first is last and first is not None and used == len(changes) \
-                and first.base is self.model.expert_set:
-            whole = first
-        return es, plan, used, whole
+        self.scheduler.call(self.expert_changes.apply_and_flush)
 
     def _apply_expert_changes(self) -> None:
-        """On the scheduler's thread, between two steps: adopt queued expert changes.
-
-        Each change makes a new immutable ExpertSet snapshot with a new version. Replaced
-        and removed experts are released (their library unloaded, by the hot-plug worker)
-        once no snapshot that uses them is alive: requests that pinned an older snapshot
-        keep theirs working. The new snapshot and its pipeline tables were normally built by
-        the hot-plug worker already (`_prepare_changes`): adopting them is then a swap.
-        """
-        es = self.model.expert_set
-        plan, whole = NO_PLAN, None
-        seen: dict = {}              # every hot expert of this batch's intermediate snapshots
-        if self._pending_changes:
-            pending, self._pending_changes = self._pending_changes, []
-            for change in pending:
-                es = change(es)
-                seen.update((id(h), h) for h in es.hot_experts())
-        # Under _prepared_lock from drain() to the swap, so that the hot-plug worker builds
-        # its next set on the one this makes.
-        with self._prepared_lock:
-            if self.hotplug is not None and self.hotplug_error is None:
-                changes = self._drain_or_stop()
-                if changes:
-                    es, plan, used, whole = self._take_prepared(es, changes)
-                    for ch in changes[used:]:              # not prepared: built here
-                        es = with_change(es, ch.kind, ch.expert, ch.previous)
-                        plan = NO_PLAN
-                    stats = self.expert_change_stats
-                    stats["prepared"] += used
-                    stats["built_here"] += len(changes) - used
-                    if whole is None:
-                        for ch in changes:
-                            seen.update((id(h), h) for h in (ch.expert, ch.previous)
-                                        if h is not None)
-            old = self.model.expert_set
-            if es is not old:
-                self.model.expert_set = es
-        if es is not old:
-            if plan is not NO_PLAN:
-                replaced = self.model.adopt_tables(es, plan)
-                if replaced is not None and self.hotplug is not None:
-                    self.hotplug.drop_later(replaced)   # freed on the worker, not here
-            if whole is not None:        # worked out on the worker: arm its release
-                whole.armed[0] = True
-                never_used = whole.never_used
-            else:
-                live = {id(h) for h in es.hot_experts()}
-                was = {id(h) for h in old.hot_experts()}
-                gone = [h for h in old.hot_experts() if id(h) not in live]
-                if gone and self.hotplug is not None:
-                    release_with(self._snapshot_refs, old, self.hotplug, gone, [True])
-                # Adopted and replaced (or removed) within this one batch: no token, no
-                # snapshot anyone can hold ever saw it, so it is unloaded (by the worker).
-                never_used = [h for i, h in seen.items() if i not in live and i not in was]
-            if never_used and self.hotplug is not None:
-                release_all(self.hotplug, never_used)
-        while self._events:
-            kind, info = self._events.popleft()
-            self.expert_events.record(kind, info, es.generation, es.id)   # es: now live
-            hook = {"loaded": self.hooks.expert_loaded, "unloaded": self.hooks.expert_unloaded,
-                    "rejected": self.hooks.expert_rejected}.get(kind)
-            if hook is None:
-                continue
-            if kind == "rejected":
-                hook(path=str(info.get("path", "")),
-                     reason=str(info.get("message") or info.get("reason", "")))
-            else:
-                hook(info=expert_info(info, self.model.expert_set))
-
+        """On the scheduler's thread, between two steps (expertchanges.ChangeApplier)."""
+        self.expert_changes.apply()
 
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: a sequence (or 1-D array) of integers."""

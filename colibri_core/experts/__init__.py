@@ -1,3 +1,3 @@
-"""Experts: expert-set snapshots (expertset), hot-plug changes into them (expertchanges),
-what stays resident and the budget's expert cache (residency, expertcache), and hot-plugged
-.so experts (hotplug/)."""
+"""Experts: expert-set snapshots (expertset), expert changes into them, the engine's side
+(expertchanges), what stays resident and the budget's expert cache (residency,
+expertcache), and hot-plugged .so experts (hotplug/)."""

@@ -145,6 +145,16 @@ class ExpertSet:
                     seen[id(e.hot)] = e.hot
         return list(seen.values())
 
+    def hot_plugged_bytes(self) -> int:
+        """The INT4 weights of this set's hot-plugged experts, each counted once (outside
+        the memory budget: Engine.memory_report's `hot_plugged_bytes`)."""
+        seen = {}
+        for exps in self.experts.values():
+            for e in exps:
+                if isinstance(e, HotSlot):
+                    seen[id(e.hot)] = e.nbytes
+        return sum(seen.values())
+
     def with_expert(self, hot, remove: bool = False) -> "ExpertSet":
         """A new snapshot with `hot` placed in (or, with remove, taken out of) its slot in
         each of its layers."""

@@ -1,7 +1,7 @@
 """The recent history of expert changes, and the one log line each.
 
 The engine records every hot-plug event here on its own thread, right after the change
-went live (Engine._apply_expert_changes), so that each entry carries the expert-set
+went live (expertchanges.ChangeApplier.apply), so that each entry carries the expert-set
 generation and id it went live with; the server serves the history (`GET
 /v1/experts/events`, the status page). Kinds:
 

@@ -113,6 +113,22 @@ class HotplugManager:
         self.adoption = Adoption(self)
         self.intake = Intake(self)
 
+    @classmethod
+    def for_engine(cls, config, model_cfg, model_fingerprint: str, on_event: EventCallback,
+                   prepare: PrepareCallback) -> "HotplugManager":
+        """The engine's manager (not started): EngineConfig's `experts_dir` and `hotplug`
+        settings, the model's shape; the state folder defaults to the watched folder's
+        `.colibri-state/`."""
+        hp = config.hotplug
+        experts_dir = os.fspath(config.experts_dir)
+        state_dir = hp.state_dir or os.path.join(experts_dir, ".colibri-state")
+        return cls(experts_dir, model_cfg.hidden_size, model_cfg.moe_layers,
+                   first_slot=model_cfg.num_experts, state_dir=state_dir,
+                   allowlist=hp.allowlist, isolation_default=hp.isolation,
+                   probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s,
+                   on_event=on_event, probe_slots=hp.probe_slots, prepare=prepare,
+                   slots_file=hp.slots_file, model_fingerprint=model_fingerprint)
+
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Load the state, check the folder, start the probe helper, the worker and the
