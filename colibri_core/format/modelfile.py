@@ -1,251 +1,39 @@
 """The model directory on disk: container files, their section tables, and the reader that
 maps them into zero-copy numpy views. No math here. Layout: docs/FORMAT.md.
+
+The format's fixed parts are container.py's and the writer is writer.py; their names are
+imported here too, so that `format.modelfile` is the one place the rest of Colibri takes
+the format from.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import math
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Optional
 
 import numpy as np
 
 from ..errors import ModelFormatError
+from .container import (ALIGN, ALL_DTYPES, DTYPE_MINOR, FORMAT_MAJOR, FORMAT_MINOR, HUGE_PAGE,
+                        MADV_HUGEPAGE, MAGIC, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
+                        PLAIN_DTYPES, QUANT_DTYPES, Tensor, _DTYPE_NAMES, _PREFIX,
+                        _cached_after, _drop_cached, expert_file_name, expert_name, minor_for,
+                        sha256_file)
 from .filemap import FileMapping, max_map_count
-from ..memstat import resident_bytes
-from ..files import atomic_write, open_regular
+from ..files import open_regular
 from ..nesting import json_loads
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
+from .writer import DEFAULT_RESERVE, write_container
 
-# 2 MB pages for the weights. Decode streams ~100 MB of weights a token, with a page
-# walk per 4 KB page. With madvise(2) HUGEPAGE on a file's mapping (residency.py's
-# preload), a page that is not cached yet is read in a 2 MB folio (file systems with
-# large folios: ext4 from Linux 6.16, xfs) and the mapping maps it whole. A 2 MB range
-# that already holds a small cached page cannot become one, so: the header's pages read
-# with pread are dropped again (unless the file is cached past them already: then the drop
-# gains nothing and costs a read at the next load), and write_container leaves what it
-# wrote out of the page cache.
-MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-HUGE_PAGE = 2 << 20
-
-
-def _drop_cached(fd: int, length: int) -> None:
-    """Drop the file's pages in its first `length` bytes (0: all) from the page cache:
-    clean, unmapped ones only (the kernel keeps what another mapping uses; a partial page
-    stays). Best effort."""
-    try:
-        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
-
-def _cached_after(mm: FileMapping, start: int) -> bool:
-    """Whether the file's first 2 MB hold cached pages past its header's: the file is warm
-    (often one 2 MB folio, which dropping the header would throw away), so dropping the
-    header's pages cannot make a 2 MB folio and would only cost a read at the next load
-    (6,144 of them for Qwen3-30B-A3B's experts)."""
-    end = min(HUGE_PAGE, mm.size) // mmap.PAGESIZE * mmap.PAGESIZE
-    return end > start and resident_bytes(mm.address + start, end - start) > 0
-
-
-MAGIC = b"COLIBRI\x00"
-FORMAT_MAJOR = 1
-FORMAT_MINOR = 1        # the newest minor version this Colibri reads and writes (1.1: q6)
-# The minor version a file is written with: the lowest that describes its sections, so a
-# file without q6 sections stays 1.0 (byte for byte what an older Colibri wrote and reads).
-DTYPE_MINOR = {"q6": 1}
-ALIGN = 4096
-_PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
-# The largest section table a reader parses (docs/FORMAT.md): a parsed table costs about
-# 18 times its size in memory for the file's life. The biggest supported model's model.bin
-# (DeepSeek-V3: 61 layers, up to 20 sections each) needs an estimated 0.25 MiB; an expert
-# file holds at most six sections (under 1 KiB), and a model has thousands of them.
-MAX_TABLE_BYTES = 1 << 20
-MAX_EXPERT_TABLE_BYTES = 64 << 10
-
-PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-QUANT_DTYPES = ("q4", "q6", "q8")
-ALL_DTYPES = set(PLAIN_DTYPES) | set(QUANT_DTYPES)
-_DTYPE_NAMES = {d: d for d in ALL_DTYPES}   # one shared string per dtype, not one per section
-
-Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def expert_name(layer: int, idx: int) -> str:
-    """The name of expert `idx` of global layer `layer`, everywhere: files, traces, hooks."""
-    return f"expert_{layer}_{idx}"
-
-
-def expert_file_name(layer: int, idx: int) -> str:
-    return expert_name(layer, idx) + ".bin"
-
-
-# ----------------------------------------------------------------------------- writer
-
-def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarray]]]:
-    """-> (dtype, shape, extra table keys, [(part name, contiguous array)]).
-
-    A plain float32 / float16 array is stored as f32 / f16, a uint16 array as bf16 (the
-    reader hands bf16 sections out as uint16 views, so this round-trips)."""
-    if isinstance(t, Q4Tensor):
-        return "q4", [t.rows, t.cols], {"group_size": t.group}, [
-            ("data", np.ascontiguousarray(t.data, np.uint8)),
-            ("scales", np.ascontiguousarray(t.scales, np.float32)),
-            ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
-    if isinstance(t, Q6Tensor):
-        return "q6", [t.rows, t.cols], {"group_size": t.group}, [
-            ("data", np.ascontiguousarray(t.data, np.uint8)),
-            ("scales", np.ascontiguousarray(t.scales, np.float32)),
-            ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
-    if isinstance(t, Q8Tensor):
-        return "q8", [t.rows, t.cols], {"group_size": t.group}, [
-            ("data", np.ascontiguousarray(t.data, np.int8)),
-            ("scales", np.ascontiguousarray(t.scales, np.float32))]
-    a = np.asarray(t)
-    for name, dt in PLAIN_DTYPES.items():
-        if a.dtype == dt:
-            return name, list(a.shape), {}, [("data", np.ascontiguousarray(a))]
-    raise TypeError(f"cannot store array of dtype {a.dtype}; convert to float32, float16 "
-                    f"or bf16 (as uint16)")
-
-
-DEFAULT_RESERVE = 64 << 10   # header room of a streamed container when no size is given
-
-
-def _layout(sizes: list[list[int]], header: int) -> tuple[list[list[int]], int]:
-    """Offsets of every part (sizes per section) after a header of `header` bytes."""
-    off, offs = header, []
-    for parts in sizes:
-        o = []
-        for n in parts:
-            o.append(off)
-            off = _align(off + max(n, 1))
-        offs.append(o)
-    return offs, off
-
-
-def _table(entries: list[dict], offs: list[list[int]]) -> bytes:
-    for e, o in zip(entries, offs):
-        for (p, v), off in zip(e["parts"].items(), o):
-            v[0] = off
-    return json.dumps({"sections": entries}, separators=(",", ":")).encode()
-
-
-def _fit_header(entries: list[dict], sizes: list[list[int]], header: int):
-    """Smallest header >= `header` that holds the table (offsets depend on it: iterate)."""
-    while True:
-        offs, end = _layout(sizes, header)
-        table = _table(entries, offs)
-        if len(table) > MAX_TABLE_BYTES:            # readers would refuse the file
-            raise ValueError(f"section table of {len(table)} bytes ({len(entries)} sections) "
-                             f"exceeds the format's cap of {MAX_TABLE_BYTES} bytes")
-        need = _align(_PREFIX.size + len(table))
-        if need <= header:
-            return header, table, end
-        header = need
-
-
-def _write_array(f, a: np.ndarray) -> None:
-    if a.nbytes:
-        f.write(memoryview(a.reshape(-1)).cast("B"))
-
-
-def minor_for(dtypes: Iterable[str]) -> int:
-    """The format minor version a file holding sections of these dtypes is written with."""
-    return max((DTYPE_MINOR.get(d, 0) for d in dtypes), default=0)
-
-
-def write_container(path: Path, sections: Iterable[tuple[str, Tensor]],
-                    reserve: int | None = None) -> int:
-    """Write sections to `path` (through a temporary file renamed at the end).
-
-    A list or tuple of sections (all in memory already) gets the smallest header. Any
-    other iterable is *streamed*: each section is written as soon as it is produced and
-    then dropped, so a generator of freshly quantized tensors never has more than one
-    alive here. The header room is `reserve` bytes (rounded up to 4 KiB; default 64 KiB);
-    if the section table turns out larger, the written data is shifted up in place once.
-    The result is a pure function of the sections (and `reserve`): deterministic.
-    Returns the format minor version written (minor_for the sections' dtypes)."""
-    path = Path(path)
-    exact = isinstance(sections, (list, tuple))
-    entries: list[dict] = []
-    sizes: list[list[int]] = []
-    if exact:
-        for name, t in sections:
-            dtype, shape, extra, parts = _parts_of(t)
-            entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
-                            "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
-            sizes.append([int(a.nbytes) for _, a in parts])
-        header, _, _ = _fit_header([dict(e, parts={k: list(v) for k, v in e["parts"].items()})
-                                    for e in entries], sizes, ALIGN)
-        entries, sizes = [], []
-    else:
-        header = _align(max(reserve or DEFAULT_RESERVE, _PREFIX.size + 2))
-    names: set[str] = set()
-    with atomic_write(path, durable=False) as f:
-        off = header
-        for name, t in sections:
-            if name in names:
-                raise ValueError(f"{path.name}: duplicate section name {name!r}")
-            names.add(name)
-            dtype, shape, extra, parts = _parts_of(t)
-            entries.append({"name": name, "dtype": dtype, "shape": shape, **extra,
-                            "parts": {p: [0, int(a.nbytes)] for p, a in parts}})
-            sizes.append([int(a.nbytes) for _, a in parts])
-            for _, a in parts:
-                f.seek(off)
-                _write_array(f, a)
-                off = _align(off + max(a.nbytes, 1))
-            del t, parts
-        final_header, table, end = _fit_header(entries, sizes, header)
-        if final_header != header:              # table outgrew the reserve: shift data
-            f.flush()
-            _shift(f, header, off, final_header - header)
-        f.seek(0)
-        minor = minor_for(e["dtype"] for e in entries)
-        f.write(_PREFIX.pack(MAGIC, FORMAT_MAJOR, minor, len(table)))
-        f.write(table)
-        f.write(b"\0" * (final_header - _PREFIX.size - len(table)))
-        f.truncate(end)
-        if end >= HUGE_PAGE:       # on disk, then out of the cache: read back in 2 MB pages
-            f.flush()
-            os.fdatasync(f.fileno())
-            _drop_cached(f.fileno(), 0)
-    return minor
-
-
-def _shift(f, start: int, end: int, delta: int, chunk: int = 8 << 20) -> None:
-    """Move bytes [start, end) of the open file up by `delta`, from the end backwards."""
-    pos = end
-    while pos > start:
-        n = min(chunk, pos - start)
-        pos -= n
-        f.seek(pos)
-        buf = f.read(n)
-        f.seek(pos + delta)
-        f.write(buf)
-    # [start, start + delta) becomes header padding, zeroed by the caller
-
-
-def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes (model checksums, hot-plug allowlists)."""
-    h = hashlib.sha256()
-    with os.fdopen(open_regular(path), "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+__all__ = ["ALIGN", "ALL_DTYPES", "DTYPE_MINOR", "FORMAT_MAJOR", "FORMAT_MINOR", "HUGE_PAGE",
+           "MADV_HUGEPAGE", "MAGIC", "MAX_EXPERT_TABLE_BYTES", "MAX_TABLE_BYTES",
+           "PLAIN_DTYPES", "QUANT_DTYPES", "Tensor", "expert_file_name", "expert_name",
+           "minor_for", "sha256_file", "DEFAULT_RESERVE", "write_container", "Section",
+           "parse_table", "set_map_watcher", "ContainerFile"]
 
 
 # ----------------------------------------------------------------------------- reader
