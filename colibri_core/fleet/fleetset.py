@@ -46,7 +46,10 @@ class FleetRefusal(Exception):
 
 
 @dataclass(frozen=True)
-class Change:
+class FleetChange:
+    """One change of the fleet's expert set (+1 on its generation), as the registry
+    records it; a replica's own, from its manager's drain(), is a hotplug ExpertChange."""
+
     generation: int
     kind: str              # "add" | "replace" | "remove" | "rollback"
     name: str
@@ -100,7 +103,7 @@ class FleetSet:
         return rows
 
     # -- changes ------------------------------------------------------------------------
-    def put(self, data: bytes, source: str) -> Optional[Change]:
+    def put(self, data: bytes, source: str) -> Optional[FleetChange]:
         """A file's (or an upload's) bytes: a new version of the name in its metadata.
         None when that version is already live, or was rolled back from and comes from
         the folder again (the folder still holds the file the operator rolled back)."""
@@ -137,7 +140,7 @@ class FleetSet:
             rec["rolled_back"].remove(sha)      # uploaded again on purpose
         return self._changed(kind, name, sha)
 
-    def remove_source(self, source: str) -> Optional[Change]:
+    def remove_source(self, source: str) -> Optional[FleetChange]:
         """The file a live expert came from is gone: the expert leaves the set."""
         name = self.sources().get(source)
         if name is None:
@@ -147,7 +150,7 @@ class FleetSet:
         rec["current"] = None
         return self._changed("remove", name, None)
 
-    def rollback(self, name: str) -> Change:
+    def rollback(self, name: str) -> FleetChange:
         rec = self.experts.get(name)
         if rec is None or rec["current"] is None:
             raise RollbackError(f"expert {name!r} is not active: nothing to roll back "
@@ -159,10 +162,10 @@ class FleetSet:
         return self._changed("rollback", name, rec["current"]["sha256"])
 
     # -- the disk -----------------------------------------------------------------------
-    def _changed(self, kind: str, name: str, sha: Optional[str]) -> Change:
+    def _changed(self, kind: str, name: str, sha: Optional[str]) -> FleetChange:
         self.generation += 1
         self._save()
-        return Change(self.generation, kind, name, sha)
+        return FleetChange(self.generation, kind, name, sha)
 
     def _used(self, sha: str) -> bool:
         return any(v["sha256"] == sha for r in self.experts.values()
