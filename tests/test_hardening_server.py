@@ -2,7 +2,7 @@
 signals and secrets. One live server (subprocess, 127.0.0.1, port 0) for the module;
 tests that need other options start their own. Every case is bounded in count and time;
 latency bounds are generous (a noisy 2-core machine): /health within 1 s here, the
-200 ms target is measured by benchmarks/attack_serve.py."""
+200 ms target is measured by benchmarks/robustness/attack_serve.py."""
 from __future__ import annotations
 
 import hashlib

@@ -490,7 +490,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_checkpoint, tmp_path):
 def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
     """Two changes of one expert adopted between the same two tokens (added, then replaced
     before any token used it): the intermediate version's library must be unloaded too.
-    Found by benchmarks/soak.py: one staged .so stayed mapped after everything was removed."""
+    Found by benchmarks/robustness/soak.py: one staged .so stayed mapped after everything was removed."""
     def settle(eng):                # the watcher sees the rename, the worker checks the file
         time.sleep(0.3)
         assert eng.hotplug.wait_idle(30)

@@ -222,17 +222,17 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
     # The lm_head at 6 bits under a 4-bit body: every token reads all of it (on the
     # benchmark model 32.2 of 116.5 MiB at q8, 24.7 at q6), and on both trained models the
     # q6 head left the converted model's KL to the float model within 2.2% and its
-    # perplexity within 0.4% of the q8 head's (benchmarks/precision_sensitivity.py,
+    # perplexity within 0.4% of the q8 head's (benchmarks/accuracy/precision_sensitivity.py,
     # docs/BENCHMARKS.md "Precision by measured sensitivity").
     lm_bits = tb.get("lm_head") or (6 if bits == 4 else bits)
     # The embedding at 8 bits under a 4-bit body too: decode reads one row of it per token,
     # so this costs file size only, and at 4 bits it is the largest single cause of logit
-    # error (benchmarks/_peer_fidelity_ablation.py). Tied, it is the lm_head.
+    # error (benchmarks/peers/_peer_fidelity_ablation.py). Tied, it is the lm_head.
     emb_bits = tb.get("embed") or (lm_bits if fields.get("tie_word_embeddings")
                                    else (8 if bits == 4 else bits))
     # Attention K/V projections at 8 bits under a 4-bit body (as llama.cpp does): they are
     # small (kv_heads x head_dim rows) but carry a large share of the logit error (measured
-    # by benchmarks/_peer_fidelity_ablation.py). An AWQ import keeps its own 4 bits.
+    # by benchmarks/peers/_peer_fidelity_ablation.py). An AWQ import keeps its own 4 bits.
     kvb = tb.get("attn_kv") or (8 if bits == 4 and spec is None else bits)
     cls_bits = {"embed": emb_bits, "lm_head": lm_bits, "attn_kv": kvb,
                 **{c: tb.get(c) or bits for c in ("attn_qo", "dense_ffn", "shared_ffn", "experts")}}

@@ -34,7 +34,7 @@ _ffi.cdef("int ffn_forward(const float *x, float *y, int n_tokens, int hidden);"
 def _forget_library(lib, cache) -> None:
     """cffi's FFI.dlopen() keeps every library object it returned in FFI._libraries and
     FFI._function_caches, also after dlclose(): about 6 KiB per load, forever (found by
-    benchmarks/soak.py). Drop a closed library from both lists. Best effort: should cffi
+    benchmarks/robustness/soak.py). Drop a closed library from both lists. Best effort: should cffi
     change these internals, nothing is removed and nothing breaks."""
     with _ffi._lock:
         for attr, obj in (("_libraries", lib), ("_function_caches", cache)):

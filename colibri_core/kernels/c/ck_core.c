@@ -30,7 +30,7 @@ static int64_t g_par_min_work = CK_PAR_MIN_WORK;
  * matrix-vector tiles (rt rows x 1 token, sharing each activation load) once per token.
  * Either way a weight tile stays in L1 while its tokens go by, so weights are read from
  * memory once per call, and each (row, token) result is the same bit for bit.
- * Measured: `nice -n 5 python benchmarks/bench_prefill_switch.py --reps 7 --backends
+ * Measured: `nice -n 5 python -m benchmarks.speed.bench_prefill_switch --reps 7 --backends
  * avx512vnni avx2` on 2 shared Zen 4 cores (tables in docs/BENCHMARKS.md). Matvec vs batch
  * tiles, 1 thread, hot, expert FFN 1024->2816->1024 / 1024x1024 q4_matmul, avx512vnni
  * (avx2): n = 2: 278 vs 289 us (362 vs 374) / 36 vs 36 (46 vs 49): the 1x2 batch tile
