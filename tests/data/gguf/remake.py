@@ -47,7 +47,15 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _helpers():
+    """tests/hf_helpers.py and hf_helpers_more.py (which import each other by name)."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import hf_helpers
+    import hf_helpers_more
+    return hf_helpers, hf_helpers_more
 DEFAULT_SRC = ROOT / "build/llamacpp/src/llama_cpp_python-0.3.36"
 DEFAULT_BIN = ROOT / "build/llamacpp/build/bin"
 
@@ -144,8 +152,7 @@ def write_tokenizer(path: Path) -> None:
 
 
 def make_model(fam: str, widths: dict, over: dict, seed: int = 0):
-    import hf_helpers
-    import hf_helpers_more
+    hf_helpers, hf_helpers_more = _helpers()
     kw = dict(widths, **over)
     if fam == "llama":
         _, tr = hf_helpers._imports()
@@ -243,7 +250,7 @@ class LlamaLib:
 
 
 def make_case(name: str, src: Path, bindir: Path, lib: LlamaLib, work: Path) -> None:
-    import hf_helpers
+    hf_helpers, _ = _helpers()
     fam, widths, over, files = CASES[name]
     model = make_model(fam, widths, over)
     hf_dir = work / name
