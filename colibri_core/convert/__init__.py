@@ -248,7 +248,7 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
     ck = gg.ck if gg is not None else Checkpoint(hf_dir, hf.get("transformers_weights"))
     if gg is not None:
         method = "gguf"
-        tok_files, tok_line = gguf_convert.tokenizer_files(gg, tokenizer_dir)
+        tok_files, tok_line = gguf_convert.tokenizer_files(gg, tokenizer_dir, TOKENIZER_FILES)
         if report is not None:
             report.append(tok_line)
 

@@ -146,15 +146,15 @@ def report(record: dict, rows: list[dict]) -> list[str]:
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def tokenizer_files(src: GGUFSource, tokenizer_dir: Optional[Path]) -> tuple[list[Path], str]:
+def tokenizer_files(src: GGUFSource, tokenizer_dir: Optional[Path],
+                    names: tuple) -> tuple[list[Path], str]:
     """Tokenizer files for the converted model, and a line saying where they came from.
     With `tokenizer_dir`, its files are copied; otherwise tokenizer.json is built from the
     GGUF's metadata by transformers' GGUF loader (when transformers is installed) and the
     chat template written from `tokenizer.chat_template`."""
-    from . import TOKENIZER_FILES
-    if tokenizer_dir is not None:
+    if tokenizer_dir is not None:           # names: convert.TOKENIZER_FILES
         d = Path(tokenizer_dir)
-        files = [d / n for n in TOKENIZER_FILES if os.path.lexists(d / n)]
+        files = [d / n for n in names if os.path.lexists(d / n)]
         if not any(f.name == "tokenizer.json" for f in files):
             raise ConfigError(f"--tokenizer {d}: no tokenizer.json in it")
         return files, f"tokenizer files from {d}"
