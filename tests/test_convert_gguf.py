@@ -273,3 +273,26 @@ def test_tokenizer_dir_copied(tmp_path):
     empty.mkdir()
     with pytest.raises(ConfigError, match="no tokenizer.json"):
         convert(DATA / "mixtral-Q8_0.gguf", tmp_path / "o3", bits=None, tokenizer_dir=empty)
+
+
+def test_tokenizer_matches_llama_cpp_test_vectors(tmp_path):
+    """llama.cpp's own tokenizer test vectors for the Llama / Mistral sentencepiece
+    vocabulary (models/ggml-vocab-llama-spm.gguf, .inp, .out): the tokenizer.json built from
+    the GGUF gives llama.cpp's ids for each of its 47 inputs (leading spaces, tabs, newlines,
+    emoji, CJK, byte fallback)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from colibri_core.convert.gguf_convert import build_tokenizer_json
+    f = DATA / "ggml-vocab-llama-spm.gguf"
+    cfg: dict = {}
+    assert build_tokenizer_json(f, 32000, tmp_path, cfg) is None
+    tk = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    inputs = (DATA / "ggml-vocab-llama-spm.gguf.inp").read_text(encoding="utf-8") \
+        .split("\n__ggml_vocab_test__\n")
+    outputs = (DATA / "ggml-vocab-llama-spm.gguf.out").read_text(encoding="utf-8").split("\n")
+    cases = list(zip(inputs, outputs))
+    assert len(cases) >= 40
+    bad = [(t, o) for t, o in cases
+           if tk.encode(t, add_special_tokens=False).ids != [int(x) for x in o.split()]]
+    assert not bad, bad[:3]
+    assert cfg["bos_token"] == "<s>" and cfg["add_bos_token"] is True

@@ -181,24 +181,49 @@ def tokenizer_files(src: GGUFSource, tokenizer_dir: Optional[Path],
 
 
 def _build_tokenizer_json(src: GGUFSource, out: Path, cfg: dict) -> Optional[str]:
-    """Write out/tokenizer.json (and fill tokenizer_config `cfg`); None, or why not."""
     if src.meta.get("tokenizer.ggml.model") is None:
         return "the file has no tokenizer metadata"
+    return build_tokenizer_json(src.parts[0], int(src.hf["vocab_size"]), out, cfg)
+
+
+def build_tokenizer_json(path: Path, vocab: int, out: Path, cfg: dict) -> Optional[str]:
+    """Write out/tokenizer.json from the GGUF's tokenizer metadata (and fill the
+    tokenizer_config `cfg`); None, or why it could not be built."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except Exception:
         return "building it needs transformers' GGUF tokenizer loader (pip install transformers)"
     try:
-        arch, tok, tok_cfg = get_gguf_tokenizer(str(src.parts[0]))
+        arch, tok, tok_cfg = get_gguf_tokenizer(str(path))
         fast, extra = convert_gguf_tokenizer(arch, tok)
+        if tok.get("tokenizer_type") == "llama" and _space_prefix(path):
+            _llama_space_prefix(fast)
         fast.save(str(out / "tokenizer.json"))
-        _drop_added_past(out / "tokenizer.json", int(src.hf["vocab_size"]))
+        _drop_added_past(out / "tokenizer.json", vocab)
     except Exception as e:
         return f"transformers could not build it: {type(e).__name__}: {str(e)[:120]}"
     for k, v in {**tok_cfg, **(extra or {})}.items():
         if isinstance(v, (str, int, float, bool)) or v is None:
             cfg.setdefault(k, v)
     return None
+
+
+def _space_prefix(path: Path) -> bool:
+    """tokenizer.ggml.add_space_prefix (llama.cpp's default for SPM vocabularies: true)."""
+    import gguf
+    f = gguf.GGUFReader(str(path), "r").fields.get("tokenizer.ggml.add_space_prefix")
+    return True if f is None else bool(f.contents())
+
+
+def _llama_space_prefix(fast) -> None:
+    """A sentencepiece vocabulary with add_space_prefix: "\u2581" before the text and every
+    space as "\u2581" (the normalizer of Llama/Mistral tokenizer.json files, and what
+    llama.cpp does), so a text that starts with spaces keeps all of them; transformers'
+    GGUF builder's Metaspace pre-tokenizer drops one ("  " -> "\u2581\u2581")."""
+    from tokenizers import normalizers
+    fast.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                            normalizers.Replace(" ", "\u2581")])
+    fast.pre_tokenizer = None
 
 
 def _drop_added_past(path: Path, vocab: int) -> None:

@@ -19,6 +19,10 @@ For every case below:
    package's high-level modules) over the libllama.so built from the same llama.cpp tree;
    one llama_decode of the whole prompt with logits requested at every position.
 
+ggml-vocab-llama-spm.gguf(.inp/.out) are copied from llama.cpp's models/ folder: its
+tokenizer tests' vocabulary-only GGUF of the Llama / Mistral sentencepiece vocabulary and
+the token ids llama.cpp expects for each input.
+
 The only changes made to llama.cpp's converter concern the tokenizer metadata (the weights,
 names, permutations and model metadata are llama.cpp's): the tiny models' byte-level BPE
 tokenizer has no known pre-tokenizer hash, so `get_vocab_base_pre` answers "gpt-2"; there
@@ -302,6 +306,10 @@ def main(argv=None) -> int:
     only = [c for c in a.only.split(",") if c] or list(CASES)
     lib = LlamaLib(a.llama_cpp, a.bin)
     src = a.llama_cpp / "vendor/llama.cpp"
+    # llama.cpp's own tokenizer test vectors for Mixtral's (Llama's) sentencepiece vocabulary
+    for ext in ("", ".inp", ".out"):
+        name = f"ggml-vocab-llama-spm.gguf{ext}"
+        (HERE / name).write_bytes((src / "models" / name).read_bytes())
     with tempfile.TemporaryDirectory() as tmp:
         failed = []
         for name in only:
