@@ -10,6 +10,7 @@ setup(
         "colibri_core.convert",
         "colibri_core.experts",
         "colibri_core.experts.hotplug",
+        "colibri_core.experts.hotplug.authoring",
         "colibri_core.format",
         "colibri_core.forward",
         "colibri_core.kernels",

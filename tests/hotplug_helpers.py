@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colibri_core.experts.hotplug import HotplugManager
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 
 H = 64
 FIRST_SLOT = 16

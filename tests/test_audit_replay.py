@@ -37,7 +37,7 @@ def _lines(path):
 
 
 def _hot_engine(tmp_path, **kw):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     watched = tmp_path / "watched"
     watched.mkdir(mode=0o755, exist_ok=True)
     so = compile_test_expert(tmp_path / "hot.so", hidden=H, layer=1, name="hot",
@@ -47,7 +47,7 @@ def _hot_engine(tmp_path, **kw):
 
 def _router_bias_hot(tmp_path, name="hot", bias=50.0, seed=3):
     """A q4 expert routed by every token of layer 1 (router bias 50)."""
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     rng = np.random.default_rng(seed)
     npz = tmp_path / f"{name}.npz"
     I = 64

@@ -197,7 +197,7 @@ def test_experts_list_json(tmp_path):
 
 def _all_parsers():
     from colibri_core.cli import build_parser
-    from colibri_core.experts.hotplug.builder import build_parser as builder_parser
+    from colibri_core.experts.hotplug.authoring.builder import build_parser as builder_parser
     todo, seen = [build_parser(), builder_parser()], []
     while todo:
         p = todo.pop()

@@ -10,7 +10,7 @@ import pytest
 from colibri_core.config import EngineConfig, HotplugConfig
 from colibri_core.engine import Engine
 from colibri_core.hookspecs import hookimpl
-from colibri_core.experts.hotplug.builder import build_expert
+from colibri_core.experts.hotplug.authoring.builder import build_expert
 
 H, I = 128, 64   # tiny_model_dir: hidden 128, MoE layers 1 and 2, 4 experts
 
@@ -141,7 +141,7 @@ def test_add_replace_rollback_remove_while_generating(tiny_model_dir, tmp_path):
 
 
 def test_refusals_reported_and_engine_goes_on(tiny_model_dir, tmp_path):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     watched = tmp_path / "experts"
     watched.mkdir(mode=0o755)
     build = tmp_path / "build"
@@ -176,7 +176,7 @@ def test_refusals_reported_and_engine_goes_on(tiny_model_dir, tmp_path):
 
 
 def test_isolated_expert_crash_after_adoption_disables_it(tiny_model_dir, tmp_path):
-    from colibri_core.experts.hotplug.testing import MAGIC_INPUT, compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import MAGIC_INPUT, compile_test_expert
     watched = tmp_path / "experts"
     watched.mkdir(mode=0o755)
     build = tmp_path / "build"

@@ -13,7 +13,7 @@ import pytest
 from colibri_core.model.fingerprint import fingerprint_for, model_fingerprint
 from colibri_core.experts.hotplug.errors import ModelMismatch
 from colibri_core.experts.hotplug.meta import read_expert_file
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 from colibri_core.model.weights import load_model
 from hotplug_helpers import folder, make_manager  # noqa: F401  (fixtures)
 
@@ -56,7 +56,7 @@ def test_fingerprint_rule_routers_and_norms_not_the_rest(fps):
 
 
 def test_builder_records_base_model_or_portable(tmp_path, fps, capsys):
-    from colibri_core.experts.hotplug.builder import build_expert, main
+    from colibri_core.experts.hotplug.authoring.builder import build_expert, main
     info = build_expert(FRAUD_NPZ, tmp_path / "b.so", 3, "card", "1", base_model=fps["fraud"])
     assert (info.meta.abi_version, info.meta.binding) == (2, "bound")
     assert info.meta.base_model == fps["fraud"]
@@ -104,7 +104,7 @@ def test_engine_refuses_foreign_adopts_portable_bound_and_unbound(tmp_path, fps,
     expert before); an expert built before ABI 2 goes live with a WARNING, listed
     `unbound`."""
     from colibri_core.engine import Engine
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     d = tmp_path / "experts"
     d.mkdir(mode=0o700)
     with Engine.from_config("builtin") as eng:

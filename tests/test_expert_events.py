@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from colibri_core.experts.hotplug.errors import RollbackError
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 from hotplug_helpers import drain_until, drop, folder, make_manager, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

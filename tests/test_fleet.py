@@ -13,7 +13,7 @@ import pytest
 
 from colibri_core.fleet.fleetset import FleetRefusal, FleetSet
 from colibri_core.experts.hotplug.errors import RollbackError
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 
 H, FIRST = 64, 8
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

@@ -103,7 +103,7 @@ class Fleet:
                              f"{json.dumps(last and last['rollout'])}")
 
     def drop(self, name: str, version: str, scale: float):
-        from colibri_core.experts.hotplug.testing import compile_test_expert
+        from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
         tmp = compile_test_expert(self.scratch / f"{name}-{version}.so", hidden=128, layer=1,
                                   name=name, version=version, scale=scale)
         os.replace(tmp, self.experts / f"{name}.so")
@@ -260,7 +260,7 @@ def test_a_rollout_names_the_replicas_that_refused(fleet, client):
     """An expert whose probe crashes: the registry takes it (its metadata is fine), both
     replicas' engines refuse it; the rollout names them with the refusal, and they go on
     serving the set they had."""
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     before = fleet.listing()
     tmp = compile_test_expert(fleet.scratch / "crashy.so", hidden=128, layer=1,
                               name="crashy", fault="segv")

@@ -203,7 +203,7 @@ def test_built_expert_keeps_its_validated_recall_and_precision(tmp_path):
     drifted (full demo: 78.6 % -> 60.7 %)."""
     from colibri_core.engine import Engine
     from colibri_core.model.fingerprint import fingerprint_of_dir
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     meta = json.loads(common.EXPERT_JSON.read_text())
     assert meta["q4_clip"] == common.expert_q4_clip() == "minmax"
     folder = tmp_path / "experts"

@@ -132,8 +132,8 @@ def experts(tmp_path_factory):
     """Two valid experts: the C test expert (no q4 weights) and a built one (q4 symbols)."""
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
-    from colibri_core.experts.hotplug.builder import build_expert
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     d = tmp_path_factory.mktemp("elf")
     a = compile_test_expert(d / "plain.so", hidden=128, layer=1, name="plain")
     rng = np.random.default_rng(0)

@@ -506,7 +506,7 @@ for _hook in HOOK_NAMES:
 
 
 def test_documented_dict_keys_are_what_the_engine_passes(tiny_model_dir, tmp_path):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     watched, build = tmp_path / "experts", tmp_path / "build"
     watched.mkdir(mode=0o755)
     build.mkdir()

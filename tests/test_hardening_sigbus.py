@@ -256,7 +256,7 @@ r.close()
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_isolated_helper_cannot_shrink_the_shared_buffer(tmp_path):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     so = compile_test_expert(tmp_path / "shrink.isolated.so", hidden=64, fault="shrink_shm")
     got = result_of(run_py(ISOLATED, so))
     # rc 9 would mean a truncation succeeded; the engine's reads and writes survived

@@ -17,7 +17,7 @@ import pytest
 from colibri_core.experts.hotplug.errors import ExpertSecurityError
 from colibri_core.experts.hotplug.expert import _ffi
 from colibri_core.experts.hotplug.staging import FileChanged, FileSig, open_source
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 from test_hotplug_manager import (FIRST_SLOT, H, Events, TokenLoop, drop,  # noqa: F401
                                   folder, make_manager)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_core.experts.hotplug import HotplugManager
-from colibri_core.experts.hotplug.builder import build_expert, main
+from colibri_core.experts.hotplug.authoring.builder import build_expert, main
 from colibri_core.experts.hotplug.errors import ExpertBuildError
 from colibri_core.experts.hotplug.meta import read_expert_file
 from colibri_core.experts.hotplug.probe import run_probe

@@ -182,7 +182,7 @@ def _crashing(b):
 
 
 def _with_metadata(b):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     compile_test_expert(b / "expert_32.so", hidden=H, name="x")
 
 
@@ -386,7 +386,7 @@ def test_build_from_c_makes_a_regular_expert(make_manager, folder, tmp_path, cap
 
 
 def test_build_from_c_errors(tmp_path, capsys):
-    from colibri_core.experts.hotplug.builder import main
+    from colibri_core.experts.hotplug.authoring.builder import main
     np.save(tmp_path / "row.npy", np.zeros(H, np.float32))
     hidden = tmp_path / "hidden.c"
     hidden.write_text("__attribute__((visibility(\"hidden\")))\n"

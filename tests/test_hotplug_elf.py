@@ -9,12 +9,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from colibri_core.experts.hotplug.builder import compile_shared
+from colibri_core.experts.hotplug.authoring.builder import compile_shared
 from colibri_core.experts.hotplug.elf import ElfFile, host_machine
 from colibri_core.experts.hotplug.errors import (ArchitectureMismatch, ElfFormatError, ExpertAbiError,
                                          ExpertIncomplete, ExpertMetadataError)
 from colibri_core.experts.hotplug.meta import META_SIZE, MAGIC, read_expert_file
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

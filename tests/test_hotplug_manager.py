@@ -16,7 +16,7 @@ from colibri_core.experts.hotplug import HotplugManager
 from colibri_core.experts.hotplug.errors import (ExpertCrashed, ExpertSecurityError, HotplugStateError,
                                          RollbackError)
 from colibri_core.format.modelfile import sha256_file
-from colibri_core.experts.hotplug.testing import MAGIC_INPUT, compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import MAGIC_INPUT, compile_test_expert
 from hotplug_helpers import Events
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

@@ -12,7 +12,7 @@ import pytest
 from colibri_core.experts.hotplug.errors import ExpertCrashed, ExpertProbeError
 from colibri_core.experts.hotplug.isolated import IsolatedRunner
 from colibri_core.experts.hotplug.probe import run_probe
-from colibri_core.experts.hotplug.testing import MAGIC_INPUT, compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import MAGIC_INPUT, compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

@@ -14,7 +14,7 @@ import pytest
 from colibri_core.experts.hotplug.errors import ExpertProbeError
 from colibri_core.experts.hotplug.probe import interpret, run_probe
 from colibri_core.experts.hotplug.probepool import ProbePool
-from colibri_core.experts.hotplug.testing import compile_test_expert
+from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

@@ -196,7 +196,7 @@ def test_every_refusal_logs_one_line_naming_file_and_rule(make_manager, folder, 
 
 def test_experts_list_shows_the_refused_file_beside_the_active_version(tmp_path):
     """`colibri experts list` twice (two restarts) on the built-in model's folder."""
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     d = tmp_path / "experts"
     d.mkdir(mode=0o755)
     scratch = tmp_path / "scratch"

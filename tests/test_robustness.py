@@ -497,7 +497,7 @@ def test_expert_replaced_within_one_drain_is_released(tiny_model_dir, tmp_path):
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
     from colibri_core.config import HotplugConfig
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     H, I = 128, 64
     build = tmp_path / "build"
     build.mkdir()

@@ -346,7 +346,7 @@ def _experts(server):
 
 
 def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, ref):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     base_gen = _experts(server)["expert_set_generation"]
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
     N = 24
@@ -396,7 +396,7 @@ def test_concurrent_streams_get_solo_tokens_while_an_expert_goes_live(server, re
 
 
 def test_rollback_and_refusals(server):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     d = server.experts_dir
     compile_test_expert(d / "srv_rb.so", hidden=128, layer=3, name="srv_rb", version="1.0")
     wait_until(lambda: any(e["name"] == "srv_rb" and e["version"] == "1.0" and e["status"] ==

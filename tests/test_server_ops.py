@@ -25,7 +25,7 @@ def experts_dir(tmp_path):
 
 
 def test_api_key_strict_params_and_upload(experts_dir, tmp_path):
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     so = compile_test_expert(tmp_path / "up.so", hidden=128, layer=1,
                              name="uploaded", version="3.1")
     data = so.read_bytes()

@@ -79,7 +79,7 @@ class Rows(HTMLParser):
 
 def test_status_page_shows_live_experts_in_chromium(tmp_path):
     exe = chromium()
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     d = tmp_path / "experts"
     d.mkdir(mode=0o755)
     compile_test_expert(d / "page_expert.so", hidden=128, layer=2, name="fraud_pattern",

@@ -5,7 +5,7 @@ added, replaced and removed now and then; checks that nothing grows.
     python -m benchmarks.robustness.soak --tokens 20000
 
 What it does
-1. Builds a pool of expert .so files up front (colibri_core.experts.hotplug.builder.build_expert
+1. Builds a pool of expert .so files up front (colibri_core.experts.hotplug.authoring.builder.build_expert
    from random .npz weights: three experts, two versions each, hidden 128, on MoE layers
    1, 2 and 3 of the built-in model), so that a hot-plug action during the run is a
    rename into the watched folder, not a compile.
@@ -47,7 +47,7 @@ import numpy as np
 from colibri_core.config import HotplugConfig
 from colibri_core.engine import Engine
 from colibri_core.hookspecs import hookimpl
-from colibri_core.experts.hotplug.builder import build_expert
+from colibri_core.experts.hotplug.authoring.builder import build_expert
 
 PROMPTS = [
     "The import statement", "A class definition", "The with statement", "Exceptions are",

@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
                 del tok, audit_mod
         if "replay" not in skip:
             from colibri_core.model.fingerprint import fingerprint_of_dir
-            from colibri_core.experts.hotplug.builder import build_expert
+            from colibri_core.experts.hotplug.authoring.builder import build_expert
             from colibri_core.replay import replay
             watched = tmp / "experts"
             watched.mkdir(mode=0o700)

@@ -70,7 +70,7 @@ def summary(values, scale=1e3) -> dict:
 
 def build_pool(out: Path, specs: list[tuple[str, str, int, int]]) -> dict:
     """(name, version, layer, seed) -> .so path, built once (cached by those four)."""
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for name, version, layer, seed in specs:
@@ -162,7 +162,7 @@ def run(args) -> dict:
     from colibri_core import kernels
     from colibri_core.config import HotplugConfig
     from colibri_core.engine import Engine
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
 
     names = [f"solo{i}" for i in range(10)]
     solo_specs = [(names[i % 10], f"v{i}", 1 + i % 3, 1000 + i) for i in range(args.drops)]
@@ -336,7 +336,7 @@ def bench_probe(work: Path, so: Path, n: int = 15) -> dict:
 
 def bench_calls(work: Path) -> list[dict]:
     from colibri_core.experts.hotplug import HotplugManager
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     rows = []
     for hidden in (64, 2048):
         folder, state = work / f"calls{hidden}", work / f"calls{hidden}-state"

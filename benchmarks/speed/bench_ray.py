@@ -74,7 +74,7 @@ class Fleet:
 
 
 def compile_versions(scratch: Path, n: int, hidden: int, layer: int) -> list[Path]:
-    from colibri_core.experts.hotplug.testing import compile_test_expert
+    from colibri_core.experts.hotplug.authoring.testing import compile_test_expert
     return [compile_test_expert(scratch / f"v{i}.so", hidden=hidden, layer=layer,
                                 name="bench_drop", version=str(i + 1), scale=1.0 + i / 64)
             for i in range(n)]

@@ -11,7 +11,7 @@ from .modeldir import engine_from_args, require_model_dir
 
 
 def cmd_expert_build(args) -> int:
-    from ..experts.hotplug.builder import main as build_main
+    from ..experts.hotplug.authoring.builder import main as build_main
     return build_main(args.rest, parser_class=CliParser)
 
 

@@ -7,7 +7,7 @@ What it does, with the committed model (examples/fraud/model, configs/fraud.yaml
 committed new expert's weights (examples/fraud/new_expert/card_testing.npz):
 
 1. builds the expert into a hot-pluggable .so with the hot-plug builder
-   (`colibri_core.experts.hotplug.builder.build_expert`, INT4, with the q4 clipping the expert was
+   (`colibri_core.experts.hotplug.authoring.builder.build_expert`, INT4, with the q4 clipping the expert was
    trained and validated with, recorded in card_testing.json);
 2. starts an Engine whose `experts_dir` is a fresh watched folder;
 3. measures batched scoring (`Engine.score_batch`, one forward, prefill only) against
@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from colibri_core.engine import Engine
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
 
     thr = load_scoring()["threshold"]
     say = lambda *s: print(*s, flush=True)  # noqa: E731

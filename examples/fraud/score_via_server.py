@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
                     help="give up if the expert is not live this long after the drop")
     a = ap.parse_args(argv)
     from colibri_core.engine import Engine
-    from colibri_core.experts.hotplug.builder import build_expert
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
     from colibri_core.replay import replay
     say = lambda *s: print(*s, flush=True)  # noqa: E731
     out = Path(a.out)

@@ -31,10 +31,10 @@ Modules (each importing only those above it):
     manager.py   HotplugManager: the three parts under one lock, the API
     events.py    the history of expert changes and their one INFO line each (the engine
                  records them once live, with the expert-set generation)
-    buildsrc.py  the C and assembler sources the builder generates
-    builder.py   `colibri expert build`: .npz -> INT4 + .incbin + C fallback -> .so,
-                 bound to a model (--config/--model/--base-model) or --portable
-    testing.py   a C test expert with switchable faults (segv, hang, nan...), for tests
+    authoring/   writing experts: builder.py (`colibri expert build`: .npz -> INT4 +
+                 .incbin + C fallback -> .so, bound to a model or --portable; --from-c),
+                 buildsrc.py (the sources it generates), testing.py (a C test expert
+                 with switchable faults, for tests and benchmarks)
 
 Names are imported lazily, so that `python -m colibri_core.experts.hotplug.probe` (the probe and
 its helper) and the isolated helper start without importing numpy or watchdog. See
@@ -48,11 +48,12 @@ _EXPORTS = {
     "HotplugManager": "manager",
     "HotExpert": "expert", "ExpertChange": "expert", "Q4Weights": "expert",
     "INPROCESS": "expert", "ISOLATED": "expert",
-    "build_expert": "builder", "compile_shared": "builder", "include_dir": "builder",
+    "build_expert": "authoring.builder", "compile_shared": "authoring.builder",
+    "include_dir": "authoring.builder",
     "read_expert_file": "meta", "ExpertMeta": "meta", "ExpertFileInfo": "meta",
     "ABI_VERSION": "meta",
     "ElfFile": "elf",
-    "bundle_identity": "bundle", "read_bundle": "bundle", "build_from_c": "builder",
+    "bundle_identity": "bundle", "read_bundle": "bundle", "build_from_c": "authoring.builder",
     "run_probe": "probe", "ProbePool": "probepool",
     "HotplugError": "errors", "ExpertRejected": "errors", "ElfFormatError": "errors",
     "ExpertIncomplete": "errors", "ArchitectureMismatch": "errors",

@@ -41,11 +41,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ...files import open_regular
-from ...format.quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
+from ....files import open_regular
+from ....format.quant import DEFAULT_GROUP, Q4_CLIPS, quantize_q4
 from . import buildsrc
-from .errors import ExpertBuildError, ExpertRejected, HotplugError
-from .meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
+from ..errors import ExpertBuildError, ExpertRejected, HotplugError
+from ..meta import MAX_LAYERS, NAME_RE, TARGET_LEN, VERSION_LEN, ExpertFileInfo, read_expert_file
 
 DEFAULT_CFLAGS = ("-O3",)
 BASE_FLAGS = ("-shared", "-fPIC", "-fvisibility=hidden")
@@ -53,7 +53,7 @@ BASE_FLAGS = ("-shared", "-fPIC", "-fvisibility=hidden")
 
 def include_dir() -> Path:
     """Folder holding colibri_expert.h (pass it to the compiler with -I)."""
-    return Path(__file__).resolve().parents[2] / "include"
+    return Path(__file__).resolve().parents[3] / "include"
 
 
 BUILD_Q4_CLIP = "mse"      # the builder's default, stated here: see the module docstring
@@ -263,7 +263,7 @@ def _check_identity(out_so: Path, layer, name: str, version: str) -> list[int]:
 
 def _binding_defines(out_so: Path, base_model: str | None, portable: bool) -> dict:
     """-D options for the metadata's base_model and PORTABLE flag (one of them required)."""
-    from ...model.fingerprint import parse_fingerprint
+    from ....model.fingerprint import parse_fingerprint
     if base_model is None and not portable:
         raise ExpertBuildError(f"{out_so}: no base model: expected the model the expert is built"
                                " for (--config NAME, --model DIR or --base-model HEX; Python:"
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None, parser_class=argparse.ArgumentParser
     try:
         base_model = args.base_model
         if args.config is not None or args.model is not None:
-            from ...model.fingerprint import fingerprint_for
+            from ....model.fingerprint import fingerprint_for
             try:
                 base_model = fingerprint_for(args.config, args.model)
             except (ValueError, OSError) as e:   # (ConfigError is a ValueError)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .builder import c_bytes, compile_shared
-from .meta import FLAG_PORTABLE, FLAG_THREAD_SAFE
+from ..meta import FLAG_PORTABLE, FLAG_THREAD_SAFE
 
 FAULTS = {
     "none": 0,
