@@ -114,6 +114,12 @@ CASES = {
     "mixtral_types": ("mixtral", SMALL, dict(SMALL_FAMILY["mixtral"]),
                       {"F16": F_FLOAT["F16"], "BF16": F_FLOAT["BF16"], "Q4_0": ("quantize", "Q4_0"),
                        "Q4_1": ("quantize", "Q4_1"), "MXFP4_MOE": ("quantize", "MXFP4_MOE")}),
+    # DeepSeek-V2 with YaRN (rope.scaling.* and yarn_log_multiplier) and group-limited routing
+    "deepseek_v2_yarn": ("deepseek_v2", SMALL, dict(
+        SMALL_FAMILY["deepseek_v2"], topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                      "beta_slow": 1}), {"Q8_0": F_FLOAT["Q8_0"]}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
