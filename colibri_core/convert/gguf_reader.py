@@ -18,6 +18,7 @@ converter's family code (families.py) reads a GGUF as it reads a checkpoint fold
 """
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 from typing import Optional
@@ -54,8 +55,8 @@ def split_parts(path: Path) -> list[Path]:
 
 
 class GGUFTensor:
-    def __init__(self, t, qtype: str):
-        self.t, self.qtype = t, qtype
+    def __init__(self, t, qtype: str, reader=None):
+        self.t, self.qtype, self.reader = t, qtype, reader
         # numpy order: [rows, cols] / [experts, rows, cols]
         self.shape = tuple(int(x) for x in reversed([int(v) for v in t.shape]))
 
@@ -71,7 +72,7 @@ class GGUFCheckpoint:
         self.tensors: dict[str, GGUFTensor] = {}
         for rd in readers:
             for t in rd.tensors:
-                self.tensors[t.name] = GGUFTensor(t, t.tensor_type.name)
+                self.tensors[t.name] = GGUFTensor(t, t.tensor_type.name, rd)
         self.names_map = names        # HF name -> (gguf name, expert index or None, permute)
         self.arch, self.meta = arch, meta
 
@@ -118,6 +119,21 @@ class GGUFCheckpoint:
         d = t.t.data
         return d[idx] if idx is not None else d
 
+    @staticmethod
+    def _release(t: GGUFTensor) -> None:
+        """Drop the mapped pages of a tensor just read from this process's RSS (they stay in
+        the page cache): the converter's resident memory stays near one tensor, as with
+        the safetensors reader's pread."""
+        mm = getattr(getattr(t.reader, "data", None), "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        a = (int(t.t.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+        b = int(t.t.data_offset) + int(t.t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+        except (OSError, ValueError):
+            pass
+
     def get(self, name: str, index: Optional[int] = None) -> np.ndarray:
         if index is not None:
             raise ModelFormatError(f"GGUF: {name}: fused-expert indexing is not used for GGUF")
@@ -134,7 +150,10 @@ class GGUFCheckpoint:
             raise ConfigError(f"GGUF: tensor {t.t.name} has type {t.qtype}, which the gguf "
                               f"package cannot dequantize") from None
         shape = t.shape[1:] if idx is not None else t.shape
-        return np.ascontiguousarray(a, np.float32).reshape(shape)
+        out = np.ascontiguousarray(a, np.float32).reshape(shape)
+        if idx is None or idx == t.shape[0] - 1:
+            self._release(t)
+        return out
 
     def raw(self, name: str, index: Optional[int] = None) -> np.ndarray:
         """The stored bits of an F16 / BF16 / F32 tensor (bf16 as uint16)."""
