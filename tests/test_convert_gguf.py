@@ -158,23 +158,31 @@ KQ_CASES = ("mixtral_kq", "qwen3_moe_kq")
 @pytest.mark.parametrize("case", KQ_CASES)
 def test_q4_k_m_requantized_within_bits_and_error(case, tmp_path):
     """Q4_K_M (Q4_K + Q6_K; widths multiples of 256, so llama-quantize kept every K-quant):
-    each class stored at no more bits per weight than the GGUF's class, and the logit error
-    against the F32 reference (transformers) measured against llama.cpp's own error on the
-    file. Requantized (no K-quant kernel), the ratio is 1.6 (docs/CONVERT.md, GGUF): above
-    the issue's 1.5 target, which needs Q4_K kept natively; the bound here holds it there."""
+    every class but the embedding stored at no more bits per weight than the GGUF's class,
+    the whole model at no more than the GGUF's (the embedding takes what the others left),
+    and the logit error against the F32 reference (transformers) within 1.5x llama.cpp's
+    own error on the same file."""
     out, cfg, report = _convert(f"{case}-Q4_K_M.gguf", tmp_path)
     rec = cfg.quantization["gguf"]["classes"]
     assert {t for c in rec.values() for t in c["types"]} >= {"Q4_K", "Q6_K"}
-    for r in tensor_classes(out):
-        assert r["bits"] <= rec[r["class"]]["bits"] + 1e-9, (r, rec[r["class"]])
+    rows = tensor_classes(out)
+    for r in rows:
+        if r["class"] != "embed":
+            assert r["bits"] <= rec[r["class"]]["bits"] + 1e-9, (r, rec[r["class"]])
+    w = {r["class"]: sum(rec[r["class"]]["types"].values()) for r in rows}
+    ours = 8 * sum(r["bytes"] for r in rows) / sum(r["weights"] for r in rows)
+    gguf_bits = sum(rec[c]["bits"] * w[c] for c in w) / sum(w.values())
+    assert ours <= gguf_bits + 1e-9
+    assert "embed_headroom" in cfg.quantization["gguf"]
     d, n = _prompts(case)
     got = _logits(out, d, n)
     ref = [d[f"hf_{i}"] for i in range(n)]
-    ours = token_error(got, ref)
+    err = token_error(got, ref)
     llama = token_error([d[f"Q4_K_M__{i}"] for i in range(n)], ref)
-    print(f"{case} Q4_K_M: logit error {ours:.4f}, llama.cpp {llama:.4f}, ratio "
-          f"{ours / llama:.3f}; " + "; ".join(f"{c} {v['bits']:.2f}" for c, v in rec.items()))
-    assert ours <= 1.7 * llama
+    print(f"{case} Q4_K_M: logit error {err:.4f}, llama.cpp {llama:.4f}, ratio "
+          f"{err / llama:.3f}; bits per weight {ours:.3f} (GGUF {gguf_bits:.3f}); "
+          + "; ".join(f"{c} {v['bits']:.2f}" for c, v in rec.items()))
+    assert err <= 1.5 * llama
 
 
 def test_split_gguf_missing_part_named(tmp_path):

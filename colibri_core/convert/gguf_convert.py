@@ -122,12 +122,47 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
         if bits is None and c not in tb:
             tb[c] = b
         cls_group[c] = g if tb.get(c, bits) == b else min(groups)
+    embed_up = None
+    if bits is None and "embed" not in (tensor_bits or {}) and not src.hf["tie_word_embeddings"]:
+        embed_up = _embed_headroom(types, gb, tb, cls_group, groups)
     if bits is None:
         bits = tb.get("experts") or tb.get("dense_ffn") or 4
     record = {"file": src.path.name, "architecture": src.arch, "group_size": cls_group,
+              **({"embed_headroom": embed_up} if embed_up else {}),
               "classes": {c: {"types": {t: n for t, n in sorted(types[c].items())},
                               "bits": round(gb[c], 4)} for c in sorted(types)}}
     return src, bits, tb, group_size, record
+
+
+# the embedding's formats above its class choice, best first
+_EMBED_UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256))
+
+
+def _embed_headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups) -> Optional[str]:
+    """Spend what the classes' choices left under the GGUF's bits (the whole model's) on
+    the embedding: its format goes up to the best one that keeps the model at or under the
+    GGUF's bits per weight. Decode reads one embedding row per token, so this costs no
+    speed; at 4 bits the embedding is the largest single share of the logit error (as for
+    checkpoints, where --bits 4 keeps it at q8). Not for a tied embedding (the lm_head)."""
+    w = {c: sum(t.values()) for c, t in types.items()}
+    if "embed" not in w:
+        return None
+    gguf_total = sum(gb[c] * w[c] for c in w)
+    ours = {c: stored_bits(tb[c], cls_group[c]) for c in w if c in tb}
+    if len(ours) != len(w):
+        return None
+    cur = ours["embed"]
+    rest = sum(ours[c] * w[c] for c in w if c != "embed")
+    for b, g in _EMBED_UP:
+        if g not in groups and len(groups) == 1:
+            continue
+        sb = stored_bits(b, g)
+        if sb > cur and rest + sb * w["embed"] <= gguf_total + 1e-6:
+            tb["embed"], cls_group["embed"] = b, g
+            return (f"q{b} g{g} ({sb:.2f} bits) instead of {cur:.2f}: the model stays at "
+                    f"{(rest + sb * w['embed']) / sum(w.values()):.2f} bits per weight, "
+                    f"the GGUF's {gguf_total / sum(w.values()):.2f}")
+    return None
 
 
 def report(record: dict, rows: list[dict]) -> list[str]:
@@ -141,6 +176,15 @@ def report(record: dict, rows: list[dict]) -> list[str]:
         verdict = "kept" if r and set(g["types"]) <= {"F32", "F16", "BF16"} and r["bits"] >= g["bits"] \
             else "requantized"
         out.append(f"  {c:<11} {kinds:<16} {g['bits']:6.2f} -> {to:<18} {verdict}")
+    if record.get("embed_headroom"):
+        out.append(f"  embed: {record['embed_headroom']}")
+    tot = [r for r in rows if r["class"] in record["classes"]]
+    if tot:
+        gw = sum(sum(record["classes"][r["class"]]["types"].values()) for r in tot)
+        gbits = sum(record["classes"][r["class"]]["bits"] * sum(record["classes"][r["class"]]["types"].values())
+                    for r in tot) / max(gw, 1)
+        sbits = 8 * sum(r["bytes"] for r in tot) / max(sum(r["weights"] for r in tot), 1)
+        out.append(f"  {'all':<11} {'':<16} {gbits:6.2f} -> {sbits:.2f}")
     return out
 
 
