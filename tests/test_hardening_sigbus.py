@@ -149,7 +149,7 @@ import json, os, sys, threading
 import numpy as np
 from colibri_core import mapguard
 from colibri_core.errors import ModelFileDamaged
-from colibri_core.experts.expertcache import _populate
+from colibri_core.experts.expertio import populate as _populate
 from colibri_core.format.modelfile import ContainerFile
 
 d = sys.argv[1]

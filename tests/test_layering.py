@@ -202,7 +202,8 @@ def test_every_kind_of_routed_expert_is_an_Expert(tiny_model_dir):
     from colibri_core.experts.expertcache import CopyInExpert
     from colibri_core.experts.expertset import ExpertSet, HotSlot
     from colibri_core.format.modelfile import expert_name
-    from colibri_core.model.weights import Expert, load_model
+    from colibri_core.experts.protocol import Expert
+    from colibri_core.model.weights import load_model
 
     w = load_model(tiny_model_dir)
     try:

@@ -2,70 +2,30 @@
 residency.py's module docstring describes as "the cache" -- entries per (layer, expert),
 pinning, LRU/LFU eviction, loads on I/O threads (mapped pages through MADV_POPULATE_READ,
 or copy-in frames read with preadv, O_DIRECT where possible) and speculative loads of the
-next MoE layer's likely experts. residency.py plans the budget and picks this class.
+next MoE layer's likely experts. residency.py plans the budget and picks this class;
+expertio.py does its reads and runs its I/O threads.
 """
 from __future__ import annotations
 
-import errno as _errno
-import itertools
 import math
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from ..model import ops
 from ..config import EngineConfig
-from ..errors import ModelFileDamaged, ModelFormatError, RequestError
-from ..files import open_regular
-from ..memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, MADV_WILLNEED, PAGE, _lib,
+from ..errors import RequestError
+from ..memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, MADV_WILLNEED, PAGE,
                        drop_file_cache, madvise, proc_memory, proc_read_bytes)
+from .expertio import IOPool, direct_reads_work, fix_malloc, populate, read_into
 from .residency import (BudgetPlan, EmbeddingLayout, Residency, layout_of, model_file_sizes,
                         plan_budget)
 from ..format.modelfile import expert_name
 from ..model.weights import ModelExpert, ModelWeights, expert_ffn
-
-# ----------------------------------------------------------------------------- I/O threads
-
-class _IOPool:
-    """Worker threads taking (priority, fifo) ordered jobs: demand loads before guesses."""
-
-    def __init__(self, n: int):
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._threads = [threading.Thread(target=self._work, name=f"colibri-io-{i}", daemon=True)
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, prio: int, fn, *args) -> Future:
-        fut: Future = Future()
-        self._q.put((prio, next(self._seq), fut, fn, args))
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            _, _, fut, fn, args = self._q.get()
-            if fut is None:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:      # handed to whoever waits on the future
-                fut.set_exception(e)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._q.put((1 << 30, next(self._seq), None, None, None))
-        for t in self._threads:
-            t.join(timeout=10)
-
 
 class CopyInExpert:
     """A routed expert living in a copy-in frame: its views point into the frame and are
@@ -113,40 +73,6 @@ class _Entry:
         self.spec = False
         self.frame = -1
         self.drops: list = []     # evicted experts whose pages its load job drops first
-
-
-def _populate(f):
-    """Read a mapped expert file `f` (a ContainerFile) in and map it; a file shorter than
-    its mapping (truncated in place) is damaged for good. (Asking for the whole file
-    first with POSIX_FADV_WILLNEED made one cold 4.7 MB expert 0.75 against 0.64 GB/s in
-    isolation, but did not help a half-model budget's decode: 109 / 82 ms a token with
-    it, 74 / 79 without, the disk's own rate moving 0.4-1.2 GB/s; not kept.)"""
-    err = f.populate()
-    if err == _errno.EFAULT:
-        if f.guard is not None:
-            f.guard.mark_damaged()          # every later use fails the same way
-        raise ModelFileDamaged(f.path)
-    if err:
-        raise ModelFormatError(f"{f.path}: cannot read expert ({os.strerror(err)})")
-
-
-def _read_into(path: Path, view: memoryview, offset: int, direct: bool) -> None:
-    """Fill `view` with the file's bytes from `offset` (os.preadv). O_DIRECT bypasses the
-    page cache; without it the range is dropped from the cache after the read."""
-    fd = open_regular(path, flags=getattr(os, "O_DIRECT", 0) if direct else 0)
-    try:
-        got, n = 0, len(view)
-        while got < n:
-            k = os.preadv(fd, [view[got:]], offset + got)
-            if k == 0:         # truncated while the engine uses it: as in mmap mode
-                raise ModelFileDamaged(path)
-            got += k
-        if not direct:
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot read expert ({e.strerror})") from None
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -197,9 +123,9 @@ class BudgetResidency(Residency):
         self.embed_drops = 0
         if plan.embed_rows and main is not None and main._mm is not None:
             self._setup_embedding(embed, main)
-        self._pool = _IOPool(rc.io_threads)
+        self._pool = IOPool(rc.io_threads)
         self._read0 = proc_read_bytes()
-        _fix_malloc()
+        fix_malloc()
 
     # --- the embedding, counted by rows (residency.py)
     def _setup_embedding(self, embed: EmbeddingLayout, main) -> None:
@@ -260,7 +186,8 @@ class BudgetResidency(Residency):
         self._span = spans
         self.frame_bytes = max((b - a for a, b in spans.values()), default=PAGE)
         self.frame_bytes = -(-self.frame_bytes // PAGE) * PAGE
-        self.direct = self._probe_direct(experts)
+        self.direct = bool(experts) and direct_reads_work(experts[0].file.path,
+                                                          spans[id(experts[0])][0])
         n = self.capacity // self.frame_bytes
         if not self.direct:        # buffered reads hold one expert per thread in the cache
             n = max(self.plan.top_k, (self.capacity - io_threads * self.frame_bytes) // self.frame_bytes)
@@ -272,25 +199,6 @@ class BudgetResidency(Residency):
         self._free = list(range(n - 1, -1, -1))
         for f in self.weights.files:       # private copies made; no page-cache duplicates
             drop_file_cache(f.path, sync=True)
-
-    def _probe_direct(self, experts: list) -> bool:
-        if not experts or not hasattr(os, "O_DIRECT"):
-            return False
-        ex = experts[0]
-        a, b = self._span[id(ex)]
-        raw = np.empty(2 * PAGE, np.uint8)
-        off = (-raw.ctypes.data) % PAGE
-        try:
-            fd = open_regular(ex.file.path, flags=os.O_DIRECT)
-        except ModelFormatError:          # O_DIRECT refused (EINVAL), or not a regular file
-            return False
-        try:
-            os.preadv(fd, [memoryview(raw[off:off + PAGE])], a)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
 
     # --- mapped experts
     def _drop_mapped(self, ex, sync: bool = False) -> None:
@@ -406,13 +314,13 @@ class BudgetResidency(Residency):
         if ex is None:
             return None
         f = ex.file
-        _populate(f)
+        populate(f)
         return ex
 
     def _load_frame(self, ex, frame: int):            # on an I/O thread
         a, b = self._span[id(ex)]
         buf = self._frames[frame]
-        _read_into(ex.file.path, memoryview(buf[:b - a]), a, self.direct)
+        read_into(ex.file.path, memoryview(buf[:b - a]), a, self.direct)
         ffn = expert_ffn(ex.file, self.cfg.hidden_size, self.cfg.expert_intermediate, buf, a)
         return CopyInExpert(ex, ffn, int(buf.ctypes.data), ex.file.size)
 
@@ -560,19 +468,6 @@ class BudgetResidency(Residency):
                     except Exception:
                         pass
         self._pool.close()
-
-
-def _fix_malloc() -> None:
-    """glibc raises its mmap threshold after large frees, after which freed activations stay
-    in the heap (RSS) instead of going back to the system. Pin it (and the trim threshold)
-    so the budget's activation share is what RSS shows."""
-    try:
-        lib = _lib()
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        lib.mallopt(M_MMAP_THRESHOLD, 256 << 10)
-        lib.mallopt(M_TRIM_THRESHOLD, 1 << 20)
-    except (AttributeError, OSError):
-        pass
 
 
 # ----------------------------------------------------------------------------- choice

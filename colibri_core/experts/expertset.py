@@ -29,7 +29,7 @@ VACANT_LOGIT = -1e30   # finite, so the router's non-finite fallback is not trig
 
 class HotSlot:
     """A hot-plugged expert in a router slot of one layer: the Expert protocol
-    (weights.Expert) around a hotplug HotExpert."""
+    (protocol.Expert) around a hotplug HotExpert."""
 
     file = None
 

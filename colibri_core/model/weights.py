@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, Union, runtime_checkable
+from typing import Iterable, Optional, Union
 
 import numpy as np
 
@@ -34,36 +34,10 @@ class FFNWeights:
     act_scales: dict = field(default_factory=dict)
 
 
-@runtime_checkable
-class Expert(Protocol):
-    """What every expert the model routes to offers (pipeline.py, reference.py, residency):
-
-    - ModelExpert: the model's own, views into its mapped expert_{layer}_{index}.bin;
-    - expertcache.CopyInExpert: a model expert read into a frame of the budget's cache;
-    - expertset.HotSlot: a hot-plugged expert (hotplug.HotExpert, itself made from a
-      checked file, hotplug.LoadedExpert) placed in a router slot of a layer.
-
-    `ffn` holds INT4 weights our kernels run; when it is None the expert computes itself
-    with `forward(x, out)` (a hot-plugged .so's ffn_forward). `address` / `nbytes` locate
-    its weights in memory (traces, the expert_prefetch hook); 0 when there are none.
-    """
-    layer: int          # global layer index
-    index: int          # its router slot in that layer
-    ffn: Optional[FFNWeights]
-
-    @property
-    def name(self) -> str: ...          # modelfile.expert_name(layer, index)
-
-    @property
-    def address(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
 @dataclass
 class ModelExpert:
-    """One of the model's own experts (the Expert protocol)."""
+    """One of the model's own experts (experts/protocol.py's Expert: the model reads no
+    other kind, but the protocol lives with the kinds above the model that it names)."""
     layer: int
     index: int
     ffn: FFNWeights
