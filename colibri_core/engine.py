@@ -26,8 +26,8 @@ from .runtime.generate import Generation
 from .experts.hotplug.events import ExpertEvents
 from .model.kvcache import KVPool
 from .forward.model import Model
-from .runtime.kselect import check_k, split_mode_prefix
-from .runtime.sampler import Sampler
+from .runtime.kselect import check_k, renamed_k, split_mode_prefix
+from .runtime.sampler import SamplingParams
 from .runtime.scheduler import Scheduler
 from .runtime.tokenizer import Tokenizer
 from .model.weights import load_model
@@ -50,7 +50,9 @@ class Engine:
         self.hooks = None
         self.audit = None                     # audit.AuditLog once start_audit() is called
         # every request, from any thread, runs on the scheduler's one thread
-        self.scheduler = Scheduler(self, str(self.model_dir))
+        self.scheduler = Scheduler(self, str(self.model_dir),
+                                   between_steps=self._apply_expert_changes,
+                                   requests_ended=self._request_ended)
         self._released = False
         if config.experts_dir is not None and not Path(config.experts_dir).is_dir():
             raise ConfigError(f"experts_dir {config.experts_dir!r}: no such folder; create it "
@@ -276,7 +278,7 @@ class Engine:
             return cfg.top_k, "model (no MoE layers)"
         n = self.num_experts
         if explicit is not None:
-            return check_k(explicit, n, "the top_k argument"), "argument"
+            return check_k(explicit, n, "the experts_per_token argument"), "argument"
         if prefix is not None:
             return check_k(prefix, n, "the MODE: prefix"), "prefix"
         if self.hooks is not None and self.hooks.choose_k is not None:
@@ -328,16 +330,22 @@ class Engine:
         return ids, prefix_k, truncated
 
     def generate(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: Optional[int] = None,
-                 top_k: Optional[int] = None, temperature: Optional[float] = None,
-                 top_p: Optional[float] = None, seed: Optional[int] = None,
+                 experts_per_token: Optional[int] = None,
+                 sampling: Optional[SamplingParams] = None,
                  stop: Optional[list[str]] = None, pin_experts: bool = False,
                  sampler=None, request_id: Optional[str] = None,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 repetition_penalty: float = 1.0, min_p: float = 0.0) -> Generation:
-        """`sampler`: a callable(logits) -> token id replacing the Sampler built from
-        temperature/top_p/seed/penalties/min_p (the server's adds top-k, logit bias and
-        log-probs; penalties: sampler.py);
-        `request_id`: the id the hooks see (default `req-N`)."""
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 min_p: float = 0.0, top_k: Optional[int] = None) -> Generation:
+        """`experts_per_token`: k for this request (precedence: kselect.py);
+        `sampling`: how tokens are chosen (sampler.SamplingParams, the server's too);
+        without it, the engine config's sampling settings, with `temperature`, `top_p`,
+        `seed`, the penalties and `min_p` as shorthands over them (giving both `sampling`
+        and a shorthand is an error); `sampler`: a callable(logits) -> token id replacing
+        the Sampler (replay's greedy one); `request_id`: the id the hooks see (default
+        `req-N`). `top_k=`: the old name of experts_per_token, deprecated."""
+        experts_per_token = renamed_k(experts_per_token, top_k, "generate")
         s = self.config.sampling
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
@@ -353,30 +361,44 @@ class Engine:
             raise RequestError(f"stop={stop!r:.60}: expected a string or a list of strings")
         if not all(isinstance(x, str) and x for x in stop):
             raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
+        shorthands = dict(temperature=temperature, top_p=top_p, seed=seed,
+                          presence_penalty=presence_penalty or None,
+                          frequency_penalty=frequency_penalty or None,
+                          repetition_penalty=None if repetition_penalty == 1.0
+                          else repetition_penalty, min_p=min_p or None)
+        given = {k: v for k, v in shorthands.items() if v is not None}
+        if sampling is None:
+            sampling = SamplingParams(**{"temperature": s.temperature, "top_p": s.top_p,
+                                         "seed": s.seed, **given})
+        elif not isinstance(sampling, SamplingParams):
+            raise RequestError(f"sampling={sampling!r:.60}: expected a SamplingParams")
+        elif given:
+            raise RequestError(f"generate: sampling=SamplingParams(...) and {sorted(given)} "
+                               f"both given; put those settings in the SamplingParams")
         ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
         rid = request_id or f"req-{next(_request_ids)}"
-        k, source = self.choose_k(len(ids), top_k, prefix_k, {"id": rid})
+        k, source = self.choose_k(len(ids), experts_per_token, prefix_k, {"id": rid})
         if sampler is None:
             try:
-                sampler = Sampler(s.temperature if temperature is None else temperature,
-                                  s.top_p if top_p is None else top_p,
-                                  s.seed if seed is None else seed,
-                                  presence_penalty=presence_penalty,
-                                  frequency_penalty=frequency_penalty,
-                                  repetition_penalty=repetition_penalty, min_p=min_p)
+                sampler = sampling.sampler(self.model_cfg.eos_token_ids)
             except (TypeError, ValueError) as e:
                 raise RequestError(f"sampling settings: {e}") from None
         return Generation(self, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,
-                          request_id=rid, truncated_from=truncated)
+                          request_id=rid, truncated_from=truncated, logprobs=sampling.logprobs)
 
-    def next_token_logits(self, token_ids: Sequence[int], top_k: Optional[int] = None,
-                          all_positions: bool = False) -> np.ndarray:
+    def next_token_logits(self, token_ids: Sequence[int],
+                          experts_per_token: Optional[int] = None,
+                          all_positions: bool = False, *,
+                          top_k: Optional[int] = None) -> np.ndarray:
         """Logits [V] after `token_ids` (or [n, V] for every position)."""
-        return self.score_batch([token_ids], top_k=top_k, all_positions=all_positions)[0]
+        k = renamed_k(experts_per_token, top_k, "next_token_logits")
+        return self.score_batch([token_ids], experts_per_token=k,
+                                all_positions=all_positions)[0]
 
-    def score_batch(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
-                    all_positions: bool = False,
-                    track: Optional[Callable[[object], None]] = None) -> list[np.ndarray]:
+    def score_batch(self, sequences: Sequence[Sequence[int]],
+                    experts_per_token: Optional[int] = None, all_positions: bool = False,
+                    track: Optional[Callable[[object], None]] = None, *,
+                    top_k: Optional[int] = None) -> list[np.ndarray]:
         """Batched forward passes over many (short) sequences: prefill only, no decode.
         -> one float32 [V] array of next-token logits per sequence ([len, V] each with
         all_positions=True). One request to the scheduler: its sequences share steps
@@ -386,17 +408,20 @@ class Engine:
         `track(handle)` is called once the call is queued: `handle.close()` from any
         thread cancels it (its sequences leave at the next step) and this call raises
         RequestCancelled. Engine.score gives each result with its expert set."""
-        return [s.logits for s in self.score(sequences, top_k, all_positions, track)]
+        k = renamed_k(experts_per_token, top_k, "score_batch")
+        return [s.logits for s in self.score(sequences, k, all_positions, track)]
 
-    def score(self, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
+    def score(self, sequences: Sequence[Sequence[int]], experts_per_token: Optional[int] = None,
               all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
-              request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None) -> list:
+              request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None, *,
+              top_k: Optional[int] = None) -> list:
         """score_batch with provenance: one scoring.Scored per sequence (`logits`,
         `expert_set` {generation, id} of the one set that computed it, `k`, `tokens`);
         each sequence is pinned to the set current at its admission, sequences with the
         same `groups` label to the set of the first of them admitted (scoring.py)."""
         from .runtime.scoring import score
-        return score(self, sequences, top_k, all_positions, track,
+        k = renamed_k(experts_per_token, top_k, "score")
+        return score(self, sequences, k, all_positions, track,
                      request_id or f"req-{next(_request_ids)}", groups)
 
     def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:

@@ -265,7 +265,7 @@ def _check_generations(eng, es, items: list, rep: Report) -> None:
                 logits[mask] = -np.inf
             return int(np.argmax(logits))
         n = d["output"]["n_tokens"]
-        g = eng.generate(d["tokens"], max_new_tokens=n, top_k=d["k"], sampler=greedy,
+        g = eng.generate(d["tokens"], max_new_tokens=n, experts_per_token=d["k"], sampler=greedy,
                          pin_experts=True).run()
         rep.generations += 1
         if input_digest(g.token_ids[:n]) != d["output"]["tokens_sha256"]:

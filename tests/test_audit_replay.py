@@ -126,8 +126,8 @@ def test_audit_lines_hold_the_item_its_set_and_its_routing(tiny_model_dir, tmp_p
     seqs = _seqs(5, seed=3)
     with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
         eng.start_audit(log)
-        got = eng.score(seqs, top_k=1, all_positions=True)
-        g = eng.generate([5, 6, 7], max_new_tokens=6, temperature=0, top_k=2).run()
+        got = eng.score(seqs, experts_per_token=1, all_positions=True)
+        g = eng.generate([5, 6, 7], max_new_tokens=6, temperature=0, experts_per_token=2).run()
         eng.audit.flush()
         lines = _lines(log)
         assert [d["kind"] for d in lines] == ["engine", "expert_set"] + ["score"] * 5 + \

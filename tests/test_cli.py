@@ -46,7 +46,7 @@ def test_run_with_mode_prefix_and_quiet():
     assert r.returncode == 0, r.stderr
     from colibri_core.engine import Engine
     with Engine.from_config("builtin") as eng:
-        want = eng.generate("The class", max_new_tokens=4, temperature=0, top_k=1).run().text
+        want = eng.generate("The class", max_new_tokens=4, temperature=0, experts_per_token=1).run().text
     assert r.stdout == want + "\n" and r.stderr == ""
 
 
@@ -138,7 +138,7 @@ def test_inspect_verify():
 
 @pytest.mark.parametrize("args,message", [
     (("run", "--prompt", "MODE:kx|hi"), "malformed MODE: prefix"),
-    (("run", "--prompt", "hi", "--top-k", "9"), "top_k=9 from the top_k argument is out of range"),
+    (("run", "--prompt", "hi", "--experts-per-token", "9"), "experts_per_token=9 from the experts_per_token argument is out of range"),
     (("run", "--prompt", "hi", "--threads", "0"),
      "argument --threads: '0': expected an integer from 1 to 512"),
     (("run", "-n", "-1"), "argument -n: '-1': expected an integer >= 0"),

@@ -92,7 +92,7 @@ def test_choose_k_sample_and_per_token_k_hooks(tiny_model_dir):
         eng.register_plugin(KFromPlugin())
         g = eng.generate([1, 2], max_new_tokens=2)
         assert (g.k, g.k_source) == (3, "plugin")
-        assert eng.generate([1, 2], max_new_tokens=2, top_k=1).k == 1      # argument wins
+        assert eng.generate([1, 2], max_new_tokens=2, experts_per_token=1).k == 1      # argument wins
         eng.register_plugin(AlwaysToken())
         assert g.run().token_ids == [42, 42]
         eng.register_plugin(PerTokenK())
@@ -143,7 +143,7 @@ def test_count_routed_tokens_matches_a_routing_observer(tiny_model_dir):
         eng.count_routed_tokens()
         eng.register_plugin(obs, "observer")
         eng.generate([5, 6, 7, 8, 9], max_new_tokens=6, temperature=0).run()
-        eng.generate([11, 12], max_new_tokens=4, temperature=0, top_k=1).run()
+        eng.generate([11, 12], max_new_tokens=4, temperature=0, experts_per_token=1).run()
         got = eng.routed_tokens()
     assert sorted(got) == sorted(obs.counts) and got
     for layer, c in obs.counts.items():

@@ -61,10 +61,10 @@ def test_request_errors(eng):
         eng.generate([])
     with pytest.raises(RequestError, match=r"token id 256 out of range 0..255"):
         eng.generate([1, 256])
-    with pytest.raises(RequestError, match=r"top_k=5 from the top_k argument is out of range.*1..4"):
-        eng.generate([1], top_k=5)
-    with pytest.raises(RequestError, match=r"top_k=0"):
-        eng.generate([1], top_k=0)
+    with pytest.raises(RequestError, match=r"experts_per_token=5 from the experts_per_token argument is out of range.*1..4"):
+        eng.generate([1], experts_per_token=5)
+    with pytest.raises(RequestError, match=r"experts_per_token=0"):
+        eng.generate([1], experts_per_token=0)
 
 
 def test_mode_prefix_parser():
@@ -88,7 +88,7 @@ def test_k_precedence(tiny_model_dir):
         # the chosen k really changes the experts used
         e.generate([1, 2], max_new_tokens=1).run()
         assert e.model.last_routing[0].routing.ids.shape[1] == 1
-        e.generate([1, 2], max_new_tokens=1, top_k=4).run()
+        e.generate([1, 2], max_new_tokens=1, experts_per_token=4).run()
         assert e.model.last_routing[0].routing.ids.shape[1] == 4
 
 

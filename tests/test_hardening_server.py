@@ -232,7 +232,7 @@ class TestNoStall:
         assert h.worst < HEALTH_BOUND_S, h.worst       # was 2.7-4 s
 
     def test_stop_strings_match_in_linear_time(self):
-        from colibri_core.server.generation import StopCutter
+        from colibri_core.runtime.stops import StopCutter
         stops = [c * 8000 for c in "qzxj"]      # over the HTTP cap: the matcher itself
         cut, sent = StopCutter(stops), ""
         t0 = time.perf_counter()
@@ -244,7 +244,7 @@ class TestNoStall:
         assert sent + cut.finish("") == "qqzxj" * 2000
 
     def test_stop_cutter_agrees_with_a_plain_search(self):
-        from colibri_core.server.generation import StopCutter
+        from colibri_core.runtime.stops import StopCutter
         rng = random.Random(0)
         for _ in range(3000):
             stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))

@@ -68,20 +68,20 @@ eng = Engine.from_model_dir(victim, threads=1, **settings)
 out = {"tokens": 0, "first": None, "later": None}
 try:
     for ev in eng.generate("The assert statement", max_new_tokens=40, temperature=0,
-                           top_k=top_k):
+                           experts_per_token=top_k):
         out["tokens"] += 1
         if out["tokens"] == 3:                        # mid-generation, after 3 tokens
             os.truncate(os.path.join(victim, name), 4096)
 except ModelFileDamaged as e:
     out["first"], out["first_type"] = str(e), type(e).__name__
 try:                                                  # a later request on the same model
-    eng.generate("Hello", max_new_tokens=4, top_k=top_k).run()
+    eng.generate("Hello", max_new_tokens=4, experts_per_token=top_k).run()
 except ModelFileDamaged as e:
     out["later"] = str(e)
 eng.close()
 with Engine.from_model_dir(intact, threads=1, **settings) as fresh:
     out["fresh"] = len(fresh.generate("The assert statement", max_new_tokens=8,
-                                      temperature=0, top_k=top_k).run().token_ids)
+                                      temperature=0, experts_per_token=top_k).run().token_ids)
 print(json.dumps(out))
 """
 

@@ -121,5 +121,5 @@ def test_top_k_per_request_matches_transformers(built):
     for k in (1, 6):
         ref = make_hf_model(fam, seed=1, num_experts_per_tok=k, **over)
         with Engine.from_model_dir(d / "out", routing="float", activations="float") as eng:
-            err = rel_err(eng.next_token_logits(ids, top_k=k, all_positions=True), hf_logits(ref, ids))
+            err = rel_err(eng.next_token_logits(ids, experts_per_token=k, all_positions=True), hf_logits(ref, ids))
         assert err <= 1e-4, f"k={k}: {err:.2e}"

@@ -119,7 +119,7 @@ def test_engine_float_path_matches_float64_reference(tiny_model_dir, k):
     ids = [3, 14, 15, 92, 65, 35]
     ref, _ = reference_forward(tiny_model_dir, ids, k)
     with Engine.from_model_dir(tiny_model_dir, routing="float", activations="float") as eng:
-        got = eng.next_token_logits(ids, top_k=k, all_positions=True)
+        got = eng.next_token_logits(ids, experts_per_token=k, all_positions=True)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err <= 1e-5, err
 

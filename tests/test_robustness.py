@@ -218,12 +218,12 @@ def test_missing_experts_dir_is_refused_and_not_created(tiny_model_dir, tmp_path
 # ============================================================================ requests
 
 @pytest.mark.parametrize("prompt,kw,match", [
-    ([1, 2], dict(top_k=0), "top_k=0 from the top_k argument is out of range"),
-    ([1, 2], dict(top_k=5), r"allowed 1\.\.4"),
-    ([1, 2], dict(top_k=2.5), "is not an integer"),
-    ([1, 2], dict(top_k=True), "is not an integer"),
+    ([1, 2], dict(experts_per_token=0), "experts_per_token=0 from the experts_per_token argument is out of range"),
+    ([1, 2], dict(experts_per_token=5), r"allowed 1\.\.4"),
+    ([1, 2], dict(experts_per_token=2.5), "is not an integer"),
+    ([1, 2], dict(experts_per_token=True), "is not an integer"),
     ("MODE:k0|hello", {}, "k must be at least 1"),
-    ("MODE:k9|hello", {}, "top_k=9 from the MODE: prefix is out of range"),
+    ("MODE:k9|hello", {}, "experts_per_token=9 from the MODE: prefix is out of range"),
     ("MODE:kx|hello", {}, "malformed MODE: prefix"),
     ("MODE:k2 hello", {}, "malformed MODE: prefix"),
     ("MODE:k\u0663|hello", {}, "malformed MODE: prefix"),        # Arabic-Indic digit 3
@@ -261,8 +261,8 @@ def test_bad_requests_are_request_errors(eng, prompt, kw, match):
 def test_bad_requests_on_the_other_entry_points(eng):
     with pytest.raises(RequestError, match="token id 256"):
         eng.next_token_logits([1, VOCAB])
-    with pytest.raises(RequestError, match="top_k=7"):
-        eng.next_token_logits([1, 2], top_k=7)
+    with pytest.raises(RequestError, match="experts_per_token=7"):
+        eng.next_token_logits([1, 2], experts_per_token=7)
     with pytest.raises(RequestError, match="empty prompt"):
         eng.score_batch([[1, 2], []])
     with pytest.raises(RequestError, match="token ids are integers"):
@@ -347,8 +347,8 @@ def test_cli_every_mistake_is_one_line_exit_2(tmp_path, tiny_model_dir, tok_mode
         "top_k model": (colibri_cmd("run", "--model", top_k), "FATAL: expert index out of bounds"),
         "tokenizer": (colibri_cmd("run", "--model", tmp_path / "tokbad", "-p", "hi"), "largest id 300"),
         # requests
-        "top-k 0": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "0"), "argument --top-k: '0': expected an integer >= 1"),
-        "top-k 5": (colibri_cmd("run", "--model", tm, "-p", "hi", "--top-k", "5"), "allowed 1..4"),
+        "top-k 0": (colibri_cmd("run", "--model", tm, "-p", "hi", "--experts-per-token", "0"), "argument --experts-per-token: '0': expected an integer >= 1"),
+        "top-k 5": (colibri_cmd("run", "--model", tm, "-p", "hi", "--experts-per-token", "5"), "allowed 1..4"),
         "empty": (colibri_cmd("run", "--model", tm, "-p", ""), "empty prompt"),
         "mode only": (colibri_cmd("run", "--model", tm, "-p", "MODE:k1|"), "empty prompt"),
         "mode bad": (colibri_cmd("run", "--model", tm, "-p", "MODE:k|x"), "malformed MODE: prefix"),

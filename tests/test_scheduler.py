@@ -42,7 +42,7 @@ def _specs(n: int, seed: int = 0) -> list[dict]:
         if i % 7 == 3:
             p = " ".join([p] * 12)                     # a long prompt, prefilled in chunks
         s = {"prompt": p, "max_new_tokens": rng.randint(1, 24),
-             "top_k": rng.choice([None, 1, 2, 3]) if not p.startswith("MODE") else None}
+             "experts_per_token": rng.choice([None, 1, 2, 3]) if not p.startswith("MODE") else None}
         if i % 3 == 1:
             s.update(temperature=0.8, top_p=0.9, seed=rng.randint(0, 10**6))
         else:

@@ -176,7 +176,7 @@ def test_ignore_eos_and_experts_per_token(client, ref):
                                        temperature=0, logit_bias={str(eos): 100},
                                        extra_body={"ignore_eos": True})
     assert forced.usage.completion_tokens == 5 and forced.choices[0].finish_reason == "length"
-    k1 = solo(ref, PROMPTS[1], 20, top_k=1).text
+    k1 = solo(ref, PROMPTS[1], 20, experts_per_token=1).text
     assert k1 != solo(ref, PROMPTS[1], 20).text
     by_field = client.completions.create(model="builtin", prompt=PROMPTS[1], max_tokens=20,
                                          temperature=0, extra_body={"experts_per_token": 1})

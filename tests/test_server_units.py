@@ -11,7 +11,7 @@ import pytest
 from colibri_core.runtime.sampler import Sampler
 from colibri_core.server.chat import ChatTemplate
 from colibri_core.server.errors import ApiError
-from colibri_core.server.generation import StopCutter
+from colibri_core.runtime.stops import StopCutter
 
 # Three templates written for this test, each using what checkpoints' templates use:
 # role markers with add_generation_prompt, a system-message split with loop controls,

@@ -1,7 +1,7 @@
 """`colibri` command line: arguments -> config -> engine -> stream.
 
     colibri run [--config FILE | --model DIR] [--prompt TEXT | --prompt-ids 1,2,3 |
-                --prompt-file PATH] [-n N] [--top-k K] ...
+                --prompt-file PATH] [-n N] [--experts-per-token K] ...
     colibri inspect MODEL_DIR [--verify]
     colibri convert HF_DIR OUT_DIR [--bits 4|8|16|32] [--group-size G] [--calibration FILE]
                     [--lm-head-bits B] [--embed-bits B] [--kv-bits B]

@@ -47,6 +47,15 @@ def number_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return conv
 
 
+def renamed(parser, old: str, new: str) -> None:
+    """An option that was renamed: refused with one line naming the new one."""
+    class Refuse(argparse.Action):
+        def __call__(self, p, namespace, values, option_string=None):
+            p.error(f"{old} was renamed: use {new}")
+    parser.add_argument(old, nargs="?", action=Refuse, metavar="_",
+                        help=f"renamed: refused, use {new}")
+
+
 def token_ids(text: str) -> list[int]:
     """`--prompt-ids 1,2,3` (commas and/or spaces) -> [1, 2, 3]."""
     parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]

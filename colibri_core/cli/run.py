@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..errors import ColibriError
-from .args import debug_kinds, int_at_least, model_options, number_in, token_ids
+from .args import debug_kinds, int_at_least, model_options, number_in, renamed, token_ids
 from .modeldir import engine_from_args
 
 
@@ -78,7 +78,7 @@ def cmd_run(args) -> int:
     eng = engine_from_args(args)
     try:
         prompt, shown = _prompt_from_args(args, eng)
-        gen = eng.generate(prompt, max_new_tokens=args.n, top_k=args.top_k,
+        gen = eng.generate(prompt, max_new_tokens=args.n, experts_per_token=args.experts_per_token,
                            temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                            stop=args.stop)
         ctx = eng.model_cfg.max_position_embeddings
@@ -170,9 +170,11 @@ def add_parser(sub, engine_defaults: str, builtin: str, shipped: str) -> None:
     r.add_argument("-n", type=int_at_least(0), default=64,
                    help="max new tokens (default 64; capped by the model's context, with a "
                         "warning)")
-    r.add_argument("--top-k", type=int_at_least(1), dest="top_k", metavar="K",
+    r.add_argument("--experts-per-token", type=int_at_least(1), dest="experts_per_token",
+                   metavar="K",
                    help="experts per token for this request (default: MODE: prefix, plugin, "
                         "length policy, then the model's top_k)")
+    renamed(r, "--top-k", "--experts-per-token K (experts per token)")
     r.add_argument("--threads", type=int_at_least(1, 512), metavar="N",
                    help="compute threads (default: the config's; engine default 2)")
     samp = (f"; default: the config's sampling settings (builtin: {builtin}; with --model: "

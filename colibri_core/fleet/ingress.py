@@ -1,7 +1,7 @@
 """The fleet's ingress: `colibri serve`'s ASGI app (server/app.py, unchanged) on a backend
 that calls the engine replicas through a Ray Serve deployment handle.
 
-RayBackend has LocalBackend's methods (server/backend.py); a completion is one call of
+RayBackend satisfies server/backend.py's Backend protocol, as LocalBackend does; a completion is one call of
 the replicas' streaming `generate` (replica.py: lists of events, then an Outcome), a
 score one call of `score`; the expert routes and the fleet's metrics go to the registry.
 
@@ -25,7 +25,7 @@ from typing import Optional
 from ..config import load_model_config
 from ..server.calls import Cancelled
 from ..server.errors import ApiError, RequestTimeout, ShuttingDown
-from ..server.generation import Token
+from ..runtime.events import TokenEvent
 from .replica import Outcome
 
 log = logging.getLogger("colibri.fleet")
@@ -80,7 +80,7 @@ class RemoteCall:
                 self._finish()
                 raise
         ev = self._buffer.popleft()
-        if isinstance(ev, Token):
+        if isinstance(ev, TokenEvent):
             self._tokens_out = True
         return ev
 
@@ -215,6 +215,16 @@ class RayBackend:
     @property
     def running(self) -> int:
         return len(self.live)
+
+    def trim_memory(self) -> None:
+        """Idle: this process's free heap back to the system (the replicas trim theirs)."""
+        from ..server import memory
+        memory.trim()
+
+    def cancel_all(self) -> None:
+        """Past the shutdown grace period: every request in flight ends with a 503."""
+        for c in list(self.live):
+            c.cancel("shutdown")
 
     # -- experts: the registry ----------------------------------------------------------
     def stamp(self) -> tuple[int, str]:

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..experts.expertset import expert_set_id
@@ -38,7 +38,7 @@ from ..server.backend import LocalBackend
 from ..files import write_atomic
 from ..server.errors import from_exception
 from ..server.experts import ExpertBook
-from ..server.generation import Token
+from ..runtime.events import TokenEvent
 
 log = logging.getLogger("colibri.fleet")
 
@@ -104,10 +104,9 @@ class EngineReplica:
         try:
             try:
                 async for batch in call.batches():
-                    for ev in batch:
-                        if isinstance(ev, Token):
-                            ev.generation = self.fleet_generation(ev.generation)
-                    yield batch
+                    yield [replace(ev, expert_set_generation=self.fleet_generation(
+                        ev.expert_set_generation)) if isinstance(ev, TokenEvent) else ev
+                        for ev in batch]
                 last = Outcome(result=call.result)
             except Exception as e:  # noqa: BLE001
                 last = self._failed(e, request_id)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,15 @@ import numpy as np
 
 from ..config import EngineConfig, ModelConfig
 from .audit import generation_record, routing_of
+from .bridge import DONE, LoopQueue
+from .events import TokenEvent, TokenTexts, token_logprob
 from ..errors import ModelFormatError, RequestError
 from ..forward.model import Model
 from .sampler import Sampler
-from .scheduler import Job, Request, Scheduler, cancel_when_gone
+from .request import Job, Request, cancel_when_gone
+from .scheduler import Scheduler
 from .speculative import PromptLookup
+from .stops import StopCutter
 from .tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger("colibri")
@@ -40,22 +43,6 @@ class Host(Protocol):
     tokenizer: Optional[Tokenizer]
     hooks: Any                      # plugins.HookRelay
     scheduler: Scheduler            # where its request runs
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    step: int                  # 0-based index of the generated token
-    token_id: int
-    text: str                  # new text this token completed (may be "")
-    expert_set_generation: int  # the expert set the token was computed with: its counter
-    expert_set_id: str          # ... and its digest (expertset.expert_set_id)
-    latency_s: float           # time from the previous token (or the request's admission)
-
-    @property
-    def expert_set(self) -> dict:
-        """{generation, id} of the set that computed the token: the one name used
-        everywhere (expert_set_generation / expert_set_id are its two parts)."""
-        return {"generation": self.expert_set_generation, "id": self.expert_set_id}
 
 
 @dataclass
@@ -75,9 +62,12 @@ class Generation:
     pin_experts: bool = False
     request_id: str = ""
     truncated_from: Optional[int] = None
+    logprobs: Optional[int] = None          # alternatives per token's log-prob (None: off)
+    choice: int = 0                         # the server's choice index, on every event
     stop_reason: Optional[str] = None      # "length" | "eos" | "stop" | "context" | "error"
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    tail: str = ""              # text after the last token's event (decoder, held back)
     events: list[TokenEvent] = field(default_factory=list)
     _request: Optional["_Stream"] = field(default=None, repr=False)
     _iterated: bool = field(default=False, repr=False)
@@ -107,12 +97,18 @@ class Generation:
         until admitted)."""
         return None if self._request is None else self._request.queue_wait_s
 
-    def start(self) -> "Generation":
+    def start(self, sink=None, on_done=None) -> "Generation":
         """Submit the request now (iterating does it otherwise): it starts computing at
         the next step. Raises what submitting raises (EngineClosedError, EngineBusyError
-        with when_full="refuse", RequestTooLarge, InsufficientMemoryError)."""
+        with when_full="refuse", RequestTooLarge, InsufficientMemoryError). `sink`: an
+        event loop's bridge.LoopQueue that gets the token events from the scheduler's
+        thread, instead of iteration; `on_done()`: called on
+        the scheduler's thread once the request is done."""
         if self._request is None:
             req = _Stream(self)
+            req.sink = sink
+            if on_done is not None:
+                req.on_done.append(on_done)
             self.engine.scheduler.submit(req)
             self._request = req
             cancel_when_gone(self, req)           # dropped unread: its place is freed
@@ -128,7 +124,7 @@ class Generation:
         return self._run()
 
     def __aiter__(self):
-        return _AsyncTokens(self._run())
+        return self._arun()
 
     def run(self) -> "Generation":
         for _ in self:
@@ -151,6 +147,7 @@ class Generation:
                 self.text += ev.text
                 self.events.append(ev)
                 yield ev
+            self.tail = req.tail
             self.text += req.tail
             self.stop_reason = req.stop_reason
         except Exception:
@@ -159,84 +156,39 @@ class Generation:
         finally:
             req.cancel()                     # closed or dropped early: retired next step
 
-
-class _AsyncTokens:
-    """`async for ev in generation`: a thread of its own waits for each token and hands
-    it to the event loop. Not the loop's default executor: streams waiting for admission
-    would hold all of its few threads, and the running streams' readers, queued behind
-    them, would never be served (the scheduler pauses a stream its reader does not take
-    tokens from: a deadlock). The thread fetches a token only when one is asked for, so
-    an abandoned iteration stops its stream as a stopped reader does."""
-
-    def __init__(self, it: Iterator[TokenEvent]):
-        self._box = _Pump(it)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        kind, value = await self._box.take(asyncio.get_running_loop())
-        if kind == "event":
-            return value
-        if kind == "error":
-            raise value
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        self._box.stop()
-
-    def __del__(self):                      # abandoned: let the thread end the stream
-        self._box.stop()
-
-
-class _Pump:
-    """The thread behind _AsyncTokens (holds the iterator, not the _AsyncTokens)."""
-
-    def __init__(self, it: Iterator[TokenEvent]):
-        self._it = it
-        self._want = threading.Semaphore(0)
-        self._stopped = False
-        self._thread: Optional[threading.Thread] = None
-        self._loop = None
-        self._future = None
-
-    def take(self, loop) -> "asyncio.Future":
-        self._loop = loop
-        self._future = loop.create_future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="colibri-async-stream",
-                                            daemon=True)
-            self._thread.start()
-        self._want.release()
-        return self._future
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._want.release()
-
-    def _deliver(self, kind: str, value) -> None:
-        fut = self._future
-        if fut is not None and not fut.done():
-            fut.set_result((kind, value))
-
-    def _run(self) -> None:
+    async def _arun(self):
+        """`async for`: the token events come from the scheduler's thread straight into
+        this loop (bridge.LoopQueue); the loop never waits on the engine. Submitting
+        runs in a thread (a full queue may make it wait)."""
+        if self._iterated:
+            raise RequestError(f"request {self.request_id}: this Generation was iterated "
+                               f"already; call engine.generate() again for a new run")
+        self._iterated = True
+        sink = LoopQueue()
+        if self._request is None:
+            await asyncio.to_thread(self.start, sink, lambda: sink.put(DONE))
+        else:
+            self._request.attach(sink, lambda: sink.put(DONE))
+        req = self._request
         try:
             while True:
-                self._want.acquire()
-                if self._stopped:
+                ev = await sink.get()
+                if ev is DONE:
                     break
-                try:
-                    ev = next(self._it, None)
-                except BaseException as exc:        # noqa: BLE001 - handed to the reader
-                    self._loop.call_soon_threadsafe(self._deliver, "error", exc)
-                    break
-                self._loop.call_soon_threadsafe(self._deliver, "event" if ev is not None else "end", ev)
-                if ev is None:
-                    break
-        except RuntimeError:                        # the event loop is gone: just end
-            pass
+                self.token_ids.append(ev.token_id)
+                self.text += ev.text
+                self.events.append(ev)
+                yield ev
+            if req.error is not None:
+                raise req.error.with_traceback(None)
+            self.tail = req.tail
+            self.text += req.tail
+            self.stop_reason = req.stop_reason
+        except Exception:
+            self.stop_reason = "error"
+            raise
         finally:
-            self._it.close()                        # cancels the request if not finished
+            req.cancel()                     # closed or dropped early: retired next step
 
 
 class _Stream(Request):
@@ -251,6 +203,7 @@ class _Stream(Request):
         self.k = gen.k
         self.n_tokens = 0
         self.tail = ""
+        self.last_set = None            # (generation, id) of its last token's expert set
         ctx = eng.model_cfg.max_position_embeddings
         capacity = max(min(ctx, self.n_prompt + gen.max_new_tokens), self.n_prompt)
         self.jobs = [Decode(self, gen, capacity)]
@@ -290,8 +243,12 @@ class Decode(Job):
         self.eos = set(eng.model_cfg.eos_token_ids)
         self.max_new_tokens = gen.max_new_tokens
         self.sampler = gen.sampler
-        self.stop = gen.stop
+        self.cut = StopCutter(gen.stop)          # stop strings, their starts held back
         self.request_id = gen.request_id
+        self.choice = gen.choice
+        self.top_n = gen.logprobs                 # log-probs on each event (None: off)
+        self.texts = TokenTexts(eng.tokenizer) if gen.logprobs is not None else None
+        self.logprob = None                       # the sampled token's, for its event
         self.decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
         self.text = ""
         self.step = 0
@@ -311,18 +268,19 @@ class Decode(Job):
         self.routes: list = []
         self.out_tokens: list[int] = []
         self.sets: list = []                # [(first token index, es)]
-        inner = getattr(gen.sampler, "inner", gen.sampler)      # the server's wraps one
+        # a caller's own sampler may wrap a Sampler (`inner`) and mask tokens (`mask`)
+        inner = getattr(gen.sampler, "inner", gen.sampler)
         # penalties count this sequence's tokens (sampler.py); None: nothing per token
         self.penalties = getattr(inner, "penalties", None)
         if self.penalties is not None:
             self.penalties.start(gen.prompt_ids)
         self.sampling = getattr(inner, "audit_params", None) if self.audit is not None else None
         mask = getattr(gen.sampler, "mask", None)                # ignore_eos: EOS masked
-        if self.sampling is not None and mask is not None:
+        if self.sampling is not None and mask is not None and "mask" not in self.sampling:
             self.sampling = {**self.sampling, "mask": [int(t) for t in mask]}
 
     def ready(self) -> bool:
-        return self.feed is not None and len(self.request.events) < self.request._sched.ahead
+        return self.feed is not None and self.request.backlog < self.request._sched.ahead
 
     def decode_tokens(self, room: int) -> np.ndarray:
         """The step's tokens: `feed`, then up to `room` draft tokens (none past
@@ -340,8 +298,8 @@ class Decode(Job):
     def _finish(self, reason: str) -> None:
         req = self.request
         req.stop_reason = reason
-        if self.decoder is not None and reason != "stop":
-            req.tail = self.decoder.flush()
+        if reason != "stop":      # the decoder's tail and what was held back as a stop's start
+            req.tail = self.cut.finish(self.decoder.flush() if self.decoder is not None else "")
         self.done = True
 
     def after_step(self, logits: np.ndarray, es, final: bool) -> None:
@@ -391,13 +349,15 @@ class Decode(Job):
             self._finish("eos")
             return False
         piece = self.decoder.push(tok) if self.decoder is not None else ""
-        piece, stop_hit = self._cut_at_stop(piece)
+        piece, stop_hit = self.cut.push(piece)
         self.text += piece
         now = time.perf_counter()
-        ev = TokenEvent(self.step, tok, piece, es.generation, es.id, now - self.t_prev)
+        ev = TokenEvent(self.step, tok, piece, es.generation, es.id, now - self.t_prev,
+                        self.logprob, self.choice)
         self.t_prev = now
         req = self.request
         req.n_tokens += 1
+        req.last_set = (es.generation, es.id)
         if self.penalties is not None:
             self.penalties.push(tok)
         if self.audit is not None:
@@ -425,10 +385,16 @@ class Decode(Job):
         if hooks is not None and hooks.sample is not None:
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
-                return hooks.guard.check_sample(got, self.vocab_size)
+                tok = hooks.guard.check_sample(got, self.vocab_size)
+                if self.top_n is not None:
+                    self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
+                return tok
         if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
             logits = self._finite_logits(logits)
-        return self.sampler(logits)
+        tok = self.sampler(logits)
+        if self.top_n is not None:                 # carried on the token's event
+            self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
+        return tok
 
     def _finite_logits(self, logits: np.ndarray) -> np.ndarray:
         """NaN logits never win; +Inf ones always do. All NaN (weights with NaN/Inf, which a
@@ -446,16 +412,3 @@ class Decode(Job):
             log.warning("non-finite logits at step %d of %s: NaN ones are never sampled",
                         self.step, self.request_id)
         return fixed
-
-    def _cut_at_stop(self, piece: str) -> tuple[str, bool]:
-        """Cut the new text before the first stop string (which may straddle tokens)."""
-        if not self.stop:
-            return piece, False
-        # Only the text a stop string can straddle: earlier text had no stop string
-        # (constant work per token, not a search of the whole text).
-        back = min(len(self.text), max(map(len, self.stop)) - 1)
-        candidate = self.text[len(self.text) - back:] + piece
-        cuts = [i for i in (candidate.find(s) for s in self.stop) if i >= 0]
-        if not cuts:
-            return piece, False
-        return candidate[back:max(min(cuts), back)], True

@@ -1,7 +1,9 @@
 """Per-request k: parsing the `MODE:kN|` prompt prefix and choosing k by precedence.
 
-Precedence (first that applies wins):
-  1. the explicit argument (`top_k=` / `--top-k`);
+`experts_per_token` is the one name of k wherever a user sets or reads it (the Python
+API, `colibri run --experts-per-token`, the HTTP body, /v1/models); the model's
+config.json keeps its `top_k`. Precedence (first that applies wins):
+  1. the explicit argument (`experts_per_token=` / `--experts-per-token`);
   2. a `MODE:kN|` prefix at the very start of the prompt (stripped before tokenizing);
   3. a plugin implementing `colibri_choose_k`;
   4. the engine config's length policy (first matching rule, on the prompt's token count);
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import re
+import warnings
 
 from ..errors import RequestError
 
@@ -33,11 +36,26 @@ def split_mode_prefix(prompt: str) -> tuple[int | None, str]:
     return k, prompt[m.end():]
 
 
+def renamed_k(experts_per_token, top_k, where: str):
+    """The old Python keyword `top_k=` (experts per token) for one release: accepted with
+    a DeprecationWarning; both given and different is an error."""
+    if top_k is None:
+        return experts_per_token
+    warnings.warn(f"{where}(top_k=...) is deprecated: use experts_per_token= (top_k is "
+                  f"the sampling top-k in SamplingParams)", DeprecationWarning, stacklevel=3)
+    if experts_per_token is not None and experts_per_token != top_k:
+        raise RequestError(f"{where}: experts_per_token={experts_per_token!r:.40} and the "
+                           f"deprecated top_k={top_k!r:.40} disagree; give experts_per_token "
+                           f"only")
+    return top_k
+
+
 def check_k(k: int, num_experts: int, source: str) -> int:
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise RequestError(f"top_k={k!r:.40} from {source} is not an integer: give a whole "
-                           f"number of experts (allowed 1..{num_experts})")
+        raise RequestError(f"experts_per_token={k!r:.40} from {source} is not an integer: "
+                           f"give a whole number of experts (allowed 1..{num_experts})")
     if not 1 <= k <= num_experts:
-        raise RequestError(f"top_k={k!r} from {source} is out of range: this model has "
+        raise RequestError(f"experts_per_token={k!r} from {source} is out of range: this "
+                           f"model has "
                            f"{num_experts} experts per MoE layer (allowed 1..{num_experts})")
     return int(k)

@@ -10,10 +10,45 @@ sampler without penalties has `penalties = None` and costs nothing more per toke
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
 from ..model import ops
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request turns logits into tokens: one object, the Python API's
+    (`Engine.generate(..., sampling=SamplingParams(...))`) and the one the server fills
+    from an OpenAI body. `top_k` here is the sampling top-k (keep the k most likely
+    tokens; 0: off), never the experts per token (`experts_per_token`). `logprobs`: None,
+    or how many alternatives each token event carries with its log-prob
+    (TokenEvent.logprob). `ignore_eos`: the model's EOS tokens are never sampled."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+
+    def with_seed(self, seed: Optional[int]) -> "SamplingParams":
+        return replace(self, seed=seed)
+
+    def sampler(self, eos_ids=()) -> "Sampler":
+        """A Sampler of these settings (one per sequence: it holds the seeded generator
+        and the penalties' counts); ValueError naming a bad value."""
+        return Sampler(self.temperature, self.top_p, self.seed, top_k=self.top_k,
+                       logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty,
+                       repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                       mask=list(eos_ids) if self.ignore_eos else None)
 
 
 class Penalties:
@@ -62,7 +97,8 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  top_k: int = 0, logit_bias: dict[int, float] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 repetition_penalty: float = 1.0, min_p: float = 0.0):
+                 repetition_penalty: float = 1.0, min_p: float = 0.0,
+                 mask: list[int] | None = None):
         for name, v in (("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
@@ -95,6 +131,8 @@ class Sampler:
         if presence_penalty or frequency_penalty or repetition_penalty != 1.0:
             self.penalties = Penalties(float(presence_penalty), float(frequency_penalty),
                                        float(repetition_penalty))
+        # tokens never sampled (ignore_eos: the model's EOS ids); None: none
+        self.mask = np.asarray(mask, np.int64) if mask else None
         self.rng = np.random.default_rng(seed)
         self.seed = seed
 
@@ -111,9 +149,21 @@ class Sampler:
         if pen is not None:
             out.update(presence_penalty=pen.presence, frequency_penalty=pen.frequency,
                        repetition_penalty=pen.repetition)
+        if self.mask is not None:
+            out["mask"] = [int(t) for t in self.mask]
         return out
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.mask is not None:
+            if self.temperature == 0.0:              # copied only when it matters
+                tok = self._sample(logits)
+                if tok not in self.mask:
+                    return tok
+            logits = np.array(logits, dtype=np.float64)
+            logits[self.mask] = -np.inf
+        return self._sample(logits)
+
+    def _sample(self, logits: np.ndarray) -> int:
         if self.bias is not None:
             logits = np.array(logits, dtype=np.float64)
             logits[self.bias[0]] += self.bias[1]

@@ -34,143 +34,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Callable, Optional
 
-import numpy as np
-
 from ..errors import EngineBusyError, EngineClosedError, RequestError, RequestTooLarge
 from ..model.kvcache import check_memory
+from .request import AHEAD, Job, Request  # noqa: F401 - Job and Request re-exported
 
 log = logging.getLogger("colibri")
 
-AHEAD = 4               # tokens a sequence may compute before its reader takes them
 IDLE_EXIT_S = 2.0       # the thread ends after this long without work (restarted on demand)
-
-
-class Job:
-    """One sequence: its prompt, k and KV capacity, and what it does with its logits
-    (subclasses: generate.Decode, scoring.ScoreJob). Fields below `feed` belong to the scheduler."""
-
-    all_logits = False          # every position's logits (scoring), or the last token's
-    decodes = False             # a stream: after its prompt, one token per step
-
-    def __init__(self, request: "Request", tokens, k: int, capacity: int, pin: bool = False):
-        self.request = request
-        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        self.k = int(k)
-        self.capacity = int(capacity)
-        self.pin = pin
-        self.feed: Optional[int] = None     # the next decode token (None: none yet)
-        self.done = False
-        self.fed = 0                        # prompt tokens already run
-        self.cache = None
-        self.es = None                      # its snapshot when pinned (set at admission)
-
-    def ready(self) -> bool:
-        """Whether the step may run its next decode token."""
-        return self.feed is not None
-
-    def decode_tokens(self, room: int) -> np.ndarray:
-        """The tokens of its next decode step: `feed`, and a speculative decode's draft
-        of at most `room` more (then after_step gets all their logits, [n, V])."""
-        return np.array([self.feed], np.int64)
-
-    def after_step(self, logits: np.ndarray, es, final: bool) -> None:
-        """The logits of what this step ran for the sequence ([V], or [n, V] with
-        all_logits or a draft), computed with expert set `es`; `final`: its prompt is complete (or
-        it was a decode token). Set `feed` to go on, or `done`. On the scheduler thread;
-        an exception fails this job's request only."""
-        raise NotImplementedError
-
-
-class Request:
-    """What one caller submitted: its jobs, its state, and what its reader waits on."""
-
-    def __init__(self, request_id: str):
-        self.id = request_id
-        self.jobs: list[Job] = []
-        self.state = "new"              # new | queued | running | done
-        self.error: Optional[BaseException] = None
-        self.cancelled = False
-        self.stop_reason: Optional[str] = None
-        self.queue_wait_s: Optional[float] = None   # from submit() to its admission
-        self.events: deque = deque()    # produced, not yet read (generations)
-        self._sched: Optional["Scheduler"] = None
-        self._cv: Optional[threading.Condition] = None
-        self._t_submit = 0.0
-        self._pending: deque = deque()  # jobs not admitted yet
-
-    # -- the scheduler thread --------------------------------------------------------
-    def started(self) -> None:
-        """Admitted (before its first step): hooks such as colibri_request_start."""
-
-    def ended(self) -> None:
-        """Retired (finished, failed, cancelled or closed): colibri_request_end."""
-
-    def push(self, event) -> None:
-        with self._cv:
-            self.events.append(event)
-            self._cv.notify_all()
-
-    # -- any thread -----------------------------------------------------------------------
-    def cancel(self) -> None:
-        """The result is not wanted any more: retired at the next step (idempotent,
-        never blocks; safe from a finalizer)."""
-        s = self._sched
-        if s is None or self.state == "done":
-            return
-        with s._lock:
-            if self.state != "done" and not self.cancelled:
-                self.cancelled = True
-                s._wake.notify_all()
-
-    def next_event(self):
-        """The next event (blocks until there is one); None at the end; the request's
-        error once its events are read."""
-        s = self._sched
-        with self._cv:
-            while not self.events and self.state != "done":
-                self._cv.wait()
-            if self.events:
-                ev = self.events.popleft()
-                if len(self.events) == s.ahead - 1:    # its sequence may run again
-                    s._wake.notify_all()
-                return ev
-        if self.error is not None:
-            raise self.error.with_traceback(None)
-        return None
-
-    def wait(self) -> None:
-        """Until the request is done; raises its error."""
-        with self._cv:
-            while self.state != "done":
-                self._cv.wait()
-        if self.error is not None:
-            raise self.error.with_traceback(None)
-
-
-def cancel_when_gone(owner, req: Request) -> None:
-    """Cancel `req` once `owner` (its Generation) is garbage: a weak reference both
-    ways, so that nothing the request holds (its error's traceback) keeps `owner` alive."""
-    ref = weakref.ref(req)
-    weakref.finalize(owner, _cancel_ref, ref)
-
-
-def _cancel_ref(ref) -> None:
-    req = ref()
-    if req is not None:
-        req.cancel()
 
 
 class Scheduler:
     """The engine's batching loop (see the module docstring). `engine` gives `model`,
-    `config`, `_apply_expert_changes()` and `_request_ended()`."""
+    `config` and `kv_pool`; what the engine does on this thread is passed in as
+    callbacks: `between_steps()` before each step (the engine adopts queued expert
+    changes there), `requests_ended()` after requests retire (it releases what no
+    snapshot uses any more)."""
 
-    def __init__(self, engine, what: str):
+    def __init__(self, engine, what: str, between_steps: Callable[[], None] = lambda: None,
+                 requests_ended: Callable[[], None] = lambda: None):
         self.engine = engine
         self.what = what                        # named in the errors (the model folder)
+        self.between_steps = between_steps
+        self.requests_ended = requests_ended
         cfg = engine.config
         self.max_step_tokens = cfg.max_step_tokens
         self.max_prefill_tokens = cfg.max_prefill_tokens
@@ -343,8 +231,7 @@ class Scheduler:
     def _step(self) -> None:
         """Between two steps: expert changes, queued calls, cancellations, admission;
         then one step and the retirement of what it finished."""
-        eng = self.engine
-        eng._apply_expert_changes()
+        self.between_steps()
         while self._ops:
             with self._lock:
                 op = self._ops.popleft()
@@ -521,7 +408,7 @@ class Scheduler:
         if pinned:
             self.engine.model.pipeline.keep_pinned(
                 [j.es for j in self._running if j.es is not None])
-        self.engine._request_ended()
+        self.requests_ended()
 
     def _finish(self, req: Request) -> None:
         """Take a request out of the queue and the step, free its caches, tell its hooks
@@ -551,7 +438,7 @@ class Scheduler:
                 log.warning("request %s: its end hook failed: %s", req.id, exc)
         with self._lock:
             req.state = "done"
-            req._cv.notify_all()
+            req._done()
 
     def _shutdown(self) -> None:
         """The engine closes: queued and running requests end with EngineClosedError
@@ -582,7 +469,7 @@ class Scheduler:
                             j.cache = None
                     r.state = "done"
                     if r._cv is not None:
-                        r._cv.notify_all()
+                        r._done()
                 self._running = []
                 for op in ops:
                     op[1].set()

@@ -18,7 +18,8 @@ import numpy as np
 from .audit import now_iso, score_lines, set_name
 from ..errors import RequestCancelled, RequestError, RequestTooLarge
 from ..model.kvcache import check_memory
-from .scheduler import Job, Request, ensure_not_on_thread
+from .request import Job, Request
+from .scheduler import ensure_not_on_thread
 
 _score_ids = itertools.count(1)
 
@@ -76,7 +77,7 @@ class _Closer:
         self.close = req.cancel
 
 
-def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
+def score(eng, sequences: Sequence[Sequence[int]], experts_per_token: Optional[int] = None,
           all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
           request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None
           ) -> list[Scored]:
@@ -106,7 +107,7 @@ def score(eng, sequences: Sequence[Sequence[int]], top_k: Optional[int] = None,
     out_rows = total if all_positions else len(prepared)
     check_memory(4 * V * out_rows, f"logits of {out_rows} positions")
     rid = request_id or f"score-{next(_score_ids)}"
-    k, _ = eng.choose_k(max(len(p) for p in prepared), top_k, None, {"id": rid})
+    k, _ = eng.choose_k(max(len(p) for p in prepared), experts_per_token, None, {"id": rid})
     ensure_not_on_thread(eng.scheduler, "score_batch")
     audit = eng.audit
     sink = eng.model.route_sink if audit is not None else None

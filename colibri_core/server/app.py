@@ -2,11 +2,11 @@
 
 One `Server` object holds the backend (backend.py: one engine in this process, or a
 fleet of engine replicas over Ray Serve, colibri_core/fleet/), the metrics and the chat
-template; the route handlers below only read requests, submit work to the backend and
-shape answers, whichever backend it is. Every handler goes through `endpoint()`,
-which does what all routes share: the request id (X-Request-ID echoed or generated),
-the API key on /v1 routes, errors as OpenAI JSON, the access-log line and the request
-counter.
+template. The routes are the module-level functions below, each of (the Server, the
+request, its endpoint.Record): they only read requests, submit work to the backend (a
+backend.Backend) and shape answers, whichever backend it is; build_app() mounts each
+through endpoint.endpoint(), which does what all routes share (request id, API key,
+errors as OpenAI JSON, the access-log line, the request counter).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import hmac
 import logging
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -28,24 +27,22 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import memory, params, surface
+from . import params, surface
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
 from .experts import events_answer
-from .generation import End, Token
-from .limits import LIMITS, ClientGone, read_body, read_json, text_bound
+from ..runtime.events import TokenEvent
+from .endpoint import collect, endpoint, error_response
+from .limits import LIMITS, read_body, read_json, text_bound
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
 
 log = logging.getLogger("colibri.server")
-access_log = logging.getLogger("colibri.server.access")
 
 GEN_HEADER = "X-Colibri-Expert-Set-Generation"
 SET_HEADER = "X-Colibri-Expert-Set-Id"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-_RID_RE = re.compile(r"[\x21-\x7e]{1,128}")
-HEAVY_ROUTES = ("completions", "chat", "score", "upload")   # the heap is trimmed after them
 
 
 @dataclass
@@ -113,8 +110,7 @@ class Server:
                 self.metrics.sample(self.last_snapshot["routed"])
                 if self.trim_pending and not self.backend.running:
                     self.trim_pending = False        # idle again: give the heap back
-                    await asyncio.to_thread(getattr(self.backend, "trim_memory",
-                                                    memory.trim))
+                    await asyncio.to_thread(self.backend.trim_memory)
             except Exception:  # noqa: BLE001 - the status window is best effort
                 log.exception("status sample failed")
             await asyncio.sleep(1.0)
@@ -136,307 +132,221 @@ class Server:
         return self.backend.stamp()
 
 
-class Record:
-    """One request's access-log line and counters, finished once."""
-
-    def __init__(self, server: Server, rid: str, route: str):
-        self.server = server
-        self.rid = rid
-        self.route = route
-        self.t0 = time.perf_counter()
-        self.prompt_tokens = 0
-        self.tokens = 0
-        self.first_s: Optional[float] = None
-        self.last_tok: dict[int, float] = {}
-        self.gens: list = []
-        self.deferred = False
-        self.done = False
-
-    def see(self, ev) -> None:
-        """Observe an engine event (first-token and per-token timing, versions)."""
-        m = self.server.metrics
-        if isinstance(ev, Token):
-            now = time.perf_counter()
-            if ev.token_id >= 0:
-                self.tokens += 1
-                m.tokens.labels("completion").inc()
-            if self.first_s is None:
-                self.first_s = now - self.t0
-                m.first_token.observe(self.first_s)
-            prev = self.last_tok.get(ev.choice)
-            if prev is not None and ev.token_id >= 0:
-                m.per_token.observe(now - prev)
-            self.last_tok[ev.choice] = now
-            if not self.gens or self.gens[-1] != ev.generation:
-                self.gens.append(ev.generation)
-        elif isinstance(ev, End):
-            self.prompt_tokens += ev.prompt_tokens
-            m.tokens.labels("prompt").inc(ev.prompt_tokens)
-
-    def finish(self, status: int) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.route in HEAVY_ROUTES:
-            self.server.trim_pending = True
-        m = self.server.metrics
-        m.requests.labels(self.route, str(status)).inc()
-        if status == 499:
-            m.cancelled.labels("disconnect").inc()
-        elif status == 504:
-            m.cancelled.labels("timeout").inc()
-        total = (time.perf_counter() - self.t0) * 1000
-        first = f"{self.first_s * 1000:.1f}" if self.first_s is not None else "-"
-        gens = ",".join(map(str, self.gens)) or "-"
-        access_log.info("%s %s %d prompt=%d tokens=%d first_ms=%s total_ms=%.1f gen=%s",
-                        self.rid, self.route, status, self.prompt_tokens, self.tokens, first,
-                        total, gens, extra={"fields": {     # --log-format json's fields
-                            "request_id": self.rid, "route": self.route, "status": status,
-                            "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
-                            "first_ms": None if self.first_s is None else
-                            round(self.first_s * 1000, 1), "total_ms": round(total, 1),
-                            "generations": self.gens}})
-
-
-def _request_id(request: Request) -> str:
-    rid = request.headers.get("x-request-id", "")
-    return rid if _RID_RE.fullmatch(rid) else f"req-{uuid.uuid4().hex[:16]}"
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def endpoint(server: Server, route: str, fn, auth: bool = True):
-    async def handler(request: Request) -> Response:
-        rid = _request_id(request)
-        rec = Record(server, rid, route)
-        try:
-            if auth:
-                server.check_auth(request)
-            response = await fn(request, rec)
-        except asyncio.CancelledError:
-            rec.finish(499)
-            raise
-        except ClientGone:                # one line in the access log, not a 500
-            response = Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style answer
-            response = _error_response(from_exception(e, rid, server.backend.retry_after_s()))
-        response.headers["X-Request-ID"] = rid
-        if not rec.deferred:
-            rec.finish(response.status_code)
-        return response
-    return handler
-
-
-async def _watch_disconnect(request: Request, stream) -> None:
-    """Cancel the job when the client goes away while we wait (non-streaming answers)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            stream.cancel("disconnect")
-            return
-
-
-async def _collect(request: Request, stream, rec: Record, until_token: bool) -> list:
-    """Events of `stream` until its end (or its first token), watching for a disconnect."""
-    events = []
-    watcher = asyncio.create_task(_watch_disconnect(request, stream))
-    try:
-        async for ev in stream:
-            rec.see(ev)
-            events.append(ev)
-            if until_token and isinstance(ev, Token):
-                break
-    finally:
-        watcher.cancel()
-    return events
-
-
 # ----------------------------------------------------------------------------- routes
+# Each route is a module-level function of (the Server, the request, its Record).
+
+
+def version_headers(S: Server, events) -> dict:
+    first = next((e for e in events if isinstance(e, TokenEvent)), None)
+    g, sid = (first.expert_set_generation, first.expert_set_id) if first is not None \
+        else S.versions()
+    return {GEN_HEADER: str(g), SET_HEADER: sid}
+
+
+async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, include_usage: bool):
+    eng, st = S.backend, S.settings
+    rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
+    created = int(time.time())
+    p.ctx_size = st.ctx_size
+    job = eng.generate(p, rec.rid, st.request_timeout_s, stream)
+    logprobs = p.logprobs is not None
+    if not stream:
+        try:
+            events = await collect(request, job, rec, until_token=False)
+        except Cancelled:
+            return Response(status_code=499)
+        coll = Collector(chat, logprobs, p.return_token_ids)
+        for ev in events:
+            coll.add(ev)
+        body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
+        return JSONResponse(body, headers=version_headers(S, events))
+    try:
+        first = await collect(request, job, rec, until_token=True)
+    except Cancelled:
+        return Response(status_code=499)
+    chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage,
+                      p.return_token_ids)
+    rec.deferred = True
+
+    async def body():
+        status, finished = 200, False
+        try:
+            for ev in first:
+                c = chunker.chunk(ev)
+                if c is not None:
+                    yield sse(c)
+            async for ev in job:
+                rec.see(ev)
+                c = chunker.chunk(ev)
+                if c is not None:
+                    yield sse(c)
+            finished = True
+            if include_usage:
+                yield sse(chunker.usage_chunk(job.result))
+            yield SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499
+            raise
+        except Exception as e:  # noqa: BLE001 - sent in the stream, then [DONE]
+            finished = True
+            err = from_exception(e, rec.rid, S.backend.retry_after_s())
+            status = err.status
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            if not finished:
+                job.cancel("disconnect")
+                status = 499
+            rec.finish(status)
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={**version_headers(S, first), "Cache-Control": "no-cache",
+                                      "X-Request-ID": rec.rid})
+
+
+async def completions(S: Server, request, rec):
+    eng, st = S.backend, S.settings
+    body = await read_json(request, LIMITS["generate"])
+    surface.check_model(body, st)
+    params.check_fields(body, "completions", st.strict_params, rec.rid)
+    p = params.sampling(body, eng, "completions")
+    p.prompts = params.completion_prompts(body)
+    stream, include_usage = params.stream_options(body)
+    return await openai_run(S, request, rec, p, False, stream, include_usage)
+
+
+async def chat_completions(S: Server, request, rec):
+    eng, st = S.backend, S.settings
+    body = await read_json(request, LIMITS["generate"])
+    surface.check_model(body, st)
+    params.check_fields(body, "chat", st.strict_params, rec.rid)
+    p = params.sampling(body, eng, "chat")
+    messages, prefix_k = params.chat_messages(body)
+    if S.template is None or eng.tokenizer is None:
+        raise bad_request(f"this model ({eng.model_dir}) has no chat template "
+                          f"(chat_template.jinja or tokenizer_config.json's "
+                          f"chat_template): use /v1/completions", param="messages",
+                          code="no_chat_template")
+    # Rendered and tokenized off the event loop, no more text than the context holds.
+    ids = await asyncio.to_thread(S.template.prompt_ids, messages, eng.tokenizer,
+                                  text_bound(eng, spare=16))
+    if not ids:
+        raise bad_request("messages: the chat template rendered them as empty text",
+                          param="messages")
+    p.prompts = [ids]
+    if p.experts_per_token is None:
+        p.experts_per_token = prefix_k
+    stream, include_usage = params.stream_options(body)
+    return await openai_run(S, request, rec, p, True, stream, include_usage)
+
+
+async def score(S: Server, request, rec):
+    eng, st = S.backend, S.settings
+    body = await read_json(request, LIMITS["score"])
+    surface.check_model(body, st)
+    # a thread: checking up to millions of token ids is Python work the loop shares
+    raw, experts = await asyncio.to_thread(params.score_request, body, eng)
+    job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
+    try:
+        await collect(request, job, rec, until_token=False)
+    except Cancelled:
+        return Response(status_code=499)
+    out = job.result
+    rec.prompt_tokens = out["usage"]["prompt_tokens"]
+    S.metrics.tokens.labels("prompt").inc(rec.prompt_tokens)
+    g = out["expert_sets"][0]
+    return JSONResponse({"object": "score", "model": st.model_id, **out},
+                        headers={GEN_HEADER: str(g["generation"]), SET_HEADER: g["id"]})
+
+
+async def models(S: Server, request, rec):
+    st = S.settings
+    return JSONResponse({"object": "list", "data": [
+        surface.model_card(S, name) for name in surface.model_names(st)]})
+
+
+async def experts(S: Server, request, rec):
+    eng = S.backend
+    return JSONResponse(await eng.listing())
+
+
+async def expert_events(S: Server, request, rec):
+    eng = S.backend
+    return JSONResponse(events_answer(eng, request.query_params))
+
+
+async def rollback(S: Server, request, rec):
+    eng = S.backend
+    return JSONResponse(await eng.rollback(request.path_params["name"]), status_code=202)
+
+
+async def upload(S: Server, request, rec):
+    eng, st = S.backend, S.settings
+    name = request.path_params["name"]
+    if not st.allow_expert_upload:
+        raise ApiError(403, "expert upload is off: start the server with "
+                            "--allow-expert-upload (an upload runs native code)",
+                       type="permission_error", code="upload_disabled")
+    if not _NAME_RE.fullmatch(name):
+        raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
+                          f"'-' (1-64, not starting with '.')", param="name")
+    data = await read_body(request, LIMITS["upload"])
+    sha = hashlib.sha256(data).hexdigest()
+    allow = st.upload_allowlist
+    if not allow or sha not in allow:
+        raise ApiError(403, f"sha256 {sha} is not on the server's upload allowlist",
+                       type="permission_error", code="allowlist")
+    return JSONResponse(await eng.upload(name, data, sha), status_code=202)
+
+
+async def health(S: Server, request, rec):
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(S: Server, request, rec):
+    st = S.settings
+    if not S.ready:
+        return JSONResponse({"ready": False}, status_code=503)
+    g, sid = S.versions()
+    return JSONResponse({"ready": True, "model": st.model_id,
+                         "expert_set_generation": g, "expert_set_id": sid})
+
+
+async def metrics(S: Server, request, rec):
+    eng = S.backend
+    S.last_snapshot = await eng.snapshot()
+    data, ctype = S.metrics.render()
+    return Response(data, media_type=ctype)
+
+
+async def status_json(S: Server, request, rec):
+    eng, st = S.backend, S.settings
+    listing = await eng.listing()
+    snap = S.last_snapshot = await eng.snapshot()
+    return JSONResponse({"model": st.model_id, "model_dir": str(eng.model_dir),
+                         "backend": eng.kind, "uptime_s": time.time() - S.started_at,
+                         "queue_depth": snap["queue_depth"],
+                         "running": snap["batch_size"], "kv_pool": snap["kv_pool"],
+                         "expert_set_generation": listing["expert_set_generation"],
+                         "expert_set_id": listing["expert_set_id"],
+                         "experts": listing["data"], "refusals": listing["refusals"][:10],
+                         "events": listing.get("events", [])[::-1],
+                         "watched_folder": listing["watched_folder"],
+                         "routing_stats": st.routing_stats,
+                         **{k: snap[k] for k in ("rollout", "replica_failures")
+                            if k in snap},
+                         "window": S.metrics.window(60.0)})
+
+
+async def index(S: Server, request, rec):
+    st = S.settings
+    page = (Path(__file__).parent / "status.html").read_text(encoding="utf-8")
+    return HTMLResponse(page.replace("{{MODEL}}", _html_escape(st.model_id)))
+
 
 def build_app(server: Server) -> Starlette:
+    """The Starlette app: the routes above, each through endpoint(), and the lifespan."""
     S = server
-    eng = server.backend              # the served model's config and tokenizer, and the work
     st = server.settings
-
-    def version_headers(events) -> dict:
-        first = next((e for e in events if isinstance(e, Token)), None)
-        g, sid = (first.generation, first.set_id) if first is not None else S.versions()
-        return {GEN_HEADER: str(g), SET_HEADER: sid}
-
-    async def openai_run(request, rec, p, chat: bool, stream: bool, include_usage: bool):
-        rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
-        created = int(time.time())
-        p.ctx_size = st.ctx_size
-        job = eng.generate(p, rec.rid, st.request_timeout_s, stream)
-        logprobs = p.logprobs is not None
-        if not stream:
-            try:
-                events = await _collect(request, job, rec, until_token=False)
-            except Cancelled:
-                return Response(status_code=499)
-            coll = Collector(chat, logprobs, p.return_token_ids)
-            for ev in events:
-                coll.add(ev)
-            body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
-            return JSONResponse(body, headers=version_headers(events))
-        try:
-            first = await _collect(request, job, rec, until_token=True)
-        except Cancelled:
-            return Response(status_code=499)
-        chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage,
-                          p.return_token_ids)
-        rec.deferred = True
-
-        async def body():
-            status, finished = 200, False
-            try:
-                for ev in first:
-                    c = chunker.chunk(ev)
-                    if c is not None:
-                        yield sse(c)
-                async for ev in job:
-                    rec.see(ev)
-                    c = chunker.chunk(ev)
-                    if c is not None:
-                        yield sse(c)
-                finished = True
-                if include_usage:
-                    yield sse(chunker.usage_chunk(job.result))
-                yield SSE_DONE
-            except (asyncio.CancelledError, GeneratorExit):
-                status = 499
-                raise
-            except Exception as e:  # noqa: BLE001 - sent in the stream, then [DONE]
-                finished = True
-                err = from_exception(e, rec.rid, S.backend.retry_after_s())
-                status = err.status
-                yield sse(err.body())
-                yield SSE_DONE
-            finally:
-                if not finished:
-                    job.cancel("disconnect")
-                    status = 499
-                rec.finish(status)
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={**version_headers(first), "Cache-Control": "no-cache",
-                                          "X-Request-ID": rec.rid})
-
-    async def completions(request, rec):
-        body = await read_json(request, LIMITS["generate"])
-        surface.check_model(body, st)
-        params.check_fields(body, "completions", st.strict_params, rec.rid)
-        p = params.sampling(body, eng, "completions")
-        p.prompts = params.completion_prompts(body)
-        stream, include_usage = params.stream_options(body)
-        return await openai_run(request, rec, p, False, stream, include_usage)
-
-    async def chat_completions(request, rec):
-        body = await read_json(request, LIMITS["generate"])
-        surface.check_model(body, st)
-        params.check_fields(body, "chat", st.strict_params, rec.rid)
-        p = params.sampling(body, eng, "chat")
-        messages, prefix_k = params.chat_messages(body)
-        if S.template is None or eng.tokenizer is None:
-            raise bad_request(f"this model ({eng.model_dir}) has no chat template "
-                              f"(chat_template.jinja or tokenizer_config.json's "
-                              f"chat_template): use /v1/completions", param="messages",
-                              code="no_chat_template")
-        # Rendered and tokenized off the event loop, no more text than the context holds.
-        ids = await asyncio.to_thread(S.template.prompt_ids, messages, eng.tokenizer,
-                                      text_bound(eng, spare=16))
-        if not ids:
-            raise bad_request("messages: the chat template rendered them as empty text",
-                              param="messages")
-        p.prompts = [ids]
-        if p.experts is None:
-            p.experts = prefix_k
-        stream, include_usage = params.stream_options(body)
-        return await openai_run(request, rec, p, True, stream, include_usage)
-
-    async def score(request, rec):
-        body = await read_json(request, LIMITS["score"])
-        surface.check_model(body, st)
-        # a thread: checking up to millions of token ids is Python work the loop shares
-        raw, experts = await asyncio.to_thread(params.score_request, body, eng)
-        job = eng.score(raw, experts, rec.rid, st.request_timeout_s)
-        try:
-            await _collect(request, job, rec, until_token=False)
-        except Cancelled:
-            return Response(status_code=499)
-        out = job.result
-        rec.prompt_tokens = out["usage"]["prompt_tokens"]
-        S.metrics.tokens.labels("prompt").inc(rec.prompt_tokens)
-        g = out["expert_sets"][0]
-        return JSONResponse({"object": "score", "model": st.model_id, **out},
-                            headers={GEN_HEADER: str(g["generation"]), SET_HEADER: g["id"]})
-
-    async def models(request, rec):
-        return JSONResponse({"object": "list", "data": [
-            surface.model_card(S, name) for name in surface.model_names(st)]})
-
-    async def experts(request, rec):
-        return JSONResponse(await eng.listing())
-
-    async def expert_events(request, rec):
-        return JSONResponse(events_answer(eng, request.query_params))
-
-    async def rollback(request, rec):
-        return JSONResponse(await eng.rollback(request.path_params["name"]), status_code=202)
-
-    async def upload(request, rec):
-        name = request.path_params["name"]
-        if not st.allow_expert_upload:
-            raise ApiError(403, "expert upload is off: start the server with "
-                                "--allow-expert-upload (an upload runs native code)",
-                           type="permission_error", code="upload_disabled")
-        if not _NAME_RE.fullmatch(name):
-            raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
-                              f"'-' (1-64, not starting with '.')", param="name")
-        data = await read_body(request, LIMITS["upload"])
-        sha = hashlib.sha256(data).hexdigest()
-        allow = st.upload_allowlist
-        if not allow or sha not in allow:
-            raise ApiError(403, f"sha256 {sha} is not on the server's upload allowlist",
-                           type="permission_error", code="allowlist")
-        return JSONResponse(await eng.upload(name, data, sha), status_code=202)
-
-    async def health(request, rec):
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request, rec):
-        if not S.ready:
-            return JSONResponse({"ready": False}, status_code=503)
-        g, sid = S.versions()
-        return JSONResponse({"ready": True, "model": st.model_id,
-                             "expert_set_generation": g, "expert_set_id": sid})
-
-    async def metrics(request, rec):
-        S.last_snapshot = await eng.snapshot()
-        data, ctype = S.metrics.render()
-        return Response(data, media_type=ctype)
-
-    async def status_json(request, rec):
-        listing = await eng.listing()
-        snap = S.last_snapshot = await eng.snapshot()
-        return JSONResponse({"model": st.model_id, "model_dir": str(eng.model_dir),
-                             "backend": eng.kind, "uptime_s": time.time() - S.started_at,
-                             "queue_depth": snap["queue_depth"],
-                             "running": snap["batch_size"], "kv_pool": snap["kv_pool"],
-                             "expert_set_generation": listing["expert_set_generation"],
-                             "expert_set_id": listing["expert_set_id"],
-                             "experts": listing["data"], "refusals": listing["refusals"][:10],
-                             "events": listing.get("events", [])[::-1],
-                             "watched_folder": listing["watched_folder"],
-                             "routing_stats": st.routing_stats,
-                             **{k: snap[k] for k in ("rollout", "replica_failures")
-                                if k in snap},
-                             "window": S.metrics.window(60.0)})
-
-    async def index(request, rec):
-        page = (Path(__file__).parent / "status.html").read_text(encoding="utf-8")
-        return HTMLResponse(page.replace("{{MODEL}}", _html_escape(st.model_id)))
 
     def r(path, fn, name, methods=("GET",), auth=True):
         return Route(path, endpoint(S, name, fn, auth=auth), methods=list(methods))
@@ -446,7 +356,7 @@ def build_app(server: Server) -> Starlette:
         r("/v1/chat/completions", chat_completions, "chat", ("POST",)),
         r("/v1/score", score, "score", ("POST",)),
         r("/v1/models", models, "models"),
-        *(r(path, fn, name, methods) for path, fn, name, methods in surface.routes(S)),
+        *(r(path, fn, name, methods) for path, fn, name, methods in surface.routes()),
         r("/v1/experts", experts, "experts"),
         r("/v1/experts/events", expert_events, "expert_events"),
         r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),
@@ -464,7 +374,7 @@ def build_app(server: Server) -> Starlette:
         msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
                else str(exc.detail))
         err = ApiError(exc.status_code, msg, code=code)
-        resp = _error_response(err)
+        resp = error_response(err)
         S.metrics.requests.labels("unknown", str(exc.status_code)).inc()
         return resp
 

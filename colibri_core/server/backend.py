@@ -2,7 +2,9 @@
 replicas (colibri_core/fleet/ingress.py's RayBackend, the same methods over Ray Serve).
 
 The routes (app.py) only parse, check, stream and answer; everything that touches an
-engine goes through these methods, so the API has one implementation whatever runs it:
+engine goes through these methods (the Backend protocol below, which both backends
+satisfy: tests/test_request_api.py checks it), so the API has one implementation
+whatever runs it:
 
     model_cfg, tokenizer, model_dir, num_experts      the served model (what params check)
     generate(p, request_id, timeout_s, stream) -> call a completion's events (calls.py's Call:
@@ -11,6 +13,7 @@ engine goes through these methods, so the API has one implementation whatever ru
     await listing() / rollback(name) / upload(name, data)
     await snapshot() -> dict                           what /metrics and the status page show
     retry_after_s(), running                           a refused client's wait; calls in flight
+    trim_memory(), cancel_all()                        idle: memory back; past the grace period
     await startup() / shutdown()                       the app's lifespan
 """
 from __future__ import annotations
@@ -18,15 +21,46 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from ..files import write_atomic
 from . import memory
 from .calls import Calls
 from .errors import ApiError
 from .experts import ExpertBook
-from .generation import run_generation, run_score, score_items
+from .work import run_generation, run_score, score_items
 
 log = logging.getLogger("colibri.server")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the routes run on: LocalBackend (one engine here) or the fleet's RayBackend.
+    generate / score return a call: `async for` its events (runtime/events.py),
+    `.result` at the end, `.cancel(why)`."""
+
+    kind: str                       # "engine" | "ray" (/status.json)
+    model_cfg: Any                  # the served model's ModelConfig
+    tokenizer: Any                  # its Tokenizer, or None
+    model_dir: Path
+    num_experts: int
+
+    async def startup(self) -> None: ...
+    async def shutdown(self, deadline_s: float) -> None: ...
+    def generate(self, p, request_id: str, timeout_s: Optional[float],
+                 stream: bool = True): ...
+    def score(self, raw: list, experts: Optional[int], request_id: str,
+              timeout_s: Optional[float]): ...
+    def retry_after_s(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    def trim_memory(self) -> None: ...
+    def cancel_all(self) -> None: ...
+    def stamp(self) -> tuple[int, str]: ...
+    async def listing(self) -> dict: ...
+    async def rollback(self, name: str) -> dict: ...
+    async def upload(self, name: str, data: bytes, sha: str) -> dict: ...
+    async def snapshot(self) -> dict: ...
 
 
 class LocalBackend:

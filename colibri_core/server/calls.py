@@ -2,11 +2,13 @@
 
 The Engine is shareable (its scheduler batches every caller's sequences into the same
 forward steps), so the server does not serialize anything: each request runs a *work*
-function in its own thread, which submits Generations (or one score_batch) and reads
-them with the engine's blocking iteration; what it emits reaches the event loop through
-`call_soon_threadsafe`, so the loop never waits on the engine (a thread per request,
-not `async for` over a Generation: that waits for each token in the loop's default
-executor, a handful of threads shared by every stream).
+function in its own thread, which prepares and submits Generations (or one score_batch)
+and waits for them; the loop never waits on the engine. Everything reaches the event
+loop through one bridge, the call's `runtime.bridge.LoopQueue` (`ctx.sink`): the work's
+own events (Start, End) from its thread, and the token events straight from the
+scheduler's thread (Generation.start(sink=...)), without passing through the work's
+thread: a streamed token is handed over twice, scheduler -> event loop -> the client's
+response.
 
     call = calls.submit(work, request_id="req-1", timeout_s=60)   # ShuttingDown when stopping
     async for event in call:                                       # what work() emitted
@@ -14,7 +16,7 @@ executor, a handful of threads shared by every stream).
     call.result                                                    # what work() returned
 
 `work(ctx)` calls `ctx.track(generation)` for each Generation it starts, `ctx.emit(event)`
-for each event and `ctx.check()` between two tokens. `call.cancel(why)` (a disconnect, the
+for each event of its own and `ctx.check()` while it waits. `call.cancel(why)` (a disconnect, the
 timeout, shutdown) closes every tracked Generation -- each leaves the step and frees its KV
 cache at the next step, and a blocked read returns -- and makes `ctx.check()` raise
 Cancelled, so the work ends at once.
@@ -27,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..runtime.bridge import LoopQueue
 from .errors import RequestTimeout, ShuttingDown
 
 log = logging.getLogger("colibri.server")
@@ -50,6 +53,7 @@ class CallContext:
         self._call = call
         self.engine = engine
         self.request_id = call.request_id
+        self.sink = call.events           # the bridge to the loop (Generation.start(sink=))
 
     def emit(self, event: Any) -> None:
         self._call._deliver(event)
@@ -77,7 +81,7 @@ class Call:
         self.timeout_s = timeout_s
         self.deadline = None if not timeout_s else time.monotonic() + timeout_s
         self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events = LoopQueue(loop)
         self.cancel_reason: Optional[str] = None
         self.result: Any = None
         self.error: Optional[BaseException] = None
@@ -106,10 +110,7 @@ class Call:
             gen.close()
 
     def _deliver(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:        # the event loop is gone (server stopped): nobody listens
-            pass
+        self.events.put(item)       # nothing when the loop is gone (server stopped)
 
     def _run(self) -> None:
         try:
@@ -152,7 +153,7 @@ class Call:
             while not self.events.empty():
                 item = self.events.get_nowait()
                 if item is _END or item is _WAKE:
-                    self.events.put_nowait(item)
+                    self.events.unget(item)
                     break
                 batch.append(item)
             yield batch
@@ -169,7 +170,7 @@ class Call:
         if item is _WAKE:
             raise ShuttingDown()
         if item is _END:
-            self.events.put_nowait(_END)       # later calls end too
+            self.events.unget(_END)            # later calls end too
             if self._timer is not None:
                 self._timer.cancel()
             err = self.error

@@ -14,7 +14,8 @@ import math
 from typing import Optional
 
 from .errors import bad_request
-from .generation import GenParams
+from ..runtime.sampler import SamplingParams
+from .work import GenParams
 
 log = logging.getLogger("colibri.server")
 
@@ -203,31 +204,34 @@ def sampling(body: dict, engine, route: str) -> GenParams:
     seed = integer(body, "seed", None)
     if seed is not None and seed < 0:
         seed &= (1 << 64) - 1                           # numpy's generator takes seeds >= 0
-    p = GenParams(
-        prompts=[], n=integer(body, "n", 1, lo=1, hi=MAX_N), max_tokens=max_tokens,
+    n = integer(body, "n", 1, lo=1, hi=MAX_N)
+    sampling = dict(   # checked in the order the fields were always checked
         temperature=_num(body, "temperature", 1.0, lo=0.0, hi=100.0),
         top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=max(top_k, 0), seed=seed, stop=_stop(body),
-        logit_bias=_logit_bias(body, V), ignore_eos=_bool(body, "ignore_eos"),
-        experts=integer(body, "experts_per_token", None, lo=1, hi=E),
+        top_k=max(top_k, 0), seed=seed)
+    stop = _stop(body)
+    sampling.update(logit_bias=_logit_bias(body, V), ignore_eos=_bool(body, "ignore_eos"))
+    k = integer(body, "experts_per_token", None, lo=1, hi=E)
+    sampling.update(
         presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0,
                                 lo_open=True),
-        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        # a model without a tokenizer has no text to return: its ids always
-        return_token_ids=_bool(body, "return_token_ids") or engine.tokenizer is None)
+        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0))
+    # a model without a tokenizer has no text to return: its ids always
+    ids = _bool(body, "return_token_ids") or engine.tokenizer is None
+    logprobs, echo = None, False
     if route == "completions":
-        lp = body.get("logprobs")
-        if lp is not None:
-            p.logprobs = integer(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-        p.echo = _bool(body, "echo")
-    else:
-        if _bool(body, "logprobs"):
-            p.logprobs = integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
-        elif body.get("top_logprobs") is not None:
-            raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
-    return p
+        if body.get("logprobs") is not None:
+            logprobs = integer(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        echo = _bool(body, "echo")
+    elif _bool(body, "logprobs"):
+        logprobs = integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
+    return GenParams(prompts=[], n=n, max_tokens=max_tokens, stop=stop,
+                     sampling=SamplingParams(**sampling, logprobs=logprobs),
+                     experts_per_token=k, echo=echo, return_token_ids=ids)
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:

@@ -72,9 +72,8 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None):
         grace = self.app_server.settings.shutdown_timeout_s
-        cancel = getattr(self.app_server.backend, "cancel_all", None)
-        timer = asyncio.get_running_loop().call_later(grace, cancel) \
-            if cancel is not None else None
+        timer = asyncio.get_running_loop().call_later(
+            grace, self.app_server.backend.cancel_all)
         try:
             await super().shutdown(sockets)
         finally:

@@ -1,10 +1,10 @@
-"""Engine events (generation.py) -> OpenAI response bodies and stream chunks."""
+"""Engine events (runtime/events.py) -> OpenAI response bodies and stream chunks."""
 from __future__ import annotations
 
 import json
 from typing import Optional
 
-from .generation import End, Start, Token
+from ..runtime.events import End, Start, TokenEvent
 
 
 def sse(obj) -> bytes:
@@ -53,7 +53,7 @@ class Collector:
             c["echo_lp"] = ev.echo_logprobs
             c["off"] = list(ev.echo_offsets or [])
             c["chars"] = len(ev.echo_text)
-        elif isinstance(ev, Token):
+        elif isinstance(ev, TokenEvent):
             c["text"].append(ev.text)
             if ev.token_id >= 0:          # -1: held-back text, no token of its own
                 c["ids"].append(ev.token_id)
@@ -61,10 +61,10 @@ class Collector:
                 c["lp"].append(ev.logprob)
                 c["off"].append(c["chars"])
             c["chars"] += len(ev.text)
-            if not self.sets or self.sets[-1][0] != ev.generation:
-                self.sets.append((ev.generation, ev.set_id))
+            if not self.sets or self.sets[-1][0] != ev.expert_set_generation:
+                self.sets.append((ev.expert_set_generation, ev.expert_set_id))
             if c["set"] is None:      # a choice is pinned: its tokens' one set
-                c["set"] = {"generation": ev.generation, "id": ev.set_id}
+                c["set"] = ev.expert_set
         elif isinstance(ev, End):
             c["finish"] = ev.finish_reason
 
@@ -117,9 +117,10 @@ class Chunker:
 
     def _chunk(self, choice: dict, ev=None) -> dict:
         d = {**self.base, "choices": [choice]}
-        if ev is not None and isinstance(ev, Token) and (ev.generation, ev.set_id) != self.last_set:
-            self.last_set = (ev.generation, ev.set_id)
-            d["expert_set"] = {"generation": ev.generation, "id": ev.set_id}
+        if ev is not None and isinstance(ev, TokenEvent) and \
+                (ev.expert_set_generation, ev.expert_set_id) != self.last_set:
+            self.last_set = (ev.expert_set_generation, ev.expert_set_id)
+            d["expert_set"] = ev.expert_set
             # the two old fields: deprecated, kept one release
             d["expert_set_generation"], d["expert_set_id"] = self.last_set
         if self.include_usage:
@@ -132,7 +133,7 @@ class Chunker:
             ch = out["choices"][0]
             if isinstance(ev, Start):
                 ch["prompt_token_ids"] = [int(t) for t in ev.prompt_ids]
-            elif isinstance(ev, Token):
+            elif isinstance(ev, TokenEvent):
                 ch["token_ids"] = [ev.token_id] if ev.token_id >= 0 else []
         return out
 
@@ -149,7 +150,7 @@ class Chunker:
                 return self._chunk({"index": ev.choice, "text": ev.echo_text, "logprobs": lp,
                                     "finish_reason": None})
             return None
-        if isinstance(ev, Token):
+        if isinstance(ev, TokenEvent):
             if self.chat:
                 lp = _chat_lp([ev.logprob]) if self.logprobs and ev.logprob else None
                 return self._chunk({"index": ev.choice, "delta": {"content": ev.text},

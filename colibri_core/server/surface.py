@@ -57,7 +57,8 @@ def model_card(server, name: str) -> dict:
     return {"id": name, "object": "model", "created": int(server.started_at),
             "owned_by": "colibri", "root": st.model_id,
             "max_model_len": st.ctx_size or eng.model_cfg.max_position_embeddings,
-            "num_experts": eng.num_experts, "top_k": eng.model_cfg.top_k}
+            "num_experts": eng.num_experts,
+            "experts_per_token": eng.model_cfg.top_k}      # the model's default k
 
 
 def echo_offsets(eng, ids: list, text: str) -> list:
@@ -103,54 +104,59 @@ def _tokenizer(eng):
     return eng.tokenizer
 
 
-def routes(server):
-    """(path, handler, name, methods) for app.py to mount."""
+async def model(server, request, rec):
+    st = server.settings
+    name = request.path_params["model_id"]
+    if name not in model_names(st):
+        raise not_found(name)
+    return JSONResponse(model_card(server, name))
+
+
+async def tokenize(server, request, rec):
     eng, st = server.backend, server.settings
+    body = await read_json(request, LIMITS["generate"])
+    check_model(body, st)
+    text = body.get("content")
+    if not isinstance(text, str):
+        raise bad_request("content: expected text", param="content")
+    flags = {}
+    for f in ("add_special", "with_pieces"):
+        v = body.get(f, False)
+        if not isinstance(v, bool):
+            raise bad_request(f"{f}: expected true or false, got {v!r:.40}", param=f)
+        flags[f] = v
+    tok = _tokenizer(eng)
+    ids = await asyncio.to_thread(tok.encode, text)
+    bos = eng.model_cfg.bos_token_id
+    if flags["add_special"] and bos is not None:
+        ids = [bos] + ids
+    if flags["with_pieces"]:
+        pieces = await asyncio.to_thread(lambda: [tok.token_text(i) for i in ids])
+        return JSONResponse({"tokens": [{"id": i, "piece": s}
+                                        for i, s in zip(ids, pieces)]})
+    return JSONResponse({"tokens": ids})
 
-    async def model(request, rec):
-        name = request.path_params["model_id"]
-        if name not in model_names(st):
-            raise not_found(name)
-        return JSONResponse(model_card(server, name))
 
-    async def tokenize(request, rec):
-        body = await read_json(request, LIMITS["generate"])
-        check_model(body, st)
-        text = body.get("content")
-        if not isinstance(text, str):
-            raise bad_request("content: expected text", param="content")
-        flags = {}
-        for f in ("add_special", "with_pieces"):
-            v = body.get(f, False)
-            if not isinstance(v, bool):
-                raise bad_request(f"{f}: expected true or false, got {v!r:.40}", param=f)
-            flags[f] = v
-        tok = _tokenizer(eng)
-        ids = await asyncio.to_thread(tok.encode, text)
-        bos = eng.model_cfg.bos_token_id
-        if flags["add_special"] and bos is not None:
-            ids = [bos] + ids
-        if flags["with_pieces"]:
-            pieces = await asyncio.to_thread(lambda: [tok.token_text(i) for i in ids])
-            return JSONResponse({"tokens": [{"id": i, "piece": s}
-                                            for i, s in zip(ids, pieces)]})
-        return JSONResponse({"tokens": ids})
+async def detokenize(server, request, rec):
+    eng, st = server.backend, server.settings
+    body = await read_json(request, LIMITS["generate"])
+    check_model(body, st)
+    ids = body.get("tokens")
+    V = eng.model_cfg.vocab_size
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("tokens: expected a list of token ids", param="tokens")
+    bad = next((t for t in ids if not 0 <= t < V), None)
+    if bad is not None:
+        raise bad_request(f"tokens: token id {bad} out of range 0..{V - 1}",
+                          param="tokens")
+    tok = _tokenizer(eng)
+    return JSONResponse({"content": await asyncio.to_thread(tok.decode, ids)})
 
-    async def detokenize(request, rec):
-        body = await read_json(request, LIMITS["generate"])
-        check_model(body, st)
-        ids = body.get("tokens")
-        V = eng.model_cfg.vocab_size
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise bad_request("tokens: expected a list of token ids", param="tokens")
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise bad_request(f"tokens: token id {bad} out of range 0..{V - 1}",
-                              param="tokens")
-        tok = _tokenizer(eng)
-        return JSONResponse({"content": await asyncio.to_thread(tok.decode, ids)})
 
+def routes():
+    """(path, route, name, methods) for app.py to mount: module-level functions of (the
+    Server, the request, its Record), as app.py's."""
     return [("/v1/models/{model_id:path}", model, "model", ("GET",)),
             ("/tokenize", tokenize, "tokenize", ("POST",)),
             ("/detokenize", detokenize, "detokenize", ("POST",))]
