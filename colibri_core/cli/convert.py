@@ -62,7 +62,7 @@ def cmd_convert(args) -> int:
     print(f"  {'all':<11} {sum(r['count'] for r in rows):>5} matrices     "
           f"{8 * tot_b / max(tot_w, 1):6.2f} bits, {tot_b / 2**20:8.2f} MiB", file=sys.stderr)
     for line in gguf_report:
-        print(line if line.startswith("colibri") else f"colibri: {line}", file=sys.stderr)
+        print(line if line.startswith(("colibri", "  ")) else f"colibri: {line}", file=sys.stderr)
     if gguf_in:
         return 0
     copied = [n for n in TOKENIZER_FILES if n in cfg.files]
