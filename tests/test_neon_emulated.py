@@ -1,10 +1,10 @@
-"""The NEON backend, executed: tests/c/ck_neon_driver.c (C only, no Python on the target)
-compiled with the kernel sources by Debian's aarch64 cross compiler, with the flags the
-package's own build uses (kernels/build.py's kernel_flags("aarch64"): -ffp-contract=off is
-among them), and run under qemu-aarch64 user emulation twice: `-cpu cortex-a53` (no
-dot-product instructions: the plain NEON tables run) and `-cpu max` (sdot). The driver
-compares every NEON kernel with the scalar reference in the same binary and prints one
-line per kernel; the tolerances are in the driver and docs/ARCHITECTURE.md.
+"""The NEON backend, executed: tests/c/ck_neon_driver.c and ck_neon_api.c (C only, no
+Python on the target) compiled with the kernel sources by Debian's aarch64 cross compiler,
+with the flags the package's own build uses (kernels/build.py's kernel_flags("aarch64"):
+-ffp-contract=off is among them), and run under qemu-aarch64 user emulation twice: `-cpu
+cortex-a53` (no dot-product instructions: the plain NEON tables run) and `-cpu max` (sdot).
+The driver compares every NEON kernel with the scalar reference in the same binary and
+prints one line per kernel; the tolerances are in the driver and docs/ARCHITECTURE.md.
 
 Needs gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user (.ci/run installs them).
 Where CI is set, a missing one fails the test; elsewhere the test skips, saying which.
@@ -26,6 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KDIR = ROOT / "colibri_core" / "kernels" / "c"
 DRIVER = ROOT / "tests" / "c" / "ck_neon_driver.c"
+DRIVER_SOURCES = sorted((ROOT / "tests" / "c").glob("*.c"))   # the driver and ck_neon_api.c
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 PACKAGES = "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
 
@@ -62,6 +63,7 @@ def test_one_list_of_flags():
 def test_driver_is_not_in_the_extension():
     sources = [Path(p) for p in build_script().kernel_sources()]
     assert DRIVER.is_file() and DRIVER not in sources
+    assert DRIVER in DRIVER_SOURCES and not set(DRIVER_SOURCES) & set(sources)
     assert {p.name for p in sources} >= {"ck_scalar.c", "ck_neon.c", "ck_core.c"}
     assert not any(re.search(r"\bint\s+main\s*\(", p.read_text()) for p in sources)
 
@@ -91,7 +93,7 @@ def driver(tmp_path_factory) -> tuple[str, Path]:
     b = build_script()
     cflags, ldflags = b.kernel_flags("aarch64")
     exe = tmp_path_factory.mktemp("neon") / "ck_neon_driver"
-    cmd = [cc, *cflags, "-Wall", "-static", f"-I{KDIR}", str(DRIVER), *b.kernel_sources(),
+    cmd = [cc, *cflags, "-Wall", "-static", f"-I{KDIR}", *map(str, DRIVER_SOURCES), *b.kernel_sources(),
            "-o", str(exe), "-lm", *ldflags]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
