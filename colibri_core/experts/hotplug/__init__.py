@@ -10,8 +10,10 @@ Modules (each importing only those above it):
                  private staging copy named by sha256
     bundle.py    bundle folders NAME.expert/ (ffn_forward-only .so + expert.toml + row)
     state.py     the JSON state file (slots, versions, history), written atomically
-    probe.py     the probe itself, its verdicts, and the warm helper that forks one child
-                 per probe (`python -m colibri_core.experts.hotplug.probe --serve`)
+    probecheck.py  the checks a probe runs on a .so (calls of ffn_forward), in its process
+    probe.py     the probe's processes and verdicts: the warm helper that forks one child
+                 per probe (`python -m colibri_core.experts.hotplug.probe --serve`), the
+                 fresh-interpreter fallback, interpret()
     probepool.py ProbePool: the helper seen from the engine, P probes at once, restarts
     sandbox.py   the isolated helper's seccomp filter (before the expert is loaded) and
                  its descriptors
