@@ -147,7 +147,7 @@ def test_cli_run_prints_one_error_line_and_exits_2(two_copies, tmp_path):
 UNITS = """
 import json, os, sys, threading
 import numpy as np
-from colibri_core import mapguard
+from colibri_core.kernels import mapguard
 from colibri_core.errors import ModelFileDamaged
 from colibri_core.experts.expertio import populate as _populate
 from colibri_core.format.modelfile import ContainerFile

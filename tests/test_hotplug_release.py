@@ -183,7 +183,8 @@ def test_engine_open_close_rss_slope_is_flat():
 
 INSPECT = textwrap.dedent("""
     import os, sys
-    from colibri_core import cli, validate
+    from colibri_core import cli
+    from colibri_core.format import validate
     real, done = validate.tensor_problems, []
     def cut_then_check(name, t):             # the first file scanned, cut short under it
         if not done:
