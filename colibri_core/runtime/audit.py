@@ -91,9 +91,9 @@ class RouteSink:
         sc = pipe.scratch
         layers = []
         for i, L in enumerate(pipe.layers):
-            if L["moe"]:
+            if L.moe:
                 k, w = pipe.layer_k[i], pipe.layer_width[i]
-                layers.append((L["index"], w, sc.rows("ids", i, n, k)[:, :w].astype("<i2").tobytes(),
+                layers.append((L.index, w, sc.rows("ids", i, n, k)[:, :w].astype("<i2").tobytes(),
                                sc.rows("wts", i, n, k)[:, :w].astype("<f4").tobytes()))
         rows = self._rows
         if len(rows) > 2 * len(spans) + 256:       # entries of caches nobody took: gone
