@@ -63,7 +63,7 @@ PROMPT_TEXT = """What an f16 or q8 KV cache costs against f32: the same sequence
 
     python benchmarks/kv_dtype_error.py [--steps 64] [--json]
 
-For each model (a random one from colibri_core.model.testing and the built-in one), the f32
+For each model (a random one from colibri_core.testing and the built-in one), the f32
 cache decodes `steps` greedy tokens after a fixed 128-token prompt, with int8 activations
 (the default) and with float activations (the C pipeline's float tiles, where no
 int8 rounding of the attention's output hides the cache's own error); the f16 and q8 caches are then
