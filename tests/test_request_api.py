@@ -97,3 +97,15 @@ def test_both_backends_satisfy_the_backend_protocol():
                 assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), \
                     f"{cls.__name__}.{name}: async or not as the protocol says"
         assert isinstance(cls.kind, str)
+
+
+def test_serve_experts_per_token_is_the_servers_default_k(tmp_path):
+    from colibri_core.cli import build_parser
+    from colibri_core.server.serve import resolve
+    args = build_parser().parse_args(["serve", "--experts-per-token", "1", "--threads", "1",
+                                      "--experts-dir", str(tmp_path)])
+    _, cfg, _ = resolve(args)
+    assert [(r.k, r.min_tokens, r.max_tokens) for r in cfg.length_policy] == [(1, None, None)]
+    with Engine(*resolve(args)[:2]) as e:
+        assert (e.generate([1, 2], max_new_tokens=1).k, e.generate([1, 2], max_new_tokens=1,
+                experts_per_token=2).k) == (1, 2)

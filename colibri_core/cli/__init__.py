@@ -29,7 +29,7 @@ import sys
 
 from ..errors import ColibriError
 from . import convert, experts, inspect, run
-from .args import CliParser, defaults_help
+from .args import CliParser, defaults_help, renamed
 
 
 def cmd_serve(args) -> int:
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with live experts "
                                       "(docs/SERVE.md; --ray: a fleet, docs/SCALE.md)")
     serve_arguments(sv)
+    renamed(sv, "--top-k", "--experts-per-token K (experts per token)")
     fleet_arguments(sv)
     sv.set_defaults(func=cmd_serve)
     from .. import replay

@@ -43,6 +43,10 @@ def add_arguments(p) -> None:
                    help="watched folder of hot-plugged experts (default: the config's "
                         "experts_dir, else ./experts_so when it exists)")
     p.add_argument("--threads", type=int, help="compute threads (default: the config's; engine default 2)")
+    p.add_argument("--experts-per-token", dest="experts_per_token", type=int, metavar="K",
+                   help="the server's default experts per token: the engine config's "
+                        "length_policy becomes K for every prompt (a request's "
+                        "experts_per_token field, a MODE:kN| prefix or a plugin wins)")
     p.add_argument("--plugins-dir", dest="plugins_dir", help="folder of plugin modules")
     p.add_argument("--api-key", dest="api_key",
                    help="require 'Authorization: Bearer KEY' on /v1 routes; visible to "

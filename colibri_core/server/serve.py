@@ -232,6 +232,11 @@ def resolve(args):
                  "max_queued_requests": args.queue_size, "when_full": "refuse"}
     if args.threads is not None:
         overrides["threads"] = args.threads
+    k = getattr(args, "experts_per_token", None)
+    if k is not None:                       # below a request's own k (kselect.py)
+        if k < 1:
+            raise ConfigError(f"--experts-per-token {k}: expected at least 1 expert")
+        overrides["length_policy"] = [{"k": k}]
     speculation_overrides(args, overrides)
     if args.plugins_dir:
         overrides["plugins_dir"] = args.plugins_dir
