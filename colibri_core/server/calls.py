@@ -4,7 +4,7 @@ The Engine is shareable (its scheduler batches every caller's sequences into the
 forward steps), so the server does not serialize anything: each request runs a *work*
 function in its own thread, which prepares and submits Generations (or one score_batch)
 and waits for them; the loop never waits on the engine. Everything reaches the event
-loop through one bridge, the call's `runtime.bridge.LoopQueue` (`ctx.sink`): the work's
+loop through one bridge, the call's `runtime.bridge.LoopQueue` (`call.sink`): the work's
 own events (Start, End) from its thread, and the token events straight from the
 scheduler's thread (Generation.start(sink=...)), without passing through the work's
 thread: a streamed token is handed over twice, scheduler -> event loop -> the client's
@@ -15,11 +15,11 @@ response.
         ...
     call.result                                                    # what work() returned
 
-`work(ctx)` calls `ctx.track(generation)` for each Generation it starts, `ctx.emit(event)`
-for each event of its own and `ctx.check()` while it waits. `call.cancel(why)` (a disconnect, the
-timeout, shutdown) closes every tracked Generation -- each leaves the step and frees its KV
-cache at the next step, and a blocked read returns -- and makes `ctx.check()` raise
-Cancelled, so the work ends at once.
+`work(call)` (the Call itself: `engine`, `request_id`, `sink`) calls `call.track(generation)`
+for each Generation it starts, `call.emit(event)` for each event of its own and
+`call.check()` while it waits. `call.cancel(why)` (a disconnect, the timeout, shutdown)
+closes every tracked Generation -- each leaves the step and frees its KV cache at the
+next step -- and makes `call.check()` raise Cancelled, so the work ends at once.
 """
 from __future__ import annotations
 
@@ -39,49 +39,28 @@ _WAKE = object()        # wakes the reader: the call was cancelled by the shutdo
 
 
 class Cancelled(Exception):
-    """Raised by CallContext.check() inside work(): stop now, the result is not wanted."""
+    """Raised by Call.check() inside work(): stop now, the result is not wanted."""
 
     def __init__(self, why: str):
         super().__init__(why)
         self.why = why            # "disconnect" | "timeout" | "shutdown"
 
 
-class CallContext:
-    """What work() sees: the engine, emit, check, track."""
-
-    def __init__(self, call: "Call", engine):
-        self._call = call
-        self.engine = engine
-        self.request_id = call.request_id
-        self.sink = call.events           # the bridge to the loop (Generation.start(sink=))
-
-    def emit(self, event: Any) -> None:
-        self._call._deliver(event)
-
-    def check(self) -> None:
-        self._call.raise_if_cancelled()
-
-    def cancel(self, why: str) -> None:
-        """Stop the whole call (its other readers see Cancelled at their next check)."""
-        self._call.cancel(why)
-
-    def track(self, gen) -> None:
-        """A Generation of this call: closed when the call is cancelled."""
-        self._call._track(gen)
-
-
 class Call:
     """One request's work, its deadline, its Generations and the async side's queue.
-    Iterate it (`async for`) for the events; an error of the work is raised at the end."""
+    Iterate it (`async for`) for the events; an error of the work is raised at the end.
+    work(call) sees `engine`, `request_id`, `sink`, `emit`, `check`, `track`, `cancel`."""
 
-    def __init__(self, work: Callable[[CallContext], Any], request_id: str, engine,
+    def __init__(self, work: Callable[["Call"], Any], request_id: str, engine,
                  timeout_s: Optional[float], loop: asyncio.AbstractEventLoop):
         self.work = work
+        self.engine = engine
         self.request_id = request_id
         self.timeout_s = timeout_s
         self.deadline = None if not timeout_s else time.monotonic() + timeout_s
         self.loop = loop
         self.events = LoopQueue(loop)
+        self.sink = self.events           # the bridge to the loop (Generation.start(sink=))
         self.cancel_reason: Optional[str] = None
         self.result: Any = None
         self.error: Optional[BaseException] = None
@@ -89,32 +68,34 @@ class Call:
         self._lock = threading.Lock()
         self._gens: list = []
         self.on_done: Optional[Callable[[], None]] = None     # run in the loop at the end
-        self._ctx = CallContext(self, engine)
         self._timer = loop.call_later(timeout_s, self.cancel, "timeout") if timeout_s else None
         self._thread = threading.Thread(target=self._run, name=f"colibri-call-{request_id}",
                                         daemon=True)
 
     # -- the worker thread ----------------------------------------------------------------
-    def raise_if_cancelled(self) -> None:
+    def check(self) -> None:
+        """Raises Cancelled once the call is not wanted any more (or past its deadline)."""
         if self.cancel_reason is None and self.deadline is not None \
                 and time.monotonic() > self.deadline:
             self.cancel("timeout")
         if self.cancel_reason is not None:
             raise Cancelled(self.cancel_reason)
 
-    def _track(self, gen) -> None:
+    def track(self, gen) -> None:
+        """A Generation of this call: closed when the call is cancelled."""
         with self._lock:
             self._gens.append(gen)
             cancelled = self.cancel_reason is not None
         if cancelled:
             gen.close()
 
-    def _deliver(self, item: Any) -> None:
-        self.events.put(item)       # nothing when the loop is gone (server stopped)
+    def emit(self, item: Any) -> None:
+        """An event of the work's own, to the loop (nothing when the loop is gone)."""
+        self.events.put(item)
 
     def _run(self) -> None:
         try:
-            self.result = self.work(self._ctx)
+            self.result = self.work(self)
         except Cancelled as c:
             self.error = RequestTimeout(self.timeout_s) if c.why == "timeout" else \
                 ShuttingDown() if c.why == "shutdown" else c
@@ -124,7 +105,7 @@ class Call:
             for g in self._gens:
                 g.close()
             self.done.set()
-            self._deliver(_END)
+            self.emit(_END)
             if self.on_done is not None:
                 try:
                     self.loop.call_soon_threadsafe(self.on_done)
@@ -142,7 +123,7 @@ class Call:
         for g in gens:
             g.close()
         if why == "shutdown":
-            self._deliver(_WAKE)
+            self.emit(_WAKE)
 
     # -- the event loop -------------------------------------------------------------------
     async def batches(self):
@@ -204,7 +185,7 @@ class Calls:
     def retry_after_s(self) -> int:
         return max(1, int(self._avg_s + 0.999))
 
-    def submit(self, work: Callable[[CallContext], Any], *, request_id: str,
+    def submit(self, work: Callable[[Call], Any], *, request_id: str,
                timeout_s: Optional[float] = None) -> Call:
         """Start `work` in its own thread; ShuttingDown (503) once stopping."""
         if self._stopping:

@@ -1,6 +1,6 @@
 """Work of the OpenAI routes and /v1/score.
 
-Each function runs in its request's own thread (calls.py), takes its CallContext, calls
+Each function runs in its request's own thread (calls.py), takes its Call (`ctx`), calls
 the engine (shared with every other request: its scheduler batches them) and emits the
 stream's events (runtime/events.py, the one vocabulary):
 
