@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
         if not args.quiet:
             print(f"colibri: model {eng.model_dir} | {eng.model_cfg.architecture}, "
                   f"{eng.model_cfg.num_layers} layers ({len(eng.model_cfg.moe_layers)} MoE), "
-                  f"k={gen.k} ({gen.k_source}), threads={eng.config.threads}, "
+                  f"experts_per_token={gen.k} ({gen.k_source}), threads={eng.config.threads}, "
                   f"prompt {len(gen.prompt_ids)} tokens", file=sys.stderr)
             for line in _budget_lines(eng):
                 print(line, file=sys.stderr)

@@ -73,6 +73,12 @@ class Generation:
     _iterated: bool = field(default=False, repr=False)
 
     @property
+    def experts_per_token(self) -> int:
+        """k, the experts per token this request runs with (`k_source`: where it came
+        from); `k` is the same number."""
+        return self.k
+
+    @property
     def speculation(self) -> dict:
         """Speculative decoding's counts so far: `rounds` (steps that fed draft tokens),
         `drafted` (draft tokens fed), `accepted` (of them, emitted); all 0 when off."""
