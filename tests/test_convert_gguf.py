@@ -126,7 +126,7 @@ def test_16_bit_gguf_kept(kind, tmp_path):
 
 
 # deepseek_v2_yarn: YaRN from rope.scaling.* (mscale from yarn_log_multiplier) and
-# group-limited routing; without the YaRN fields its logit error is 0.095, not 0.019
+# group-limited routing; without the YaRN fields its logit error is 0.080, not 0.016
 QUANT_CASES = [(c, "Q8_0") for c in FAMILY_CASES + ("deepseek_v2_yarn",)] + [
     ("mixtral_types", "Q4_0"), ("mixtral_types", "MXFP4_MOE"), ("mixtral_types", "Q4_1")]
 

@@ -30,7 +30,7 @@ is no sentencepiece tokenizer.model, so that attempt says FileNotFoundError (lla
 fallback to the BPE vocab); GLM-4.5's and ERNIE-4.5's set_vocab (which need their own
 special tokens / a sentencepiece model) are the plain GPT-2 BPE one.
 
-Widths: the "small" cases (hidden 64, 2 layers) carry the float, Q8_0, Q4_0 and Q4_1
+Widths: the "small" cases (hidden 32, 2 layers) carry the float, Q8_0, Q4_0 and Q4_1
 files; the "kq" cases use widths that are multiples of 256 so that every matrix gets the
 K-quant type asked for.
 """
@@ -63,33 +63,33 @@ def _helpers():
 DEFAULT_SRC = ROOT / "build/llamacpp/src/llama_cpp_python-0.3.36"
 DEFAULT_BIN = ROOT / "build/llamacpp/build/bin"
 
-SMALL = dict(vocab_size=288, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(vocab_size=288, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1)
 # per family: overrides of hf_helpers.make_hf_model / hf_helpers_more.make_more_model
 SMALL_FAMILY = {
     "mixtral": dict(intermediate_size=32, num_local_experts=4),
-    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, num_experts=4, mlp_only_layers=[]),
-    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=32),
+    "qwen2_moe": dict(intermediate_size=64, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, num_experts=4, mlp_only_layers=[]),
+    "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=32, num_experts=4, head_dim=16),
     # llama.cpp's OLMoE has no GQA (its k norm spans n_embd)
     "olmoe": dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=2,
-                  num_key_value_heads=4),
-    "deepseek_v2": dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
-                        n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=64,
+                  num_key_value_heads=2),
+    "deepseek_v2": dict(num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32,
+                        n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32,
                         kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
                         v_head_dim=32),
-    "deepseek_v3": dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+    "deepseek_v3": dict(num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                         scoring_func="sigmoid", topk_method="noaux_tc",   # as published configs
-                        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
                         qk_rope_head_dim=16, v_head_dim=32),
     "granitemoe": dict(intermediate_size=32, num_local_experts=4),
     "granitemoeshared": dict(intermediate_size=32, num_local_experts=4,
-                             shared_intermediate_size=64),
-    "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                             shared_intermediate_size=32),
+    "glm4_moe": dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
                      num_experts_per_tok=2, n_group=2, topk_group=1, head_dim=32),
     # llama.cpp writes the shared FFN width as intermediate_size // num_key_value_heads
-    "ernie4_5_moe": dict(intermediate_size=64, moe_intermediate_size=32, moe_num_experts=4,
+    "ernie4_5_moe": dict(intermediate_size=32, moe_intermediate_size=32, moe_num_experts=4,
                          moe_k=2, moe_layer_start_index=1, moe_layer_end_index=1),
 }
 KQ = dict(vocab_size=288, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
