@@ -36,6 +36,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -82,7 +83,14 @@ SHAPES = {
         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         "bos_token_id": 100000, "eos_token_id": 100001, "aux_loss_alpha": 0.001},
 }
-GGUF_ARCH = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe"}
+SHAPES["mixtral-8x7b"] = {   # mistralai/Mixtral-8x7B-v0.1
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32000, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-05, "sliding_window": None, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+GGUF_ARCH = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "llama"}
 
 
 def log(*a):
@@ -101,9 +109,13 @@ def model_config(shape: str):
 class Draw:
     """Random quantized tensors whose products keep their input's scale."""
 
-    # variance of (q - zero) for uniform codes: q4 0..15 about 8, q6 0..63 about 32,
-    # q8 -127..127 about 0
-    VAR = {"q4": (16 ** 2 - 1) / 12 + 0.25, "q6": (64 ** 2 - 1) / 12 + 0.25,
+    # variance of (q - zero): q4 codes 1..15 about 8 with code 0 drawn as 8 (values -7..7,
+    # 0 twice as often: mean 0), q6 0..63 about 32, q8 -127..127 about 0. q4's codes must
+    # have mean 0: uniform 0..15 about 8 have mean -0.5, a rank-one part in every matrix
+    # (-0.5 x scale x the input's sum) that grows layer by layer until every token's
+    # hidden state points the same way and routes to the same experts (measured: 99 % hits
+    # for random tokens under an 8 GiB budget on Qwen3-30B-A3B's shape).
+    VAR = {"q4": 2 * sum(k * k for k in range(1, 8)) / 16, "q6": (64 ** 2 - 1) / 12 + 0.25,
            "q8": 127 * 128 / 3}
 
     def __init__(self, seed: int):
@@ -111,6 +123,13 @@ class Draw:
 
     def bytes(self, *shape) -> np.ndarray:
         return np.frombuffer(self.rng.bytes(int(np.prod(shape))), np.uint8).reshape(shape)
+
+    def nibbles(self, *shape) -> np.ndarray:
+        """Random bytes of two q4 codes each, code 0 replaced by 8 (mean-zero values)."""
+        b = self.bytes(*shape).copy()
+        b ^= ((b & 0x0F) == 0).astype(np.uint8) << 3
+        b ^= ((b >> 4) == 0).astype(np.uint8) << 7
+        return b
 
     def scales(self, rows: int, ng: int, s: float) -> np.ndarray:
         return (s * (0.75 + 0.5 * self.rng.random((rows, ng), np.float32))).astype(np.float32)
@@ -121,7 +140,7 @@ class Draw:
         ng = cp // GROUP
         s = gain / np.sqrt(self.VAR[kind] * cols)
         if kind == "q4":
-            return Q4Tensor(self.bytes(rows, cp // 2), self.scales(rows, ng, s),
+            return Q4Tensor(self.nibbles(rows, cp // 2), self.scales(rows, ng, s),
                             np.full((rows, ng), 8, np.uint8), rows, cols, GROUP)
         if kind == "q6":
             return Q6Tensor(self.bytes(rows, cp // 64 * 48), self.scales(rows, ng, s),
@@ -258,9 +277,10 @@ Q4_0_BLOCK, Q6_K_BLOCK = 18, 210      # bytes per 32 / 256 values
 
 def q4_0_rows(dr: Draw, rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
     """Random Q4_0 blocks [rows, cols / 32 * 18]: an f16 scale d, then 16 bytes whose low
-    nibbles are values 0..15 and high nibbles 16..31, value (q - 8) * d."""
+    nibbles are values 0..15 and high nibbles 16..31, value (q - 8) * d (codes as
+    Draw.nibbles: mean zero)."""
     nb = cols // 32
-    out = dr.bytes(rows, nb, Q4_0_BLOCK).copy()
+    out = dr.nibbles(rows, nb, Q4_0_BLOCK)
     d = (gain / np.sqrt(Draw.VAR["q4"] * cols)) * (0.75 + 0.5 * dr.rng.random((rows, nb)))
     out[:, :, :2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return out.reshape(rows, nb * Q4_0_BLOCK)
@@ -292,9 +312,10 @@ def _gguf_tensors(cfg, dr: Draw):
         yield b + "attn_k.weight", "Q4_0", (nkv * hd, H), q4(nkv * hd, H)
         yield b + "attn_v.weight", "Q4_0", (nkv * hd, H), q4(nkv * hd, H)
         yield b + "attn_output.weight", "Q4_0", (H, nh * hd), q4(H, nh * hd)
-        qn, kn = (hd, hd) if cfg.qk_norm == "per_head" else (nh * hd, nkv * hd)
-        yield b + "attn_q_norm.weight", "F32", (qn,), f32(qn)
-        yield b + "attn_k_norm.weight", "F32", (kn,), f32(kn)
+        if cfg.qk_norm:
+            qn, kn = (hd, hd) if cfg.qk_norm == "per_head" else (nh * hd, nkv * hd)
+            yield b + "attn_q_norm.weight", "F32", (qn,), f32(qn)
+            yield b + "attn_k_norm.weight", "F32", (kn,), f32(kn)
         yield b + "ffn_norm.weight", "F32", (H,), f32(H)
         yield (b + "ffn_gate_inp.weight", "F32", (E, H),
                lambda: dr.router(E, H))
@@ -373,6 +394,76 @@ def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
     return out
 
 
+# ----------------------------------------------------------------------------- routing
+
+# The skewed variant: router row of popularity rank r scaled by 1 + SKEW_A / r (rank ->
+# expert a random permutation per layer). A random row dotted with any hidden state is a
+# Gaussian logit whose spread the scale sets, so a larger row wins top-k more often. An
+# exact Zipf law with s = 1 is not reachable with top-k of E distinct experts: for
+# Qwen3-30B-A3B (top-8 of 128) rank 1 would need 18.4 % of the selections, 1.47 a token.
+# Capped at one a token, Zipf's top-8 share is 46 %; scaling rows alone caps each expert
+# near one selection in two tokens (a logit as often negative as positive), and 1 + 100 / r
+# gives a top-8 share of 39 % (Monte Carlo of iid logits; 6.25 % uniform). The measured
+# shares of both engines are reported by bench_outofmem.py.
+SKEW_A = 100.0
+ROUTING = ("uniform", "skewed")
+
+
+def routers(cfg, variant: str, seed: int = 7) -> dict:
+    """{MoE layer: float32 [E, H] router} of a routing variant; both engines get these."""
+    dr = Draw(seed)
+    E, H = cfg.num_experts, cfg.hidden_size
+    out = {}
+    for L in cfg.moe_layers:
+        R = dr.router(E, H)
+        perm = dr.rng.permutation(E)               # drawn for both variants: same rows
+        if variant == "skewed":
+            g = np.empty(E, np.float32)
+            g[perm] = 1.0 + SKEW_A / np.arange(1, E + 1)
+            R = (R * g[:, None]).astype(np.float32)
+        elif variant != "uniform":
+            raise ValueError(f"routing variant {variant!r}: have {', '.join(ROUTING)}")
+        out[L] = R
+    return out
+
+
+def set_routing(shape: str, variant: str, root: Path = DEFAULT_DIR) -> dict:
+    """Write `variant`'s routers into both files of `shape` in place: Colibri's
+    routing.bin (rewritten; config.json's size and sha256 of it updated) and the GGUF's
+    ffn_gate_inp tensors (F32, overwritten where they lie). -> {MoE layer: router}."""
+    from colibri_core.format.container import sha256_file
+    from colibri_core.format.writer import write_container
+    from benchmarks.peers._llamacpp_tools import import_gguf
+    cfg = model_config(shape)
+    rs = routers(cfg, variant)
+    p = paths(shape, root)
+    mdir = p["colibri"]
+    rb = mdir / "routing.bin"
+    write_container(rb, [(f"layer.{L}.router", R) for L, R in rs.items()])
+    cj = mdir / "config.json"
+    data = json.loads(cj.read_text())
+    data["files"]["routing.bin"] = {"size": rb.stat().st_size, "sha256": sha256_file(rb)}
+    tmp = cj.with_name("config.json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, cj)
+    if p["gguf"].exists():
+        gguf = import_gguf()
+        rd = gguf.GGUFReader(str(p["gguf"]), "r+")
+        for t in rd.tensors:
+            if t.name.endswith(".ffn_gate_inp.weight"):
+                L = int(t.name.split(".")[1])
+                t.data[...] = rs[L].reshape(t.data.shape)
+        rd.data.flush()
+        del rd
+    (mdir / "routing_variant.txt").write_text(variant + "\n")
+    return rs
+
+
+def routing_variant(shape: str, root: Path = DEFAULT_DIR) -> Optional[str]:
+    f = paths(shape, root)["colibri"] / "routing_variant.txt"
+    return f.read_text().strip() if f.exists() else None
+
+
 # ----------------------------------------------------------------------------- files
 
 def paths(shape: str, root: Path = DEFAULT_DIR) -> dict:
@@ -403,7 +494,9 @@ def ensure(shape: str, root: Path = DEFAULT_DIR, gguf: bool = True) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("write", "delete", "sizes"))
+    ap.add_argument("action", choices=("write", "delete", "sizes", "routing"))
+    ap.add_argument("--routing", choices=ROUTING, default="uniform",
+                    help="with `routing`: the routers to write into both files")
     ap.add_argument("shape", nargs="?", choices=sorted(SHAPES))
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--no-gguf", action="store_true")
@@ -419,6 +512,8 @@ def main(argv=None) -> None:
         ap.error("name a shape")
     if a.action == "delete":
         delete(a.shape, a.dir)
+    elif a.action == "routing":
+        set_routing(a.shape, a.routing, a.dir)
     else:
         print(json.dumps({k: str(v) for k, v in ensure(a.shape, a.dir, not a.no_gguf).items()}))
 
