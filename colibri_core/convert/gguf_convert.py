@@ -9,6 +9,9 @@ q6 (6.31; the classes the C pipeline runs at 6 bits) > q4 (4.31), each at the sm
 group of 64, 128, 256 that keeps it under the GGUF's bits (Q8_0's 8.5: q8 g64, 8.5; Q4_K's
 4.5: q4 g128, 4.31; a Q4_K_M expert class of Q4_K and Q6_K, ~4.8: q4 g64, 4.63). A class
 below 4.16 bits (Q3_K, Q2_K) still gets q4 g256 (4.16), the floor; the report shows it.
+What these choices leave under the GGUF's bits per weight (the whole model's) is then
+spent on the embedding, the attention K/V, q/o and the lm_head, in that order
+(HEADROOM_ORDER), so the model as a whole stays at or under the GGUF's bits per weight.
 No C kernel runs a GGUF block format: K-quants, Q8_0 and MXFP4 are requantized.
 `--bits` / `--tensor-bits` (and the per-class flags) override the choice as for a
 checkpoint folder.
@@ -122,47 +125,57 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
         if bits is None and c not in tb:
             tb[c] = b
         cls_group[c] = g if tb.get(c, bits) == b else min(groups)
-    embed_up = None
-    if bits is None and "embed" not in (tensor_bits or {}) and not src.hf["tie_word_embeddings"]:
-        embed_up = _embed_headroom(types, gb, tb, cls_group, groups)
+    headroom = {}
+    if bits is None:
+        skip = set(tensor_bits or {}) | ({"embed", "lm_head"} if src.hf["tie_word_embeddings"]
+                                         else set())
+        headroom = _headroom(types, gb, tb, cls_group, groups, skip)
     if bits is None:
         bits = tb.get("experts") or tb.get("dense_ffn") or 4
     record = {"file": src.path.name, "architecture": src.arch, "group_size": cls_group,
-              **({"embed_headroom": embed_up} if embed_up else {}),
+              **({"headroom": headroom} if headroom else {}),
               "classes": {c: {"types": {t: n for t, n in sorted(types[c].items())},
                               "bits": round(gb[c], 4)} for c in sorted(types)}}
     return src, bits, tb, group_size, record
 
 
-# the embedding's formats above its class choice, best first
-_EMBED_UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256))
+# the formats a class may move up to with the headroom, best first
+_UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256))
+# the classes that take the headroom, in this order: the embedding (one row read per
+# token: file size only), then the attention K/V, q/o and the lm_head (small next to the
+# experts; run at 6 or 8 bits by the C pipeline). FFN classes have no format between q4
+# and q8, and q8 is above any 4-6 bit GGUF class.
+HEADROOM_ORDER = ("embed", "attn_kv", "attn_qo", "lm_head")
 
 
-def _embed_headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups) -> Optional[str]:
-    """Spend what the classes' choices left under the GGUF's bits (the whole model's) on
-    the embedding: its format goes up to the best one that keeps the model at or under the
-    GGUF's bits per weight. Decode reads one embedding row per token, so this costs no
-    speed; at 4 bits the embedding is the largest single share of the logit error (as for
-    checkpoints, where --bits 4 keeps it at q8). Not for a tied embedding (the lm_head)."""
+def _headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups, skip) -> dict:
+    """Spend what the classes' choices left under the GGUF's bits per weight (the whole
+    model's, over all matrix classes) on HEADROOM_ORDER, each class moved up to the best
+    format that keeps the model at or under the GGUF's bits per weight. At 4-5 bits the
+    embedding and the attention matrices carry a large share of the logit error for their
+    size (as for checkpoints, where --bits 4 keeps the embedding and K/V at q8)."""
     w = {c: sum(t.values()) for c, t in types.items()}
-    if "embed" not in w:
-        return None
+    if any(c not in tb for c in w):
+        return {}
     gguf_total = sum(gb[c] * w[c] for c in w)
-    ours = {c: stored_bits(tb[c], cls_group[c]) for c in w if c in tb}
-    if len(ours) != len(w):
-        return None
-    cur = ours["embed"]
-    rest = sum(ours[c] * w[c] for c in w if c != "embed")
-    for b, g in _EMBED_UP:
-        if g not in groups and len(groups) == 1:
+    ours = {c: stored_bits(tb[c], cls_group[c]) for c in w}
+    done = {}
+    for c in HEADROOM_ORDER:
+        if c not in w or c in skip:
             continue
-        sb = stored_bits(b, g)
-        if sb > cur and rest + sb * w["embed"] <= gguf_total + 1e-6:
-            tb["embed"], cls_group["embed"] = b, g
-            return (f"q{b} g{g} ({sb:.2f} bits) instead of {cur:.2f}: the model stays at "
-                    f"{(rest + sb * w['embed']) / sum(w.values()):.2f} bits per weight, "
-                    f"the GGUF's {gguf_total / sum(w.values()):.2f}")
-    return None
+        rest = sum(ours[k] * w[k] for k in w if k != c)
+        for b, g in _UP:
+            if len(groups) == 1 and g not in groups:
+                continue
+            sb = stored_bits(b, g)
+            if sb > ours[c] and rest + sb * w[c] <= gguf_total + 1e-6:
+                done[c] = f"q{b} g{g} ({sb:.2f} bits) instead of {ours[c]:.2f}"
+                tb[c], cls_group[c], ours[c] = b, g, sb
+                break
+    if done:
+        done["model"] = (f"{sum(ours[c] * w[c] for c in w) / sum(w.values()):.2f} bits per "
+                         f"weight, the GGUF's {gguf_total / sum(w.values()):.2f}")
+    return done
 
 
 def report(record: dict, rows: list[dict]) -> list[str]:
@@ -176,8 +189,9 @@ def report(record: dict, rows: list[dict]) -> list[str]:
         verdict = "kept" if r and set(g["types"]) <= {"F32", "F16", "BF16"} and r["bits"] >= g["bits"] \
             else "requantized"
         out.append(f"  {c:<11} {kinds:<16} {g['bits']:6.2f} -> {to:<18} {verdict}")
-    if record.get("embed_headroom"):
-        out.append(f"  embed: {record['embed_headroom']}")
+    for c, what in (record.get("headroom") or {}).items():
+        if c != "model":
+            out.append(f"  {c}: {what} (the model's headroom under the GGUF's bits)")
     tot = [r for r in rows if r["class"] in record["classes"]]
     if tot:
         gw = sum(sum(record["classes"][r["class"]]["types"].values()) for r in tot)
