@@ -98,10 +98,10 @@ class Engine:
         # Every request's KV caches come from this pool (kvcache.py), and go back to it.
         self.kv_pool = KVPool.for_engine(self.model_cfg, config)
         # Expert changes (queued, hot-plugged, prepared ahead) into new expert sets between
-        # two steps (experts/expertchanges.py); the recent history, with its INFO lines.
+        # two steps (experts/expertchanges.py), their history with its INFO lines, and the
+        # hot-plug changes adopted from a set prepared by the worker / built on this thread.
         self.expert_events = ExpertEvents()
         self.expert_changes = ChangeApplier(self, self.expert_events)
-        # Hot-plug changes adopted from a set prepared by the worker / built on this thread.
         self.expert_change_stats = self.expert_changes.stats
         if config.experts_dir is not None:
             self._start_hotplug(config)
@@ -111,11 +111,7 @@ class Engine:
     def _abort(self) -> None:
         """Undo a half-built engine (construction failed): stop hot-plug, unmap weights."""
         if self.hotplug is not None:
-            try:
-                self.hotplug.close()
-            except Exception as exc:
-                log.warning("closing the hot-plug manager failed: %s", exc)
-            self.hotplug = None
+            self.expert_changes.close(abort=True)
         self.scheduler.close(lambda: None)     # its thread (if started) ends first
         self._close_residency()
         if getattr(self, "model", None) is not None:
@@ -132,9 +128,8 @@ class Engine:
         Hot-plugged experts' INT4 weights are outside the budget: `hot_plugged_bytes`."""
         if self._closed:
             raise self._closed_error()
-        r = self.model.residency.report(page_cache)
-        r["hot_plugged_bytes"] = self.model.expert_set.hot_plugged_bytes()
-        return r
+        return {**self.model.residency.report(page_cache),
+                "hot_plugged_bytes": self.model.expert_set.hot_plugged_bytes()}
 
     def _check_policy(self, config: EngineConfig) -> None:
         """A length-policy k that the model cannot honour fails here, at load, not on
@@ -208,10 +203,7 @@ class Engine:
                 self.hooks.engine_stop(engine=self)
         finally:
             self.stop_audit()                   # every line queued so far, written
-            if self.hotplug is not None:
-                self.hotplug.close()            # joins the worker: nothing is prepared after
-            self.expert_changes.close()
-            self.hotplug = None
+            self.expert_changes.close()         # hot-plug: its worker joined, then released
             self._close_residency()
             self.model.close()                  # its expert sets and C structs hold views
                                                 # into the mapped files
@@ -226,11 +218,8 @@ class Engine:
         return self.scheduler.closed_error()
 
     def _request_ended(self) -> None:
-        """On the scheduler's thread, when requests retire: unload the hot-plugged experts
-        no snapshot uses any more, now."""
-        hp = self.hotplug
-        if hp is not None:
-            hp.flush_releases()
+        """On the scheduler's thread, when requests retire: unload unused hot experts now."""
+        self.expert_changes.flush_releases()
 
     def __enter__(self):
         return self
@@ -447,8 +436,7 @@ class Engine:
         from .experts.hotplug.manager import HotplugManager
         self.hotplug = HotplugManager.for_engine(config, self.model_cfg, self.model_fingerprint,
                                                  self._on_event, self.expert_changes.prepare)
-        self.hotplug.start()
-        # The folder's existing experts go through the same checks before the first token.
+        self.hotplug.start()     # the folder's experts are checked before the first token:
         self.hotplug.wait_idle(config.hotplug.startup_timeout_s)
         self.apply_expert_changes()
 
@@ -475,8 +463,7 @@ class Engine:
             return
         self.scheduler.call(self.expert_changes.apply_and_flush)
 
-    def _apply_expert_changes(self) -> None:
-        """On the scheduler's thread, between two steps (expertchanges.ChangeApplier)."""
+    def _apply_expert_changes(self) -> None:    # the scheduler's thread, between two steps
         self.expert_changes.apply()
 
 def _token_ids(prompt) -> list[int]:

@@ -129,15 +129,30 @@ class ChangeApplier:
 
     def apply_and_flush(self) -> None:
         self.apply()
+        self.flush_releases()            # not on a token's path: unload the replaced now
+
+    def flush_releases(self) -> None:
+        """Unload now the hot-plugged experts no snapshot uses any more (the scheduler's
+        thread, when requests retire; after apply_and_flush)."""
         hotplug = self.engine.hotplug
-        if hotplug is not None:          # not on a token's path: unload the replaced now
+        if hotplug is not None:
             hotplug.flush_releases()
 
-    def close(self) -> None:
-        """The manager is closed (its worker joined: nothing is prepared after): release
-        what waits for a snapshot to die, drop the prepared sets."""
-        if self.engine.hotplug is not None:
-            release_remaining(self.snapshot_refs, self.engine.hotplug)
+    def close(self, abort: bool = False) -> None:
+        """Close the engine's hot-plug manager (its worker joined: nothing is prepared
+        after), release what waits for a snapshot to die, drop the prepared sets.
+        `abort` (a half-built engine): a failing close is logged, nothing released."""
+        eng = self.engine
+        if eng.hotplug is not None:
+            try:
+                eng.hotplug.close()
+            except Exception as exc:
+                if not abort:
+                    raise
+                log.warning("closing the hot-plug manager failed: %s", exc)
+            if not abort:
+                release_remaining(self.snapshot_refs, eng.hotplug)
+            eng.hotplug = None
         with self.prepared_lock:
             self.prepared.clear()
 
