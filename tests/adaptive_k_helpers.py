@@ -32,7 +32,7 @@ def measure(tokens: int = 512, chunk: int = 128, ps=(0.5, 0.6, 0.7, 0.8, 0.9)) -
         t0 = time.perf_counter()
         logits, used = [], []
         for c in chunks:
-            logits.append(eng.next_token_logits(c, top_k=k, all_positions=True))
+            logits.append(eng.next_token_logits(c, experts_per_token=k, all_positions=True))
             used += [float((t.routing.ids >= 0).sum(1).mean()) for t in eng.model.last_routing]
         dt = time.perf_counter() - t0
         if plugin is not None:

@@ -42,7 +42,7 @@ def renamed_k(experts_per_token, top_k, where: str):
     if top_k is None:
         return experts_per_token
     warnings.warn(f"{where}(top_k=...) is deprecated: use experts_per_token= (top_k is "
-                  f"the sampling top-k in SamplingParams)", DeprecationWarning, stacklevel=3)
+                  f"the sampling top-k in SamplingParams)", DeprecationWarning, stacklevel=4)
     if experts_per_token is not None and experts_per_token != top_k:
         raise RequestError(f"{where}: experts_per_token={experts_per_token!r:.40} and the "
                            f"deprecated top_k={top_k!r:.40} disagree; give experts_per_token "
