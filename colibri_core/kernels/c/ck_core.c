@@ -43,6 +43,7 @@ int ck_matmul_min_tokens = CK_MATMUL_MIN_TOKENS;   /* ck_internal.h: the tiles' 
 
 static const ck_backend_t *g_be = &ck_backend_scalar;
 static int g_threads = 1;
+static int g_inited = 0;
 
 /* The default thread count: OMP_NUM_THREADS when set (its first number, as when the
  * threads were OpenMP's: probe processes and tests set it to 1), else the CPUs this
@@ -61,7 +62,6 @@ static int default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n >= 1 ? (int)n : 1;
 }
-static int g_inited = 0;
 
 static const ck_backend_t *backend_ptr(int b) {
     if (b == CK_SCALAR) return &ck_backend_scalar;
