@@ -109,3 +109,16 @@ def test_serve_experts_per_token_is_the_servers_default_k(tmp_path):
     with Engine(*resolve(args)[:2]) as e:
         assert (e.generate([1, 2], max_new_tokens=1).k, e.generate([1, 2], max_new_tokens=1,
                 experts_per_token=2).k) == (1, 2)
+
+
+def test_both_calls_satisfy_the_call_handle_protocol():
+    from colibri_core.fleet.ingress import RemoteCall
+    from colibri_core.server.backend import CallHandle
+    from colibri_core.server.calls import Call
+    for cls in (Call, RemoteCall):
+        for name in ("cancel", "__aiter__", "__anext__"):
+            got, want = getattr(cls, name), getattr(CallHandle, name)
+            assert list(inspect.signature(got).parameters) == \
+                list(inspect.signature(want).parameters), f"{cls.__name__}.{name}"
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want)
+        assert "self.result" in inspect.getsource(cls.__init__), cls.__name__

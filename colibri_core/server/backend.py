@@ -33,11 +33,22 @@ from .work import run_generation, run_score, score_items
 log = logging.getLogger("colibri.server")
 
 
+class CallHandle(Protocol):
+    """A request in flight, as the routes hold it: calls.Call here, the fleet's
+    RemoteCall over Ray. `async for` its events (runtime/events.py); `result` once they
+    ended (the work's error is raised at the end instead); `cancel(why)`."""
+
+    result: Any
+
+    def cancel(self, why: str = "disconnect") -> None: ...
+    def __aiter__(self): ...
+    async def __anext__(self): ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the routes run on: LocalBackend (one engine here) or the fleet's RayBackend.
-    generate / score return a call: `async for` its events (runtime/events.py),
-    `.result` at the end, `.cancel(why)`."""
+    generate / score return a CallHandle."""
 
     kind: str                       # "engine" | "ray" (/status.json)
     model_cfg: Any                  # the served model's ModelConfig
@@ -48,9 +59,9 @@ class Backend(Protocol):
     async def startup(self) -> None: ...
     async def shutdown(self, deadline_s: float) -> None: ...
     def generate(self, p, request_id: str, timeout_s: Optional[float],
-                 stream: bool = True): ...
+                 stream: bool = True) -> CallHandle: ...
     def score(self, raw: list, experts: Optional[int], request_id: str,
-              timeout_s: Optional[float]): ...
+              timeout_s: Optional[float]) -> CallHandle: ...
     def retry_after_s(self) -> int: ...
     @property
     def running(self) -> int: ...
