@@ -1,7 +1,7 @@
 /* ck_guard.c -- a model file that shrinks under its mapping must not kill the engine.
  *
  * A model file truncated in place while it is mapped loses the pages past its new end:
- * the next read of one of them (by a kernel, an OpenMP or pool thread, or numpy) raises
+ * the next read of one of them (by a kernel, a pool thread, or numpy) raises
  * SIGBUS, whose default action kills the process. This file installs one process-wide
  * SIGBUS handler that knows the engine's mappings (a table of address ranges, registered
  * by mapguard.py when modelfile.py maps a file and unregistered before the unmap):
