@@ -489,7 +489,7 @@ def _token_ids(prompt) -> list[int]:
 
 def _single_threaded_blas() -> None:
     """The engine's numpy calls are small (router logits, norms); a multi-threaded BLAS
-    would spin-wait on the cores our OpenMP kernels need (measured: 2-thread decode went
+    would spin-wait on the cores our kernels' thread pool needs (measured: 2-thread decode went
     from 10.5 ms to 53 ms per token with numpy's OpenBLAS threads active). Process-wide."""
     try:
         from threadpoolctl import threadpool_limits

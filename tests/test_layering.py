@@ -198,7 +198,7 @@ def test_the_check_catches_what_it_must(tmp_path):
 
 
 def test_every_kind_of_routed_expert_is_an_Expert(tiny_model_dir):
-    """weights.Expert names what the model reads from an expert; each kind has it."""
+    """experts/protocol.py's Expert names what the model reads from an expert; each kind has it."""
     from colibri_core.experts.expertcache import CopyInExpert
     from colibri_core.experts.expertset import ExpertSet, HotSlot
     from colibri_core.format.modelfile import expert_name

@@ -79,8 +79,8 @@ def interpret(path: str, result: dict, timeout_s: float) -> dict:
 
 
 def probe_env() -> dict:
-    """The environment of a probe process: this checkout first on PYTHONPATH, one OpenMP
-    thread unless set."""
+    """The environment of a probe process: this checkout first on PYTHONPATH, one kernel
+    thread unless set (OMP_NUM_THREADS, the kernels' thread count)."""
     import os
 
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))

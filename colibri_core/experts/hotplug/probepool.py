@@ -2,7 +2,7 @@
 
 One helper process (`python -m colibri_core.experts.hotplug.probe --serve`, probe.py) is spawned
 when the pool starts, as a clean interpreter (a subprocess of sys.executable: never a fork
-of the engine, whose OpenMP runtime and threads are not fork-safe); it forks one
+of the engine, whose kernel thread pool and other threads are not fork-safe); it forks one
 short-lived child per probe. The pool runs at most `slots` probes at once and queues the
 rest in order, so that while fewer probes hang than there are slots, a good file still gets
 a slot at once.
