@@ -240,6 +240,7 @@ class ResidencyConfig(BaseModel):
     policy: Literal["lru", "lfu"] = "lfu"          # lfu: frequency with exponential aging
     half_life_tokens: float = Field(default=32.0, gt=0)   # lfu aging: a use counts half after this many forwards
     speculative: bool = False                      # guess the next MoE layer's experts early
+    speculative_layers: int = Field(default=1, ge=1, le=8)   # with speculative: guess this many MoE layers ahead
     io_threads: int = Field(default=4, ge=1, le=64)   # expert loads in flight at once
     kv_tokens: Optional[int] = Field(default=None, gt=0)  # older name of EngineConfig.kv_pool_tokens (used when that is unset)
     debug_poison: bool = False                     # copy mode: fill evicted frames with NaN

@@ -68,6 +68,7 @@ SETTINGS = {
     "mmap-spec": {"residency": {"speculative": True}},
     "copy": {"load_mode": "copy"},
     "copy-spec": {"load_mode": "copy", "residency": {"speculative": True}},
+    "copy-spec3": {"load_mode": "copy", "residency": {"speculative": True, "speculative_layers": 3}},
 }
 DRIVER_SRC = REPO / "benchmarks" / "speed" / "_llama_decode.c"
 DRIVER = REPO / "build" / "outofmem" / "_llama_decode"

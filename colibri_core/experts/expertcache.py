@@ -90,6 +90,7 @@ class BudgetResidency(Residency):
         self.cfg, self.plan, self.mode = cfg, plan, engine.load_mode
         self.chunk_tokens = plan.chunk_tokens
         self.speculative = rc.speculative and bool(cfg.moe_layers)
+        self.spec_depth = rc.speculative_layers
         self.poison = rc.debug_poison or os.environ.get("COLIBRI_POISON_EVICTED") == "1"
         self.lru = rc.policy == "lru"
         self._growth = 2.0 ** (1.0 / rc.half_life_tokens)
@@ -111,6 +112,8 @@ class BudgetResidency(Residency):
         self._layers = {lw.index: lw for lw in weights.layers}
         moe = cfg.moe_layers
         self._next_moe = {L: next((m for m in moe if m > L), None) for L in range(cfg.num_layers)}
+        self._ahead = {L: [m for m in moe if m > L] for L in range(cfg.num_layers)}
+        self._spec_far: dict = {}   # layer -> experts guessed from further back
         self._mem0 = proc_memory()
         experts = [ex for lw in weights.layers for ex in lw.experts]
         self.capacity = plan.capacity
@@ -349,6 +352,7 @@ class BudgetResidency(Residency):
                 guess = self._spec_pending.pop(layer, None)
                 if guess is not None:
                     self._score_guess(layer, guess, used)
+                self._spec_far.pop(layer, None)
                 misses = []
                 for e in used:
                     ex = experts[e]
@@ -390,11 +394,15 @@ class BudgetResidency(Residency):
 
     # --- speculation
     def speculate(self, after_layer: int, x: np.ndarray, es, k) -> None:
-        """Guess the next MoE layer's experts from the hidden state after `after_layer` (its
-        router on this state, before that layer's attention) and start loading them."""
-        L = self._next_moe.get(after_layer)
-        if L is None or x.shape[0] > 4:            # a prefill needs most experts anyway
+        """Guess the next residency.speculative_layers MoE layers' experts from the hidden
+        state after `after_layer` (each one's router on it) and start loading them, nearer
+        layers first: several layers' misses in flight at once."""
+        if x.shape[0] > 4:                         # a prefill needs most experts anyway
             return
+        for depth, L in enumerate(self._ahead[after_layer][:self.spec_depth]):
+            self._speculate_layer(L, x, es, k, depth)
+
+    def _speculate_layer(self, L: int, x: np.ndarray, es, k, depth: int) -> None:
         lw = self._layers[L]
         xn = ops.rmsnorm(x, lw.ffn_norm, self.cfg.rms_norm_eps)
         logits = ops.router_logits(xn, es.routers[L], es.logit_bias[L])
@@ -406,7 +414,10 @@ class BudgetResidency(Residency):
         guess = sorted(set(int(e) for e in top.reshape(-1)))
         exps = es.experts[L]
         with self._lock:
-            self._spec_pending[L] = guess
+            if depth == 0:                         # the nearest guess is the one scored
+                self._spec_pending[L] = guess
+            else:
+                self._spec_far.setdefault(L, set()).update(guess)
             for e in guess:
                 ex = exps[e]
                 if ex is None or ex.file is None:
@@ -417,7 +428,7 @@ class BudgetResidency(Residency):
                 need = self.frame_bytes if self.mode == "copy" else ex.file.size
                 if not self._make_room(need, optional=True):
                     break
-                ent = self._admit(key, ex, 1)
+                ent = self._admit(key, ex, 1 + depth)
                 ent.spec = True
                 self.spec_loaded += 1
             self._flush_drops()
@@ -427,7 +438,7 @@ class BudgetResidency(Residency):
         g = set(guess)
         self.spec_guessed += len(g)
         self.spec_correct += len(g & actual)
-        for e in g - actual:                         # wrong guesses go first
+        for e in (g | self._spec_far.pop(layer, set())) - actual:   # wrong guesses go first
             ent = self.entries.get((layer, e))
             if ent is not None and ent.spec and ent.pins == 0:
                 ent.score = -math.inf
