@@ -296,6 +296,8 @@ def read_rates(mdir: Path, a, used: set) -> dict:
 def compute_refs(a, mdir: Path, gguf: Path, cfiles: list, cfg) -> dict:
     """Seconds per token with the model's files in the page cache, no cgroup, no budget."""
     out = {}
+    if a.compute_runs == 0:
+        return out
     job = {"model": str(mdir), "threads": a.threads, "warmup": a.warmup, "tokens": a.tokens,
            "ids": str(IDS)}
     if "colibri" in a.engines:
@@ -335,6 +337,13 @@ def summarize(rows: list, compute_s: float | None, rate_Bps: float | None) -> di
     if compute_s and rate_Bps:
         model = compute_s + s["read_mb_token"] * 1e6 / rate_Bps
         s.update(io_model_s=model, io_model_tok_s=1 / model, ratio_to_model=s["s_per_token"] / model)
+    if rate_Bps and all(r.get("stall_per_token") is not None for r in ok):
+        # the same run's compute: its seconds a token less the time it waited for loads
+        # (on a shared machine the separate in-memory run may see another load)
+        per = [r["s_per_token"] / (r["s_per_token"] - r["stall_per_token"]
+                                   + r["read_per_token"] / rate_Bps) for r in ok]
+        s.update(compute_same_run_s=med("s_per_token") - med("stall_per_token"),
+                 stall_s=med("stall_per_token"), ratio_to_model_same_run=statistics.median(per))
     return s
 
 
@@ -404,6 +413,8 @@ def measure(a) -> dict:
         for k, s in v["summary"].items():
             if k.startswith("colibri") and s.get("tok_s") and lsum.get("tok_s"):
                 s["vs_llama"] = s["tok_s"] / lsum["tok_s"]
+                # per run pair (the engines alternate: run i of each side by side)
+                s["vs_llama_per_run"] = [c / l for c, l in zip(s["tok_s_all"], lsum["tok_s_all"])]
         res["variants"][variant] = v
         save(a, res)
     res["loadavg_after"] = os.getloadavg()
@@ -414,7 +425,7 @@ def save(a, res: dict) -> None:
     OUT.mkdir(exist_ok=True)
     pth = OUT / "outofmem_runs.json"
     allr = json.loads(pth.read_text()) if pth.exists() else {}
-    allr[f"{a.shape}@{a.limit_gb:g}GiB"] = {**res, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    allr[f"{a.shape}@{a.limit_gb:g}GiB{a.tag}"] = {**res, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                             "commit": git_commit(), "machine": machine()}
     pth.write_text(json.dumps(allr, indent=1, default=str) + "\n")
 
@@ -448,12 +459,13 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--read-files", type=int, default=96, help="files per cold-read measurement")
-    ap.add_argument("--compute-runs", type=int, default=1)
+    ap.add_argument("--compute-runs", type=int, default=1, help="0: no compute reference")
     ap.add_argument("--compute-each", action="store_true", help="compute reference per routing")
     ap.add_argument("--margin-mb", type=int, default=384, help="cgroup limit - process_limit_mb")
     ap.add_argument("--llama-default", action="store_true", help="one run of llama.cpp's default load")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     ap.add_argument("--dir", type=Path, default=RM.DEFAULT_DIR)
+    ap.add_argument("--tag", default="", help="appended to the run's key in outofmem_runs.json")
     ap.add_argument("--child")
     ap.add_argument("--child-read")
     a = ap.parse_args(argv)
