@@ -120,7 +120,7 @@ def _convert_key(hf: Path) -> dict:
     import colibri_core
     pkg = Path(colibri_core.__file__).parent
     code = hashlib.sha256(b"".join((pkg / f).read_bytes() for f in
-                                   ("quant.py", "convert/__init__.py", "convert/awq.py")))
+                                   ("format/quant.py", "convert/__init__.py", "convert/awq.py")))
     return {"spec": json.loads((hf / "bench_spec.json").read_text()), "convert": CONVERT_KW,
             "code": code.hexdigest()}
 
