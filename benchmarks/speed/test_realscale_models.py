@@ -1,7 +1,11 @@
 """benchmarks/speed/_realscale_models.py's drawn weights and routing variants (issue 31):
 q4 codes of mean zero (uniform 0..15 about 8 have mean -0.5, a rank-one part that makes
 every token of a deep random model route alike), the skewed routers' popularity, and
-set_routing writing the same routers into a Colibri model and its GGUF."""
+set_routing writing the same routers into a Colibri model and its GGUF.
+
+A check of the benchmark's own tool, kept beside it (no test under tests/ imports a
+benchmark): `python -m pytest benchmarks/speed/test_realscale_models.py` from the
+repository root."""
 
 import numpy as np
 import pytest
