@@ -106,6 +106,7 @@ def run_once(a, so: Path, out: Path, ids: np.ndarray, say, drop_s: float | None)
     probs = np.zeros(len(ids))
     sets: list = [None] * len(ids)
     dropped = {}
+    scored = len(ids)            # items the server scored (and audited)
 
     def drop(lo=None):
         tmp = folder / f".{so.name}.part"
@@ -143,6 +144,7 @@ def run_once(a, so: Path, out: Path, ids: np.ndarray, say, drop_s: float | None)
             if all(s[1] == id0 for s in sets):
                 lo = (len(ids) - 1) // a.batch * a.batch
                 probs[lo:], sets[lo:] = score(client, url, ids[lo:])
+                scored += len(ids) - lo
                 say("card_testing went live after the stream's end: last batch scored again")
     finally:
         proc.terminate()
@@ -153,7 +155,7 @@ def run_once(a, so: Path, out: Path, ids: np.ndarray, say, drop_s: float | None)
         f"(generation {sets[first][0]}, {sets[first][1][:12]}), "
         f"{int(new_set.sum())} of {len(ids)} in all")
     return {"probs": probs, "sets": sets, "new_set": new_set, "base_id": id0, "wall": wall,
-            "audit": audit, "folder": folder}
+            "audit": audit, "folder": folder, "scored": scored}
 
 
 def main(argv=None) -> dict:
@@ -228,6 +230,7 @@ def main(argv=None) -> dict:
                          else None, "new_items": int(got["new_set"].sum()),
                          "recall": line, "same_as_in_process": same, "max_abs_prob_diff": dp,
                          "replayed": rep.items, "replay_differ": len(rep.differ),
+                         "scored": got["scored"],
                          "txn_per_s": len(ids) / got["wall"],
                          "generations": sorted({s[0] for s in got["sets"]})})
     finally:
@@ -242,7 +245,8 @@ def main(argv=None) -> dict:
             "max_abs_prob_diff": max(x["max_abs_prob_diff"] for x in runs),
             "same_as_in_process": all(x["same_as_in_process"] for x in runs),
             "replay_differ": sum(x["replay_differ"] for x in runs),
-            "replayed": sum(x["replayed"] for x in runs), "runs": runs,
+            "replayed": sum(x["replayed"] for x in runs),
+            "scored": sum(x["scored"] for x in runs), "runs": runs,
             "txn_per_s": last["txn_per_s"]}
 
 
