@@ -8,7 +8,7 @@ model, Colibri with its budget beside llama.cpp with its mmap, same limit, same 
 Models: _realscale_models.py writes both files of the shape (random weights; the routers
 of both engines are the same arrays, written into both files by `set_routing`: "uniform"
 the random routers, near-uniform routing; "skewed" each layer's rows scaled by popularity
-rank, see _realscale_models.SKEW_A).
+rank, see _realscale_routing.SKEW_A).
 
 Each run is a fresh process in a fresh child memory cgroup (benchmarks/robustness/cgroups.py;
 v1 or v2; memory limit --limit-gb, swap limit 0) started with the engine's own model files
@@ -60,6 +60,7 @@ import numpy as np
 from benchmarks.common import OUT, REPO, git_commit, machine
 from benchmarks.robustness.cgroups import Cgroup
 from benchmarks.speed import _realscale_models as RM
+from benchmarks.speed import _realscale_routing as RR
 
 MiB = 1 << 20
 PROMPT = 1
@@ -366,7 +367,7 @@ def measure(a) -> dict:
     compute = None
     for variant in a.routing:
         log(f"{a.shape}: routing {variant}")
-        RM.set_routing(a.shape, variant, a.dir)
+        RR.set_routing(a.shape, variant, a.dir)
         drop(cfiles + [gguf])
         v = {"read_rates": read_rates(mdir, a, used), "rows": {}}
         if compute is None or a.compute_each:
@@ -450,7 +451,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(RM.GGUF_ARCH), default="qwen3-30b-a3b")
     ap.add_argument("--limit-gb", type=float, default=8.0)
-    ap.add_argument("--routing", type=lambda s: s.split(","), default=list(RM.ROUTING))
+    ap.add_argument("--routing", type=lambda s: s.split(","), default=list(RR.ROUTING))
     ap.add_argument("--colibri", type=lambda s: s.split(","), default=["copy-spec"],
                     help=f"Colibri settings to run, of {', '.join(SETTINGS)}")
     ap.add_argument("--engines", type=lambda s: s.split(","), default=["colibri", "llama"])

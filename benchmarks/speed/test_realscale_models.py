@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks.speed import _realscale_models as RM
+from benchmarks.speed import _realscale_routing as RR
 
 TINY = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
@@ -49,16 +50,16 @@ def _top_share(R, k, n=4000, top=8, seed=0):
 
 def test_skewed_routers_are_the_uniform_rows_scaled_and_concentrate_routing():
     cfg = RM.model_config("qwen3-30b-a3b")
-    uni, skw = RM.routers(cfg, "uniform"), RM.routers(cfg, "skewed")
+    uni, skw = RR.routers(cfg, "uniform"), RR.routers(cfg, "skewed")
     L = cfg.moe_layers[0]
     ratio = skw[L] / uni[L]
     assert np.allclose(ratio, ratio[:, :1], rtol=1e-5)        # a scale per row
     g = np.sort(ratio[:, 0])[::-1]
-    assert np.allclose(g, 1 + RM.SKEW_A / np.arange(1, cfg.num_experts + 1), rtol=1e-5)
+    assert np.allclose(g, 1 + RR.SKEW_A / np.arange(1, cfg.num_experts + 1), rtol=1e-5)
     assert _top_share(uni[L], cfg.top_k) < 0.1                 # 8 / 128 = 6.25 %
     assert _top_share(skw[L], cfg.top_k) > 0.3
     with pytest.raises(ValueError):
-        RM.routers(cfg, "zipf2")
+        RR.routers(cfg, "zipf2")
 
 
 def test_set_routing_writes_the_same_routers_into_both_files(tmp_path, monkeypatch):
@@ -72,8 +73,8 @@ def test_set_routing_writes_the_same_routers_into_both_files(tmp_path, monkeypat
     RM.write_colibri("tiny-qwen3", p["colibri"])
     RM.write_gguf("tiny-qwen3", p["gguf"])
     for variant in ("skewed", "uniform", "skewed"):
-        rs = RM.set_routing("tiny-qwen3", variant, tmp_path)
-        assert RM.routing_variant("tiny-qwen3", tmp_path) == variant
+        rs = RR.set_routing("tiny-qwen3", variant, tmp_path)
+        assert RR.routing_variant("tiny-qwen3", tmp_path) == variant
         assert verify_checksums(p["colibri"]) == []
         cf = ContainerFile(p["colibri"] / "routing.bin")
         rd = import_gguf().GGUFReader(str(p["gguf"]))
