@@ -38,6 +38,9 @@ print(json.dumps({"p50_ms": float(np.median(lat)) * 1e3, "mean_ms": float(np.mea
 '''
 
 
+BUILD_SCRIPTS = ("colibri_core/kernels/build.py", "colibri_core/_kernels_build.py")
+
+
 def checkout(ref: str) -> Path:
     """A worktree of `ref` (resolved to its commit now: "HEAD" moves) with its kernels."""
     commit = subprocess.run(["git", "rev-parse", "--verify", ref + "^{commit}"], cwd=REPO,
@@ -45,8 +48,9 @@ def checkout(ref: str) -> Path:
     path = REPO / "build" / f"ab-{commit[:12]}"
     if not path.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True)
-    subprocess.run([sys.executable, "colibri_core/kernels/build.py"], cwd=path, check=True,
-                   stdout=subprocess.DEVNULL)
+    # the kernels' build script moved with issue 37's layout (kernels/build.py)
+    script = next(s for s in BUILD_SCRIPTS if (path / s).exists())
+    subprocess.run([sys.executable, script], cwd=path, check=True, stdout=subprocess.DEVNULL)
     return path
 
 
