@@ -216,6 +216,26 @@ def test_unsupported_tensor_type_named(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_class_below_the_smallest_format_refused_unless_bits_given(tmp_path, monkeypatch):
+    """A Q2_K expert class (2.63 bits) would grow to q4 g256's 4.16: refused in one line
+    naming the class and the way out; --bits 4 asks for it and converts."""
+    from colibri_core.convert import gguf_convert as gc
+    real = gc.class_types
+
+    def as_q2k(src, shapes):
+        types = real(src, shapes)
+        types["experts"] = {"Q2_K": sum(types["experts"].values())}
+        return types
+    monkeypatch.setattr(gc, "class_types", as_q2k)
+    with pytest.raises(ConfigError, match=r"tensor class experts is Q2_K \(2\.62 bits per "
+                       r"weight\), below Colibri's smallest format \(q4 g256") as e:
+        convert(DATA / "mixtral-Q8_0.gguf", tmp_path / "o", bits=None)
+    assert "\n" not in str(e.value) and "--bits 4" in str(e.value)
+    assert not (tmp_path / "o").exists()
+    out, cfg, _ = _convert("mixtral-Q8_0.gguf", tmp_path, bits=4)
+    assert {r["class"]: r["formats"] for r in tensor_classes(out)}["experts"].startswith("q4")
+
+
 def test_bits_and_tensor_bits_override(tmp_path):
     out, cfg, _ = _convert("mixtral-F32.gguf", tmp_path, bits=8, tensor_bits={"lm_head": 6})
     rows = {r["class"]: r["formats"] for r in tensor_classes(out)}

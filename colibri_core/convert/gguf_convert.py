@@ -8,7 +8,8 @@ f32 (32) > the 16-bit type (16; an F16/BF16 tensor is copied bit for bit) > q8 (
 q6 (6.31; the classes the C pipeline runs at 6 bits) > q4 (4.31), each at the smallest
 group of 64, 128, 256 that keeps it under the GGUF's bits (Q8_0's 8.5: q8 g64, 8.5; Q4_K's
 4.5: q4 g128, 4.31; a Q4_K_M expert class of Q4_K and Q6_K, ~4.8: q4 g64, 4.63). A class
-below 4.16 bits (Q3_K, Q2_K) still gets q4 g256 (4.16), the floor; the report shows it.
+below 4.16 bits (Q3_K, Q2_K) is refused in one line unless --bits (or a class's flag) asks
+for a larger model: q4 g256 (4.16) is the floor.
 What these choices leave under the GGUF's bits per weight (the whole model's) is then
 spent on the embedding, the attention K/V, q/o and the lm_head, in that order
 (HEADROOM_ORDER), so the model as a whole stays at or under the GGUF's bits per weight.
@@ -104,6 +105,15 @@ def choose(cls: str, gguf_bits: float, groups=GROUPS, shapes=None) -> tuple[int,
     return 4, min(sorted(groups), key=lambda g: stored_bits(4, g, shapes))
 
 
+def _below_floor(name: str, cls: str, types: dict, gguf_bits: float, b: int, g: int) -> str:
+    """A class stored in fewer bits than Colibri's smallest format (Q3_K, Q2_K, IQ*): the
+    requantized model would be larger than the GGUF, which the user must ask for."""
+    kinds = "+".join(sorted(types))
+    return (f"{name}: tensor class {cls} is {kinds} ({gguf_bits:.2f} bits per weight), below "
+            f"Colibri's smallest format (q{b} g{g}, {stored_bits(b, g):.2f} bits); convert "
+            f"with --bits 4 to accept a larger model, or from a Q4 (or larger) GGUF")
+
+
 def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_size: int,
             group_given: bool, calibration) -> tuple[GGUFSource, int, dict, int, dict]:
     """-> (source, bits, tensor_bits, group size, the GGUF record for config.json, whose
@@ -123,6 +133,8 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
         # matrices the padding would steer the choice away from what a real file gets
         b, g = choose(c, v, groups)
         if bits is None and c not in tb:
+            if stored_bits(b, g) > v + 1e-9:
+                raise ConfigError(_below_floor(src.path.name, c, types[c], v, b, g))
             tb[c] = b
         cls_group[c] = g if tb.get(c, bits) == b else min(groups)
     headroom = {}
