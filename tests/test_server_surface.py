@@ -171,9 +171,10 @@ def test_version_flag():
     import sys
     from importlib.metadata import version
     __version__ = version("colibri")
-    r = subprocess.run([sys.executable, "-m", "colibri_core", "--version"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.strip() == f"colibri {__version__}"
+    for module in ("colibri_core", "colibri_core.cli"):      # both entry modules
+        r = subprocess.run([sys.executable, "-m", module, "--version"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == f"colibri {__version__}", module
 
 
 # ----------------------------------------------------------------------------- token ids

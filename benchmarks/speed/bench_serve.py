@@ -225,7 +225,9 @@ async def one_request(client, url: str, prompt: list, tokens: int) -> dict:
                 if "error" in d:
                     err = d["error"]["message"]
                     break
-                if any(c.get("finish_reason") is None for c in d["choices"]):
+                # a model without a tokenizer first sends its prompt's ids (no token yet)
+                if any(c.get("finish_reason") is None and "prompt_token_ids" not in c
+                       for c in d["choices"]):
                     times.append(time.perf_counter())
                 # llama-server sends a token that ends inside a UTF-8 character together
                 # with the next one; its last chunk's usage counts them
