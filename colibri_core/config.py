@@ -283,6 +283,12 @@ class EngineConfig(BaseModel):
     # (MLA's latent cache stays float32)
     kv_pool_tokens: Optional[int] = Field(default=None, gt=0)
     kv_dtype: Literal["f32", "f16", "q8"] = "f32"
+    # automatic prefix caching (runtime/prefixcache.py): KV rows of ended requests kept, in
+    # blocks, up to this many MiB (least recently used evicted first) and copied into a
+    # later request whose prompt starts with them; 0: off. Off in the Python API (a
+    # library holding memory after a call ends, and benchmarks that repeat a prompt would
+    # time the cache); `colibri serve` turns it on (--prefix-cache-mb, default 256)
+    prefix_cache_mb: float = Field(default=0, ge=0)
     residency: ResidencyConfig = ResidencyConfig()
     # a forward step carries at most `max_batch_tokens` tokens (a larger call runs in
     # several steps; batch invariance: the same logits); a score_batch of more than
