@@ -206,7 +206,8 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int],
     kv_tokens = kv_pool_tokens(cfg, engine)
     # a sequence attends to at most the pool's positions: its cache comes from the pool
     ctx = min(cfg.max_position_embeddings, kv_tokens)
-    kv = kv_tokens * kv_bytes_per_position(cfg, engine.kv_dtype)
+    # with the prefix cache's cap: kept rows (runtime/prefixcache.py)
+    kv = kv_tokens * kv_bytes_per_position(cfg, engine.kv_dtype) + int(engine.prefix_cache_mb * MiB)
     embed_total = embed.nbytes if embed is not None else 0
     embed_reserve, embed_rows = embed_total, 0
     if embed_by_rows(cfg, engine, embed) and kv_tokens * embed.row_pages * PAGE < embed_total:
@@ -221,7 +222,8 @@ def plan_budget(cfg: ModelConfig, engine: EngineConfig, sizes: dict[str, int],
         raise ConfigError(
             f"max_resident_mb={engine.max_resident_mb:g} is too small for this model: it needs "
             f"at least {need:.1f} MB (non-expert weights {dense / MiB:.1f} MB + KV cache "
-            f"{kv / MiB:.1f} MB for {kv_tokens} positions + activations {act1 / MiB:.1f} MB "
+            f"{kv / MiB:.1f} MB for {kv_tokens} positions"
+            f"{' and the prefix cache' if engine.prefix_cache_mb else ''} + activations {act1 / MiB:.1f} MB "
             f"+ {k} routed expert(s) x {expert_bytes / MiB:.2f} MB); set max_resident_mb "
             f">= {need:.1f}")
     # Activations take at most a fifth of what is left over the minimum: the rest caches

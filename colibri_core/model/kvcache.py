@@ -70,14 +70,20 @@ def kv_pool_tokens(cfg: ModelConfig, engine: EngineConfig,
     avail = available_bytes() if available is None else available
     if avail is None:
         return most
+    # the prefix cache's cap (runtime/prefixcache.py) is KV rows kept: set aside first
+    avail -= int(engine.prefix_cache_mb * 2**20)
     fit = (avail - model_bytes(cfg)) // 2 // kv_bytes_per_position(cfg, engine.kv_dtype)
     return int(max(least, min(most, fit)))
 
 
 
-def check_memory(need: int, what: str) -> None:
-    """Refuse an allocation the machine (or this cgroup) cannot hold, before making it."""
+def check_memory(need: int, what: str, reclaim=None) -> None:
+    """Refuse an allocation the machine (or this cgroup) cannot hold, before making it.
+    `reclaim(nbytes) -> bytes freed`: memory that may be given back first (the prefix
+    cache's rows, runtime/prefixcache.py)."""
     avail = memstat.available_bytes()
+    if avail is not None and need > avail and reclaim is not None:
+        avail += reclaim(need - avail)
     if avail is not None and need > avail:
         raise InsufficientMemoryError(
             f"{what} needs {need / 2**20:,.0f} MiB but {avail / 2**20:,.0f} MiB are available "
@@ -124,6 +130,25 @@ class KVCache(SequenceCache):
 
     def _release(self) -> None:
         self.k = self.v = self.k_scale = self.v_scale = None
+
+
+ROW_ARRAYS = ("k", "v", "k_scale", "v_scale")   # a cache's arrays, each [L, positions, ...]
+
+
+def copy_rows(cache, s0: int, n: int) -> tuple:
+    """Rows s0..s0+n of every layer, copied out of `cache` (KVCache or MLACache) as
+    contiguous arrays in its storage type, one per array of ROW_ARRAYS it has (None where
+    it has none): what the prefix cache keeps (runtime/prefixcache.py)."""
+    return tuple(None if a is None else np.ascontiguousarray(a[:, s0:s0 + n])
+                 for a in (getattr(cache, name, None) for name in ROW_ARRAYS))
+
+
+def paste_rows(cache, s0: int, rows: tuple) -> None:
+    """Write rows taken by copy_rows (from a cache of the same model and type) at
+    positions s0.. of `cache`: the same bits as computing them there."""
+    for name, src in zip(ROW_ARRAYS, rows):
+        if src is not None:
+            getattr(cache, name)[:, s0:s0 + src.shape[1]] = src
 
 
 def cache_bytes(cfg: ModelConfig, capacity: int, dtype: str = "f32") -> int:

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from ..errors import EngineBusyError, EngineClosedError, RequestError, RequestTooLarge
 from ..model.kvcache import check_memory
+from .prefixcache import PrefixCache
 from .request import AHEAD, Job, Request  # noqa: F401 - Job and Request re-exported
 
 log = logging.getLogger("colibri")
@@ -80,6 +81,7 @@ class Scheduler:
         self._release: Optional[Callable[[], None]] = None
         self._release_error: Optional[BaseException] = None
         self.kv = None                          # the engine's KV pool (kvcache.KVPool)
+        self.prefix: Optional[PrefixCache] = None   # kept prompt rows (prefixcache.py)
         self.steps = 0                          # steps run
         self.ahead = AHEAD                      # tokens a stream may run ahead of its reader
         # For tests: called on this thread between two steps, before admission, with the
@@ -109,6 +111,7 @@ class Scheduler:
     def budget(self):
         """The engine's KV pool (kvcache.KVPool): admission is by its free positions."""
         if self.kv is None:
+            self.prefix = PrefixCache.for_engine(self.engine)
             self.kv = self.engine.kv_pool
         return self.kv
 
@@ -121,7 +124,8 @@ class Scheduler:
         # (it reads /proc and the cgroup's files: per sequence it cost more than a scored item)
         positions = sum(j.capacity for j in req.jobs)
         check_memory(kv.bytes_per_position * positions,
-                     f"KV caches of {positions} positions ({len(req.jobs)} sequences)")
+                     f"KV caches of {positions} positions ({len(req.jobs)} sequences)",
+                     self.prefix.evict_bytes if self.prefix is not None else None)
         for j in req.jobs:
             if j.capacity > kv.capacity_tokens:
                 raise RequestTooLarge(
@@ -268,6 +272,8 @@ class Scheduler:
                     req._pending.popleft()
                     if j.pin:
                         j.es = self.engine.model.expert_set
+                    if self.prefix is not None:      # a kept prefix of its prompt: copied
+                        self.prefix.attach(j, j.es or self.engine.model.expert_set, self.engine)
                     self._running.append(j)
                     if req.state == "queued":
                         req.state = "running"
@@ -333,6 +339,8 @@ class Scheduler:
             got = self._forward([plan[i] for i in idx], es)
             for i, o in zip(idx, got):
                 outs[i], sets[i] = o, es
+        if self.prefix is not None:
+            self.prefix.note(plan, outs, sets)
         if self.trace is not None:
             self.trace.append([(j.request.id, len(t), sets[i].generation)
                                for i, (j, t, _) in enumerate(plan)])
@@ -393,6 +401,8 @@ class Scheduler:
         pipe = self.engine.model.pipeline
         for j in done:
             pipe.forget_cache(j.cache)
+            if self.prefix is not None:          # its rows kept for later prompts
+                self.prefix.release(j, self.engine, j.request.error is None)
             self.kv.free(j.cache)
             j.cache = None
         with self._lock:
@@ -427,6 +437,8 @@ class Scheduler:
         for j in req.jobs:
             if j.cache is not None:
                 pipe.forget_cache(j.cache)
+                if self.prefix is not None:
+                    self.prefix.release(j, self.engine, req.error is None)
                 self.kv.free(j.cache)
                 j.cache = None
         if req.state != "queued":

@@ -65,6 +65,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",
                    help="do not count routed tokens per expert (saves a bincount per MoE "
                         "layer and step; /metrics and the status page then show no shares)")
+    p.add_argument("--prefix-cache-mb", dest="prefix_cache_mb", type=float, metavar="MB",
+                   help="KV rows of ended requests kept for later prompts that start with "
+                        "the same tokens (automatic prefix caching; default 256, or the "
+                        "config's prefix_cache_mb when it sets one or a memory limit; 0: off)")
     p.add_argument("--queue-size", dest="queue_size", type=int, default=256,
                    help="engine requests (one per choice or score call) that may wait for "
                         "admission before 429 (the engine's max_queued_requests; default 256)")

@@ -326,6 +326,7 @@ async def status_json(S: Server, request, rec):
                          "backend": eng.kind, "uptime_s": time.time() - S.started_at,
                          "queue_depth": snap["queue_depth"],
                          "running": snap["batch_size"], "kv_pool": snap["kv_pool"],
+                         "prefix_cache": snap.get("prefix_cache"),
                          "expert_set_generation": listing["expert_set_generation"],
                          "expert_set_id": listing["expert_set_id"],
                          "experts": listing["data"], "refusals": listing["refusals"][:10],

@@ -87,6 +87,7 @@ class LocalBackend:
         if engine.hotplug is not None:
             self.book.attach(engine.hotplug)
         self.calls = Calls(engine)
+        engine.scheduler.budget()               # its KV pool and prefix cache, for /metrics
         self.model_cfg = engine.model_cfg
         self.tokenizer = engine.tokenizer
         self.model_dir = engine.model_dir
@@ -195,4 +196,5 @@ class LocalBackend:
                 "requests_running": self.calls.running, "adoptions": book.adoptions,
                 "refusals": book.refusal_counts(), "routed": book.routed_by_name(),
                 "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
-                            "capacity_tokens": eng.kv_pool.capacity_tokens}}
+                            "capacity_tokens": eng.kv_pool.capacity_tokens},
+                "prefix_cache": prefix.stats() if (prefix := eng.scheduler.prefix) else None}

@@ -49,7 +49,33 @@ class _ExpertCollector:
         for name, n in sorted(snap.get("routed", {}).items()):
             rt.add_metric([name], n)
         yield rt
+        yield from _prefix_families(snap.get("prefix_cache"))
         yield from snap.get("families", ())          # a fleet's per-replica series
+
+
+def _prefix_families(pc):
+    """Automatic prefix caching (runtime/prefixcache.py); none while it is off."""
+    if not pc:
+        return
+    for name, doc, key in (
+            ("colibri_prefix_cache_hits", "Generations whose prompt started with kept KV "
+             "rows (copied in, not computed)", "hits"),
+            ("colibri_prefix_cache_misses", "Generations that looked for a kept prefix and "
+             "found none", "misses"),
+            ("colibri_prefix_cache_reused_tokens", "Prompt tokens whose KV rows were copied "
+             "from the prefix cache instead of computed", "reused_tokens"),
+            ("colibri_prefix_cache_evictions", "Blocks of kept rows evicted (least recently "
+             "used first)", "evictions")):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], pc[key])
+        yield c
+    for name, doc, key in (
+            ("colibri_prefix_cache_bytes", "Bytes of KV rows the prefix cache keeps", "bytes"),
+            ("colibri_prefix_cache_capacity_bytes", "The prefix cache's cap "
+             "(--prefix-cache-mb)", "capacity_bytes")):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], pc[key])
+        yield g
 
 
 class ServerMetrics:

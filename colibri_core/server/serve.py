@@ -20,6 +20,7 @@ from .backend import LocalBackend
 from .experts import ExpertBook
 
 API_KEY_ENV = "COLIBRI_API_KEY"
+SERVE_PREFIX_CACHE_MB = 256.0   # prefix caching's default in the server (docs/SERVE.md)
 STREAM_CLOSE_S = 5.0     # after the grace period: for streams to send their error and [DONE]
 
 
@@ -40,6 +41,20 @@ def speculation_overrides(args, overrides: dict) -> None:
         overrides["speculative_decoding"] = args.speculative_decoding
     if getattr(args, "draft_tokens", None) is not None:
         overrides["draft_tokens"] = args.draft_tokens
+
+
+def prefix_overrides(args, base, overrides: dict) -> None:
+    """--prefix-cache-mb; without it the server keeps SERVE_PREFIX_CACHE_MB of prefixes,
+    unless the config sets prefix_cache_mb or a memory limit (which would have to hold
+    them: then the config's value, 0 by default)."""
+    mb = getattr(args, "prefix_cache_mb", None)
+    if mb is not None:
+        if not mb >= 0:
+            raise ConfigError(f"--prefix-cache-mb {mb}: expected MB >= 0 (0: off)")
+        overrides["prefix_cache_mb"] = mb
+    elif "prefix_cache_mb" not in base.model_fields_set and base.max_resident_mb is None \
+            and base.process_limit_mb is None:
+        overrides["prefix_cache_mb"] = SERVE_PREFIX_CACHE_MB
 
 
 def default_experts_dir(configured: Optional[str]) -> Optional[str]:
@@ -238,6 +253,7 @@ def resolve(args):
             raise ConfigError(f"--experts-per-token {k}: expected at least 1 expert")
         overrides["length_policy"] = [{"k": k}]
     speculation_overrides(args, overrides)
+    prefix_overrides(args, base, overrides)
     if args.plugins_dir:
         overrides["plugins_dir"] = args.plugins_dir
     engine_cfg = parse(EngineConfig, {**base.model_dump(), **overrides}, "command line")
