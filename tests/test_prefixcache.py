@@ -200,3 +200,42 @@ def test_random_hf_models(tmp_path, family):
             p = system + rng.integers(1, 300, 5).tolist()
             assert same(run(cached, p), run(plain, p)), i
         assert cached.scheduler.prefix.stats()["reused_tokens"] == 2 * reusable(40, 45)
+
+
+def test_server_on_by_default_with_metrics(tmp_path):
+    """`colibri serve`: on at 256 MB unless told (or a memory limit in the config), and
+    its hits, misses and reused tokens in /metrics and /status.json."""
+    import argparse
+
+    import httpx
+
+    from colibri_core.errors import ConfigError
+    from colibri_core.server import add_arguments
+    from colibri_core.server.serve import resolve
+    from server_helpers import LiveServer, metric
+
+    def engine_cfg(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return resolve(p.parse_args(list(argv)))[1]
+    assert engine_cfg().prefix_cache_mb == 256
+    assert engine_cfg("--prefix-cache-mb", "0").prefix_cache_mb == 0
+    assert engine_cfg("--config", "small-256mb").prefix_cache_mb == 0     # a process limit
+    with pytest.raises(ConfigError, match="--prefix-cache-mb -1"):
+        engine_cfg("--prefix-cache-mb", "-1")
+
+    srv = LiveServer(experts_dir=tmp_path)
+    try:
+        prompt = list(range(3, 73))
+        answers = [httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 3, "temperature": 0}).json() for _ in range(2)]
+        assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert metric(text, "colibri_prefix_cache_hits_total") == 1
+        assert metric(text, "colibri_prefix_cache_misses_total") == 1
+        assert metric(text, "colibri_prefix_cache_reused_tokens_total") == 64
+        assert metric(text, "colibri_prefix_cache_capacity_bytes") == 256 * 2**20
+        st = httpx.get(srv.url + "/status.json", timeout=10).json()["prefix_cache"]
+        assert st["hits"] == 1 and 0 < st["bytes"] <= st["capacity_bytes"]
+    finally:
+        srv.stop()
