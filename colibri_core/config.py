@@ -74,8 +74,21 @@ class ModelConfig(BaseModel):
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     attention_bias: bool = False
     tie_word_embeddings: bool = False
-    qk_norm: Literal["none", "per_head", "full"] = "none"  # RMSNorm on q/k: per head (Qwen3)
-                                                          # or over the projection (OLMoE)
+    qk_norm: Literal["none", "per_head", "full", "l2"] = "none"  # RMSNorm on q/k: per head
+                         # (Qwen3), over the projection (OLMoE), or "l2": weightless, per head,
+                         # after rope, on the rope layers only (Llama 4)
+    # What a layer's token attends to (issue 32), per layer ([] or 0: the whole context):
+    # attention_window[i] > 0: positions pos-window+1 .. pos (gpt-oss's sliding layers);
+    # attention_chunk[i] > 0: its own chunk, positions pos - pos % chunk .. pos (Llama 4)
+    attention_window: list[int] = []
+    attention_chunk: list[int] = []
+    attention_sinks: bool = False   # a learned logit per head in the softmax's denominator
+                                    # (gpt-oss): section layer.L.sinks [num_heads]
+    nope_layers: list[int] = []     # layers without rope (Llama 4's every fourth); on them
+    # q is scaled by 1 + attn_temperature_scale * log1p(floor((pos + 1) / floor)) when
+    # attn_temperature_floor > 0 (Llama 4's temperature tuning)
+    attn_temperature_floor: int = Field(default=0, ge=0)
+    attn_temperature_scale: float = 0.0
 
     num_experts: int = Field(default=0, ge=0)
     top_k: int = Field(default=0, ge=0)
@@ -128,6 +141,11 @@ class ModelConfig(BaseModel):
     def expert_intermediate(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
 
+    def attention_span(self, layer: int) -> tuple[int, int]:
+        """(window, chunk) of a layer: 0 where it attends to the whole context."""
+        return (self.attention_window[layer] if self.attention_window else 0,
+                self.attention_chunk[layer] if self.attention_chunk else 0)
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "moe"]
@@ -164,6 +182,17 @@ class ModelConfig(BaseModel):
                                             or self.attention == "mla"):
             problems.append(f"rotary_dim={self.rotary_dim} must be even, at most head_dim="
                             f"{self.head_size}, and without attention 'mla'")
+        for name in ("attention_window", "attention_chunk"):
+            v = getattr(self, name)
+            if v and (len(v) != self.num_layers or min(v) < 0):
+                problems.append(f"{name} needs one entry >= 0 per layer ({self.num_layers})")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            problems.append(f"nope_layers {self.nope_layers} names a layer outside "
+                            f"0..{self.num_layers - 1}")
+        if self.attention == "mla" and (self.attention_window or self.attention_chunk or
+                                        self.attention_sinks or self.nope_layers):
+            problems.append("attention windows, chunks, sinks and nope_layers are not "
+                            "supported with attention 'mla'")
         if "moe" in self.layer_types and self.num_experts == 0:
             problems.append("layer_types has 'moe' layers but num_experts is 0")
         if "dense" in self.layer_types and self.intermediate_size == 0:

@@ -369,11 +369,13 @@ def attention_sections(ck: Checkpoint, cfg, L: int) -> list[tuple[str, Src, str]
         if cfg.architecture == "ernie4_5_moe" and s in ("wq", "wk"):     # interleaved rope
             src = Src(src.name, deinterleave=cfg.head_size)
         out.append((p + s, src, "matrix"))
-    if q + "o_proj.bias" in ck:
-        raise ConfigError(f"checkpoint: {q}o_proj.bias: an output-projection bias is not supported")
     if cfg.attention_bias:
         for s, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             out.append((p + s, Src(q + f"{n}.bias"), "vector"))
+    if q + "o_proj.bias" in ck:                             # gpt-oss
+        out.append((p + "bo", Src(q + "o_proj.bias"), "vector"))
+    if cfg.attention_sinks:                                 # gpt-oss: [num_heads]
+        out.append((p + "sinks", Src(q + "sinks"), "vector"))
     if cfg.qk_norm != "none":
         out += [(p + "q_norm", Src(q + "q_norm.weight"), "vector"),
                 (p + "k_norm", Src(q + "k_norm.weight"), "vector")]

@@ -30,6 +30,7 @@ import numpy as np
 from ..model import ops
 from ..experts.expertcache import Pending as _PENDING
 from ..kernels import ffi, lib
+from .attnlayer import gqa_layer
 from ..model.routing import LayerTrace, Routing, route
 from .steptables import (_MLA_DEQUANT_BUDGET, Keep, MoETables, _shape, Scratch, SetTables,
                          StepLayer, check_attention, set_ffn, set_mat)
@@ -93,19 +94,7 @@ class Pipeline:
         self.layer_width = [0] * len(self.layers)    # the choice's width (an override's)
 
     def _attn_layer(self, lw, p_inv, factor):
-        cfg, a, keep = self.cfg, lw.attn, self.keep
-        al = keep.new("ck_attn_layer *")
-        for n in ("wq", "wk", "wv", "wo"):
-            set_mat(keep, getattr(al, n), getattr(a, n), a.act_scales.get(n), f"layer {lw.index} {n}")
-        al.bq, al.bk, al.bv = keep.f32(a.bq), keep.f32(a.bk), keep.f32(a.bv)
-        al.qk_norm = {"none": 0, "per_head": 1, "full": 2}[cfg.qk_norm]
-        al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
-        al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
-        al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        al.eps, al.scale = self.eps, float(cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_size))
-        al.rot, al.out_scale = ops.rope_dim(cfg), cfg.residual_multiplier
-        al.inv_freq, al.rope_factor = p_inv, float(factor)
-        return al
+        return gqa_layer(self.keep, self.cfg, lw, self.eps, p_inv, factor)
 
     def _mla_layer(self, lw, p_inv, factor):
         from ..model.mla import LORA_NORM_EPS, softmax_scale

@@ -93,18 +93,30 @@ class ReferenceModel:
         q, k, v = q.reshape(T, NH, D), k.reshape(T, NKV, D), v.reshape(T, NKV, D)
         if cfg.qk_norm == "per_head":
             q, k = self._rmsnorm(q, a.q_norm), self._rmsnorm(k, a.k_norm)
-        q = ops.apply_rope(q, pos, self._inv_freq, self._rope_factor)    # rotate-half layout
-        k = ops.apply_rope(k, pos, self._inv_freq, self._rope_factor)
+        L = lw.index
+        nope = L in cfg.nope_layers                                     # Llama 4's NoPE layers
+        if not nope:
+            q = ops.apply_rope(q, pos, self._inv_freq, self._rope_factor)    # rotate-half layout
+            k = ops.apply_rope(k, pos, self._inv_freq, self._rope_factor)
+            if cfg.qk_norm == "l2":
+                ones = np.ones(D, np.float32)
+                q, k = self._rmsnorm(q, ones), self._rmsnorm(k, ones)
+        elif cfg.attn_temperature_floor:
+            f = np.log1p(np.floor((pos + 1.0) / cfg.attn_temperature_floor)) \
+                * cfg.attn_temperature_scale + 1.0
+            q = q * f.astype(np.float32)[:, None, None]
         out = np.empty((T, NH, D), dtype=np.float32)
         scale = cfg.attention_multiplier or 1.0 / math.sqrt(D)
-        L = lw.index
+        window, chunk = cfg.attention_span(L)
         for t0, t1, cache in spans:
             s0 = cache.length
             n = t1 - t0
             cache.write(L, s0, k[t0:t1], v[t0:t1])         # in the cache's storage type
             kc, vc = cache.read(L, s0 + n)                   # float32 rows (dequantized)
-            out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0)
+            out[t0:t1] = ops.attention(q[t0:t1], kc, vc, scale, s0, window, chunk, a.sinks)
         o = self.linear(a.wo, out.reshape(T, NH * D), acts.get("wo"))
+        if a.bo is not None:
+            o += a.bo
         return o * np.float32(cfg.residual_multiplier)              # Granite
 
     # ------------------------------------------------------------------ MoE

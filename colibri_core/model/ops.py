@@ -217,15 +217,33 @@ def causal_softmax(scores: np.ndarray, start: int) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float,
-              start: int) -> np.ndarray:
+              start: int, window: int = 0, chunk: int = 0,
+              sinks: np.ndarray | None = None) -> np.ndarray:
     """Grouped-query attention of n new tokens q [n, NH, D] (positions start..) over the
     cached keys / values [S, NKV, D] (S = start + n, the new tokens' rows included),
-    NH a multiple of NKV -> [n, NH, D]."""
+    NH a multiple of NKV -> [n, NH, D]. window > 0: a token sees positions pos-window+1..pos;
+    chunk > 0: those of its own chunk; sinks [NH]: a logit per head in each softmax's
+    denominator (a position with no value)."""
     n, NH, D = q.shape
-    NKV = keys.shape[1]
+    S, NKV = keys.shape[:2]
     qs = q.reshape(n, NKV, NH // NKV, D)
     sc = np.einsum("tkgd,skd->kgts", qs, keys) * scale                   # [NKV, G, n, S]
-    p = causal_softmax(sc, start)
+    if not (window or chunk or sinks is not None):
+        p = causal_softmax(sc, start)
+    else:
+        qp, kp = start + np.arange(n)[:, None], np.arange(S)[None, :]
+        hide = kp > qp
+        if window:
+            hide |= kp <= qp - window
+        if chunk:
+            hide |= kp // chunk != qp // chunk
+        sc = np.where(hide, -np.inf, sc)
+        if sinks is not None:                   # one more column, dropped after the softmax
+            col = np.broadcast_to(np.asarray(sinks, sc.dtype).reshape(NKV, NH // NKV, 1, 1),
+                                  sc.shape[:3] + (1,))
+            p = softmax(np.concatenate([sc, col], axis=-1), axis=-1)[..., :S]
+        else:
+            p = softmax(sc, axis=-1)
     o = np.einsum("kgts,skd->tkgd", p.astype(values.dtype), values)
     return o.reshape(n, NH, D)
 

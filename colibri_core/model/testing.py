@@ -16,9 +16,10 @@ def write_random_model(out: Path, *, seed: int = 0, vocab: int = 256, hidden: in
                        top_k: int = 2, inter: int = 192, moe_inter: int = 128, shared: int = 96,
                        heads: int = 4, kv_heads: int = 2, context: int = 128,
                        group: int = 128, tokenizer: Path | None = None, head: str = "q8",
-                       attn: str = "q4", **cfg_over) -> ModelConfig:
+                       attn: str = "q4", out_bias: bool = False, **cfg_over) -> ModelConfig:
     """head: the lm_head's format ("q8" or "q6"); attn: the attention projections'
-    ("q4" or "q6"). The random draws do not depend on either."""
+    ("q4" or "q6"). The random draws do not depend on either. out_bias: an output
+    projection bias per layer; cfg_over attention_sinks=True: sinks per layer."""
     rng = np.random.default_rng(seed)
     hd = hidden // heads
     quantizers = {"q4": quantize_q4, "q6": quantize_q6, "q8": quantize_q8}
@@ -47,6 +48,10 @@ def write_random_model(out: Path, *, seed: int = 0, vocab: int = 256, hidden: in
             yield p + "wk", mat(kv_heads * hd, hidden, attn)
             yield p + "wv", mat(kv_heads * hd, hidden, attn)
             yield p + "wo", mat(hidden, heads * hd, attn)
+            if out_bias:
+                yield p + "bo", (0.1 * rng.standard_normal(hidden)).astype(np.float32)
+            if cfg.attention_sinks:
+                yield p + "sinks", rng.standard_normal(heads).astype(np.float32)
             if kind == "dense":
                 yield p + "w1", mat(inter, hidden)
                 yield p + "w3", mat(inter, hidden)

@@ -68,6 +68,8 @@ class AttentionWeights:
     q_norm: Optional[np.ndarray] = None  # [hd] (per head) or [heads*hd] (whole projection)
     k_norm: Optional[np.ndarray] = None
     act_scales: dict = field(default_factory=dict)   # "wq".."wo" -> [cols] (AWQ)
+    bo: Optional[np.ndarray] = None      # [H] the output projection's bias (gpt-oss)
+    sinks: Optional[np.ndarray] = None   # [heads] attention sinks (cfg.attention_sinks)
 
 
 @dataclass
@@ -256,8 +258,10 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                     bq=get(main, p + "bq", (nh * hd,), optional=True),
                     bk=get(main, p + "bk", (nkv * hd,), optional=True),
                     bv=get(main, p + "bv", (nkv * hd,), optional=True),
-                    q_norm=get(main, p + "q_norm", optional=cfg.qk_norm == "none"),
-                    k_norm=get(main, p + "k_norm", optional=cfg.qk_norm == "none"),
+                    q_norm=get(main, p + "q_norm", optional=cfg.qk_norm in ("none", "l2")),
+                    k_norm=get(main, p + "k_norm", optional=cfg.qk_norm in ("none", "l2")),
+                    bo=get(main, p + "bo", (H,), optional=True),
+                    sinks=get(main, p + "sinks", (nh,), optional=not cfg.attention_sinks),
                     act_scales=act_scales(main, p, (("wq", H), ("wk", H), ("wv", H),
                                                     ("wo", nh * hd))))
             lw = LayerWeights(L, kind, get(main, p + "attn_norm", (H,)),

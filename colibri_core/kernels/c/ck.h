@@ -95,7 +95,8 @@ typedef struct {               /* one layer's attention block (grouped-query att
     ck_mat wq, wk, wv, wo;
     const float *bq, *bk, *bv;   /* NULL: no bias */
     const float *q_norm, *k_norm;  /* Qwen3-style q/k RMSNorms, or NULL */
-    int qk_norm;                 /* 0 none, 1 per head ([d] weights), 2 over the projection */
+    int qk_norm;                 /* 0 none, 1 per head ([d] weights), 2 over the projection,
+                                    3 weightless per head after rope (Llama 4's L2 norm) */
     const float *norm;           /* the attention RMSNorm weight [H] */
     const float *ffn_norm;       /* the FFN RMSNorm weight [H], applied to the result */
     int64_t hidden, nh, nkv, d;
@@ -107,6 +108,15 @@ typedef struct {               /* one layer's attention block (grouped-query att
                                     GLM-4.5); 0: all d */
     float out_scale;             /* factor on the block's output before the residual add
                                     (Granite's residual_multiplier); 0: 1 */
+    const float *bo;             /* the output projection's bias [H], or NULL */
+    const float *sinks;          /* [nh] a learned logit per head added to each softmax's
+                                    denominator (gpt-oss), or NULL */
+    int64_t window;              /* > 0: a token attends to positions pos-window+1 .. pos */
+    int64_t chunk;               /* > 0: to its own chunk, pos - pos % chunk .. pos */
+    int no_rope;                 /* no rope on this layer (Llama 4's NoPE layers), and q
+                                    times 1 + temp_scale * log1p(floor((pos+1) / temp_floor))
+                                    when temp_floor > 0 */
+    float temp_floor, temp_scale;
 } ck_attn_layer;
 
 typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V3; mla.py) */

@@ -88,7 +88,8 @@ typedef struct {
     void (*q6_f32)(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                    float *res);   /* the float parity path: ck_scalar_q6_f32 on every backend */
     /* attention of g query heads sharing one kv head: q, out [g, d]; key/value row p at
-     * k + p*ld, v + p*ld; s: [g, len] scratch */
+     * k + p*ld, v + p*ld; s: [g, len] scratch, left holding the softmax probabilities
+     * (ck_step_attn.c's attention sinks read them) */
     void (*attn)(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
                  int64_t len, float scale, float *s, float *out);
     int rt;       /* preferred rows per tile */
