@@ -32,7 +32,8 @@ PACKAGES = "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
 
 # what every run must report, and how: exact (bit for bit the scalar results) or within
 # the driver's tolerance
-EXACT = {"act_quant", "q4_i8", "q8_i8", "q6_i8", "matmul_int8", "expert_ffn_int8", "step_experts_head"}
+EXACT = {"act_quant", "q4_i8", "q8_i8", "q6_i8", "mx_i8", "matmul_int8", "expert_ffn_int8",
+         "step_experts_head"}
 TOLERANT = {"q4_f32", "q8_f32", "exp", "softmax", "attn", "matmul_float", "expert_ffn_float",
             "attention_decode", "step_attention", "step_float"}
 LINE = re.compile(r"^KERNEL (\S+) (\S+) (PASS|FAIL|SKIP) cases=(\d+) (.*)$")
@@ -122,7 +123,7 @@ def test_neon_kernels_under_qemu(driver, cpu, dotprod):
                 assert status == "PASS" and int(cases) > 0, line
                 assert (rest == "exact") == (kernel in EXACT), line
     assert {k for k, _ in seen} == EXACT | TOLERANT
-    for kernel in ("q4_i8", "q8_i8", "q6_i8"):  # both int8 variants, sdot where it exists
+    for kernel in ("q4_i8", "q8_i8", "q6_i8", "mx_i8"):  # both int8 variants, sdot where it exists
         assert seen[kernel, "plain"][0] == "PASS"
         assert seen[kernel, "sdot"][0] == ("PASS" if dotprod else "SKIP")
     api = "api-sdot" if dotprod else "api-plain"

@@ -17,7 +17,8 @@ Threads: every call's parallel loops run on ck_pool.c's threads (the pipeline st
 too), over output rows; `set_threads(n)` (default: OMP_NUM_THREADS when set, else the
 CPUs this process may run on).
 
-Quantized matrices are `quant.Q4Tensor` / `Q6Tensor` / `Q8Tensor` in the docs/FORMAT.md layout.
+Quantized matrices are `quant.Q4Tensor` / `Q6Tensor` / `Q8Tensor` and `mxfp4.MXFP4Tensor` in the
+docs/FORMAT.md layout.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..format.mxfp4 import MXFP4Tensor
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor, check_group, padded_cols
 
 try:
@@ -38,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "backend", "available_backends", "set_backend", "set_threads", "get_threads",
-    "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul", "q6_matmul",
+    "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul", "q6_matmul", "mxfp4_matmul",
     "q8_matmul", "expert_ffn", "attention_decode",
 ]
 
@@ -182,6 +184,10 @@ def _ck_mat(name: str, w, kind: type):
         _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
         _arr(f"{name}.zeros", w.zeros, _u8, (w.rows, ng))
         parts = (_ptr(w.data), _ptr(w.scales), _ptr(w.zeros))
+    elif kind is MXFP4Tensor:
+        _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 2))
+        _arr(f"{name}.exps", w.exps, _u8, (w.rows, cp // 32))
+        parts = (_ptr(w.data), _NULL, _ptr(w.exps))
     elif kind is Q6Tensor:
         _arr(f"{name}.data", w.data, _u8, (w.rows, cp // 64 * 48))
         _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
@@ -191,7 +197,8 @@ def _ck_mat(name: str, w, kind: type):
         _arr(f"{name}.data", w.data, _i8, (w.rows, cp))
         _arr(f"{name}.scales", w.scales, _f32, (w.rows, ng))
         parts = (_ptr(w.data), _ptr(w.scales), _NULL)
-    ck_kind = {Q4Tensor: lib.CK_W_Q4, Q6Tensor: lib.CK_W_Q6}.get(kind, lib.CK_W_Q8)
+    ck_kind = {Q4Tensor: lib.CK_W_Q4, Q6Tensor: lib.CK_W_Q6,
+               MXFP4Tensor: lib.CK_W_MXFP4}.get(kind, lib.CK_W_Q8)
     m = ffi.new("ck_mat *", {"kind": ck_kind,
                              "data": parts[0], "scales": parts[1], "zeros": parts[2],
                              "rows": w.rows, "cols": w.cols, "group": w.group})
@@ -271,6 +278,13 @@ def q4_matmul(w: Q4Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") ->
 def q6_matmul(w: Q6Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:
     """As q4_matmul for a q6 matrix (uint8 [R, Cp*3/4] data, f32 scales, uint8 zeros)."""
     return _matmul(w, Q6Tensor, x, out, act)
+
+
+def mxfp4_matmul(w: MXFP4Tensor, x: np.ndarray, out: np.ndarray,
+                 act: str = "int8") -> np.ndarray:
+    """As q4_matmul for an MXFP4 matrix (format/mxfp4.py): int8 activations in groups of
+    64, exact integer dots of the doubled e2m1 codes per 32-value block."""
+    return _matmul(w, MXFP4Tensor, x, out, act)
 
 
 def q8_matmul(w: Q8Tensor, x: np.ndarray, out: np.ndarray, act: str = "int8") -> np.ndarray:

@@ -162,6 +162,16 @@ ck_mat q6_mat(int64_t rows, int64_t cols, int64_t group) {
     return (ck_mat){CK_W_Q6, d, s, z, rows, cols, group};
 }
 
+/* an mxfp4 matrix (ck_internal.h's ck_mx) of cols a multiple of 32: random codes,
+ * exponents 110..140 */
+static ck_mx mx_view(int64_t rows, int64_t cols) {
+    const int64_t cp = rup(cols, 64);
+    uint8_t *d = odd((size_t)(rows * cp / 2)), *e = odd((size_t)(rows * cp / 32));
+    for (int64_t i = 0; i < rows * cp / 2; i++) d[i] = (uint8_t)rnd();
+    for (int64_t i = 0; i < rows * cp / 32; i++) e[i] = (uint8_t)(110 + rnd() % 31);
+    return (ck_mx){d, NULL, e, rows, cols, 64, cp, cp / 64};
+}
+
 static ck_q4 q4_view(const ck_mat *m) {
     int64_t cp = rup(m->cols, m->group);
     return (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
@@ -251,7 +261,7 @@ static void shape(int i, int *rt, int *nt) { *rt = 1 + i % 4; *nt = 1 + i / 4; }
 static void test_int8_tiles(const ck_backend_t *be, const char *variant) {
     seed(2);
     report r4 = rep("q4_i8", variant, -1), r8 = rep("q8_i8", variant, -1);
-    report r6 = rep("q6_i8", variant, -1);
+    report r6 = rep("q6_i8", variant, -1), rm = rep("mx_i8", variant, -1);
     for (int ci = 0; ci < LEN(COLS); ci++)
         for (int gi = 0; gi < LEN(GROUPS); gi++) {
             g_used = 0;
@@ -277,10 +287,25 @@ static void test_int8_tiles(const ck_backend_t *be, const char *variant) {
                 be->q6_i8(&w6, 1, rt, &a, 1, nt, got);
                 rep_floats(&r6, got, ref, rt * nt, NULL, what);
             }
+            if (gi) continue;                  /* mxfp4: activations in groups of 64 */
+            const int64_t cm = rup(c, 32);
+            ck_mx wm = mx_view(5, cm);
+            ck_act am = quantized(floats(5 * cm, 1.0f), 5, cm, 64);
+            for (int i = 0; i < NSHAPES; i++) {
+                int rt, nt;
+                shape(i, &rt, &nt);
+                float ref[16], got[16];
+                char what[64];
+                snprintf(what, sizeof what, "cols %ld tile %dx%d", (long)cm, rt, nt);
+                ck_backend_scalar.mx_i8(&wm, 1, rt, &am, 1, nt, ref);
+                be->mx_i8(&wm, 1, rt, &am, 1, nt, got);
+                rep_floats(&rm, got, ref, rt * nt, NULL, what);
+            }
         }
     rep_print(&r4);
     rep_print(&r8);
     rep_print(&r6);
+    rep_print(&rm);
 }
 
 
@@ -441,6 +466,7 @@ int main(void) {
         rep_skip("q4_i8", "sdot", "(the CPU has no dotprod)");
         rep_skip("q8_i8", "sdot", "(the CPU has no dotprod)");
         rep_skip("q6_i8", "sdot", "(the CPU has no dotprod)");
+        rep_skip("mx_i8", "sdot", "(the CPU has no dotprod)");
     }
     test_float_tiles(&ck_backend_neon);
     test_exp_softmax();

@@ -39,16 +39,20 @@ const char *ck_cycle_counter_name(void);
 
 /* ------------------------------------------------------------------ descriptors */
 
-enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3, CK_W_F32 = 4, CK_W_F16 = 5, CK_W_BF16 = 6 };
+enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3, CK_W_F32 = 4, CK_W_F16 = 5, CK_W_BF16 = 6,
+       CK_W_MXFP4 = 7 };
 
 typedef struct {               /* a matrix [rows, cols]: q4, q6 or q8 in the docs/FORMAT.md
                                   layout, or floats (the step calls only) */
-    int kind;                  /* CK_W_Q4, CK_W_Q6, CK_W_Q8, CK_W_F32, CK_W_F16, CK_W_BF16 */
+    int kind;                  /* CK_W_Q4, CK_W_Q6, CK_W_Q8, CK_W_F32, CK_W_F16, CK_W_BF16,
+                                  CK_W_MXFP4 */
     const void *data;          /* q4: uint8 [rows, cp/2]; q6: uint8 [rows, cp/64*48];
                                   q8: int8 [rows, cp]; floats: [rows, cols] (bf16: uint16) */
     const float *scales;       /* [rows, ng]; floats: NULL */
-    const uint8_t *zeros;      /* q4, q6: [rows, ng]; q8, floats: NULL */
-    int64_t rows, cols, group; /* floats: group 64 */
+    const uint8_t *zeros;      /* q4, q6: [rows, ng]; q8, floats: NULL; mxfp4: its e8m0
+                                  block exponents [rows, cp/32] (data: the checkpoint's
+                                  bytes [rows, cp/2], docs/FORMAT.md; scales NULL) */
+    int64_t rows, cols, group; /* floats and mxfp4: group 64 */
     const float *act_scale;    /* AWQ (step calls): [cols], the input is divided by it; or NULL */
 } ck_mat;
 

@@ -431,9 +431,25 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
     }
 }
 
+/* ------------------------------------------------------------------ mxfp4, int8 act */
+
+/* the integer dots of one 64-value step (ck_tiles.h's CK_DEFINE_MX_I8_TILE): the sign
+ * moved onto the activations, |w| <= 12 as maddubs' unsigned operand; i16 sums of four
+ * products stay within 4 * 12 * 127 */
+AVX2_INL __m256i mx_dot(__m256i wa, __m256i xa, __m256i wb, __m256i xb) {
+    const __m256i p = _mm256_add_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(xa, wa)),
+        _mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xb, wb)));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+CK_DEFINE_MX_I8_TILE(AVX2_INL, mx_i8_tile, mx_dot)
+
+CK_DEFINE_Q6_I8(AVX2_FN, mx_i8, mx_i8_tile)
+
 const ck_backend_t ck_backend_avx2 = {"avx2", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8,
                                      ck_avx2_q8_f32, q6_i8, ck_scalar_q6_f32, ck_avx2_attn,
-                                     4, 4};
+                                     4, 4, .mx_i8 = mx_i8};
 
 #else
 typedef int ck_avx2_unused; /* not x86: nothing to compile here */

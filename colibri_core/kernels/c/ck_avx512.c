@@ -316,9 +316,23 @@ VNNI_FN void q4_panels(const ck_unpacked *u, const ck_panel *p, int64_t np, floa
     if (p0 < np) q4_panel_tile(u, p, p0, res + p0 * CK_PANEL, ldr, 1);
 }
 
+/* ------------------------------------------------------------------ mxfp4, int8 act */
+
+/* two dpbusd in place of AVX2's maddubs pair + madd: the same i32 lanes, so the same
+ * floats (ck_tiles.h's CK_DEFINE_MX_I8_TILE) */
+VNNI_INL __m256i mx_dot(__m256i wa, __m256i xa, __m256i wb, __m256i xb) {
+    const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wa, wa),
+                                          _mm256_sign_epi8(xa, wa));
+    return _mm256_dpbusd_epi32(d, _mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xb, wb));
+}
+
+CK_DEFINE_MX_I8_TILE(VNNI_INL, mx_i8_tile, mx_dot)
+
+CK_DEFINE_Q6_I8(VNNI_FN, mx_i8, mx_i8_tile)
+
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
-    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels, q6_unpack,
+    q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels, q6_unpack, mx_i8,
 };
 
 #else

@@ -226,7 +226,7 @@ void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
 
 /* ------------------------------------------------------------------ matmul */
 
-enum { K_Q4_I8, K_Q4_F32, K_Q8_I8, K_Q8_F32, K_Q6_I8, K_Q6_F32 };
+enum { K_Q4_I8, K_Q4_F32, K_Q8_I8, K_Q8_F32, K_Q6_I8, K_Q6_F32, K_MX_I8, K_MX_F32 };
 
 static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int64_t r0,
                             int rt, const void *act, int64_t t0, int nt, float *res) {
@@ -236,6 +236,8 @@ static inline void run_tile(const ck_backend_t *be, int kind, const void *w, int
     case K_Q8_I8: be->q8_i8(w, r0, rt, act, t0, nt, res); break;
     case K_Q6_I8: be->q6_i8(w, r0, rt, act, t0, nt, res); break;
     case K_Q6_F32: be->q6_f32(w, r0, rt, act, t0, nt, res); break;
+    case K_MX_I8: be->mx_i8(w, r0, rt, act, t0, nt, res); break;
+    case K_MX_F32: ck_scalar_mx_f32(w, r0, rt, act, t0, nt, res); break;
     default: be->q8_f32(w, r0, rt, act, t0, nt, res); break;
     }
 }
@@ -304,7 +306,7 @@ static void panel_item(void *p, int64_t i) {
 
 static void matmul_loops(matmul_ctx *c, int nth) {
     const int64_t n = c->q.n;
-    if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8 || c->kind == K_Q6_I8)
+    if (c->kind == K_Q4_I8 || c->kind == K_Q8_I8 || c->kind == K_Q6_I8 || c->kind == K_MX_I8)
         ck_pool_for(quant_row, &c->q, n, nth);
     if (c->pq) {
         ck_pool_for(pack_row, c, npanels(n) * CK_PANEL, nth);
@@ -317,13 +319,17 @@ static void matmul_loops(matmul_ctx *c, int nth) {
 
 int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_int8) {
     ck_init();
-    const int is_q8 = m->kind == CK_W_Q8;   /* else q4 or q6: ck_q4's fields */
-    const int64_t rows = m->rows, cols = m->cols, group = m->group;
-    const ck_q4 w4 = is_q8 ? (ck_q4){0} : q4_of(m);
+    const int is_q8 = m->kind == CK_W_Q8;   /* else q4, q6 or mxfp4: ck_q4's fields */
+    const int is_mx = m->kind == CK_W_MXFP4;
+    const int64_t rows = m->rows, cols = m->cols, group = is_mx ? 64 : m->group;
+    ck_q4 w4 = is_q8 ? (ck_q4){0} : q4_of(m);
+    if (is_mx) { w4.group = 64; w4.cp = round_up(cols, 64); w4.ng = w4.cp / 64; }
     const ck_q8 w8 = is_q8 ? q8_of(m) : (ck_q8){0};
     const void *w = is_q8 ? (const void *)&w8 : (const void *)&w4;
-    const int k_i8 = m->kind == CK_W_Q4 ? K_Q4_I8 : m->kind == CK_W_Q6 ? K_Q6_I8 : K_Q8_I8;
-    const int k_f32 = m->kind == CK_W_Q4 ? K_Q4_F32 : m->kind == CK_W_Q6 ? K_Q6_F32 : K_Q8_F32;
+    const int k_i8 = m->kind == CK_W_Q4 ? K_Q4_I8 : m->kind == CK_W_Q6 ? K_Q6_I8 :
+                     is_mx ? K_MX_I8 : K_Q8_I8;
+    const int k_f32 = m->kind == CK_W_Q4 ? K_Q4_F32 : m->kind == CK_W_Q6 ? K_Q6_F32 :
+                      is_mx ? K_MX_F32 : K_Q8_F32;
     int64_t cp = round_up(cols, group), ng = cp / group;
     int nth = nthreads_for(rows * cp * n), rc = 0;
     matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out,

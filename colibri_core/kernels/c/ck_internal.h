@@ -25,6 +25,24 @@ typedef struct {               /* a q4 matrix */
 typedef ck_q4 ck_q6;
 #define CK_Q6_BLOCK 48   /* bytes per 64 values */
 
+/* An mxfp4 matrix (CK_W_MXFP4: gpt-oss's experts, docs/FORMAT.md) in ck_q4's fields:
+ * data [rows, cp/2] the checkpoint's bytes (per 32-value block 16 bytes, byte j holding
+ * the e2m1 codes of values 2j (low nibble) and 2j+1 (high)), zeros [rows, cp/32] the
+ * blocks' e8m0 exponents, scales unused; group 64, cp = round_up(cols, 64): an activation
+ * group is two blocks. */
+typedef ck_q4 ck_mx;
+/* the e2m1 codes' values times 2, integers (+0, 0.5, 1, 1.5, 2, 3, 4, 6, then negated) */
+#define CK_E2M1_X2 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
+/* 2^(e - 128), exactly: an e8m0 block scale 2^(e - 127) halved for the doubled codes
+ * (e 0 and 1 give float32 subnormals; 255, NaN in the OCP format, is refused at load) */
+static inline float ck_e8m0_half(uint8_t e) {
+    uint32_t u = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 typedef struct {               /* a q8 matrix */
     const int8_t *data;        /* [rows, cp] */
     const float *scales;       /* [rows, ng] */
@@ -109,6 +127,11 @@ typedef struct {
      * go through the same q4_dot_pass. NULL: q6 matrices run the tiles. */
     void (*q6_unpack)(const ck_q6 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
                       int32_t *wzs);
+    /* mxfp4 x int8 activations (group 64): per 32-value block an exact integer dot of the
+     * doubled codes, times 2^(e - 128) * xs (float activations: ck_scalar_mx_f32 on
+     * every backend, the parity path) */
+    void (*mx_i8)(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                  float *res);
 } ck_backend_t;
 
 extern const ck_backend_t ck_backend_scalar;
@@ -165,6 +188,8 @@ void ck_softmax_rows(float *s, int g, int64_t len);
 void ck_scalar_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
 void ck_scalar_q6_f32(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
+                      float *res);
+void ck_scalar_mx_f32(const ck_mx *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
 
 /* the expert FFN's activation: silu(v) = v * sigmoid(v) */

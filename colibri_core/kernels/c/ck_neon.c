@@ -372,12 +372,12 @@ static void attn(const float *q, int g, int64_t d, const float *k, const float *
 /* rt 4: the decode tiles are 4 rows x 1 token; nt_many 4: batches 1 row x 4 tokens */
 const ck_backend_t ck_backend_neon = {
     "neon", act_quant, q4_i8_plain, q4_f32, q8_i8_plain, q8_f32, q6_i8_plain, ck_scalar_q6_f32,
-    attn, 4, 4,
+    attn, 4, 4, .mx_i8 = mx_i8_plain,
 };
 
 const ck_backend_t ck_backend_neon_sdot = {
     "neon", act_quant, q4_i8_sdot, q4_f32, q8_i8_sdot, q8_f32, q6_i8_sdot, ck_scalar_q6_f32,
-    attn, 4, 4,
+    attn, 4, 4, .mx_i8 = mx_i8_sdot,
 };
 
 #else

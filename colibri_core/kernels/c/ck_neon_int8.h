@@ -1,4 +1,4 @@
-/* ck_neon_int8.h -- the NEON int8 tiles (q4 and q8 weights x int8 activations) and their
+/* ck_neon_int8.h -- the NEON int8 tiles (q4, q6, q8, mxfp4 weights x int8 activations) and their
  * dot pass. ck_neon.c includes this file twice, once per way of forming the integer dots,
  * after defining:
  *   NEON_ATTR                      attributes of every function below (a target, or none)
@@ -210,6 +210,65 @@ NEON_ATTR static void NEON_NAME(q6_i8)(const ck_q6 *w, int64_t r0, int rt, const
         case 4: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;
         case 3: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 3); break;
         default: NEON_NAME(q6_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 2); break;
+        }
+    }
+}
+
+/* mxfp4 (ck_internal.h's ck_mx): per 32-value block, each row's 16 bytes split into
+ * nibbles, zipped back into value order and looked up as int8 (tbl over CK_E2M1_X2),
+ * dotted with the token's 32 activations (NEON_DOT16 twice); the pairs' block dots
+ * (lane k = pair k) are then added as ck_scalar.c's mx_i8 adds them, acc + (float)dot *
+ * (2^(e-128) * xs), one block after the other: bit for bit the scalar tile. */
+static inline __attribute__((always_inline)) NEON_ATTR void
+NEON_NAME(mx_i8_tile)(const ck_mx *w, int64_t r0, const ck_act *a, int64_t t0, float *res,
+                      int ldr, const int RT, const int NT) {
+    static const int8_t lut_b[16] = {CK_E2M1_X2};
+    const int8x16_t lut = vld1q_s8(lut_b);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    const int64_t rb = w->cp / 2, nb = w->cp / 32;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        int8x16_t wa[4], wb[4];
+        for (int r = 0; r < RT; r++) {
+            const uint8x16_t v = vld1q_u8(w->data + (r0 + r) * rb + b * 16);
+            const uint8x16_t lo = vandq_u8(v, m4), hi = vshrq_n_u8(v, 4);
+            wa[r] = vqtbl1q_s8(lut, vzip1q_u8(lo, hi));
+            wb[r] = vqtbl1q_s8(lut, vzip2q_u8(lo, hi));
+        }
+        int32x4_t i[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        for (int t = 0; t < NT; t++) {
+            const int8_t *xp = a->q + (t0 + t) * a->cp + b * 32;
+            const int8x16_t x0 = vld1q_s8(xp), x1 = vld1q_s8(xp + 16);
+            for (int r = 0; r < RT; r++)
+                i[r * NT + t] = NEON_DOT16(NEON_DOT16(i[r * NT + t], wa[r], x0), wb[r], x1);
+        }
+        float sw[4] = {0}, xs[4] = {0};
+        for (int k = 0; k < RT * NT; k++) {
+            sw[k] = ck_e8m0_half(w->zeros[(r0 + k / NT) * nb + b]);
+            xs[k] = ck_ldf(a->s + (t0 + k % NT) * a->ng + b / 2);
+        }
+        const float32x4_t c = vmulq_f32(vld1q_f32(sw), vld1q_f32(xs));
+        acc = vaddq_f32(acc, vmulq_f32(vcvtq_f32_s32(NEON_NAME(totals)(i)), c));
+    }
+    NEON_NAME(store_pairs)(acc, res, ldr, RT, NT);
+}
+
+NEON_ATTR static void NEON_NAME(mx_i8)(const ck_mx *w, int64_t r0, int rt, const ck_act *a,
+                                       int64_t t0, int nt, float *res) {
+    if (nt == 1) {
+        switch (rt) {
+        case 4: NEON_NAME(mx_i8_tile)(w, r0, a, t0, res, 1, 4, 1); break;
+        case 3: NEON_NAME(mx_i8_tile)(w, r0, a, t0, res, 1, 3, 1); break;
+        case 2: NEON_NAME(mx_i8_tile)(w, r0, a, t0, res, 1, 2, 1); break;
+        default: NEON_NAME(mx_i8_tile)(w, r0, a, t0, res, 1, 1, 1); break;
+        }
+        return;
+    }
+    for (int r = 0; r < rt; r++) {
+        switch (nt) {
+        case 4: NEON_NAME(mx_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;
+        case 3: NEON_NAME(mx_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 3); break;
+        default: NEON_NAME(mx_i8_tile)(w, r0 + r, a, t0, res + r * nt, nt, 1, 2); break;
         }
     }
 }

@@ -66,6 +66,16 @@ void ck_mat_row(const ck_mat *w, int64_t r, float *out) {
         }
         return;
     }
+    if (w->kind == CK_W_MXFP4) {                /* code / 2 * 2^(e - 127) */
+        static const int8_t lut[16] = {CK_E2M1_X2};
+        const int64_t cp = rup(w->cols, 64);
+        const uint8_t *d = (const uint8_t *)w->data + r * (cp / 2), *e = w->zeros + r * (cp / 32);
+        for (int64_t c = 0; c < w->cols; c++) {
+            const uint8_t b = d[c / 2];
+            ck_stf(out + c, (float)lut[c & 1 ? b >> 4 : b & 15] * ck_e8m0_half(e[c / 32]));
+        }
+        return;
+    }
     int64_t cp = rup(w->cols, w->group), ng = cp / w->group;
     const float *s = w->scales + r * ng;
     if (w->kind == CK_W_Q4) {

@@ -55,16 +55,17 @@ static inline int nthreads(const ck_sscratch *s, int64_t work) {
     return s->threads > 0 && s->threads < n ? s->threads : n;
 }
 
-static inline int is_float_kind(int kind) { return kind >= CK_W_F32; }
+static inline int is_float_kind(int kind) { return kind >= CK_W_F32 && kind <= CK_W_BF16; }
 
 static inline int64_t mat_bytes_per_row(const ck_mat *m) {
     return m->kind == CK_W_Q4 ? m->cols / 2 : m->kind == CK_W_Q6 ? m->cols * 3 / 4 :
+           m->kind == CK_W_MXFP4 ? m->cols / 2 + m->cols / 32 :
            m->kind == CK_W_F32 ? 4 * m->cols : is_float_kind(m->kind) ? 2 * m->cols : m->cols;
 }
 
 /* ------------------------------------------------------------------ matrices */
 
-/* a matrix as the tiles take it: q4 and q6 in q4, q8 in q8, floats in f (row r at
+/* a matrix as the tiles take it: q4, q6 and mxfp4 in q4, q8 in q8, floats in f (row r at
  * f + r * cols, f32 / f16 / bf16 by kind); xs its AWQ activation scale or NULL */
 typedef struct { int kind; ck_q4 q4; ck_q8 q8; const void *f; const float *xs; int64_t rows, cols, group; } wmat;
 
@@ -76,6 +77,11 @@ static inline wmat to_w(const ck_mat *m) {
     w.rows = m->rows; w.cols = m->cols; w.group = m->group; w.xs = m->act_scale;
     if (m->kind == CK_W_Q4 || m->kind == CK_W_Q6)
         w.q4 = (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
+    else if (m->kind == CK_W_MXFP4) {          /* activations in groups of 64: two blocks */
+        w.group = 64;
+        cp = rup(m->cols, 64);
+        w.q4 = (ck_q4){m->data, NULL, m->zeros, m->rows, m->cols, 64, cp, cp / 64};
+    }
     else if (m->kind == CK_W_Q8)
         w.q8 = (ck_q8){m->data, m->scales, m->rows, m->cols, m->group, cp, cp / m->group};
     else
@@ -145,10 +151,12 @@ void mat_tile(const ck_backend_t *be, const wmat *w, int64_t r0, int rt, const s
     else if (a->int8) {
         if (w->kind == CK_W_Q4) be->q4_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
         else if (w->kind == CK_W_Q6) be->q6_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
+        else if (w->kind == CK_W_MXFP4) be->mx_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
         else be->q8_i8(&w->q8, r0, rt, &a->q, t0, nt, res);
     } else {
         if (w->kind == CK_W_Q4) be->q4_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
         else if (w->kind == CK_W_Q6) be->q6_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
+        else if (w->kind == CK_W_MXFP4) ck_scalar_mx_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
         else be->q8_f32(&w->q8, r0, rt, &a->f, t0, nt, res);
     }
 }

@@ -281,4 +281,59 @@
         }                                                                                \
     }
 
+/* mxfp4 x int8 (ck_internal.h's ck_mx), RT rows x NT tokens. Per 64 values (two 32-value
+ * blocks, one activation group) a row's 32 bytes are split into nibbles and interleaved
+ * back into value order (unpacklo/hi per 128-bit lane: block 2i in the low lane, 2i+1 in
+ * the high one), then looked up as int8 (pshufb over CK_E2M1_X2); each token's two
+ * 32-byte halves are arranged alike once for all rows. DOTAB(wa, xa, wb, xb) gives the
+ * integer dots of (|w|, sign(x, w)) in 8 i32 lanes, four per block (AVX2: maddubs + madd,
+ * VNNI: dpbusd; the same integers), which become floats and go into one fma per lane
+ * with 2^(e-128) * xs; the lanes are summed by hsum_ps at the end. The same floats on
+ * AVX2 and AVX-512 (tests/test_kernels_mxfp4.py); within float rounding of ck_scalar.c.
+ * Needs hsum_ps. The dispatch is CK_DEFINE_Q6_I8's (ck_mx is ck_q6's type). */
+#define CK_DEFINE_MX_I8_TILE(INL, NAME, DOTAB)                                           \
+    INL void NAME(const ck_mx *w, int64_t r0, const ck_act *a, int64_t t0, float *res,   \
+                  int ldr, const int RT, const int NT) {                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                       \
+        const __m256i lut = _mm256_setr_epi8(CK_E2M1_X2, CK_E2M1_X2);                     \
+        const int64_t rb = w->cp / 2, nb = w->cp / 32;                                   \
+        __m256 acc[CK_MAX_RT * CK_MAX_NT];                                               \
+        _Pragma("GCC unroll 4")                                                          \
+        for (int k = 0; k < RT * NT; k++) acc[k] = _mm256_setzero_ps();                  \
+        for (int64_t b = 0; b < w->cp / 64; b++) {                                       \
+            __m256i wa[CK_MAX_RT], wb[CK_MAX_RT];                                        \
+            __m256 sw[CK_MAX_RT];                                                        \
+            _Pragma("GCC unroll 4")                                                      \
+            for (int r = 0; r < RT; r++) {                                               \
+                const uint8_t *row = w->data + (r0 + r) * rb + b * 32;                   \
+                const uint8_t *e = w->zeros + (r0 + r) * nb + 2 * b;                     \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)row);              \
+                const __m256i lo = _mm256_and_si256(v, m4);                              \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);        \
+                wa[r] = _mm256_shuffle_epi8(lut, _mm256_unpacklo_epi8(lo, hi));          \
+                wb[r] = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(lo, hi));          \
+                sw[r] = _mm256_setr_m128(_mm_set1_ps(ck_e8m0_half(e[0])),                \
+                                         _mm_set1_ps(ck_e8m0_half(e[1])));               \
+            }                                                                            \
+            _Pragma("GCC unroll 4")                                                      \
+            for (int t = 0; t < NT; t++) {                                               \
+                const int8_t *xp = a->q + (t0 + t) * a->cp + b * 64;                     \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);              \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));       \
+                const __m256i xa = _mm256_permute2x128_si256(x0, x1, 0x20);              \
+                const __m256i xb = _mm256_permute2x128_si256(x0, x1, 0x31);              \
+                const __m256 xs = _mm256_set1_ps(ck_ldf(a->s + (t0 + t) * a->ng + b));   \
+                _Pragma("GCC unroll 4")                                                  \
+                for (int r = 0; r < RT; r++) {                                           \
+                    const __m256i d = DOTAB(wa[r], xa, wb[r], xb);                       \
+                    acc[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),             \
+                                                      _mm256_mul_ps(sw[r], xs),          \
+                                                      acc[r * NT + t]);                  \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+        _Pragma("GCC unroll 4")                                                          \
+        for (int k = 0; k < RT * NT; k++) res[(k / NT) * ldr + k % NT] = hsum_ps(acc[k]); \
+    }
+
 #endif
