@@ -22,7 +22,7 @@ from .closedguard import refuse_after_close
 from .config import EngineConfig, ModelConfig, find_config, load_run_config, parse
 from .errors import ConfigError, EngineClosedError, RequestError
 from .experts.expertchanges import ChangeApplier
-from .runtime.generate import Generation
+from .runtime.generate import Generation, generation
 from .experts.hotplug.events import ExpertEvents
 from .model.kvcache import KVPool
 from .forward.model import Model
@@ -334,46 +334,14 @@ class Engine:
         and a shorthand is an error); `sampler`: a callable(logits) -> token id replacing
         the Sampler (replay's greedy one); `request_id`: the id the hooks see (default
         `req-N`). `top_k=`: the old name of experts_per_token, deprecated."""
-        experts_per_token = renamed_k(experts_per_token, top_k, "generate")
-        s = self.config.sampling
-        n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
-            raise RequestError(f"max_new_tokens={n_new!r}: must be an integer >= 0")
-        n_new = int(n_new)
-        if stop is None:
-            stop = list(s.stop)
-        elif isinstance(stop, str):
-            stop = [stop]
-        elif isinstance(stop, (list, tuple)):
-            stop = list(stop)
-        else:
-            raise RequestError(f"stop={stop!r:.60}: expected a string or a list of strings")
-        if not all(isinstance(x, str) and x for x in stop):
-            raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
-        shorthands = dict(temperature=temperature, top_p=top_p, seed=seed,
-                          presence_penalty=presence_penalty or None,
-                          frequency_penalty=frequency_penalty or None,
-                          repetition_penalty=None if repetition_penalty == 1.0
-                          else repetition_penalty, min_p=min_p or None)
-        given = {k: v for k, v in shorthands.items() if v is not None}
-        if sampling is None:
-            sampling = SamplingParams(**{"temperature": s.temperature, "top_p": s.top_p,
-                                         "seed": s.seed, **given})
-        elif not isinstance(sampling, SamplingParams):
-            raise RequestError(f"sampling={sampling!r:.60}: expected a SamplingParams")
-        elif given:
-            raise RequestError(f"generate: sampling=SamplingParams(...) and {sorted(given)} "
-                               f"both given; put those settings in the SamplingParams")
-        ids, prefix_k, truncated = self.prepare_ids(prompt, reserve=1)
-        rid = request_id or f"req-{next(_request_ids)}"
-        k, source = self.choose_k(len(ids), experts_per_token, prefix_k, {"id": rid})
-        if sampler is None:
-            try:
-                sampler = sampling.sampler(self.model_cfg.eos_token_ids)
-            except (TypeError, ValueError) as e:
-                raise RequestError(f"sampling settings: {e}") from None
-        return Generation(self, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,
-                          request_id=rid, truncated_from=truncated, logprobs=sampling.logprobs)
+        return generation(self, prompt, request_id or f"req-{next(_request_ids)}",
+                          max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                          experts_per_token=renamed_k(experts_per_token, top_k, "generate"),
+                          pin_experts=pin_experts, sampler=sampler, shorthands=dict(
+                              temperature=temperature, top_p=top_p, seed=seed,
+                              presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty,
+                              repetition_penalty=repetition_penalty, min_p=min_p))
 
     def next_token_logits(self, token_ids: Sequence[int],
                           experts_per_token: Optional[int] = None,

@@ -1,37 +1,38 @@
-"""Token generation over the scheduler: a Generation is one request, streamed.
+"""Token generation over the scheduler: a Generation is one choice, streamed.
 
-The caller's thread iterates a Generation and reads the tokens its sequence (a Decode
-job) produced on the scheduler's thread (scheduler.py), where sampling, stop strings,
-streaming text and the per-token hooks run, once per step, after the step's forward.
-Between two steps (and only there) the engine applies queued expert changes, so every
-token is computed with exactly one expert set, whose generation and id are recorded on
-the token; a pinned request keeps the snapshot it was admitted with.
+`generation()` (Engine.generate's body) checks the arguments, tokenizes the prompt and
+chooses k into a Generation; `Generation.another()` is a further choice of the same
+prompt (the server's n: tokenized and k chosen once). Starting a Generation submits one
+request (`_Stream`) carrying its sequence, a decode.Decode job; `submit()` submits
+several choices as one request (the server's n x prompts), their events on one reader
+with their `choice` index. The caller's thread iterates a Generation and reads the
+tokens its sequence produced on the scheduler's thread (scheduler.py), where sampling,
+stop strings, streaming text and the per-token hooks run, once per step, after the
+step's forward. Between two steps (and only there) the engine applies queued expert
+changes, so every token is computed with exactly one expert set, whose generation and id
+are recorded on the token; a pinned request keeps the snapshot it was admitted with.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
 from ..config import EngineConfig, ModelConfig
 from .audit import generation_record, routing_of
 from .bridge import DONE, LoopQueue
-from .events import TokenEvent, TokenTexts, token_logprob
-from ..errors import ModelFormatError, RequestError
+from .decode import Decode
+from .events import TokenEvent
+from ..errors import RequestError
 from ..forward.model import Model
-from .sampler import Sampler
-from .request import Job, Request, cancel_when_gone
+from .sampler import Sampler, SamplingParams
+from .request import Request, cancel_when_gone
 from .scheduler import Scheduler
-from .speculative import PromptLookup
-from .stops import StopCutter
-from .tokenizer import StreamDecoder, Tokenizer
-
-log = logging.getLogger("colibri")
+from .tokenizer import Tokenizer
 
 
 class Host(Protocol):
@@ -43,6 +44,11 @@ class Host(Protocol):
     tokenizer: Optional[Tokenizer]
     hooks: Any                      # plugins.HookRelay
     scheduler: Scheduler            # where its request runs
+
+    def prepare_ids(self, prompt, reserve: int = 1) -> tuple: ...
+
+    def choose_k(self, prompt_tokens: int, explicit: Optional[int], prefix: Optional[int],
+                 request: dict) -> tuple: ...
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Generation:
     tail: str = ""              # text after the last token's event (decoder, held back)
     events: list[TokenEvent] = field(default_factory=list)
     _request: Optional["_Stream"] = field(default=None, repr=False)
+    _job: Optional[Decode] = field(default=None, repr=False)     # its sequence, once started
     _iterated: bool = field(default=False, repr=False)
 
     @property
@@ -82,7 +89,7 @@ class Generation:
     def speculation(self) -> dict:
         """Speculative decoding's counts so far: `rounds` (steps that fed draft tokens),
         `drafted` (draft tokens fed), `accepted` (of them, emitted); all 0 when off."""
-        d = None if self._request is None else self._request.jobs[0]
+        d = self._job
         return {"rounds": d.rounds if d else 0, "drafted": d.drafted_total if d else 0,
                 "accepted": d.accepted_total if d else 0}
 
@@ -103,6 +110,13 @@ class Generation:
         until admitted)."""
         return None if self._request is None else self._request.queue_wait_s
 
+    def another(self, sampling: SamplingParams, request_id: str) -> "Generation":
+        """A further choice of the same prompt (not started): this one's tokens, k, stop
+        strings and length (tokenized and chosen once), a sampler of its own."""
+        return replace(self, sampler=_sampler(sampling, self.engine), request_id=request_id,
+                       logprobs=sampling.logprobs, stop_reason=None, token_ids=[], text="",
+                       tail="", events=[], _request=None, _job=None, _iterated=False)
+
     def start(self, sink=None, on_done=None) -> "Generation":
         """Submit the request now (iterating does it otherwise): it starts computing at
         the next step. Raises what submitting raises (EngineClosedError, EngineBusyError
@@ -111,13 +125,7 @@ class Generation:
         thread, instead of iteration; `on_done()`: called on
         the scheduler's thread once the request is done."""
         if self._request is None:
-            req = _Stream(self)
-            req.sink = sink
-            if on_done is not None:
-                req.on_done.append(on_done)
-            self.engine.scheduler.submit(req)
-            self._request = req
-            cancel_when_gone(self, req)           # dropped unread: its place is freed
+            submit([self], self.request_id, sink=sink, on_done=on_done)
         return self
 
     def close(self) -> None:
@@ -143,7 +151,8 @@ class Generation:
                                f"already; call engine.generate() again for a new run")
         self._iterated = True
         self.start()
-        req = self._request
+        req, job = self._request, self._job
+        _only_choice(req, self.request_id)
         try:
             while True:
                 ev = req.next_event()
@@ -153,9 +162,9 @@ class Generation:
                 self.text += ev.text
                 self.events.append(ev)
                 yield ev
-            self.tail = req.tail
-            self.text += req.tail
-            self.stop_reason = req.stop_reason
+            self.tail = job.tail
+            self.text += job.tail
+            self.stop_reason = job.outcome
         except Exception:
             self.stop_reason = "error"
             raise
@@ -175,7 +184,8 @@ class Generation:
             await asyncio.to_thread(self.start, sink, lambda: sink.put(DONE))
         else:
             self._request.attach(sink, lambda: sink.put(DONE))
-        req = self._request
+        req, job = self._request, self._job
+        _only_choice(req, self.request_id)
         try:
             while True:
                 ev = await sink.get()
@@ -187,9 +197,9 @@ class Generation:
                 yield ev
             if req.error is not None:
                 raise req.error.with_traceback(None)
-            self.tail = req.tail
-            self.text += req.tail
-            self.stop_reason = req.stop_reason
+            self.tail = job.tail
+            self.text += job.tail
+            self.stop_reason = job.outcome
         except Exception:
             self.stop_reason = "error"
             raise
@@ -198,223 +208,115 @@ class Generation:
 
 
 class _Stream(Request):
-    """A generation's request on the scheduler: one Decode job. Holds no reference to
-    its Generation (so that dropping the Generation cancels it)."""
+    """A completion's request on the scheduler: one Decode job per choice (a Python
+    API Generation: one). Holds no reference to its Generations (so that dropping one
+    cancels it). `on_choice_end(job)`: called on the scheduler's thread as each choice
+    ends (its last token's event pushed first)."""
 
-    def __init__(self, gen: Generation):
-        super().__init__(gen.request_id)
-        eng = gen.engine
+    def __init__(self, gens: list, request_id: str):
+        super().__init__(request_id)
+        eng = gens[0].engine
         self.hooks = eng.hooks
-        self.n_prompt = len(gen.prompt_ids)
-        self.k = gen.k
-        self.n_tokens = 0
-        self.tail = ""
-        self.last_set = None            # (generation, id) of its last token's expert set
+        self.on_choice_end: Optional[Callable[[Decode], None]] = None
         ctx = eng.model_cfg.max_position_embeddings
-        capacity = max(min(ctx, self.n_prompt + gen.max_new_tokens), self.n_prompt)
-        self.jobs = [Decode(self, gen, capacity)]
+        self.jobs = [Decode(self, g, max(min(ctx, len(g.prompt_ids) + g.max_new_tokens),
+                                         len(g.prompt_ids))) for g in gens]
 
     def started(self) -> None:
-        self.jobs[0].t_prev = time.perf_counter()
+        now = time.perf_counter()
         h = self.hooks
-        if h is not None and h.request_start is not None:
-            h.request_start(request_id=self.id, prompt_tokens=self.n_prompt, k=self.k)
+        for d in self.jobs:
+            d.t_prev = now
+            if h is not None and h.request_start is not None:
+                h.request_start(request_id=d.request_id, prompt_tokens=len(d.tokens), k=d.k)
 
     def ended(self) -> None:
         h = self.hooks
-        if h is not None and h.request_end is not None:
-            h.request_end(request_id=self.id, n_tokens=self.n_tokens,
-                          stop_reason=self.stop_reason)
-        d = self.jobs[0]
-        if d.audit is not None and d.prompt_routed:     # its line (a dict: written elsewhere)
-            d.audit.put(generation_record(self.id, d.tokens, d.sets, d.k, d.out_tokens,
-                                          self.stop_reason, routing_of(d.routes, d.k),
-                                          d.sampling), [es for _, es in d.sets])
+        for d in self.jobs:
+            if h is not None and h.request_end is not None:
+                h.request_end(request_id=d.request_id, n_tokens=d.n_tokens,
+                              stop_reason=d.outcome)
+            if d.audit is not None and d.prompt_routed:     # its line (a dict: written elsewhere)
+                d.audit.put(generation_record(d.request_id, d.tokens, d.sets, d.k,
+                                              d.out_tokens, d.outcome, routing_of(d.routes, d.k),
+                                              d.sampling), [es for _, es in d.sets])
 
 
-class Decode(Job):
-    """A generation's sequence: after its prompt, sample, stream, stop; one token per
-    step, or with speculative decoding (EngineConfig.speculative_decoding) the decode
-    token and a draft, of which the tokens sampled as plain decoding samples them are
-    kept (speculative.py). Runs on the scheduler's thread."""
+def submit(gens: list, request_id: str, *, sink=None,
+           on_choice_end: Optional[Callable[[Decode], None]] = None,
+           on_done: Optional[Callable[[], None]] = None) -> _Stream:
+    """Submit Generations (none started yet; one engine) as one request: one submission,
+    one memory check, one queue place; their sequences share the steps, their events go
+    to one reader (`sink`, or iteration when they are one) with their `choice`; a failure
+    fails them all, and cancelling any one cancels them all. Raises what
+    Scheduler.submit raises."""
+    if not gens or any(g._request is not None for g in gens):
+        raise RequestError(f"request {request_id}: submit takes Generations not started yet")
+    req = _Stream(gens, request_id)
+    req.sink = sink
+    req.on_choice_end = on_choice_end
+    if on_done is not None:
+        req.on_done.append(on_done)
+    gens[0].engine.scheduler.submit(req)
+    for g, job in zip(gens, req.jobs):
+        g._request, g._job = req, job
+        cancel_when_gone(g, req)              # dropped unread: its place is freed
+    return req
 
-    decodes = True
 
-    def __init__(self, request: _Stream, gen: Generation, capacity: int):
-        super().__init__(request, gen.prompt_ids, gen.k, capacity, pin=gen.pin_experts)
-        eng = gen.engine
-        self.hooks = eng.hooks
-        self.vocab_size = eng.model_cfg.vocab_size
-        self.model_dir = eng.model_dir
-        self.eos = set(eng.model_cfg.eos_token_ids)
-        self.max_new_tokens = gen.max_new_tokens
-        self.sampler = gen.sampler
-        self.cut = StopCutter(gen.stop)          # stop strings, their starts held back
-        self.request_id = gen.request_id
-        self.choice = gen.choice
-        self.top_n = gen.logprobs                 # log-probs on each event (None: off)
-        self.texts = TokenTexts(eng.tokenizer) if gen.logprobs is not None else None
-        self.logprob = None                       # the sampled token's, for its event
-        self.decoder = StreamDecoder(eng.tokenizer) if eng.tokenizer is not None else None
-        self.text = ""
-        self.step = 0
-        self.t_prev = 0.0
-        self._warned_nonfinite = False
-        cfg = eng.config
-        self.lookup = None                  # the draft (None: plain decoding)
-        self.max_draft = cfg.draft_tokens
-        if cfg.speculative_decoding == "prompt_lookup" and gen.max_new_tokens > 1:
-            self.lookup = PromptLookup(gen.prompt_ids, cfg.draft_ngram_max, cfg.draft_ngram_min)
-        self.draft: list[int] = []          # what the running step feeds after `feed`
-        self.rounds = self.drafted_total = self.accepted_total = 0
-        # the audit log (audit.py): the prompt's routing, the tokens and their sets
-        self.audit = getattr(eng, "audit", None)
-        self.sink = eng.model.route_sink if self.audit is not None else None
-        self.prompt_routed = False
-        self.routes: list = []
-        self.out_tokens: list[int] = []
-        self.sets: list = []                # [(first token index, es)]
-        # a caller's own sampler may wrap a Sampler (`inner`) and mask tokens (`mask`)
-        inner = getattr(gen.sampler, "inner", gen.sampler)
-        # penalties count this sequence's tokens (sampler.py); None: nothing per token
-        self.penalties = getattr(inner, "penalties", None)
-        if self.penalties is not None:
-            self.penalties.start(gen.prompt_ids)
-        self.sampling = getattr(inner, "audit_params", None) if self.audit is not None else None
-        mask = getattr(gen.sampler, "mask", None)                # ignore_eos: EOS masked
-        if self.sampling is not None and mask is not None and "mask" not in self.sampling:
-            self.sampling = {**self.sampling, "mask": [int(t) for t in mask]}
+def _only_choice(req: _Stream, request_id: str) -> None:
+    if len(req.jobs) > 1:
+        raise RequestError(f"request {request_id}: a Generation submitted with others is "
+                           f"read through its request's sink, not iterated")
 
-    def ready(self) -> bool:
-        return self.feed is not None and self.request.backlog < self.request._sched.ahead
 
-    def decode_tokens(self, room: int) -> np.ndarray:
-        """The step's tokens: `feed`, then up to `room` draft tokens (none past
-        max_new_tokens or the cache's end)."""
-        draft = []
-        if self.lookup is not None and room > 0:
-            limit = min(room, self.max_draft, self.max_new_tokens - self.step - 1,
-                        self.cache.capacity - self.cache.length - 1)
-            draft = self.lookup.draft(limit)
-        self.draft = draft
-        if not draft:
-            return np.array([self.feed], np.int64)
-        return np.array([self.feed] + draft, np.int64)
+def _sampler(sampling: SamplingParams, eng: Host):
+    try:
+        return sampling.sampler(eng.model_cfg.eos_token_ids, eng.tokenizer,
+                                eng.model_cfg.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"sampling settings: {e}") from None
 
-    def _finish(self, reason: str) -> None:
-        req = self.request
-        req.stop_reason = reason
-        if reason != "stop":      # the decoder's tail and what was held back as a stop's start
-            req.tail = self.cut.finish(self.decoder.flush() if self.decoder is not None else "")
-        self.done = True
 
-    def after_step(self, logits: np.ndarray, es, final: bool) -> None:
-        if self.sink is not None:
-            parts = self.sink.take(self.cache)
-            if not self.prompt_routed:          # the prompt's chunks; decode rows dropped
-                self.routes += parts
-                self.prompt_routed = final
-        if not final:
-            return
-        if self.step >= self.max_new_tokens:
-            return self._finish("length")
-        draft, self.draft = self.draft, []
-        if not draft:
-            tok = self._sample(logits)
-            if self._emit(tok, es) and self._room():
-                self.feed = tok
-            return
-        # logits [1 + len(draft), V]: row i follows draft[:i]; keep sampling while the
-        # sampled token is the draft's
-        self.rounds += 1
-        self.drafted_total += len(draft)
-        fed = self.cache.length - len(draft)      # positions up to the decode token's
-        for i, row in enumerate(logits):
-            tok = self._sample(row)
-            if not self._emit(tok, es):
-                return
-            if i < len(draft) and tok == draft[i]:
-                self.accepted_total += 1
-                continue
-            self.cache.truncate(fed + i)          # drop the rows of rejected tokens
-            break
-        if self._room():
-            self.feed = tok
-
-    def _room(self) -> bool:
-        """Whether the cache has a place for the next token (else: finished)."""
-        if self.cache.length >= self.cache.capacity:
-            self._finish("context")
-            return False
-        return True
-
-    def _emit(self, tok: int, es) -> bool:
-        """One sampled token: EOS, text and stop strings, the event and the token hook.
-        -> whether the sequence goes on."""
-        if tok in self.eos:
-            self._finish("eos")
-            return False
-        piece = self.decoder.push(tok) if self.decoder is not None else ""
-        piece, stop_hit = self.cut.push(piece)
-        self.text += piece
-        now = time.perf_counter()
-        ev = TokenEvent(self.step, tok, piece, es.generation, es.id, now - self.t_prev,
-                        self.logprob, self.choice)
-        self.t_prev = now
-        req = self.request
-        req.n_tokens += 1
-        req.last_set = (es.generation, es.id)
-        if self.penalties is not None:
-            self.penalties.push(tok)
-        if self.audit is not None:
-            self.out_tokens.append(tok)
-            if not self.sets or self.sets[-1][1] is not es:
-                self.sets.append((self.step, es))
-        hooks = self.hooks
-        if hooks is not None and hooks.token is not None:
-            hooks.token(request_id=self.request_id, step=self.step, token_id=tok, text=piece,
-                        expert_set_generation=es.generation, expert_set_id=es.id)
-        req.push(ev)
-        self.step += 1
-        if self.lookup is not None:
-            self.lookup.push(tok)
-        if stop_hit:
-            self._finish("stop")
-            return False
-        if self.step >= self.max_new_tokens:
-            self._finish("length")
-            return False
-        return True
-
-    def _sample(self, logits: np.ndarray) -> int:
-        hooks = self.hooks
-        if hooks is not None and hooks.sample is not None:
-            got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
-            if got is not None:
-                tok = hooks.guard.check_sample(got, self.vocab_size)
-                if self.top_n is not None:
-                    self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
-                return tok
-        if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
-            logits = self._finite_logits(logits)
-        tok = self.sampler(logits)
-        if self.top_n is not None:                 # carried on the token's event
-            self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
-        return tok
-
-    def _finite_logits(self, logits: np.ndarray) -> np.ndarray:
-        """NaN logits never win; +Inf ones always do. All NaN (weights with NaN/Inf, which a
-        load does not scan for) is a typed error naming the check to run, not a crash."""
-        logits = np.asarray(logits, dtype=np.float64)
-        big = np.finfo(np.float64).max / 4
-        fixed = np.nan_to_num(logits, nan=-np.inf, posinf=big, neginf=-np.inf)
-        if not np.isfinite(fixed).any():
-            d = self.model_dir
-            raise ModelFormatError(
-                f"{d}: the model produced no finite logit at step {self.step} (NaN/Inf in "
-                f"its weights?); check it with `colibri inspect {d} --verify`")
-        if not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            log.warning("non-finite logits at step %d of %s: NaN ones are never sampled",
-                        self.step, self.request_id)
-        return fixed
+def generation(eng: Host, prompt: Union[str, Sequence[int]], request_id: str, *,
+               max_new_tokens: Optional[int], experts_per_token: Optional[int],
+               sampling: Optional[SamplingParams], stop, pin_experts: bool, sampler,
+               shorthands: dict) -> Generation:
+    """Engine.generate's body (its docstring says what each argument does): the arguments
+    checked, the prompt tokenized, k chosen, the sampler built; not started."""
+    s = eng.config.sampling
+    n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 0:
+        raise RequestError(f"max_new_tokens={n_new!r}: must be an integer >= 0")
+    n_new = int(n_new)
+    if stop is None:
+        stop = list(s.stop)
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, (list, tuple)):
+        stop = list(stop)
+    else:
+        raise RequestError(f"stop={stop!r:.60}: expected a string or a list of strings")
+    if not all(isinstance(x, str) and x for x in stop):
+        raise RequestError(f"stop={stop!r:.60}: stop strings must be non-empty text")
+    sh = shorthands           # the defaults (0, 1.0) mean "not given"
+    given = {k: v for k, v in dict(
+        sh, presence_penalty=sh["presence_penalty"] or None,
+        frequency_penalty=sh["frequency_penalty"] or None, min_p=sh["min_p"] or None,
+        repetition_penalty=None if sh["repetition_penalty"] == 1.0
+        else sh["repetition_penalty"]).items() if v is not None}
+    if sampling is None:
+        sampling = SamplingParams(**{"temperature": s.temperature, "top_p": s.top_p,
+                                     "seed": s.seed, **given})
+    elif not isinstance(sampling, SamplingParams):
+        raise RequestError(f"sampling={sampling!r:.60}: expected a SamplingParams")
+    elif given:
+        raise RequestError(f"generate: sampling=SamplingParams(...) and {sorted(given)} "
+                           f"both given; put those settings in the SamplingParams")
+    ids, prefix_k, truncated = eng.prepare_ids(prompt, reserve=1)
+    k, source = eng.choose_k(len(ids), experts_per_token, prefix_k, {"id": request_id})
+    if sampler is None:
+        sampler = _sampler(sampling, eng)
+    return Generation(eng, ids, k, source, n_new, sampler, stop, pin_experts=pin_experts,
+                      request_id=request_id, truncated_from=truncated,
+                      logprobs=sampling.logprobs)

@@ -1,10 +1,12 @@
 """A request on the scheduler (scheduler.py): the one request object, from the caller
 (Engine.generate's Generation, Engine.score) to the scheduler's thread and back.
 
-A Request holds its jobs (one sequence each: generate.Decode, scoring.ScoreJob), its state
-and what its reader takes: the events in `events` (a thread reads them, `next_event`) or,
-once an event loop's LoopQueue is its `sink` (bridge.py), handed straight to that loop
-from the scheduler's thread. A stream runs at most AHEAD events ahead of its reader.
+A Request holds its jobs (one sequence each: decode.Decode, a completion's choices;
+scoring.ScoreJob, a score call's sequences), its state and what its reader takes: the
+events in `events` (a thread reads them, `next_event`) or, once an event loop's LoopQueue
+is its `sink` (bridge.py), handed straight to that loop from the scheduler's thread. Each
+sequence runs at most AHEAD events ahead of its reader. A failure fails the whole request,
+a cancel cancels it: all its jobs leave the step together.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ AHEAD = 4               # tokens a sequence may compute before its reader takes 
 
 class Job:
     """One sequence: its prompt, k and KV capacity, and what it does with its logits
-    (subclasses: generate.Decode, scoring.ScoreJob). Fields below `feed` belong to the scheduler."""
+    (subclasses: decode.Decode, scoring.ScoreJob). Fields below `feed` belong to the scheduler."""
 
     all_logits = False          # every position's logits (scoring), or the last token's
     decodes = False             # a stream: after its prompt, one token per step
@@ -36,6 +38,15 @@ class Job:
         self.fed = 0                        # prompt tokens already run
         self.cache = None
         self.es = None                      # its snapshot when pinned (set at admission)
+        self.unacked = 0                    # events pushed that its reader has not taken
+
+    def taken(self) -> None:
+        """Its reader took one of its events (any thread): under AHEAD again, it may run."""
+        s = self.request._sched
+        with s._lock:
+            self.unacked -= 1
+            if self.unacked == s.ahead - 1:
+                s._wake.notify_all()
 
     def ready(self) -> bool:
         """Whether the step may run its next decode token."""
@@ -65,11 +76,10 @@ class Request:
         self.cancelled = False
         self.stop_reason: Optional[str] = None
         self.queue_wait_s: Optional[float] = None   # from submit() to its admission
-        self.events: deque = deque()    # produced, not yet read (generations)
-        # an event loop's reader (bridge.LoopQueue): events go straight to its loop, and
-        # `_unacked` counts those its reader has not taken yet (None: `events` is read)
+        self.events: deque = deque()    # (event, its job): produced, not yet read
+        # an event loop's reader (bridge.LoopQueue): events go straight to its loop
+        # (None: `events` is read)
         self.sink = None
-        self._unacked = 0
         self.on_done: list = []         # called on the scheduler's thread once done
         self._sched = None               # its Scheduler, once submitted
         self._cv: Optional[threading.Condition] = None
@@ -83,20 +93,16 @@ class Request:
     def ended(self) -> None:
         """Retired (finished, failed, cancelled or closed): colibri_request_end."""
 
-    def push(self, event) -> None:
+    def push(self, event, job: Job) -> None:
+        """An event of `job`'s to the reader (counted until taken: Job.taken)."""
         with self._cv:
+            job.unacked += 1
             sink = self.sink
             if sink is None:
-                self.events.append(event)
+                self.events.append((event, job))
                 self._cv.notify_all()
                 return
-            self._unacked += 1
-        sink.put(event, self._ack)
-
-    @property
-    def backlog(self) -> int:
-        """Events produced that the reader has not taken yet."""
-        return len(self.events) if self.sink is None else self._unacked
+        sink.put(event, job.taken)
 
     def _done(self) -> None:                # under the lock: state is "done" now
         self._cv.notify_all()
@@ -109,21 +115,12 @@ class Request:
         not read yet first), and call `on_done` once done (at once if it is)."""
         with self._cv:
             self.sink = sink
-            for ev in self.events:
-                self._unacked += 1
-                sink.put(ev, self._ack)
+            for ev, job in self.events:
+                sink.put(ev, job.taken)
             self.events.clear()
             self.on_done.append(on_done)
             if self.state == "done":
                 on_done()
-
-    def _ack(self) -> None:
-        """The loop's reader took an event (on the loop's thread)."""
-        s = self._sched
-        with s._lock:
-            self._unacked -= 1
-            if self._unacked == s.ahead - 1:         # its sequence may run again
-                s._wake.notify_all()
 
     # -- any thread -----------------------------------------------------------------------
     def cancel(self) -> None:
@@ -137,17 +134,17 @@ class Request:
                 self.cancelled = True
                 s._wake.notify_all()
 
+    close = cancel          # what a tracker calls (the server's Call.track)
+
     def next_event(self):
         """The next event (blocks until there is one); None at the end; the request's
         error once its events are read."""
-        s = self._sched
         with self._cv:
             while not self.events and self.state != "done":
                 self._cv.wait()
             if self.events:
-                ev = self.events.popleft()
-                if len(self.events) == s.ahead - 1:    # its sequence may run again
-                    s._wake.notify_all()
+                ev, job = self.events.popleft()
+                job.taken()                 # the same lock (an RLock), held already
                 return ev
         if self.error is not None:
             raise self.error.with_traceback(None)

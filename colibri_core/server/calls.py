@@ -2,24 +2,25 @@
 
 The Engine is shareable (its scheduler batches every caller's sequences into the same
 forward steps), so the server does not serialize anything: each request runs a *work*
-function in its own thread, which prepares and submits Generations (or one score_batch)
-and waits for them; the loop never waits on the engine. Everything reaches the event
-loop through one bridge, the call's `runtime.bridge.LoopQueue` (`call.sink`): the work's
-own events (Start, End) from its thread, and the token events straight from the
-scheduler's thread (Generation.start(sink=...)), without passing through the work's
-thread: a streamed token is handed over twice, scheduler -> event loop -> the client's
-response.
+function in its own thread, which submits one request to the engine (a completion's
+choices: runtime.generate.submit; a score call: Engine.score) and waits for it; the loop
+never waits on the engine. Everything reaches the event loop through one bridge, the
+call's `runtime.bridge.LoopQueue` (`call.sink`): the work's own events (Start, End) from
+its thread, and the token events straight from the scheduler's thread (submit(...,
+sink=call.sink)), without passing through the work's thread: a streamed token is handed
+over twice, scheduler -> event loop -> the client's response.
 
     call = calls.submit(work, request_id="req-1", timeout_s=60)   # ShuttingDown when stopping
     async for event in call:                                       # what work() emitted
         ...
     call.result                                                    # what work() returned
 
-`work(call)` (the Call itself: `engine`, `request_id`, `sink`) calls `call.track(generation)`
-for each Generation it starts, `call.emit(event)` for each event of its own and
-`call.check()` while it waits. `call.cancel(why)` (a disconnect, the timeout, shutdown)
-closes every tracked Generation -- each leaves the step and frees its KV cache at the
-next step -- and makes `call.check()` raise Cancelled, so the work ends at once.
+`work(call)` (the Call itself: `engine`, `request_id`, `sink`) calls `call.track(request)`
+for the engine request it submits (anything with `close()`), `call.emit(event)` for each
+event of its own and `call.check()` while it waits. `call.cancel(why)` (a disconnect,
+the timeout, shutdown) closes every tracked request -- its sequences leave the step and
+free their KV caches at the next step -- and makes `call.check()` raise Cancelled, so
+the work ends at once.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Cancelled(Exception):
 
 
 class Call:
-    """One request's work, its deadline, its Generations and the async side's queue.
+    """One request's work, its deadline, its engine requests and the async side's queue.
     Iterate it (`async for`) for the events; an error of the work is raised at the end.
     work(call) sees `engine`, `request_id`, `sink`, `emit`, `check`, `track`, `cancel`."""
 
@@ -60,13 +61,13 @@ class Call:
         self.deadline = None if not timeout_s else time.monotonic() + timeout_s
         self.loop = loop
         self.events = LoopQueue(loop)
-        self.sink = self.events           # the bridge to the loop (Generation.start(sink=))
+        self.sink = self.events           # the bridge to the loop (generate.submit(sink=))
         self.cancel_reason: Optional[str] = None
         self.result: Any = None
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
         self._lock = threading.Lock()
-        self._gens: list = []
+        self._tracked: list = []            # engine requests: closed on cancel
         self.on_done: Optional[Callable[[], None]] = None     # run in the loop at the end
         self._timer = loop.call_later(timeout_s, self.cancel, "timeout") if timeout_s else None
         self._thread = threading.Thread(target=self._run, name=f"colibri-call-{request_id}",
@@ -81,13 +82,14 @@ class Call:
         if self.cancel_reason is not None:
             raise Cancelled(self.cancel_reason)
 
-    def track(self, gen) -> None:
-        """A Generation of this call: closed when the call is cancelled."""
+    def track(self, req) -> None:
+        """An engine request of this call (close() cancels it): closed when the call is
+        cancelled, and when its work ends."""
         with self._lock:
-            self._gens.append(gen)
+            self._tracked.append(req)
             cancelled = self.cancel_reason is not None
         if cancelled:
-            gen.close()
+            req.close()
 
     def emit(self, item: Any) -> None:
         """An event of the work's own, to the loop (nothing when the loop is gone)."""
@@ -102,8 +104,8 @@ class Call:
         except BaseException as e:  # noqa: BLE001 - handed to the request, not raised here
             self.error = e
         finally:
-            for g in self._gens:
-                g.close()
+            for r in self._tracked:
+                r.close()
             self.done.set()
             self.emit(_END)
             if self.on_done is not None:
@@ -114,14 +116,14 @@ class Call:
 
     # -- any thread -----------------------------------------------------------------------
     def cancel(self, why: str = "disconnect") -> None:
-        """Not wanted any more: its Generations leave the engine at the next step."""
+        """Not wanted any more: its requests leave the engine at the next step."""
         with self._lock:
             if self.cancel_reason is not None or self.done.is_set():
                 return
             self.cancel_reason = why
-            gens = list(self._gens)
-        for g in gens:
-            g.close()
+            tracked = list(self._tracked)
+        for r in tracked:
+            r.close()
         if why == "shutdown":
             self.emit(_WAKE)
 

@@ -20,12 +20,12 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..errors import EngineBusyError, RequestCancelled, RequestError
+from ..errors import RequestCancelled, RequestError
 from ..model.ops import log_softmax, softmax
 from ..runtime.events import End, Start, TokenEvent, TokenTexts, logprob_entry
+from ..runtime.generate import submit
 from ..runtime.sampler import SamplingParams
 from . import surface
-from .calls import Cancelled
 
 Prompt = Union[str, list]
 
@@ -63,36 +63,41 @@ def prompt_logprobs(engine, ids: list, k: Optional[int], top_n: int, texts: Toke
 
 
 def run_generation(ctx, p: GenParams, book) -> dict:
-    """All choices of a completion request (choice = prompt*n + i: one Generation each,
-    its `choice` on its events), submitted together so that they share the engine's
-    steps, each streaming to the event loop (each at most a few tokens ahead of the
-    loop's reader). Only the first choice's submission may be refused (the queue is full:
-    EngineBusyError, 429); later ones that find the queue full are submitted again as the
-    request goes on (its other choices stream meanwhile)."""
+    """All choices of a completion request (choice = prompt*n + i) as one request to the
+    engine (runtime.generate.submit): each prompt tokenized and its k chosen once, one
+    submission (refused whole when the engine's queue is full: EngineBusyError, 429),
+    one memory check; the choices share the engine's steps and stream their token events
+    (each with its `choice`) from the scheduler's thread to the event loop, each at most
+    a few tokens ahead of the loop's reader; a failure of one fails them all."""
     eng = ctx.engine
     texts = TokenTexts(eng.tokenizer)
     many = len(p.prompts) * p.n > 1
     n_new = eng.model_cfg.max_position_embeddings if p.max_tokens is None \
         else p.max_tokens          # the engine stops at the context's end anyway
 
-    def choice(pi: int, i: int):
-        index = pi * p.n + i
+    def sampling(i: int) -> SamplingParams:
         seed = p.sampling.seed
-        sampling = p.sampling if seed is None else p.sampling.with_seed(seed + i)
-        rid = f"{ctx.request_id}.{index}" if many else ctx.request_id
+        return p.sampling if seed is None else p.sampling.with_seed(seed + i)
+
+    def rid(index: int) -> str:
+        return f"{ctx.request_id}.{index}" if many else ctx.request_id
+
+    firsts = []         # each prompt's first choice: tokenized, k chosen
+    for pi, prompt in enumerate(p.prompts):
         # pinned: a choice is computed under one expert set, the one it names
-        gen = eng.generate(p.prompts[pi], max_new_tokens=n_new,
-                           experts_per_token=p.experts_per_token, sampling=sampling,
-                           stop=p.stop, request_id=rid, pin_experts=True)
-        gen.choice = index                            # on each of its events
+        gen = eng.generate(prompt, max_new_tokens=n_new, experts_per_token=p.experts_per_token,
+                           sampling=sampling(0), stop=p.stop, request_id=rid(pi * p.n),
+                           pin_experts=True)
         surface.fit_context(gen, p.ctx_size)          # --ctx-size
-        return gen
-    # Each prompt's first choice gives its length: the answer's size is checked before
-    # the other choices (and any echo) cost anything.
-    firsts = [choice(pi, 0) for pi in range(len(p.prompts))]
+        firsts.append(gen)
+    # the answer's size is checked before the other choices (and any echo) cost anything
     _check_answer_size(eng, p, firsts)
-    choices = [firsts[pi] if i == 0 else choice(pi, i)
-               for pi in range(len(p.prompts)) for i in range(p.n)]
+    choices = []
+    for pi, first in enumerate(firsts):
+        for i in range(p.n):
+            gen = first if i == 0 else first.another(sampling(i), rid(pi * p.n + i))
+            gen.choice = pi * p.n + i                 # on each of its events
+            choices.append(gen)
     echoed: dict = {}                 # a prompt's echo, computed once for its n choices
     for gen in choices:
         pi = gen.choice // p.n
@@ -113,7 +118,8 @@ def run_generation(ctx, p: GenParams, book) -> dict:
     for c in choices:
         if c.max_new_tokens == 0:
             ctx.emit(End(c.choice, "length", len(c.prompt_ids), 0))
-    usage["completion_tokens"] = _stream_choices(ctx, book, pending)
+    if pending:
+        usage["completion_tokens"] = _stream_choices(ctx, book, pending)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
 
@@ -134,62 +140,42 @@ def _check_answer_size(eng, p: GenParams, firsts: list) -> None:
     check_answer(units, f"{len(p.prompts)} prompt(s) x n {p.n}")
 
 
-def _stream_choices(ctx, book, pending: list) -> int:
-    """Submit the choices, each streaming its token events from the scheduler's thread
-    straight to the call's event loop (ctx.sink: no thread between them); this thread
-    only submits the pending ones as places free up and, as each ends, emits its End
-    (after its last token: the loop gets them in that order). -> completion tokens."""
+def _stream_choices(ctx, book, choices: list) -> int:
+    """Submit the choices as one request, their token events going from the scheduler's
+    thread straight to the call's event loop (ctx.sink: no thread between them); this
+    thread waits and, as each choice ends, emits its held-back text and its End (after
+    its last token: the loop gets them in that order). -> completion tokens."""
     ended: queue.Queue = queue.Queue()
-    active: list = []
-    _submit(ctx, pending, active, ended, first=True)
-    running, n_out = len(active), 0
-    while running or pending:
-        if pending:
-            before = len(active)
-            _submit(ctx, pending, active, ended, first=False)
-            running += len(active) - before
+    req = submit(choices, ctx.request_id, sink=ctx.sink, on_choice_end=ended.put,
+                 on_done=lambda: ended.put(None))
+    ctx.track(req)
+    left, n_out = len(choices), 0
+    while True:
         try:
-            c = ended.get(timeout=0.05 if pending else 1.0)
+            job = ended.get(timeout=1.0)
         except queue.Empty:
             ctx.check()
             continue
-        running -= 1
-        try:
-            n_out += _end(ctx, c, book)
-        except Cancelled:
-            raise
-        except BaseException:
-            ctx.cancel("failed")          # the other choices stop too
-            raise
+        ctx.check()                   # a cancelled request ends early: no End
+        if job is None:               # the request is done (retired: its hooks ran)
+            break
+        n_out += _end(ctx, job, book)
+        left -= 1
+    if req.error is not None:
+        raise req.error.with_traceback(None)
+    if left:
+        raise RequestCancelled(f"request {req.id}: cancelled before its choices ended")
     return n_out
 
 
-def _submit(ctx, pending: list, active: list, ended: queue.Queue, first: bool) -> None:
-    """Submit pending choices in order until the engine's queue is full."""
-    while pending:
-        c = pending[0]
-        try:
-            c.start(sink=ctx.sink, on_done=lambda c=c: ended.put(c))
-        except EngineBusyError:
-            if first and not active:
-                raise
-            return
-        ctx.track(c)
-        active.append(pending.pop(0))
-
-
-def _end(ctx, c, book) -> int:
-    """A choice's request is done: its held-back text and its End. -> its tokens."""
-    ctx.check()                       # a cancelled generation ends early: not an End
-    req = c._request
-    if req.error is not None:
-        raise req.error.with_traceback(None)
-    if req.tail:                      # held back by the UTF-8 decoder or as a stop's start
-        g, sid = req.last_set if req.last_set is not None else book.stamp()
-        ctx.emit(TokenEvent(-1, -1, req.tail, g, sid, choice=c.choice))
-    ctx.emit(End(c.choice, FINISH.get(req.stop_reason or "length", "stop"),
-                 len(c.prompt_ids), req.n_tokens))
-    return req.n_tokens
+def _end(ctx, job, book) -> int:
+    """A choice (its Decode job) ended: its held-back text and its End. -> its tokens."""
+    if job.tail:                      # held back by the UTF-8 decoder or as a stop's start
+        g, sid = job.last_set if job.last_set is not None else book.stamp()
+        ctx.emit(TokenEvent(-1, -1, job.tail, g, sid, choice=job.choice))
+    ctx.emit(End(job.choice, FINISH.get(job.stop_reason or "length", "stop"),
+                 len(job.tokens), job.n_tokens))
+    return job.n_tokens
 
 
 # ----------------------------------------------------------------------------- scoring
