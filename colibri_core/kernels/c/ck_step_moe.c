@@ -1,156 +1,6 @@
-/* ck_step_moe.c -- the pipeline step's router and expert block (ck.h, "pipeline step";
- * shared pieces in ck_step.h). */
+/* ck_step_moe.c -- the pipeline step's expert block (ck.h, "pipeline step"; shared pieces in
+ * ck_step.h). The router is ck_step_route.c. */
 #include "ck_step.h"
-
-/* ------------------------------------------------------------------ routing */
-
-typedef struct { const ck_router *r; const float *xn; float *logits; int bad; } logit_ctx;
-
-static void logit_row(void *p, int64_t t) {
-    logit_ctx *c = p;
-    const ck_router *r = c->r;
-    for (int64_t i = 0; i < r->e; i++) {
-        float v = dot_f32(c->xn + t * r->h, r->weight + i * r->h, r->h);
-        if (r->bias) v += ck_ldf(r->bias + i);
-        if (!isfinite(v)) c->bad = 1;
-        c->logits[t * r->e + i] = v;
-    }
-}
-
-/* one token's top-k and fixed-point softmax weights (routing.route, mode "fixed") */
-static void route_fixed(const ck_router *r, const float *logits, int k, int64_t *ids,
-                        float *weights, int have_ids) {
-    const int64_t e = r->e;
-    const int64_t *exp2_q30 = r->exp2_q30;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < e; i++) m = logits[i] > m ? logits[i] : m;
-    /* top k, largest first, ties to the lower index (ops.top_k) */
-    for (int j = 0; j < k && !have_ids; j++) {
-        int64_t best = -1;
-        for (int64_t i = 0; i < e; i++) {
-            int taken = 0;
-            for (int q = 0; q < j; q++) taken |= ids[q] == i;
-            if (!taken && (best < 0 || logits[i] > logits[best])) best = i;
-        }
-        ids[j] = best;
-    }
-    /* fixed-point softmax over all experts (routing.fixed_point_softmax_weights) */
-    int64_t total = 0, sel[256];
-    for (int64_t i = 0; i < e; i++) {
-        double dd = (double)(logits[i] - m) * 1.4426950408889634;
-        double fx = nearbyint(-dd * 1024.0);
-        if (fx > 62.0 * 1024.0) fx = 62.0 * 1024.0;
-        int64_t f = (int64_t)fx, shift = f >> 10;
-        int64_t ex = exp2_q30[f & 1023] >> (shift < 62 ? shift : 62);
-        total += ex;
-        for (int j = 0; j < k; j++)
-            if (ids[j] == i) sel[j] = ex;
-    }
-    double w[256], sum = 0.0;
-    for (int j = 0; j < k; j++) {
-        int64_t wq = (sel[j] << 16) / (total > 1 ? total : 1);
-        w[j] = (double)(float)((double)wq / 65536.0);
-        sum += w[j];
-    }
-    for (int j = 0; j < k; j++) {
-        double v = r->norm_topk ? w[j] / (sum > 1e-20 ? sum : 1e-20) : w[j];
-        weights[j] = (float)(v * r->scaling);
-    }
-}
-
-/* largest of v[0..e) not yet taken, ties to the lower index; -inf only when nothing
- * else is left (ops.top_k: a stable sort of -v) */
-static int64_t best_of(const double *v, int64_t e, const int64_t *taken, int ntaken) {
-    int64_t best = -1;
-    for (int64_t i = 0; i < e; i++) {
-        int used = 0;
-        for (int q = 0; q < ntaken; q++) used |= taken[q] == i;
-        if (!used && (best < 0 || v[i] > v[best])) best = i;
-    }
-    return best;
-}
-
-/* one token's choice as routing.route for every other mode: float softmax or sigmoid
- * scores (double), the selection bias, group-limited selection (groups scored by their
- * best value, or with sigmoid scores the sum of their best two), weights = the chosen
- * scores (or the fixed-point softmax), renormalized when norm_topk, times scaling */
-static void route_general(const ck_router *r, const float *logits, int k, int64_t *ids,
-                          float *weights) {
-    const int64_t e = r->e;
-    double prob[e > 0 ? e : 1], sel[e > 0 ? e : 1];
-    double m = -INFINITY, sum = 0.0;
-    for (int64_t i = 0; i < e; i++) m = logits[i] > m ? logits[i] : m;
-    for (int64_t i = 0; i < e; i++) {
-        const double l = (double)logits[i], b = r->select_bias ? (double)ck_ldf(r->select_bias + i) : 0.0;
-        if (r->scoring == CK_ROUTE_SIGMOID) {
-            prob[i] = 1.0 / (1.0 + exp(-l));
-            sel[i] = prob[i] + b;
-        } else {
-            prob[i] = exp(l - m);
-            sum += prob[i];
-            sel[i] = l + b;
-        }
-    }
-    if (r->scoring != CK_ROUTE_SIGMOID)
-        for (int64_t i = 0; i < e; i++) {
-            prob[i] /= sum;
-            if (r->bias_on_probs)
-                sel[i] = prob[i] + (r->select_bias ? (double)ck_ldf(r->select_bias + i) : 0.0);
-        }
-    if (r->n_group > 1 && r->topk_group < r->n_group) {
-        const int64_t gsz = e / r->n_group;
-        double gs[r->n_group];
-        int64_t keep[r->n_group];
-        for (int64_t g = 0; g < r->n_group; g++) {
-            double b1 = -INFINITY, b2 = -INFINITY;
-            for (int64_t i = g * gsz; i < (g + 1) * gsz; i++) {
-                if (sel[i] > b1) { b2 = b1; b1 = sel[i]; } else if (sel[i] > b2) b2 = sel[i];
-            }
-            gs[g] = r->scoring == CK_ROUTE_SIGMOID ? b2 + b1 : b1;   /* np.sort's top two */
-        }
-        for (int q = 0; q < r->topk_group; q++) keep[q] = best_of(gs, r->n_group, keep, q);
-        for (int64_t g = 0; g < r->n_group; g++) {
-            int kept = 0;
-            for (int q = 0; q < r->topk_group; q++) kept |= keep[q] == g;
-            if (!kept)
-                for (int64_t i = g * gsz; i < (g + 1) * gsz; i++) sel[i] = -INFINITY;
-        }
-    }
-    for (int j = 0; j < k; j++) ids[j] = best_of(sel, e, ids, j);
-    if (r->scoring == CK_ROUTE_FIXED) {          /* the fixed-point weights, then as below */
-        route_fixed(r, logits, k, ids, weights, 1);
-        return;
-    }
-    double w[256], tot = 0.0;
-    for (int j = 0; j < k; j++) { w[j] = prob[ids[j]]; tot += w[j]; }
-    for (int j = 0; j < k; j++) {
-        double v = r->norm_topk ? w[j] / (tot > 1e-20 ? tot : 1e-20) : w[j];
-        weights[j] = (float)(v * r->scaling);
-    }
-}
-
-int ck_step_route(const ck_router *r, const float *xn, int64_t n, const int32_t *k, int kmax,
-                  float *logits, int64_t *ids, float *weights, int from_logits) {
-    logit_ctx c = {r, xn, logits, 0};
-    if (kmax < 0 || kmax > 256 || kmax > r->e) return CK_E_SCRATCH;
-    if (from_logits) {
-        for (int64_t i = 0; i < n * r->e; i++) c.bad |= !isfinite(logits[i]);
-    } else {
-        ck_pool_for(logit_row, &c, n, n >= 16 ? ck_threads_for(n * r->e * r->h) : 1);
-    }
-    if (c.bad) return CK_E_NONFINITE;
-    if (!ids) return 0;                         /* logits only: pipeline.py routes */
-    const int plain = r->scoring == CK_ROUTE_FIXED && !r->select_bias &&
-                      !(r->n_group > 1 && r->topk_group < r->n_group);
-    for (int64_t t = 0; t < n; t++) {
-        int kt = k[t];
-        if (kt < 1 || kt > kmax) return CK_E_SCRATCH;
-        if (plain) route_fixed(r, logits + t * r->e, kt, ids + t * kmax, weights + t * kmax, 0);
-        else route_general(r, logits + t * r->e, kt, ids + t * kmax, weights + t * kmax);
-        for (int j = kt; j < kmax; j++) { ids[t * kmax + j] = -1; weights[t * kmax + j] = 0.0f; }
-    }
-    return 0;
-}
 
 /* ------------------------------------------------------------------ expert block
  *
@@ -188,6 +38,7 @@ typedef struct {
     int64_t off, cnt;         /* its pairs in the scratch */
     int64_t t1, t2;           /* its first stage-1 item, first hquant item */
     int64_t pan;              /* its first panel in the scratch's panel rows, or -1: tiles */
+    const float *b1, *b3, *b2; /* its biases (ck_ffn), or NULL */
 } ffn_job;
 
 typedef struct {
@@ -207,7 +58,25 @@ typedef struct {
     int mixed;                /* some job prepares its own rows (gather_row looks it up) */
     float *x;
     int rt2;                  /* output rows per stage-2 item */
+    int act;                  /* CK_ACT_*, its limit and alpha (ck_ffn_block) */
+    float limit, alpha;
 } ffn_ctx;
+
+/* h of gate g and up u at row r of job f: the biases, then the block's activation
+ * (ops.gated_act) */
+static inline float gated(const ffn_ctx *c, const ffn_job *f, int64_t r, float g, float u) {
+    if (f->b1) g += ck_ldf(f->b1 + r);
+    if (f->b3) u += ck_ldf(f->b3 + r);
+    if (c->act != CK_ACT_SWIGLU_CLAMPED) return ck_silu(g) * u;
+    g = fminf(g, c->limit);
+    u = fminf(fmaxf(u, -c->limit), c->limit);
+    return g / (1.0f + expf(-c->alpha * g)) * (u + 1.0f);
+}
+
+/* down's output value y of row r of job f, with its bias */
+static inline float down_out(const ffn_job *f, int64_t r, float y) {
+    return f->b2 ? y + ck_ldf(f->b2 + r) : y;
+}
 
 /* job f's panels of activations of `cp` bytes and `ng` groups per token */
 static inline ck_panel job_panel(const ffn_ctx *c, const ffn_job *f, int64_t cp, int64_t ng) {
@@ -297,7 +166,7 @@ static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     be->q4_panels(&u, &pn, np, res, ld);
     for (int r = 0; r < rt; r++)
         for (int64_t t = 0; t < f->cnt; t++)
-            s->h[(f->off + t) * s->hld + r0 + r] = ck_silu(res[r * ld + t]) * res[(4 + r) * ld + t];
+            s->h[(f->off + t) * s->hld + r0 + r] = gated(c, f, r0 + r, res[r * ld + t], res[(4 + r) * ld + t]);
 }
 
 /* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
@@ -314,7 +183,7 @@ static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
         mat_tile(be, &f->w3, r0, rt, &a, t0, nt, u);
         for (int r = 0; r < rt; r++)
             for (int t = 0; t < nt; t++)
-                s->h[(f->off + t0 + t) * s->hld + r0 + r] = ck_silu(g[r * nt + t]) * u[r * nt + t];
+                s->h[(f->off + t0 + t) * s->hld + r0 + r] = gated(c, f, r0 + r, g[r * nt + t], u[r * nt + t]);
         t0 += nt;
     }
 }
@@ -373,7 +242,7 @@ static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) 
         int64_t pq = f->off + t;
         float wt = c->pair_w[pq];
         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
-        for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * ld + t] * wt;
+        for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * ld + t]) * wt;
     }
 }
 
@@ -403,7 +272,7 @@ static void down_chunk(void *p, int64_t ch) {
                         int64_t pq = f->off + t0 + t;
                         float wt = c->pair_w[pq];
                         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
-                        for (int r = 0; r < rt; r++) xr[r] = xr[r] + y[r * nt + t] * wt;
+                        for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * nt + t]) * wt;
                     }
                     t0 += nt;
                 }
@@ -490,7 +359,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         if (!count[e]) continue;
         const ck_ffn *f = &table[e];
         jobs[q] = (ffn_job){.w1 = to_w(&f->w1), .w3 = to_w(&f->w3), .w2 = to_w(&f->w2), .off = off,
-                            .cnt = count[e]};
+                            .cnt = count[e], .b1 = f->b1, .b3 = f->b3, .b2 = f->b2};
         first[e] = off;
         off += count[e];
         q++;
@@ -510,7 +379,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         }
     if (shared) {
         jobs[q] = (ffn_job){.w1 = to_w(&shared->w1), .w3 = to_w(&shared->w3), .w2 = to_w(&shared->w2),
-                            .off = off, .cnt = n};
+                            .off = off, .cnt = n, .b1 = shared->b1, .b3 = shared->b3, .b2 = shared->b2};
         for (int64_t t = 0; t < n; t++) {
             float gd = b->shared_gate ? dot_f32(xn + t * hidden, b->shared_gate, hidden) : 0.0f;
             pair_tok[off + t] = t;
@@ -548,6 +417,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     memset(&c, 0, sizeof c);
     c.be = be; c.s = s; c.hidden = hidden; c.x = x; c.pair_tok = pair_tok; c.pair_w = pair_w;
     c.xn = xn;
+    c.act = b->act; c.limit = b->act_limit; c.alpha = b->act_alpha;
     c.gld = rup(hidden, 64);
     for (int i = 0; i < njobs; i++) c.mixed |= jobs[i].own;
     if (group) {
