@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.common import OUT, REPO, git_commit, machine
 from benchmarks.peers import _llamacpp_tools as lt
-from benchmarks.robustness.cgroups import Cgroup
+from benchmarks.robustness.cgroups import Cgroup, _kv
 from benchmarks.speed._realscale_models import DEFAULT_DIR, SHAPES, check_written
 
 SHARD_BYTES = 5 * 10**9                  # transformers' max_shard_size="5GB"
@@ -170,24 +170,35 @@ def dir_bytes(p: Path) -> int:
 def run_limited(name: str, cmd: list, limit: int, timeout: int) -> dict:
     """`cmd` in a fresh memory cgroup (swap 0); its output passes through (progress)."""
     cg = Cgroup.create(f"convscale-{os.getpid()}-{time.time_ns() % 10**9}", limit)
-    t0 = time.time()
+    t0, anon = time.time(), [0]
+    stat = (cg.memory_dir / "memory.stat") if cg.memory_dir is not None else None
     try:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, timeout=timeout, preexec_fn=cg.enter).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        p = subprocess.Popen(cmd, cwd=REPO, preexec_fn=cg.enter)
+        while True:              # memory.peak counts page cache; sample the process memory
+            try:
+                rc = p.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() - t0 > timeout:
+                    p.kill()
+                    p.wait()
+                    rc = "timeout"
+                    break
+            st = _kv(stat) if stat is not None else {}
+            anon[0] = max(anon[0], st.get("rss", st.get("anon", 0)) + st.get("mapped_file", 0))
         r = cg.result()
     finally:
         cg.close()
     row = {"step": name, "rc": rc, "wall_s": round(time.time() - t0, 1),
            "memory_peak_mib": (r.get("memory_peak") or 0) / 2**20 if r.get("cgroup") else None,
-           "memory_limit_mib": limit / 2**20, "oom_kills": r.get("oom_kill") or 0,
+           "memory_limit_mib": limit / 2**20, "rss_peak_mib": anon[0] / 2**20, "oom_kills": r.get("oom_kill") or 0,
            "limit_hits": r.get("limit_hits"), "cgroup": r.get("cgroup"),
            "cgroup_why": r.get("cgroup_why"), "memory_stat": r.get("memory_stat")}
     if r.get("memsw_peak") is not None and r.get("memory_peak") is not None:
         row["swap_peak_mib"] = max(0, r["memsw_peak"] - r["memory_peak"]) / 2**20
     log(f"  {name}: rc {rc}, {row['wall_s']} s, memory.peak "
-        f"{row['memory_peak_mib'] or 0:.0f} MiB, OOM kills {row['oom_kills']}")
+        f"{row['memory_peak_mib'] or 0:.0f} MiB (process memory {row['rss_peak_mib']:.0f} MiB), "
+        f"OOM kills {row['oom_kills']}")
     return row
 
 
@@ -267,15 +278,16 @@ def main(argv=None) -> None:
         json.dumps(result, indent=1, default=str))
     print(f"checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB (bf16), limit "
           f"{a.limit_gib} GiB, swap 0, load {os.getloadavg()[0]:.1f}")
-    print("| step | rc | time s | memory.peak MiB | OOM kills | output GB |")
-    print("|---|---|---|---|---|---|")
+    print("| step | rc | time s | memory.peak MiB (page cache incl.) | process memory peak MiB "
+          "(sampled) | OOM kills | output GB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "skipped" in r:
-            print(f"| {r['step']} | skipped: {r['skipped']} | | | | |")
+            print(f"| {r['step']} | skipped: {r['skipped']} | | | | | |")
             continue
         ob = r.get("output_bytes")
         print(f"| {r['step']} | {r['rc']} | {r['wall_s']} | {r['memory_peak_mib'] or 0:.0f} | "
-              f"{r['oom_kills']} | {ob / 1e9 if ob else 0:.2f} |")
+              f"{r['rss_peak_mib']:.0f} | {r['oom_kills']} | {ob / 1e9 if ob else 0:.3f} |")
     if any(r.get("rc") not in (0, None) for r in rows):
         raise SystemExit(1)
 

@@ -19,9 +19,8 @@
 - `calibration`: a text file; AWQ scales are searched on the model's own activations
   (awq.py). Without it, plain round-to-nearest. AutoAWQ checkpoints are imported as they
   are.
-- Streaming: tensors are read one at a time from the mapped safetensors files, converted
-  and written straight into their container; nothing holds more than one converted
-  tensor (calibration holds one layer in float).
+- Streaming: one tensor at a time is read (pread; a quantized matrix a block of rows at a
+  time), converted and written into its container; calibration holds one layer in float.
 - Atomic: everything is written into a hidden staging folder beside `out_dir`, checked
   by loading it, and renamed into place at the end; an interrupted conversion leaves no
   directory that looks valid.
@@ -42,7 +41,7 @@ from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..files import read_bytes, read_text
 from ..nesting import json_loads
-from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8
+from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8, quantize_rows
 from ..model.weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
@@ -140,6 +139,10 @@ class _Writer:
             if dt in ("BF16", "F16"):                      # lossless copy of the stored bits
                 return np.ascontiguousarray(src.raw(self.ck)), None
             return f32_to_bf16(src.f32(self.ck)), None
+        got = (self.ck.matrix_rows(src.name, src.index, src.rows) if bits in (4, 6, 8) and isinstance(
+            self.ck, Checkpoint) and not (scaled or src.awq or src.deinterleave) else None)
+        if got is not None:            # a block of rows at a time: memory = output + one block
+            return quantize_rows(f"q{bits}", got[2], *got[:2], self.group_of(key), self.q4_clip), None
         w = self.float32(src)
         if w.ndim != 2:
             raise ConfigError(f"checkpoint: {src.name} has shape {list(w.shape)}, expected a matrix")

@@ -80,8 +80,10 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def raw(self, name: str, index: int | None = None) -> np.ndarray:
-        """The stored tensor (or its `index`-th slice along axis 0) in a new array."""
+    def raw(self, name: str, index: int | None = None,
+            rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The stored tensor (or its `index`-th slice along axis 0) in a new array; `rows`
+        (r0, r1): only those rows of it (the first axis after `index`), read alone."""
         e = self.header[name]
         dt = _DTYPES.get(e["dtype"])
         if dt is None:
@@ -96,6 +98,12 @@ class SafetensorsFile:
                 raise ModelFormatError(f"{self.path}: tensor {name} {shape} has no slice {index}")
             slab = (b - a) // shape[0]
             a, b, shape = a + index * slab, a + (index + 1) * slab, shape[1:]
+        if rows is not None:
+            r0, r1 = rows
+            if not shape or not 0 <= r0 <= r1 <= shape[0]:
+                raise ModelFormatError(f"{self.path}: tensor {name} {shape} has no rows {r0}..{r1}")
+            row = (b - a) // shape[0] if shape[0] else 0
+            a, b, shape = a + r0 * row, a + r1 * row, [r1 - r0] + shape[1:]
         n = b - a
         if n == 0:
             return np.zeros(shape, dtype=dt)
@@ -119,9 +127,11 @@ class SafetensorsFile:
         except Exception:
             pass
 
-    def float32(self, name: str, index: int | None = None) -> np.ndarray:
-        """The tensor (or its `index`-th slice along axis 0) widened to a new float32 array."""
-        a = self.raw(name, index)
+    def float32(self, name: str, index: int | None = None,
+                rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor (or its `index`-th slice along axis 0; `rows`: as raw) widened to a
+        new float32 array."""
+        a = self.raw(name, index, rows)
         if self.dtype(name) == "BF16":
             return bf16_to_f32(a)
         return a.astype(np.float32, copy=False)
@@ -229,11 +239,25 @@ class Checkpoint:
     def dtype(self, name: str) -> str:
         return self._file(name).dtype(name)
 
-    def get(self, name: str, index: int | None = None) -> np.ndarray:
-        return self._file(name).float32(name, index)
+    def get(self, name: str, index: int | None = None,
+            rows: tuple[int, int] | None = None) -> np.ndarray:
+        return self._file(name).float32(name, index, rows)
 
-    def raw(self, name: str, index: int | None = None) -> np.ndarray:
-        return self._file(name).raw(name, index)
+    def raw(self, name: str, index: int | None = None,
+            rows: tuple[int, int] | None = None) -> np.ndarray:
+        return self._file(name).raw(name, index, rows)
+
+    def matrix_rows(self, name: str, index: int | None = None,
+                    rows: tuple[int, int] | None = None):
+        """(R, C, read(r0, r1) -> float32 rows r0..r1) of a matrix (tensor `name`, its
+        `index`-th slice, the row range `rows` of that), so that a converter can hold one
+        block of rows in float, not the tensor (an embedding of 129,280 x 7,168 is 3.7 GB
+        in float32); None if it is not a matrix."""
+        shape = self.shape(name)[0 if index is None else 1:]
+        if len(shape) != 2:
+            return None
+        base, R = (0, shape[0]) if rows is None else (rows[0], rows[1] - rows[0])
+        return R, shape[1], lambda r0, r1: self.get(name, index, (base + r0, base + r1))
 
     def close(self) -> None:
         for f in self.files:

@@ -117,14 +117,55 @@ def quantize_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
     caller stores it and divides the activations by it, so the stored matrix stays the
     plain product the kernels expect.
     """
-    w = np.asarray(w, dtype=np.float64)
-    if w.ndim != 2:
-        raise ValueError(f"quantize_q4 expects a matrix, got shape {w.shape}")
-    if act_scale is not None:
-        w = w * np.asarray(act_scale, dtype=np.float64)[None, :]
-    rows, cols = w.shape
-    q, scales, zeros = _q4_codes(w, group, clip)
-    return Q4Tensor(pack_nibbles(q), scales, zeros, rows, cols, group)
+    if np.ndim(w) != 2:
+        raise ValueError(f"quantize_q4 expects a matrix, got shape {np.shape(w)}")
+    a = None if act_scale is None else np.asarray(act_scale, dtype=np.float64)[None, :]
+    rows, cols = np.shape(w)
+    return quantize_rows("q4", lambda r0, r1: w[r0:r1] if a is None else w[r0:r1] * a,
+                         rows, cols, group, clip)
+
+
+# Rows are quantized in blocks of about this many bytes of float64 (each block's working
+# set is a few times that): a quantizer's memory is its output plus one block, whatever
+# the matrix (an embedding of 129,280 x 7,168 in float64 alone is 7.4 GB). Every group
+# lies in one row, so the blocks give exactly the whole matrix's result.
+ROW_BLOCK_BYTES = 16 << 20
+
+
+def row_blocks(rows: int, cols: int):
+    """(r0, r1) row ranges of about ROW_BLOCK_BYTES of float64 each."""
+    step = max(1, ROW_BLOCK_BYTES // (8 * max(cols, 1)))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def quantize_rows(kind: str, read, rows: int, cols: int, group: int = DEFAULT_GROUP,
+                  clip: str = DEFAULT_Q4_CLIP):
+    """Quantize a [rows, cols] matrix given by `read(r0, r1)` (its rows r0..r1, any float
+    dtype) block by block (row_blocks) into a Q4Tensor, Q6Tensor or Q8Tensor (`kind`
+    "q4", "q6", "q8"): the matrix is never held in float64, nor whole unless `read` holds it."""
+    check_group(group)
+    if kind not in ("q4", "q6", "q8"):
+        raise ValueError(f"quantize_rows: kind {kind!r} is not q4, q6 or q8")
+    ng = padded_cols(cols, group) // group
+    width = {"q4": ng * group // 2, "q6": ng * group * 3 // 4, "q8": ng * group}[kind]
+    data = np.empty((rows, width), np.int8 if kind == "q8" else np.uint8)
+    scales = np.empty((rows, ng), np.float32)
+    zeros = np.empty((rows, ng), np.uint8)
+    for r0, r1 in row_blocks(rows, cols):
+        w = np.asarray(read(r0, r1), dtype=np.float64)
+        if w.shape != (r1 - r0, cols):
+            raise ValueError(f"quantize_rows: rows {r0}..{r1} read as shape {w.shape}, "
+                             f"expected {(r1 - r0, cols)}")
+        if kind == "q8":
+            data[r0:r1], scales[r0:r1] = _q8_codes(w, group)
+            continue
+        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, 15 if kind == "q4" else 63)
+        data[r0:r1] = pack_nibbles(q) if kind == "q4" else pack_q6(q)
+        del q, w
+    if kind == "q8":
+        return Q8Tensor(data, scales, rows, cols, group)
+    return (Q4Tensor if kind == "q4" else Q6Tensor)(data, scales, zeros, rows, cols, group)
 
 
 def fake_quant_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
@@ -287,11 +328,10 @@ def quantize_q6(w: np.ndarray, group: int = DEFAULT_GROUP,
                 clip: str = DEFAULT_Q4_CLIP) -> Q6Tensor:
     """Asymmetric 6-bit group quantization of a [R, C] matrix: q4's rules (scale and zero
     point per group by `clip`, padding stored as the zero point) with levels 0..63."""
-    w = np.asarray(w, dtype=np.float64)
-    if w.ndim != 2:
-        raise ValueError(f"quantize_q6 expects a matrix, got shape {w.shape}")
-    q, scales, zeros = _q4_codes(w, group, clip, qmax=63)
-    return Q6Tensor(pack_q6(q), scales, zeros, w.shape[0], w.shape[1], group)
+    if np.ndim(w) != 2:
+        raise ValueError(f"quantize_q6 expects a matrix, got shape {np.shape(w)}")
+    rows, cols = np.shape(w)
+    return quantize_rows("q6", lambda r0, r1: w[r0:r1], rows, cols, group, clip)
 
 
 def dequantize_q6(t: Q6Tensor) -> np.ndarray:
@@ -334,7 +374,12 @@ def bits_per_weight(t) -> float:
 
 def quantize_q8(w: np.ndarray, group: int = DEFAULT_GROUP) -> Q8Tensor:
     check_group(group)
-    w = np.asarray(w, dtype=np.float64)
+    rows, cols = np.shape(w)
+    return quantize_rows("q8", lambda r0, r1: w[r0:r1], rows, cols, group)
+
+
+def _q8_codes(w: np.ndarray, group: int):
+    """float64 [R, C] -> (int8 [R, Cp], float32 scales [R, NG]): symmetric, amax / 127."""
     rows, cols = w.shape
     cp = padded_cols(cols, group)
     wp = np.zeros((rows, cp))
@@ -344,7 +389,7 @@ def quantize_q8(w: np.ndarray, group: int = DEFAULT_GROUP) -> Q8Tensor:
         amax = np.abs(g).max(axis=2)
         scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
         q = np.clip(np.round(g / scale.astype(np.float64)[:, :, None]), -127, 127).astype(np.int8)
-    return Q8Tensor(q.reshape(rows, cp), scale, rows, cols, group)
+    return q.reshape(rows, cp), scale
 
 
 def dequantize_q8(t: Q8Tensor) -> np.ndarray:
