@@ -211,7 +211,7 @@ def replay(eng, paths: list, experts_dir: Optional[Path] = None,
     for it in gens:
         s = it.d.get("sampling") or {}
         if it.d.get("expert_sets") or not isinstance(it.d.get("expert_set"), dict) or \
-                s.get("temperature") != 0 or s.get("logit_bias") or \
+                s.get("temperature") != 0 or s.get("logit_bias") or s.get("grammar") or \
                 any(k.endswith("_penalty") for k in s):     # penalties: not replayed
             rep.not_replayable += 1
         else:

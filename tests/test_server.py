@@ -210,7 +210,7 @@ def test_completion_bad_inputs_name_the_field(client, kw, param):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "xml"}), "response_format"),
     (dict(top_logprobs=2), "top_logprobs"),
 ])
 def test_chat_unimplemented_fields_are_400(client, kw, param):

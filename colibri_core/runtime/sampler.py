@@ -6,7 +6,12 @@ repetition (HF/llama.cpp style: a positive logit divided by it, a negative one m
 on every token of the prompt and the output so far; then frequency (count in the output
 times the penalty, subtracted) and presence (subtracted once per token that is in the
 output). The decode loop tells the sampler each emitted token (`Penalties.push`); a
-sampler without penalties has `penalties = None` and costs nothing more per token."""
+sampler without penalties has `penalties = None` and costs nothing more per token.
+
+A grammar (`SamplingParams.grammar`, constraints.py) masks, last of all, every token
+that would take the output out of it; the sampler then tells the sequence's matcher the
+token it chose. Greedy first tries the unmasked arg-max (one check, no mask); a sampler
+without a grammar has `constraint = None` and does nothing for it."""
 from __future__ import annotations
 
 import math
@@ -16,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ..model import ops
+from .constraints import Grammar, constraint
 
 
 @dataclass(frozen=True)
@@ -37,18 +43,24 @@ class SamplingParams:
     logit_bias: Optional[dict] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    grammar: Optional[Grammar] = None
 
     def with_seed(self, seed: Optional[int]) -> "SamplingParams":
         return replace(self, seed=seed)
 
-    def sampler(self, eos_ids=()) -> "Sampler":
-        """A Sampler of these settings (one per sequence: it holds the seeded generator
-        and the penalties' counts); ValueError naming a bad value."""
+    def sampler(self, eos_ids=(), tokenizer=None, n_vocab: int = 0) -> "Sampler":
+        """A Sampler of these settings (one per sequence: it holds the seeded generator,
+        the penalties' counts and the grammar's matcher, made here with `tokenizer` and
+        the model's `n_vocab`); ValueError naming a bad value."""
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos: not with a grammar (the grammar decides where "
+                             "the answer ends)")
         return Sampler(self.temperature, self.top_p, self.seed, top_k=self.top_k,
                        logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty,
                        repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                       mask=list(eos_ids) if self.ignore_eos else None)
+                       mask=list(eos_ids) if self.ignore_eos else None,
+                       constraint=constraint(self.grammar, tokenizer, n_vocab, list(eos_ids)))
 
 
 class Penalties:
@@ -98,7 +110,7 @@ class Sampler:
                  top_k: int = 0, logit_bias: dict[int, float] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, min_p: float = 0.0,
-                 mask: list[int] | None = None):
+                 mask: list[int] | None = None, constraint=None):
         for name, v in (("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
@@ -135,6 +147,7 @@ class Sampler:
         self.mask = np.asarray(mask, np.int64) if mask else None
         self.rng = np.random.default_rng(seed)
         self.seed = seed
+        self.constraint = constraint        # the grammar's matcher (None: no grammar)
 
     @property
     def audit_params(self) -> dict:
@@ -151,9 +164,13 @@ class Sampler:
                        repetition_penalty=pen.repetition)
         if self.mask is not None:
             out["mask"] = [int(t) for t in self.mask]
+        if self.constraint is not None:             # not replayed (replay.py)
+            out["grammar"] = True
         return out
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.constraint is not None:
+            return self._constrained(logits)
         if self.mask is not None:
             if self.temperature == 0.0:              # copied only when it matters
                 tok = self._sample(logits)
@@ -162,6 +179,28 @@ class Sampler:
             logits = np.array(logits, dtype=np.float64)
             logits[self.mask] = -np.inf
         return self._sample(logits)
+
+    def _constrained(self, logits: np.ndarray) -> int:
+        """The grammar's tokens only: greedy keeps the unmasked arg-max when the grammar
+        allows it (one check, no mask), else everything samples from the masked logits;
+        the matcher then takes the token."""
+        c = self.constraint
+        if c.broken:                              # a plugin's token left the grammar
+            return self._sample(logits)
+        if self.temperature == 0.0 and self.mask is None:
+            tok = self._sample(logits)
+            if c.allows(tok):
+                c.advance(tok)
+                return tok
+        x = c.masked(logits)
+        if self.mask is not None:
+            x[self.mask] = -np.inf
+        if not np.isfinite(x.max()):              # nothing allowed: end the sequence
+            tok = c.eos if c.eos is not None else int(np.argmax(logits))
+        else:
+            tok = self._sample(x)
+        c.advance(tok)
+        return tok
 
     def _sample(self, logits: np.ndarray) -> int:
         if self.bias is not None:

@@ -11,6 +11,7 @@ errors as OpenAI JSON, the access-log line, the request counter).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import params, surface
+from . import params, surface, tools as toolcalls
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
@@ -143,7 +144,8 @@ def version_headers(S: Server, events) -> dict:
     return {GEN_HEADER: str(g), SET_HEADER: sid}
 
 
-async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, include_usage: bool):
+async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, include_usage: bool,
+                     tools=None):
     eng, st = S.backend, S.settings
     rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
     created = int(time.time())
@@ -159,6 +161,8 @@ async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, inclu
         for ev in events:
             coll.add(ev)
         body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
+        if tools is not None:              # calls out of the content (tools.py)
+            body = toolcalls.rewrite_body(body, events, tools, eng.tokenizer)
         return JSONResponse(body, headers=version_headers(S, events))
     try:
         first = await collect(request, job, rec, until_token=True)
@@ -166,6 +170,8 @@ async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, inclu
         return Response(status_code=499)
     chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage,
                       p.return_token_ids)
+    if tools is not None:
+        chunker = toolcalls.ToolChunker(chunker, tools, eng.tokenizer)
     rec.deferred = True
 
     async def body():
@@ -226,9 +232,18 @@ async def chat_completions(S: Server, request, rec):
                           f"(chat_template.jinja or tokenizer_config.json's "
                           f"chat_template): use /v1/completions", param="messages",
                           code="no_chat_template")
+    tools = toolcalls.read(body, S.template)      # None: no tools, or tool_choice none
+    if tools is not None:
+        g = toolcalls.grammar(tools, eng.tokenizer)   # tool_choice required or named
+        if g is not None and p.sampling.grammar is not None:
+            raise bad_request("tool_choice: required or a named function is not possible "
+                              "with response_format or grammar", param="tool_choice")
+        if g is not None:
+            p.sampling = dataclasses.replace(p.sampling, grammar=g)
     # Rendered and tokenized off the event loop, no more text than the context holds.
     ids = await asyncio.to_thread(S.template.prompt_ids, messages, eng.tokenizer,
-                                  text_bound(eng, spare=16))
+                                  text_bound(eng, spare=16),
+                                  tools.tools if tools is not None else None)
     if not ids:
         raise bad_request("messages: the chat template rendered them as empty text",
                           param="messages")
@@ -236,7 +251,7 @@ async def chat_completions(S: Server, request, rec):
     if p.experts_per_token is None:
         p.experts_per_token = prefix_k
     stream, include_usage = params.stream_options(body)
-    return await openai_run(S, request, rec, p, True, stream, include_usage)
+    return await openai_run(S, request, rec, p, True, stream, include_usage, tools)
 
 
 async def score(S: Server, request, rec):

@@ -93,10 +93,13 @@ class ChatTemplate:
             return cls(t, specials, f"{tc} chat_template")
         return None
 
-    def render(self, messages: list, add_generation_prompt: bool = True, **extra) -> str:
+    def render(self, messages: list, add_generation_prompt: bool = True,
+               tools: Optional[list] = None, **extra) -> str:
+        """`tools`: OpenAI's list of {type: function, function: {...}}, passed to the
+        template as transformers passes it (None: no tools)."""
         import jinja2
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
+            return self._compiled.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.specials, **extra)
         except jinja2.exceptions.TemplateError as e:
@@ -107,9 +110,10 @@ class ChatTemplate:
                                 f"{type(e).__name__}: {e}", param="messages",
                            code="chat_template") from None
 
-    def prompt_ids(self, messages: list, tokenizer, keep_chars: int) -> list:
+    def prompt_ids(self, messages: list, tokenizer, keep_chars: int,
+                   tools: Optional[list] = None) -> list:
         """The conversation's prompt tokens. Only the end of a prompt longer than the
         context can stay (the engine keeps its last tokens), so no more than `keep_chars`
         characters of the rendered text are tokenized, as the engine does for text."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         return tokenizer.encode(text[-keep_chars:] if len(text) > keep_chars else text)

@@ -5,7 +5,9 @@ naming the field when set to anything but its default); and unknown (ignored and
 or a 400 with --strict-params). Colibri's own fields: `experts_per_token` (experts per
 token for this request; a `MODE:kN|` prompt prefix works too), `ignore_eos`, and `top_k`
 (the sampling top-k, as llama-server and vLLM read it; 0 or -1: off); vLLM's
-`repetition_penalty` and `min_p` (sampler.py).
+`repetition_penalty` and `min_p` (sampler.py). Structured output: OpenAI's
+`response_format`, llama-server's `grammar` (GBNF) and `json_schema`, one of them, into
+SamplingParams.grammar (runtime/constraints.py); tools: server/tools.py.
 """
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "s
           "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
           "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-          "return_token_ids"}
+          "return_token_ids", "response_format", "grammar", "json_schema"}
 COMPLETIONS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                 "parallel_tool_calls"}
+                 "parallel_tool_calls", "tools", "tool_choice"}
 
 
 def _none_or(*ok):
@@ -47,10 +49,7 @@ def _unset(v) -> bool:
 # field -> predicate "is this the default (harmless) value?"
 NOT_IMPLEMENTED = {
     "completions": {"best_of": _none_or(1), "suffix": _unset},
-    "chat": {"tools": _unset, "tool_choice": _none_or("none"), "functions": _unset,
-             "function_call": _none_or("none"),
-             "response_format": lambda v: v is None or v == {"type": "text"},
-             "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    "chat": {"functions": _unset, "function_call": _none_or("none"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
              "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset,
              "verbosity": _unset},
 }
@@ -229,9 +228,54 @@ def sampling(body: dict, engine, route: str) -> GenParams:
         logprobs = integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
+    grammar = structured(body)
+    if grammar is not None and sampling["ignore_eos"]:
+        raise bad_request("ignore_eos: not with a grammar or response_format (the grammar "
+                          "decides where the answer ends)", param="ignore_eos")
     return GenParams(prompts=[], n=n, max_tokens=max_tokens, stop=stop,
-                     sampling=SamplingParams(**sampling, logprobs=logprobs),
+                     sampling=SamplingParams(**sampling, logprobs=logprobs, grammar=grammar),
                      experts_per_token=k, echo=echo, return_token_ids=ids)
+
+
+def structured(body: dict):
+    """`response_format` (OpenAI: text, json_object, json_schema), `grammar` (GBNF, as
+    llama-server reads it) or `json_schema` (llama-server's bare schema): at most one ->
+    a checked constraints.Grammar, or None."""
+    from ..runtime.constraints import Grammar, GrammarError
+    rf = body.get("response_format")
+    if rf is not None and rf == {"type": "text"}:
+        rf = None
+    given = [f for f, v in (("response_format", rf), ("grammar", body.get("grammar")),
+                            ("json_schema", body.get("json_schema"))) if v is not None]
+    if len(given) > 1:
+        raise bad_request(f"{', '.join(given)}: give one of them (each is a grammar for the "
+                          f"whole answer)", param=given[1])
+    if not given:
+        return None
+    field, param = given[0], given[0]
+    try:
+        if field == "grammar":
+            if not isinstance(body["grammar"], str):
+                raise bad_request("grammar: expected GBNF text (llama.cpp's grammar format)",
+                                  param="grammar")
+            return Grammar.gbnf(body["grammar"])
+        if field == "json_schema":
+            return Grammar.json_schema(body["json_schema"])
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            return Grammar.json_object()
+        if kind != "json_schema":
+            raise bad_request(f"response_format.type: {kind!r:.40} is not supported (text, "
+                              f"json_object, json_schema)", param="response_format")
+        js = rf.get("json_schema")
+        param = "response_format.json_schema"
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise bad_request("response_format.json_schema: expected {name, schema, strict}",
+                              param=param)
+        param = "response_format.json_schema.schema"
+        return Grammar.json_schema(js.get("schema", {}))
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e}", param=param, code="invalid_grammar") from None
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
@@ -256,6 +300,7 @@ def chat_messages(body: dict) -> tuple[list, Optional[int]]:
     at the start of the last user message (stripped)."""
     from ..runtime.kselect import split_mode_prefix
     from ..errors import RequestError
+    from .tools import template_message
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: expected a non-empty list of {role, content}",
@@ -265,11 +310,11 @@ def chat_messages(body: dict) -> tuple[list, Optional[int]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}]: expected an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
+        if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role: {role!r:.30} is not supported (system, "
-                              f"developer, user, assistant; tools are not implemented)",
+                              f"developer, user, assistant, tool)",
                               param=f"messages[{i}].role")
-        for f in ("tool_calls", "function_call", "audio"):
+        for f in ("function_call", "audio"):
             if not _unset(m.get(f)):
                 raise bad_request(f"messages[{i}].{f}: not implemented by Colibri",
                                   param=f"messages[{i}].{f}", code="unsupported_parameter")
@@ -290,7 +335,8 @@ def chat_messages(body: dict) -> tuple[list, Optional[int]]:
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content: expected text or a list of text parts",
                               param=f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content,
+                    **template_message(m, i)})      # tool calls, tool results (tools.py)
     k = None
     for m in reversed(out):
         if m["role"] == "user":
