@@ -26,6 +26,7 @@ from .container import (ALIGN, ALL_DTYPES, DTYPE_MINOR, FORMAT_MAJOR, FORMAT_MIN
 from .filemap import FileMapping, max_map_count
 from ..files import open_regular
 from ..nesting import json_loads
+from .mxfp4 import MX_GROUP, MXFP4Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 from .writer import DEFAULT_RESERVE, write_container
 
@@ -59,6 +60,8 @@ def _expected_part_sizes(dtype: str, shape: tuple[int, ...], group: int) -> dict
         return {"data": rows * cp // 2, "scales": rows * ng * 4, "zeros": rows * ng}
     if dtype == "q6":
         return {"data": rows * cp // 64 * 48, "scales": rows * ng * 4, "zeros": rows * ng}
+    if dtype == "mxfp4":
+        return {"data": rows * cp // 2, "exps": rows * cp // 32}
     return {"data": rows * cp, "scales": rows * ng * 4}
 
 
@@ -139,6 +142,9 @@ def parse_table(buf, file_size: int, source: str,
                 raise ModelFormatError(f"{where}: {dtype} needs a 2-D shape and a group size "
                                        f"that is a positive multiple of 64 (got {list(shape)}, "
                                        f"group {group})")
+        if dtype == "mxfp4" and (group != MX_GROUP or shape[1] % 32):
+            raise ModelFormatError(f"{where}: mxfp4 needs group size {MX_GROUP} and a multiple "
+                                   f"of 32 columns (got {list(shape)}, group {group})")
         expected = _expected_part_sizes(dtype, shape, group)
         if set(parts) != set(expected):
             raise ModelFormatError(f"{where}: parts {sorted(parts)}, expected {sorted(expected)}")
@@ -185,6 +191,24 @@ def _read_header(fd: int, size: int, path: Path, max_table: int) -> bytes:
                 advise(fd, 0, 0, os.POSIX_FADV_NORMAL)   # the mapping reads ahead as usual
             except OSError:
                 pass
+
+
+# Parsed section tables by (prefix and table bytes, file size, cap): a model's expert
+# files share one table (6,144 files for Qwen3-30B-A3B), so a load parses it once; any
+# other byte or size is a new key, parsed and checked in full. Only successes are kept.
+_TABLES: dict = {}
+_TABLES_MAX = 64
+
+
+def _parsed(head: bytes, size: int, source: str, max_table: int) -> dict:
+    key = (head, size, max_table)
+    got = _TABLES.get(key)
+    if got is None:
+        got = tuple(parse_table(head, size, source, max_table))
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        _TABLES[key] = got          # Sections are frozen: shared by every file with the table
+    return {s.name: s for s in got}
 
 
 # A mapped file truncated in place loses the pages past its new end, and reading one
@@ -252,8 +276,9 @@ class ContainerFile:
         finally:
             os.close(fd)
         try:
-            self.sections = {s.name: s for s in parse_table(
-                head if head is not None else self.buf, self.size, str(self.path), max_table)}
+            self.sections = ({s.name: s for s in parse_table(self.buf, self.size, str(self.path),
+                                                              max_table)}
+                             if head is None else _parsed(head, self.size, str(self.path), max_table))
         except BaseException:
             self.close()                   # a refused file leaves no mapping behind
             raise
@@ -286,6 +311,9 @@ class ContainerFile:
                             part("scales", np.float32, (rows, ng)),
                             part("zeros", np.uint8, (rows, ng)),
                             rows, cols, s.group_size)
+        if s.dtype == "mxfp4":
+            return MXFP4Tensor(part("data", np.uint8, (rows, cp // 2)),
+                               part("exps", np.uint8, (rows, cp // 32)), rows, cols)
         if s.dtype == "q6":
             return Q6Tensor(part("data", np.uint8, (rows, cp // 64 * 48)),
                             part("scales", np.float32, (rows, ng)),
