@@ -94,8 +94,9 @@ class PrefixCache:
     def attach(self, job, es, engine) -> int:
         """At admission, its cache allocated: copy the longest kept prefix of its prompt
         into it and start its prefill after it. -> tokens reused."""
-        if not job.decodes or job.all_logits or self.skipped(engine):
-            return 0
+        if not job.decodes or job.all_logits or job.cache is None or \
+                job.request.error is not None or self.skipped(engine):
+            return 0                       # (freed already: its request failed at admission)
         current = engine.model.expert_set.id
         tokens, b = job.tokens, self.block
         with self._lock:

@@ -255,7 +255,7 @@ class Scheduler:
         self._retire()
 
     def _admit(self) -> None:
-        kv, started = self.kv, []
+        kv, started, admitted = self.kv, [], []
         with self._lock:
             while self._queue:
                 req = self._queue[0]
@@ -272,8 +272,7 @@ class Scheduler:
                     req._pending.popleft()
                     if j.pin:
                         j.es = self.engine.model.expert_set
-                    if self.prefix is not None:      # a kept prefix of its prompt: copied
-                        self.prefix.attach(j, j.es or self.engine.model.expert_set, self.engine)
+                    admitted.append(j)
                     self._running.append(j)
                     if req.state == "queued":
                         req.state = "running"
@@ -288,6 +287,8 @@ class Scheduler:
                     self._room.notify()
                     continue
                 break                            # the head waits for room: first come first
+        for j in admitted if self.prefix is not None else ():   # kept prefixes copied in
+            self.prefix.attach(j, j.es or self.engine.model.expert_set, self.engine)
         for req in started:
             try:
                 req.started()
