@@ -239,3 +239,35 @@ def test_server_on_by_default_with_metrics(tmp_path):
         assert st["hits"] == 1 and 0 < st["bytes"] <= st["capacity_bytes"]
     finally:
         srv.stop()
+
+
+def test_counted_in_the_pool_size_the_budget_and_the_memory_check(monkeypatch):
+    from colibri_core import memstat
+    from colibri_core.config import load_model_config
+    from colibri_core.errors import InsufficientMemoryError
+    from colibri_core.experts.residency import check_budget
+    from colibri_core.model import kvcache
+    model = builtin_model_dir()
+    cfg = load_model_config(model / "config.json")
+    per = kv_bytes_per_position(cfg, "f32")
+    avail = kvcache.model_bytes(cfg) + 2 * per * 9000        # 9,000 positions' worth
+    plain = kvcache.kv_pool_tokens(cfg, EngineConfig(), available=avail)
+    kept = kvcache.kv_pool_tokens(cfg, EngineConfig(prefix_cache_mb=2 * per * 1000 / 2**20),
+                                  available=avail)
+    assert (plain, kept) == (9000, 8000)                  # its cap set aside first
+    big = dict(max_resident_mb=4096, kv_pool_tokens=256)
+    grow = check_budget(model, EngineConfig(**big, prefix_cache_mb=10)).minimum \
+        - check_budget(model, EngineConfig(**big)).minimum
+    assert grow == 10 * 2**20
+
+    with Engine(model, EngineConfig(prefix_cache_mb=8)) as eng:
+        run(eng, list(range(3, 70)))
+        pc = eng.scheduler.prefix
+        held = pc.bytes
+        assert held == 4 * BLOCK * per
+        monkeypatch.setattr(memstat, "available_bytes", lambda: 1000)
+        kvcache.check_memory(held // 2, "a cache", pc.evict_bytes)     # room made first
+        assert 0 < pc.bytes <= held // 2
+        with pytest.raises(InsufficientMemoryError, match="a cache needs"):
+            kvcache.check_memory(held * 4, "a cache", pc.evict_bytes)
+        assert pc.bytes == 0                              # it gave all it had
