@@ -47,6 +47,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.hotplug = None
         self.hotplug_error = None             # why hot-plug stopped (a failed drain), if it did
+        self.candidates = None                # experts/candidates.py, with a shadow/ folder
         self.hooks = None
         self.audit = None                     # audit.AuditLog once start_audit() is called
         # every request, from any thread, runs on the scheduler's one thread
@@ -110,6 +111,8 @@ class Engine:
 
     def _abort(self) -> None:
         """Undo a half-built engine (construction failed): stop hot-plug, unmap weights."""
+        if self.candidates is not None:
+            self.candidates.close()
         if self.hotplug is not None:
             self.expert_changes.close(abort=True)
         self.scheduler.close(lambda: None)     # its thread (if started) ends first
@@ -203,6 +206,8 @@ class Engine:
                 self.hooks.engine_stop(engine=self)
         finally:
             self.stop_audit()                   # every line queued so far, written
+            if self.candidates is not None:
+                self.candidates.close()
             self.expert_changes.close()         # hot-plug: its worker joined, then released
             self._close_residency()
             self.model.close()                  # its expert sets and C structs hold views
@@ -371,15 +376,17 @@ class Engine:
     def score(self, sequences: Sequence[Sequence[int]], experts_per_token: Optional[int] = None,
               all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
               request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None, *,
-              top_k: Optional[int] = None) -> list:
+              top_k: Optional[int] = None, expert_set=None) -> list:
         """score_batch with provenance: one scoring.Scored per sequence (`logits`,
         `expert_set` {generation, id} of the one set that computed it, `k`, `tokens`);
-        each sequence is pinned to the set current at its admission, sequences with the
-        same `groups` label to the set of the first of them admitted (scoring.py)."""
+        each sequence is pinned to the set current at its admission (or a canary's,
+        experts/candidates.py), sequences with the same `groups` label to the set of the
+        first of them admitted (scoring.py); `expert_set`: this ExpertSet for all (a
+        candidate's shadow pass, a check under a named set)."""
         from .runtime.scoring import score
         k = renamed_k(experts_per_token, top_k, "score")
         return score(self, sequences, k, all_positions, track,
-                     request_id or f"req-{next(_request_ids)}", groups)
+                     request_id or f"req-{next(_request_ids)}", groups, expert_set)
 
     def start_audit(self, path: Union[str, Path], max_mb: float = 1024) -> None:
         """Write one audit line per scored item and generated sequence to `path`
@@ -406,6 +413,17 @@ class Engine:
                                                  self._on_event, self.expert_changes.prepare)
         self.hotplug.start()     # the folder's experts are checked before the first token:
         self.hotplug.wait_idle(config.hotplug.startup_timeout_s)
+        shadow = os.path.join(self.hotplug.experts_dir, "shadow")
+        if os.path.isdir(shadow):    # candidates: checked and loaded, not joined
+            from .experts.candidates import Candidates
+            live = self.hotplug
+            cm = HotplugManager.for_folder(
+                shadow, os.path.join(live.state_dir, "shadow"), config, self.model_cfg,
+                self.model_fingerprint, None, None,
+                assign_slot=lambda name: live.book.slot_for(name)[0])
+            self.candidates = Candidates(self, cm, live, self.expert_events)
+            cm.start()
+            cm.wait_idle(config.hotplug.startup_timeout_s)
         self.apply_expert_changes()
 
     def _on_event(self, kind: str, info: dict) -> None:
@@ -429,10 +447,25 @@ class Engine:
         also adopts them before every step."""
         if self._closed:
             return
-        self.scheduler.call(self.expert_changes.apply_and_flush)
+        self.scheduler.call(self._apply_and_flush)
+
+    def _apply_and_flush(self) -> None:
+        self.expert_changes.apply_and_flush()
+        if self.candidates is not None:
+            self.candidates.apply()
 
     def _apply_expert_changes(self) -> None:    # the scheduler's thread, between two steps
         self.expert_changes.apply()
+        if self.candidates is not None:
+            self.candidates.apply()
+
+    def set_for(self, request_id: str):
+        """The expert set a request's pinned sequence runs with, on the scheduler's thread
+        at its admission: the live one, or a canary candidate's for the share of request
+        ids its fraction takes (experts/candidates.py)."""
+        if self.candidates is None:
+            return self.model.expert_set
+        return self.candidates.set_for(request_id)
 
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: a sequence (or 1-D array) of integers."""

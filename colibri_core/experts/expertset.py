@@ -100,6 +100,9 @@ class ExpertSet:
     # snapshot after it
     model_digests: dict = field(default_factory=dict, repr=False, compare=False)
     id: str = field(default="", compare=False)   # expert_set_id(self.pairs()), set once
+    # a candidate's set (candidates.py): the live set with that candidate in its slot,
+    # named by the candidate; "" for the live set and its pinned snapshots
+    candidate: str = field(default="", compare=False)
 
     def __post_init__(self):
         if not self.id:

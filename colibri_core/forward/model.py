@@ -55,6 +55,11 @@ class Model:
         # The audit log's routing recorder (audit.RouteSink), called after every forward
         # while the log is on; None (one test per forward) while it is off.
         self.route_sink = None
+        # Candidates (experts/candidates.py): the sets whose pipeline tables stay built
+        # while no sequence runs with them, and the shadow's routing tap (called in each
+        # MoE layer it lists with the layer's input rows and router logits; then done())
+        self.kept_sets: tuple = ()
+        self.moe_tap = None
 
     @property
     def ref(self) -> ReferenceModel:
@@ -165,6 +170,8 @@ class Model:
         self.file_check.check()                  # a fault during this step: not a result
         if self.route_sink is not None:
             self.route_sink(spans)
+        if self.moe_tap is not None:
+            self.moe_tap.done(spans)
         return out
 
     def decode_step(self, token: int, cache, k: int, expert_set: Optional[ExpertSet] = None) -> np.ndarray:

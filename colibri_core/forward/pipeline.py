@@ -136,9 +136,10 @@ class Pipeline:
         side = self._pinned.get(id(es))
         if side is not None and side.es is es:
             return side
-        if t is not None and es.generation < t.generation:
-            # an older snapshot a pinned request keeps (scheduler.py): its own tables,
-            # beside the current set's, until keep_pinned() lets them go
+        if t is not None and (es.generation < t.generation or es.candidate):
+            # an older snapshot a pinned request keeps (scheduler.py), or a candidate's
+            # set (experts/candidates.py): its own tables, beside the current set's,
+            # until keep_pinned() lets them go
             side = self._pinned[id(es)] = SetTables(self.model, es)
             self.scratch.fit_ffns(side.ffns)
             self.scratch.grow_slots(max((v.slots for v in side.layers.values()), default=1))
@@ -149,7 +150,7 @@ class Pipeline:
     def keep_pinned(self, sets) -> None:
         """Forget the tables of older snapshots that no sequence in `sets` uses any more
         (their experts can then be released)."""
-        live = {id(es) for es in sets}
+        live = {id(es) for es in sets} | {id(es) for es in self.model.kept_sets}
         for key in [k for k in self._pinned if k not in live]:
             del self._pinned[key]
 
@@ -366,6 +367,10 @@ class Pipeline:
         else:
             self._check(rc)
         self.layer_k[i] = self.layer_width[i] = kmax
+        tap = model.moe_tap
+        if tap is not None and layer in tap.layers:  # a candidate in shadow: chosen here?
+            tap(layer, sc.xn[:n], lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
+                self._last_tables.es)
         if hooks is not None and hooks.routing is not None:
             p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func == "softmax" \
                 else ops.sigmoid(lg.astype(np.float64))

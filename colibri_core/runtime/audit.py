@@ -45,7 +45,10 @@ DEFAULT_MAX_MB = 1024
 
 
 def set_name(es) -> dict:
-    """The one name of an expert set wherever one is reported: {generation, id}."""
+    """The one name of an expert set wherever one is reported: {generation, id}, and
+    `candidate` (its name) for a candidate's set (experts/candidates.py)."""
+    if es.candidate:
+        return {"generation": int(es.generation), "id": es.id, "candidate": es.candidate}
     return {"generation": int(es.generation), "id": es.id}
 
 

@@ -270,8 +270,8 @@ class Scheduler:
                         self._fail(req, exc)
                         break
                     req._pending.popleft()
-                    if j.pin:
-                        j.es = self.engine.model.expert_set
+                    if j.pin:        # preset (a shadow pass), else live or a canary's
+                        j.es = j.es or self.engine.set_for(req.id)
                     admitted.append(j)
                     self._running.append(j)
                     if req.state == "queued":

@@ -30,7 +30,8 @@ class ScoreJob(Job):
     while the audit is on. Jobs sharing a `box` (an item's candidates) share one set:
     the first of them admitted pins it for all."""
 
-    def __init__(self, request, tokens, k: int, all_logits: bool, sink=None, box=None):
+    def __init__(self, request, tokens, k: int, all_logits: bool, sink=None, box=None,
+                 tap=None):
         self._box = box if box is not None else [None]
         super().__init__(request, tokens, k, len(tokens), pin=True)
         self.all_logits = all_logits
@@ -38,6 +39,8 @@ class ScoreJob(Job):
         self.result = None
         self.sink = sink
         self.routes: list = []
+        self.tap = tap            # the shadow's routing tap (candidates.py), or None
+        self.shadow: tuple = ()   # the shadow candidates its routing chose (their names)
 
     @property
     def es(self):
@@ -54,6 +57,8 @@ class ScoreJob(Job):
         if self.all_logits:
             self.parts.append(logits)
         if final:
+            if self.tap is not None:
+                self.shadow = self.tap.take(self.cache)
             self.result = logits if not self.all_logits else (
                 self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts, axis=0))
             self.parts = []
@@ -63,11 +68,13 @@ class ScoreJob(Job):
 @dataclass
 class Scored:
     """One scored sequence: its logits ([V], or [n, V] with all_positions), the expert
-    set that computed it ({generation, id}), its k and its token ids."""
+    set that computed it ({generation, id}), its k and its token ids; `shadow`: the
+    candidates in shadow whose slot its routing chose under the live set (candidates.py)."""
     logits: np.ndarray
     expert_set: dict
     k: int
     tokens: list
+    shadow: tuple = ()
 
 
 class _Closer:
@@ -79,11 +86,11 @@ class _Closer:
 
 def score(eng, sequences: Sequence[Sequence[int]], experts_per_token: Optional[int] = None,
           all_positions: bool = False, track: Optional[Callable[[object], None]] = None,
-          request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None
-          ) -> list[Scored]:
+          request_id: Optional[str] = None, groups: Optional[Sequence[int]] = None,
+          expert_set=None) -> list[Scored]:
     """Engine.score's body (see Engine.score_batch for the contract). `groups`: one
     label per sequence; sequences with the same label (an item's candidates) run under
-    one expert set."""
+    one expert set; `expert_set`: every sequence under that one."""
     if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
         raise RequestError(f"sequences of type {type(sequences).__name__}: expected a list "
                            f"of token-id lists")
@@ -115,8 +122,10 @@ def score(eng, sequences: Sequence[Sequence[int]], experts_per_token: Optional[i
     if groups is not None and len(groups) != len(prepared):
         raise RequestError(f"groups: {len(groups)} labels for {len(prepared)} sequences")
     boxes: dict = {}
+    tap = eng.model.moe_tap if expert_set is None else None
     req.jobs = [ScoreJob(req, p, k, all_positions, sink,
-                         None if groups is None else boxes.setdefault(groups[i], [None]))
+                         [expert_set] if expert_set is not None else
+                         None if groups is None else boxes.setdefault(groups[i], [None]), tap)
                 for i, p in enumerate(prepared)]
     eng.scheduler.submit(req)
     try:
@@ -127,7 +136,7 @@ def score(eng, sequences: Sequence[Sequence[int]], experts_per_token: Optional[i
         req.cancel()                 # interrupted while waiting: not wanted any more
     if any(j.result is None for j in req.jobs):
         raise RequestCancelled(f"score_batch {rid} was cancelled before it finished")
-    out = [Scored(j.result, set_name(j.es), k, p) for j, p in zip(req.jobs, prepared)]
+    out = [Scored(j.result, set_name(j.es), k, p, j.shadow) for j, p in zip(req.jobs, prepared)]
     if audit is not None:
         when = now_iso()                 # the call's answer time, one for its items
         # rendered here, not on the writer: a thread of its own took as much CPU and more

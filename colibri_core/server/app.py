@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import params, surface, tools as toolcalls
+from . import candidates, params, surface, tools as toolcalls
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
@@ -376,6 +376,7 @@ def build_app(server: Server) -> Starlette:
         r("/v1/experts", experts, "experts"),
         r("/v1/experts/events", expert_events, "expert_events"),
         r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),
+        *(r(path, fn, name, methods) for path, fn, name, methods in candidates.routes()),
         r("/v1/experts/{name}", upload, "upload", ("PUT",)),
         r("/health", health, "health", auth=False),
         r("/ready", ready, "ready", auth=False),

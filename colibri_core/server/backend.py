@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ..files import write_atomic
-from . import memory
+from . import candidates, memory
 from .calls import Calls
 from .errors import ApiError
 from .experts import ExpertBook
@@ -103,6 +103,7 @@ class LocalBackend:
     async def shutdown(self, deadline_s: float) -> None:
         for t in self._tasks:
             t.cancel()
+        candidates.stop(self.engine)
         await asyncio.to_thread(self.calls.stop, deadline_s)
         self.engine.close()
 
@@ -197,4 +198,5 @@ class LocalBackend:
                 "refusals": book.refusal_counts(), "routed": book.routed_by_name(),
                 "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
                             "capacity_tokens": eng.kv_pool.capacity_tokens},
-                "prefix_cache": prefix.stats() if (prefix := eng.scheduler.prefix) else None}
+                "prefix_cache": prefix.stats() if (prefix := eng.scheduler.prefix) else None,
+                "families": candidates.families(eng)}

@@ -152,7 +152,10 @@ class ExpertBook:
         return {"object": "list", "expert_set_generation": generation, "expert_set_id": sid,
                 "watched_folder": eng.hotplug.experts_dir if eng.hotplug is not None else None,
                 "data": rows, "refusals": refusals, "adoptions": adoptions,
-                "events": self.events(limit=EVENTS_IN_LISTING)}
+                "events": self.events(limit=EVENTS_IN_LISTING),
+                "candidates": eng.candidates.rows() if eng.candidates is not None else [],
+                "candidates_folder": eng.candidates.folder if eng.candidates is not None
+                else None}
 
     def events(self, since: int = 0, limit: int = 200) -> list[dict]:
         """The recent expert changes (hotplug/events.py), oldest first."""

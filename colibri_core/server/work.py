@@ -269,6 +269,9 @@ def run_score(ctx, items: list, experts: Optional[int], book) -> dict:
              "token_logprobs": per_tok[ii, ci], "logprob": sums[ii, ci],
              "n_tokens": len(cand), "probability": float(norm[ci])}
             for ci, cand in enumerate(it.candidates)]})
+    if eng.candidates is not None:   # the candidates' gates and shadow pass (never returned)
+        from .candidates import after_score
+        after_score(eng, items, seqs, scored, ctx.request_id, experts)
     # expert_sets (deprecated, one release): the distinct sets of the items
     gens = sorted({(x["generation"], x["id"]) for x in item_set.values()})
     return {"results": results, "expert_sets": [{"generation": a, "id": b} for a, b in gens],

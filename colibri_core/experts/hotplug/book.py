@@ -106,6 +106,8 @@ class Book:
     def _assigned_slot(self, name: str) -> int:
         """The slot a name new to this manager gets: the slots file's, else the next."""
         slots_file, next_slot = self.m.slots_file, self.next_slot
+        if self.m.assign_slot is not None:      # a candidates' manager: the live one's slots
+            return self.m.assign_slot(name)
         if slots_file is None:
             return next_slot
         try:

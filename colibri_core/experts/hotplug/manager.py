@@ -71,6 +71,9 @@ class HotplugManager:
             numbers its experts alike), any other the next free one.
         model_fingerprint: the model's (fingerprint.py): an expert built for another model
             is refused (`base-model`) unless portable; None: not checked.
+        assign_slot: callable(name) -> slot, the slot a name new to this manager gets
+            (the candidates' manager of a `shadow/` folder takes the live manager's, so
+            that a candidate sits in the slot it keeps once promoted).
     """
 
     def __init__(self, experts_dir: str | os.PathLike, hidden_size: int,
@@ -81,7 +84,8 @@ class HotplugManager:
                  isolated_capacity: int = 64, probe_slots: int = 2,
                  prepare: PrepareCallback | None = None, polling: bool = False,
                  slots_file: str | os.PathLike | None = None,
-                 model_fingerprint: str | None = None):
+                 model_fingerprint: str | None = None,
+                 assign_slot: Callable[[str], int] | None = None):
         if isolation_default not in ISOLATION_MODES:
             raise ValueError(f"isolation_default {isolation_default!r}, expected one of"
                              f" {ISOLATION_MODES}")
@@ -106,6 +110,7 @@ class HotplugManager:
         self.prepare = prepare
         self.polling = polling
         self.slots_file = None if slots_file is None else os.fspath(slots_file)
+        self.assign_slot = assign_slot
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -122,12 +127,22 @@ class HotplugManager:
         hp = config.hotplug
         experts_dir = os.fspath(config.experts_dir)
         state_dir = hp.state_dir or os.path.join(experts_dir, ".colibri-state")
+        return cls.for_folder(experts_dir, state_dir, config, model_cfg, model_fingerprint,
+                              on_event, prepare)
+
+    @classmethod
+    def for_folder(cls, experts_dir: str, state_dir: str, config, model_cfg,
+                   model_fingerprint: str, on_event: EventCallback | None,
+                   prepare: PrepareCallback | None, **extra) -> "HotplugManager":
+        """A manager of `experts_dir` with the engine's `hotplug` settings (the engine's
+        folder, or its `shadow/` candidates' folder)."""
+        hp = config.hotplug
         return cls(experts_dir, model_cfg.hidden_size, model_cfg.moe_layers,
                    first_slot=model_cfg.num_experts, state_dir=state_dir,
                    allowlist=hp.allowlist, isolation_default=hp.isolation,
                    probe_timeout_s=hp.probe_timeout_s, settle_s=hp.settle_s,
                    on_event=on_event, probe_slots=hp.probe_slots, prepare=prepare,
-                   slots_file=hp.slots_file, model_fingerprint=model_fingerprint)
+                   slots_file=hp.slots_file, model_fingerprint=model_fingerprint, **extra)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
