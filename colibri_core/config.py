@@ -109,6 +109,12 @@ class ModelConfig(BaseModel):
     embedding_multiplier: float = 1.0
     attention_multiplier: Optional[float] = Field(default=None, gt=0)
     residual_multiplier: float = 1.0
+    # every FFN's gated activation: "silu" silu(gate) * up; "swiglu_clamped" (gpt-oss) gate
+    # clamped above at swiglu_limit, up to +-swiglu_limit, gate * sigmoid(swiglu_alpha *
+    # gate) * (up + 1) (ops.gated_act); expert biases: sections w1.bias, w3.bias, w2.bias
+    ffn_act: Literal["silu", "swiglu_clamped"] = "silu"
+    swiglu_limit: float = Field(default=7.0, gt=0)
+    swiglu_alpha: float = 1.702
     logits_scaling: float = Field(default=1.0, gt=0)
     rotary_dim: Optional[int] = Field(default=None, gt=0)   # the first dims of a head rotated
                                                             # (partial rotary); None: all

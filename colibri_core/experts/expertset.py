@@ -132,7 +132,9 @@ class ExpertSet:
         digests = {e.name: model_expert_digest(w, e)
                    for lw in moe for e in lw.experts if e is not None}
         return cls(0, {lw.index: tuple(lw.experts) for lw in moe},
-                   {lw.index: lw.router for lw in moe}, {lw.index: None for lw in moe},
+                   {lw.index: lw.router for lw in moe},
+                   {lw.index: (None if lw.router_logit_bias is None else
+                               np.asarray(lw.router_logit_bias, np.float32)) for lw in moe},
                    {lw.index: (None if lw.router_bias is None else np.asarray(lw.router_bias, np.float32))
                     for lw in moe}, digests)
 

@@ -27,6 +27,7 @@ from typing import Iterable, Iterator, Optional, Union
 import numpy as np
 
 from ..errors import ModelFormatError
+from .mxfp4 import E8M0_NAN, MXFP4Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
 Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
@@ -72,6 +73,13 @@ def _where(shape: tuple[int, ...], flat: int) -> str:
 def tensor_problems(name: str, t: Tensor) -> list[str]:
     """One line per problem found in tensor `name` (empty list: all values are fine)."""
     out = []
+    if isinstance(t, MXFP4Tensor):
+        exps = np.asarray(t.exps)
+        n, first = _count_bad(exps, lambda b: b == E8M0_NAN)
+        if n:
+            out.append(f"section '{name}' (mxfp4): {n} block exponent(s) 255 (NaN in e8m0), "
+                       f"first at {_where(exps.shape, first)}")
+        return out
     if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
         kind = {Q4Tensor: "q4", Q6Tensor: "q6"}.get(type(t), "q8")
         scales = np.asarray(t.scales)

@@ -14,6 +14,7 @@ import numpy as np
 from ..files import atomic_write
 from .container import (ALIGN, FORMAT_MAJOR, HUGE_PAGE, MAGIC, MAX_TABLE_BYTES, PLAIN_DTYPES,
                         _PREFIX, Tensor, _align, _drop_cached, minor_for)
+from .mxfp4 import MX_GROUP, MXFP4Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
 
@@ -32,6 +33,10 @@ def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarr
             ("data", np.ascontiguousarray(t.data, np.uint8)),
             ("scales", np.ascontiguousarray(t.scales, np.float32)),
             ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
+    if isinstance(t, MXFP4Tensor):             # the checkpoint's bytes (docs/FORMAT.md)
+        return "mxfp4", [t.rows, t.cols], {"group_size": MX_GROUP}, [
+            ("data", np.ascontiguousarray(t.data, np.uint8)),
+            ("exps", np.ascontiguousarray(t.exps, np.uint8))]
     if isinstance(t, Q8Tensor):
         return "q8", [t.rows, t.cols], {"group_size": t.group}, [
             ("data", np.ascontiguousarray(t.data, np.int8)),

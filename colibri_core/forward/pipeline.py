@@ -69,6 +69,8 @@ class Pipeline:
                 L.attn = self._attn_layer(lw, p_inv, factor)
             block = L.block = keep.new("ck_ffn_block *")
             block.hidden, block.scale = cfg.hidden_size, cfg.residual_multiplier
+            block.act = lib.CK_ACT_SWIGLU_CLAMPED if cfg.ffn_act == "swiglu_clamped" else lib.CK_ACT_SILU
+            block.act_limit, block.act_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
             if lw.kind == "dense":
                 t = keep.new("ck_ffn[1]")
                 set_ffn(keep, t[0], lw.dense, f"layer {lw.index} dense FFN")

@@ -66,7 +66,12 @@ class ReferenceModel:
         sc = ffn.act_scales
         g = self.linear(ffn.w1, x, sc.get("w1"))
         u = self.linear(ffn.w3, x, sc.get("w3"))
-        y = self.linear(ffn.w2, ops.silu(g) * u, sc.get("w2"))
+        b = ffn.biases
+        if b:                                          # gpt-oss's expert biases
+            g, u = g + b["w1"], u + b["w3"]
+        y = self.linear(ffn.w2, ops.gated_act(g, u, self.cfg), sc.get("w2"))
+        if b:
+            y += b["w2"]
         if row_weights is not None:
             y *= row_weights[:, None]
         if accumulate:

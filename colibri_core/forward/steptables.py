@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..kernels import ffi, lib
 from ..model.kvcache import check_memory
+from ..format.mxfp4 import MX_GROUP, MXFP4Tensor
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 from ..model.routing import _EXP2_TABLE
 
@@ -45,7 +46,7 @@ class Keep:
 
 
 def is_q(w) -> bool:
-    return isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor))
+    return isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor))
 
 
 _FLOAT_KINDS = {np.dtype(np.float32): lib.CK_W_F32, np.dtype(np.float16): lib.CK_W_F16,
@@ -59,6 +60,12 @@ def _shape(w) -> tuple:
 def set_mat(keep: Keep, m, w, act_scale=None, what: str = "matrix") -> None:
     """ck_mat m describes w (q4 / q6 / q8, or a float32 / float16 / bf16 array), with its
     AWQ activation scale (the input is divided by it) or none."""
+    if isinstance(w, MXFP4Tensor):             # exponents in the zero points' place (ck.h)
+        m.kind, m.scales = lib.CK_W_MXFP4, ffi.NULL
+        m.data, m.zeros = keep.buf(w.data, "void *"), keep.buf(w.exps, "uint8_t *")
+        m.rows, m.cols, m.group = w.rows, w.cols, MX_GROUP
+        m.act_scale = keep.f32(act_scale)
+        return
     if isinstance(w, (Q4Tensor, Q6Tensor)):
         m.kind = lib.CK_W_Q4 if isinstance(w, Q4Tensor) else lib.CK_W_Q6
         m.zeros = keep.buf(w.zeros, "uint8_t *")
@@ -98,6 +105,8 @@ def set_ffn(keep: Keep, dst, ffn, what: str = "FFN") -> None:
     set_mat(keep, dst.w3, ffn.w3, None, what + ".w3")
     dst.w3.act_scale = dst.w1.act_scale                 # one pointer: one input
     set_mat(keep, dst.w2, ffn.w2, sc.get("w2"), what + ".w2")
+    b = ffn.biases
+    dst.b1, dst.b3, dst.b2 = (keep.f32(b.get(m)) for m in ("w1", "w3", "w2"))
 
 
 _MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C MLA blocks;

@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequantize_q6,
                             dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref, padded_cols,
                             quantize_act_q8, unpack_nibbles, unpack_q6)
+from ..format.mxfp4 import MXFP4Tensor, dequantize_mxfp4, matvec_mxfp4_q8_ref
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -34,6 +35,18 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), written as the kernels do (ck_silu): x / (1 + e^-x)."""
     return x / (1.0 + np.exp(-x))
+
+
+def gated_act(g: np.ndarray, u: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """An FFN's h from gate g and up u (cfg.ffn_act): silu(g) * u, or gpt-oss's clamped
+    SwiGLU (transformers' GptOssExperts._apply_gate): g clamped above at the limit, u to
+    +-limit, g * sigmoid(alpha * g) * (u + 1), written as the kernels do."""
+    if cfg.ffn_act != "swiglu_clamped":
+        return silu(g) * u
+    lim = g.dtype.type(cfg.swiglu_limit)
+    g = np.minimum(g, lim)
+    u = np.clip(u, -lim, lim)
+    return g / (1 + np.exp(-g.dtype.type(cfg.swiglu_alpha) * g)) * (u + 1)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -63,6 +76,8 @@ def float_matrix(w) -> np.ndarray:
         return dequantize_q6(w).astype(np.float32)
     if isinstance(w, Q8Tensor):
         return dequantize_q8(w).astype(np.float32)
+    if isinstance(w, MXFP4Tensor):
+        return dequantize_mxfp4(w).astype(np.float32)
     a = np.asarray(w)
     if a.dtype == np.uint16:
         return bf16_to_f32(a)
@@ -84,6 +99,8 @@ def matmul(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     act="float", or a float matrix (f32 / f16 / bf16 as uint16): x @ the matrix as
     float32 (quantized ones dequantized)."""
     x = np.asarray(x, np.float32)
+    if act == "int8" and isinstance(w, MXFP4Tensor):      # exact block dots (mxfp4.py)
+        return matvec_mxfp4_q8_ref(w, np.atleast_2d(x)).astype(np.float32)
     if act != "int8" or not isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor)):
         return (x @ float_matrix(w).T).astype(np.float32, copy=False)
     g, rows = w.group, w.rows

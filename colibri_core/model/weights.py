@@ -19,9 +19,10 @@ from ..files import check_regular, read_bytes
 from ..format.modelfile import (FORMAT_MAJOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_BYTES,
                                 ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
                                 write_container)
+from ..format.mxfp4 import MXFP4Tensor
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor
 
-Matrix = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
+Matrix = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor]
 
 
 @dataclass
@@ -32,6 +33,8 @@ class FFNWeights:
     # AWQ activation scales by matrix name ("w1", "w3", "w2"): the stored matrix is
     # W * s per column and the engine divides its input by s (sections "<name>.act_scale").
     act_scales: dict = field(default_factory=dict)
+    # biases by matrix name, all three or none (gpt-oss's experts; sections "<name>.bias")
+    biases: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class LayerWeights:
     dense: Optional[FFNWeights] = None
     router: Optional[np.ndarray] = None       # [E, H] f32
     router_bias: Optional[np.ndarray] = None  # [E] selection-only bias
+    router_logit_bias: Optional[np.ndarray] = None  # [E] added to the logits (gpt-oss)
     experts: list[ModelExpert] = field(default_factory=list)
     shared: Optional[FFNWeights] = None
     shared_gate: Optional[np.ndarray] = None  # [1, H]
@@ -152,8 +156,8 @@ def check_gate_up(path, w: FFNWeights) -> FFNWeights:
 
 
 def _describe(t) -> str:
-    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
-        kind = {Q4Tensor: "q4", Q6Tensor: "q6"}.get(type(t), "q8")
+    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor)):
+        kind = {Q4Tensor: "q4", Q6Tensor: "q6", MXFP4Tensor: "mxfp4"}.get(type(t), "q8")
         return f"{kind} with group size {t.group}"
     return str(getattr(t, "dtype", type(t).__name__))
 
@@ -165,11 +169,16 @@ def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarr
     `base` on (the memory budget's copy-in slots, residency.py). A file opened for its table
     only (load mode "header") and no `buf`: checked only, returns None."""
     want = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter),
-            "w1.act_scale": (hidden,), "w3.act_scale": (hidden,), "w2.act_scale": (inter,)}
+            "w1.act_scale": (hidden,), "w3.act_scale": (hidden,), "w2.act_scale": (inter,),
+            "w1.bias": (inter,), "w3.bias": (inter,), "w2.bias": (hidden,)}
+    nb = sum(n + ".bias" in f.sections for n in ("w1", "w3", "w2"))
+    if nb not in (0, 3):
+        raise ModelFormatError(f"{f.path}: sections w1.bias, w3.bias, w2.bias: all three or "
+                               f"none, found {nb}")
     for name, shape in want.items():
         s = f.sections.get(name)
         if s is None:
-            if name.endswith(".act_scale"):
+            if name.endswith((".act_scale", ".bias")):
                 continue
             raise ModelFormatError(f"{f.path}: missing section '{name}'")
         if tuple(s.shape) != shape:
@@ -183,6 +192,8 @@ def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarr
             a = f.tensor(m + ".act_scale", buf, base)
             same = next((v for v in w.act_scales.values() if np.array_equal(v, a)), None)
             w.act_scales[m] = same if same is not None else a
+        if m + ".bias" in f:
+            w.biases[m] = f.tensor(m + ".bias", buf, base)
     return w
 
 
@@ -216,7 +227,7 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
             if optional and name not in f:
                 return None
             t = f.tensor(name)
-            got = (t.rows, t.cols) if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)) else tuple(t.shape)
+            got = (t.rows, t.cols) if hasattr(t, "rows") else tuple(t.shape)
             if shape is not None and tuple(shape) != got:
                 raise ModelFormatError(f"{f.path}: section '{name}' has shape {list(got)}, "
                                        f"expected {list(shape)} from config.json")
@@ -272,13 +283,14 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                 E, I = cfg.num_experts, cfg.expert_intermediate
                 lw.router = np.ascontiguousarray(get(routing, p + "router", (E, H)), np.float32)
                 lw.router_bias = get(routing, p + "router_bias", (E,), optional=True)
+                lw.router_logit_bias = get(routing, p + "router_logit_bias", (E,), optional=True)
                 for e in range(E):
                     if lazy_experts:
                         f = open_file(expert_file_name(L, e), "header", MAX_EXPERT_TABLE_BYTES)
                         lw.experts.append(ModelExpert(L, e, expert_ffn(f, H, I), f))
                         continue
                     f = open_file(expert_file_name(L, e), max_table=MAX_EXPERT_TABLE_BYTES)
-                    lw.experts.append(ModelExpert(L, e, ffn(f, "", ("w1", "w3", "w2"), I), f))
+                    lw.experts.append(ModelExpert(L, e, expert_ffn(f, H, I), f))
                 if cfg.shared_expert_intermediate_size:
                     lw.shared = ffn(main, p, ("shared_w1", "shared_w3", "shared_w2"),
                                     cfg.shared_expert_intermediate_size)
@@ -339,7 +351,9 @@ def write_model_dir(out: Path, cfg: ModelConfig,
         minor = max(minor, write_container(out / name, check(
             [("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)]
             + [(f"{m}.act_scale", np.asarray(ffn.act_scales[m], np.float32))
-               for m in ("w1", "w3", "w2") if m in ffn.act_scales], name)))
+               for m in ("w1", "w3", "w2") if m in ffn.act_scales]
+            + [(f"{m}.bias", np.asarray(ffn.biases[m], np.float32))
+               for m in ("w1", "w3", "w2") if m in ffn.biases], name)))
         names.append(name)
     for extra in extra_files:
         target = out / Path(extra).name

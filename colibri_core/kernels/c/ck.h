@@ -56,7 +56,15 @@ typedef struct {               /* a matrix [rows, cols]: q4, q6 or q8 in the doc
     const float *act_scale;    /* AWQ (step calls): [cols], the input is divided by it; or NULL */
 } ck_mat;
 
-typedef struct { ck_mat w1, w3, w2; } ck_ffn;   /* gate, up [I, H]; down [H, I]; all q4 */
+typedef struct {               /* an FFN: gate, up [I, H]; down [H, I] */
+    ck_mat w1, w3, w2;
+    const float *b1, *b3, *b2;   /* step calls: biases [I], [I], [H] (gpt-oss), or NULL */
+} ck_ffn;
+
+/* the step's gated activation of gate g and up u (ck_ffn_block.act) */
+enum { CK_ACT_SILU = 0,          /* silu(g) * u */
+       CK_ACT_SWIGLU_CLAMPED = 1 /* gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit),
+                                    g' * sigmoid(alpha * g') * (u' + 1) */ };
 
 /* ------------------------------------------------------------------ general path
  * Any number of tokens, a few parallel loops per call on ck_pool.c's threads (those of
@@ -164,6 +172,8 @@ typedef struct {               /* one layer's expert block */
     int64_t hidden;
     float scale;                 /* factor on every FFN's output, routed, shared or dense
                                     (Granite's residual_multiplier); 0: 1 */
+    int act;                     /* CK_ACT_*, and its limit and alpha */
+    float act_limit, act_alpha;
 } ck_ffn_block;
 
 typedef struct {
