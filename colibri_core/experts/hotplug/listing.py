@@ -35,7 +35,7 @@ def manager_rows(book) -> list[dict]:
                          "file": os.path.basename(e.source_path),
                          "refused": _copy(refused.get(e.source_path))})
         for name, rec in sorted(book.records.items(), key=lambda kv: kv[1].slot):
-            if name in book.active:
+            if name in book.active or rec.last is None:   # (a slot a candidate keeps)
                 continue
             last = rec.last
             rows.append({"slot": rec.slot, "name": name,
