@@ -3,8 +3,9 @@
 
     python -m benchmarks.speed.bench_kernels [--quick] [--reps R] [--backends avx2,avx512vnni]
 
-Cases, each at 1 and 2 threads, int8 activations, group 128:
+Cases, each at 1 and 2 threads, int8 activations, group 128 (mxfp4: blocks of 32, group 64):
   q4 matvec (decode, N=1) 1024x2816 and 2816x1024, and the same with N=8 tokens
+  q4 and mxfp4 matvec 2880x2880 (gpt-oss's expert matrices), N=1 and 8
   q8 and q6 matvec 32000x1024 (an LM head)
   fused expert FFN, hidden 1024, intermediate 2816, N=1
   decode attention (the same code on every SIMD backend: a control for the noise)
@@ -27,6 +28,7 @@ import time
 import numpy as np
 
 from colibri_core import kernels as K
+from colibri_core.format.mxfp4 import MXFP4Tensor, quantize_mxfp4
 from colibri_core.format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, quantize_q4, quantize_q6,
                                 quantize_q8)
 
@@ -34,10 +36,14 @@ COLD_BYTES = 160 << 20  # > any L3 we expect to meet
 
 
 def nbytes(t) -> int:
+    if isinstance(t, MXFP4Tensor):
+        return t.data.nbytes + t.exps.nbytes
     return sum(a.nbytes for a in (t.data, t.scales, getattr(t, "zeros", None)) if a is not None)
 
 
 def copies(t, k: int) -> list:
+    if isinstance(t, MXFP4Tensor):
+        return [MXFP4Tensor(t.data.copy(), t.exps.copy(), t.rows, t.cols) for _ in range(k)]
     if isinstance(t, Q8Tensor):
         return [Q8Tensor(t.data.copy(), t.scales.copy(), t.rows, t.cols, t.group)
                 for _ in range(k)]
@@ -132,8 +138,10 @@ def main() -> None:
         if not want(name):
             return
         w = rng.standard_normal((rows, cols)).astype(np.float32)
-        t = {"q4": quantize_q4, "q6": quantize_q6, "q8": quantize_q8}[kind](w, 128)
-        mm = {"q4": K.q4_matmul, "q6": K.q6_matmul, "q8": K.q8_matmul}[kind]
+        t = {"q4": quantize_q4, "q6": quantize_q6, "q8": quantize_q8,
+             "mxfp4": lambda a, g: quantize_mxfp4(a)}[kind](w, 128)
+        mm = {"q4": K.q4_matmul, "q6": K.q6_matmul, "q8": K.q8_matmul,
+              "mxfp4": K.mxfp4_matmul}[kind]
         cold = copies(t, max(2, COLD_BYTES // nbytes(t)))
         for n in ns:
             x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -148,6 +156,8 @@ def main() -> None:
     matvec_cases("q4", 2816, 1024, (1, 8))
     matvec_cases("q8", 32000, 1024, (1,))
     matvec_cases("q6", 32000, 1024, (1,))
+    for kind in ("q4", "mxfp4"):         # gpt-oss's expert matrices (hidden = inter = 2880)
+        matvec_cases(kind, 2880, 2880, (1, 8))
 
     H, I = 1024, 2816
     if want(f"expert_ffn {H}x{I}"):
