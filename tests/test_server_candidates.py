@@ -281,3 +281,27 @@ def test_shadow_recomputes_only_the_items_routed_to_it(world):
     assert np.array_equal(cand[~routed], live[~routed])
     changed = (np.exp(cand) >= THRESHOLD) != (np.exp(live) >= THRESHOLD)
     assert g["changed"] == changed.sum()
+
+
+def test_cli_canary_promote_demote(world):
+    import json
+    import subprocess
+    url = world["url"]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "colibri_core", "experts", *args,
+                               "--url", url], capture_output=True, text=True, timeout=120)
+    wait_until(lambda: candidate(url, "rare"), "rare in shadow")
+    r = cli("canary", "rare", "0.25")
+    assert r.returncode == 0 and json.loads(r.stdout)["fraction"] == 0.25, r.stderr
+    r = cli("candidates")
+    assert r.returncode == 0 and "rare 1 slot" in r.stdout and "canary fraction 0.25" in r.stdout
+    assert cli("promote", "rare").returncode == 0
+    active = lambda: any(x["name"] == "rare" and x["status"] == "active"   # noqa: E731
+                         for x in listing(url)["data"])
+    wait_until(active, "rare promoted by the CLI")
+    assert cli("demote", "rare").returncode == 0
+    wait_until(lambda: candidate(url, "rare") and not active(), "rare back in shadow")
+    r = cli("promote", "nope")
+    assert r.returncode == 1 and "no candidate 'nope'" in r.stderr
+    assert [e[0] for e in events(url) if e[1] == "rare"][-1] == "candidate"

@@ -119,3 +119,5 @@ def add_parsers(sub, engine_defaults: str, shipped: str) -> None:
                                                "this model records (its base_model)")
     model_options(fp, "its model's fingerprint is printed", engine_defaults, shipped)
     fp.set_defaults(func=cmd_experts_fingerprint)
+    from .candidates import add_candidate_parsers
+    add_candidate_parsers(el_sub)
