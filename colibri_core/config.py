@@ -77,16 +77,13 @@ class ModelConfig(BaseModel):
     qk_norm: Literal["none", "per_head", "full", "l2"] = "none"  # RMSNorm on q/k: per head
                          # (Qwen3), over the projection (OLMoE), or "l2": weightless, per head,
                          # after rope, on the rope layers only (Llama 4)
-    # What a layer's token attends to (issue 32), per layer ([] or 0: the whole context):
-    # attention_window[i] > 0: positions pos-window+1 .. pos (gpt-oss's sliding layers);
-    # attention_chunk[i] > 0: its own chunk, positions pos - pos % chunk .. pos (Llama 4)
+    # per layer ([] or 0: the whole context): attention_window[i] > 0: positions
+    # pos-window+1..pos (gpt-oss); attention_chunk[i] > 0: pos - pos % chunk..pos (Llama 4)
     attention_window: list[int] = []
     attention_chunk: list[int] = []
-    attention_sinks: bool = False   # a learned logit per head in the softmax's denominator
-                                    # (gpt-oss): section layer.L.sinks [num_heads]
-    nope_layers: list[int] = []     # layers without rope (Llama 4's every fourth); on them
-    # q is scaled by 1 + attn_temperature_scale * log1p(floor((pos + 1) / floor)) when
-    # attn_temperature_floor > 0 (Llama 4's temperature tuning)
+    attention_sinks: bool = False   # gpt-oss: a logit per head in the softmax denominator
+    nope_layers: list[int] = []     # no rope (Llama 4); there q *= 1 + attn_temperature_scale
+    # * log1p(floor((pos + 1) / attn_temperature_floor)) when that floor > 0
     attn_temperature_floor: int = Field(default=0, ge=0)
     attn_temperature_scale: float = 0.0
 
@@ -102,6 +99,7 @@ class ModelConfig(BaseModel):
     shared_expert_gate: bool = False            # Qwen2-MoE: sigmoid gate on the shared expert
     select_bias_on_probs: bool = False          # softmax routing: the selection bias added to
                                                 # the probabilities, not the logits (ERNIE-4.5)
+    routing_scales_input: bool = False          # Llama 4: weight x the expert's input, not output
     # Granite's scalars, applied where its model applies them: the embedding rows times
     # embedding_multiplier; the softmax scale attention_multiplier (None: 1/sqrt(head_dim));
     # the attention and FFN outputs times residual_multiplier before each residual add;

@@ -140,7 +140,7 @@ class _Writer:
                 return np.ascontiguousarray(src.raw(self.ck)), None
             return f32_to_bf16(src.f32(self.ck)), None
         got = (self.ck.matrix_rows(src.name, src.index, src.rows) if bits in (4, 6, 8) and isinstance(
-            self.ck, Checkpoint) and not (scaled or src.awq or src.deinterleave) else None)
+            self.ck, Checkpoint) and not (scaled or src.awq or src.deinterleave or src.transpose) else None)
         if got is not None:            # a block of rows at a time: memory = output + one block
             return quantize_rows(f"q{bits}", got[2], *got[:2], self.group_of(key), self.q4_clip), None
         w = self.float32(src)

@@ -303,13 +303,16 @@ class Src:
     rows: Optional[tuple[int, int]] = None
     awq: bool = False
     deinterleave: int = 0     # head dim D: each head's rows 0, 2, .., D-2 first, then 1, 3, ..
+    transpose: bool = False   # the slice stored [in, out] (Llama 4's fused experts)
 
     def raw(self, ck: Checkpoint) -> np.ndarray:
         a = ck.raw(self.name, self.index)
+        a = np.ascontiguousarray(a.T) if self.transpose else a
         return self._order(a if self.rows is None else a[self.rows[0]:self.rows[1]])
 
     def f32(self, ck: Checkpoint) -> np.ndarray:
         a = ck.get(self.name, self.index)
+        a = np.ascontiguousarray(a.T) if self.transpose else a
         if self.rows is not None:
             a = np.ascontiguousarray(a[self.rows[0]:self.rows[1]])
         return self._order(a)
@@ -337,12 +340,12 @@ def linear(ck: Checkpoint, prefix: str) -> Src:
 
 
 def _block(ck: Checkpoint, L: int) -> str:
-    for blk in ("mlp", "block_sparse_moe"):
+    for blk in ("mlp", "block_sparse_moe", "feed_forward"):
         p = f"model.layers.{L}.{blk}"
         if any(f"{p}.{x}" in ck for x in ("gate.weight", "experts.gate_up_proj", "experts.0.w1.weight",
                                           "input_linear.weight", "router.layer.weight",
                                           "experts.0.gate_proj.weight", "experts.0.w1.qweight",
-                                          "experts.0.gate_proj.qweight")):
+                                          "experts.0.gate_proj.qweight", "router.weight")):
             return p
     return f"model.layers.{L}.mlp"
 
@@ -366,17 +369,18 @@ def attention_sections(ck: Checkpoint, cfg, L: int) -> list[tuple[str, Src, str]
         return out
     for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
         src = linear(ck, q + n)
-        if cfg.architecture == "ernie4_5_moe" and s in ("wq", "wk"):     # interleaved rope
+        if cfg.architecture in more.INTERLEAVED_ROPE and s in ("wq", "wk"):
             src = Src(src.name, deinterleave=cfg.head_size)
         out.append((p + s, src, "matrix"))
     if cfg.attention_bias:
         for s, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-            out.append((p + s, Src(q + f"{n}.bias"), "vector"))
+            d = cfg.head_size if cfg.architecture in more.INTERLEAVED_ROPE and s != "bv" else 0
+            out.append((p + s, Src(q + f"{n}.bias", deinterleave=d), "vector"))
     if q + "o_proj.bias" in ck:                             # gpt-oss
         out.append((p + "bo", Src(q + "o_proj.bias"), "vector"))
     if cfg.attention_sinks:                                 # gpt-oss: [num_heads]
         out.append((p + "sinks", Src(q + "sinks"), "vector"))
-    if cfg.qk_norm != "none":
+    if cfg.qk_norm not in ("none", "l2"):                  # l2 has no weights
         out += [(p + "q_norm", Src(q + "q_norm.weight"), "vector"),
                 (p + "k_norm", Src(q + "k_norm.weight"), "vector")]
     return out
@@ -384,12 +388,14 @@ def attention_sections(ck: Checkpoint, cfg, L: int) -> list[tuple[str, Src, str]
 
 def dense_sources(ck: Checkpoint, L: int) -> tuple[Src, Src, Src]:
     m = f"model.layers.{L}.mlp."
+    if f"model.layers.{L}.feed_forward.gate_proj.weight" in ck:       # Llama 4
+        m = f"model.layers.{L}.feed_forward."
     return linear(ck, m + "gate_proj"), linear(ck, m + "up_proj"), linear(ck, m + "down_proj")
 
 
 def shared_sources(ck: Checkpoint, L: int) -> tuple[Src, Src, Src]:
-    for n in ("shared_expert", "shared_experts"):
-        m = f"model.layers.{L}.mlp.{n}."
+    for n in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert"):
+        m = f"model.layers.{L}.{n}."
         if m + "gate_proj.weight" in ck or m + "gate_proj.qweight" in ck:
             return linear(ck, m + "gate_proj"), linear(ck, m + "up_proj"), linear(ck, m + "down_proj")
     m = f"model.layers.{L}.shared_mlp."                     # Granite: gate and up rows fused
@@ -413,6 +419,14 @@ def expert_sources(ck: Checkpoint, L: int, e: int, I: int) -> tuple[Src, Src, Sr
         p = p[:-8]
         gu = f"{p}.input_linear.weight"
         return Src(gu, e, (0, I)), Src(gu, e, (I, 2 * I)), Src(f"{p}.output_linear.weight", e)
+    if f"{p}.gate_up_proj" in ck and p.endswith("feed_forward.experts"):   # Llama 4: [E, H, 2I]
+        shape = ck.shape(f"{p}.gate_up_proj")
+        if shape[2] != 2 * I:
+            raise ConfigError(f"checkpoint: {p}.gate_up_proj has shape {list(shape)}, expected "
+                              f"[E, hidden, {2 * I}] (gate columns then up columns)")
+        gu = f"{p}.gate_up_proj"
+        return (Src(gu, e, (0, I), transpose=True), Src(gu, e, (I, 2 * I), transpose=True),
+                Src(f"{p}.down_proj", e, transpose=True))
     if f"{p}.gate_up_proj" in ck:
         shape = ck.shape(f"{p}.gate_up_proj")
         if shape[1] != 2 * I:

@@ -1,5 +1,6 @@
 """The families added after the first six (issue 32): Granite MoE (`granitemoe`,
-`granitemoeshared`), GLM-4.5 (`glm4_moe`) and ERNIE-4.5-MoE (`ernie4_5_moe`). families.py
+`granitemoeshared`), GLM-4.5 (`glm4_moe`), ERNIE-4.5-MoE (`ernie4_5_moe`) and Llama 4's text
+model (`llama4`). families.py
 dispatches here for them; the defaults are those of the transformers 5 config classes, as
 there.
 
@@ -40,12 +41,23 @@ DEFAULTS["ernie4_5_moe"] = dict(
     moe_layer_start_index=1, moe_layer_end_index=27, moe_layer_interval=1, moe_norm_min=1e-12,
     bos_token_id=1, eos_token_id=2)
 
+DEFAULTS["llama4"] = dict(
+    vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+    num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1,
+    eos_token_id=2, num_experts_per_tok=1, num_local_experts=16, moe_layers=None,
+    interleave_moe_layer_step=1, use_qk_norm=True, no_rope_layers=None, no_rope_layer_interval=4,
+    attention_chunk_size=8192, layer_types=None, attn_temperature_tuning=True, floor_scale=8192,
+    attn_scale=0.1, router_jitter_noise=0.0)
+
 ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "Llama4ForCausalLM": "llama4",
 }
+INTERLEAVED_ROPE = ("ernie4_5_moe", "llama4")   # q/k rows reordered at conversion (Src)
 
 PARTIAL_ROTARY = ("glm4_moe",)        # the families whose partial_rotary_factor is run
 
@@ -69,6 +81,9 @@ def fields(fam: str, c, d: dict, refuse: Callable) -> None:
         return
     if fam == "ernie4_5_moe":
         _ernie(c, d, refuse)
+        return
+    if fam == "llama4":
+        _llama4(c, d, refuse)
         return
     # glm4_moe: DeepSeek-V3's routing and layer stack on grouped-query attention
     D = int(c("head_dim", None) or H // nh)
@@ -112,4 +127,43 @@ def _ernie(c, d: dict, refuse: Callable) -> None:
              norm_topk_prob=True, select_bias_on_probs=True,
              shared_expert_intermediate_size=I * int(c("moe_num_shared_experts") or 0))
     if "moe" not in kinds:
+        d.update(num_experts=0, top_k=0, shared_expert_intermediate_size=0)
+
+
+def _llama4(c, d: dict, refuse: Callable) -> None:
+    """Llama 4's text model (Llama4ForCausalLM): MoE layers at moe_layers (or every
+    interleave_moe_layer_step-th), the others dense (intermediate_size_mlp); top-k by the
+    router's logits, sigmoid weights multiplying the expert's input; an unconditioned
+    shared expert; chunked attention on the layers layer_types names, no rope on
+    no_rope_layers' zeros (q temperature-tuned there), the weightless q/k norm after rope."""
+    n = d["num_layers"]
+    step = int(c("interleave_moe_layer_step") or 1)
+    moe = c("moe_layers")
+    moe = set(range(step - 1, n, step)) if moe is None else set(moe)
+    rope = c("no_rope_layers") or [int((i + 1) % int(c("no_rope_layer_interval") or 4) != 0)
+                                   for i in range(n)]
+    chunk = c("attention_chunk_size")
+    types = c("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
+                                 for r in rope]
+    if len(rope) != n or len(types) != n:
+        refuse(f"no_rope_layers / layer_types of {len(rope)} / {len(types)} entries for "
+               f"num_hidden_layers={n}")
+    if set(types) - {"chunked_attention", "full_attention"}:
+        refuse(f"layer_types {sorted(set(types))}", "supported: chunked_attention, full_attention")
+    if "chunked_attention" in types and not chunk:
+        refuse(f"attention_chunk_size={chunk!r} with chunked_attention layers")
+    I, E = c.int("intermediate_size"), c.int("num_local_experts")
+    d.update(head_dim=int(c("head_dim", None) or d["hidden_size"] // d["num_heads"]),
+             layer_types=["moe" if i in moe and E else "dense" for i in range(n)],
+             num_experts=E, top_k=c.int("num_experts_per_tok"),
+             intermediate_size=c.int("intermediate_size_mlp"), moe_intermediate_size=I,
+             shared_expert_intermediate_size=I, scoring_func="sigmoid", norm_topk_prob=False,
+             routing_scales_input=True, attention_bias=bool(c("attention_bias")),
+             qk_norm="l2" if c("use_qk_norm") else "none",
+             attention_chunk=[int(chunk) if t == "chunked_attention" else 0 for t in types],
+             nope_layers=[i for i, r in enumerate(rope) if not r])
+    if c("attn_temperature_tuning"):
+        d.update(attn_temperature_floor=int(c("floor_scale")),
+                 attn_temperature_scale=float(c("attn_scale")))
+    if "moe" not in d["layer_types"]:
         d.update(num_experts=0, top_k=0, shared_expert_intermediate_size=0)

@@ -69,6 +69,7 @@ class Pipeline:
                 L.attn = self._attn_layer(lw, p_inv, factor)
             block = L.block = keep.new("ck_ffn_block *")
             block.hidden, block.scale = cfg.hidden_size, cfg.residual_multiplier
+            block.weight_input = lw.kind == "moe" and cfg.routing_scales_input   # Llama 4
             block.act = lib.CK_ACT_SWIGLU_CLAMPED if cfg.ffn_act == "swiglu_clamped" else lib.CK_ACT_SILU
             block.act_limit, block.act_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
             if lw.kind == "dense":
@@ -453,8 +454,10 @@ class Pipeline:
             if e in T.custom:                    # its own code, between the C calls
                 rows, slot = np.nonzero(idv == e)
                 out = np.zeros((len(rows), x.shape[1]), np.float32)
-                run_own_code(run[e], np.ascontiguousarray(xn[rows]), out,
-                             wv[rows, slot] * np.float32(self.cfg.residual_multiplier))
+                w, xin = wv[rows, slot], np.ascontiguousarray(xn[rows])
+                if self.cfg.routing_scales_input:            # Llama 4: expert(w x)
+                    xin, w = xin * w[:, None], np.ones_like(w)
+                run_own_code(run[e], xin, out, w * np.float32(self.cfg.residual_multiplier))
                 x[rows] += out
             else:
                 if budget and T.bound.get(e) is not run[e]:   # where the cache holds it now

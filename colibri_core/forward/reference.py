@@ -140,7 +140,10 @@ class ReferenceModel:
         for e in np.unique(r.ids[r.ids >= 0]):     # ascending id, as the pipeline
             rows, slot = np.nonzero(r.ids == e)
             buf = np.zeros((len(rows), xn.shape[1]), dtype=np.float32)
-            self._run_expert(experts[e], np.ascontiguousarray(xn[rows]), buf, r.weights[rows, slot])
+            xe, w = np.ascontiguousarray(xn[rows]), r.weights[rows, slot]
+            if cfg.routing_scales_input:                 # Llama 4: expert(w x)
+                xe, w = xe * w[:, None], np.ones_like(w)
+            self._run_expert(experts[e], xe, buf, w)
             out[rows] += buf
         if lw.shared is not None:
             sh = np.empty_like(xn)

@@ -174,6 +174,8 @@ typedef struct {               /* one layer's expert block */
                                     (Granite's residual_multiplier); 0: 1 */
     int act;                     /* CK_ACT_*, and its limit and alpha */
     float act_limit, act_alpha;
+    int weight_input;            /* a routed expert's weight scales its input, not its output:
+                                    expert(w x) (Llama 4); the shared expert's is unchanged */
 } ck_ffn_block;
 
 typedef struct {

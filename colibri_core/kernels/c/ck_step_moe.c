@@ -39,6 +39,7 @@ typedef struct {
     int64_t t1, t2;           /* its first stage-1 item, first hquant item */
     int64_t pan;              /* its first panel in the scratch's panel rows, or -1: tiles */
     const float *b1, *b3, *b2; /* its biases (ck_ffn), or NULL */
+    int win;                  /* its pairs' weights scale its input, not its output (Llama 4) */
 } ffn_job;
 
 typedef struct {
@@ -60,7 +61,15 @@ typedef struct {
     int rt2;                  /* output rows per stage-2 item */
     int act;                  /* CK_ACT_*, its limit and alpha (ck_ffn_block) */
     float limit, alpha;
+    float oscale;             /* the output factor of a job whose weights scale its input */
 } ffn_ctx;
+
+/* the factor on pair q's gate and up rows: its routing weight where the weights scale
+ * the input (Llama 4: expert(w x) = down(act(w gate(x), w up(x))) without biases), else 1
+ * (x 1.0f: the same bits) */
+static inline float in_weight(const ffn_ctx *c, const ffn_job *f, int64_t q) {
+    return f->win ? c->pair_w[q] : 1.0f;
+}
 
 /* h of gate g and up u at row r of job f: the biases, then the block's activation
  * (ops.gated_act) */
@@ -165,8 +174,11 @@ static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     ck_panel pn = job_panel(c, f, cp, ng);
     be->q4_panels(&u, &pn, np, res, ld);
     for (int r = 0; r < rt; r++)
-        for (int64_t t = 0; t < f->cnt; t++)
-            s->h[(f->off + t) * s->hld + r0 + r] = gated(c, f, r0 + r, res[r * ld + t], res[(4 + r) * ld + t]);
+        for (int64_t t = 0; t < f->cnt; t++) {
+            const float wi = in_weight(c, f, f->off + t);
+            s->h[(f->off + t) * s->hld + r0 + r] =
+                gated(c, f, r0 + r, res[r * ld + t] * wi, res[(4 + r) * ld + t] * wi);
+        }
 }
 
 /* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
@@ -182,8 +194,11 @@ static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
         mat_tile(be, &f->w1, r0, rt, &a, t0, nt, g);
         mat_tile(be, &f->w3, r0, rt, &a, t0, nt, u);
         for (int r = 0; r < rt; r++)
-            for (int t = 0; t < nt; t++)
-                s->h[(f->off + t0 + t) * s->hld + r0 + r] = gated(c, f, r0 + r, g[r * nt + t], u[r * nt + t]);
+            for (int t = 0; t < nt; t++) {
+                const float wi = in_weight(c, f, f->off + t0 + t);
+                s->h[(f->off + t0 + t) * s->hld + r0 + r] =
+                    gated(c, f, r0 + r, g[r * nt + t] * wi, u[r * nt + t] * wi);
+            }
         t0 += nt;
     }
 }
@@ -240,7 +255,7 @@ static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) 
     be->q4_panels(&u, &pn, np, y, ld);
     for (int64_t t = 0; t < f->cnt; t++) {
         int64_t pq = f->off + t;
-        float wt = c->pair_w[pq];
+        float wt = f->win ? c->oscale : c->pair_w[pq];
         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
         for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * ld + t]) * wt;
     }
@@ -270,7 +285,7 @@ static void down_chunk(void *p, int64_t ch) {
                     mat_tile(be, &f->w2, r0, rt, &a, t0, nt, y);
                     for (int t = 0; t < nt; t++) {
                         int64_t pq = f->off + t0 + t;
-                        float wt = c->pair_w[pq];
+                        float wt = f->win ? c->oscale : c->pair_w[pq];
                         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
                         for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * nt + t]) * wt;
                     }
@@ -359,7 +374,8 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
         if (!count[e]) continue;
         const ck_ffn *f = &table[e];
         jobs[q] = (ffn_job){.w1 = to_w(&f->w1), .w3 = to_w(&f->w3), .w2 = to_w(&f->w2), .off = off,
-                            .cnt = count[e], .b1 = f->b1, .b3 = f->b3, .b2 = f->b2};
+                            .cnt = count[e], .b1 = f->b1, .b3 = f->b3, .b2 = f->b2,
+                            .win = b->weight_input};
         first[e] = off;
         off += count[e];
         q++;
@@ -375,7 +391,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
             if (e < 0 || e >= ne || !table[e].w1.data) continue;
             int64_t p = first[e]++;
             pair_tok[p] = t;
-            pair_w[p] = ck_ldf(weights + t * kmax + j) * oscale;
+            pair_w[p] = ck_ldf(weights + t * kmax + j) * (b->weight_input ? 1.0f : oscale);
         }
     if (shared) {
         jobs[q] = (ffn_job){.w1 = to_w(&shared->w1), .w3 = to_w(&shared->w3), .w2 = to_w(&shared->w2),
@@ -418,6 +434,7 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     c.be = be; c.s = s; c.hidden = hidden; c.x = x; c.pair_tok = pair_tok; c.pair_w = pair_w;
     c.xn = xn;
     c.act = b->act; c.limit = b->act_limit; c.alpha = b->act_alpha;
+    c.oscale = oscale;
     c.gld = rup(hidden, 64);
     for (int i = 0; i < njobs; i++) c.mixed |= jobs[i].own;
     if (group) {

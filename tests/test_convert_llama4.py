@@ -1,0 +1,121 @@
+"""`colibri convert` for Llama 4's text model (`Llama4ForCausalLM`, issue 32), proven against
+transformers' logits as tests/test_convert_families_more.py proves the other families.
+
+Tiny random models with every feature on: MoE layers interleaved with dense ones (the
+dense FFN of intermediate_size_mlp), the shared expert, sigmoid top-k routing whose weight
+multiplies the expert's input, chunked attention (attention_chunk_size 16: a 48-token
+prompt crosses two chunk borders), a NoPE layer with the temperature tuning (floor_scale 4,
+so the factor changes within the prompt), the weightless q/k norm after rope, the
+interleaved rope pairs (the converter reorders q/k rows); the second case top-2 routing,
+q/k/v/o biases, no q/k norm and moe_layers listed.
+
+- bits 32, float routing/activations: max relative logit error <= 1e-4 over prompts of
+  15, 3, 1 and 48 tokens, and 16 greedy tokens identical to transformers' `generate`
+  through Colibri's KV cache, from the 15- and the 48-token prompt (positions past 60);
+- the default fast path (int8 activations, fixed-point routing) of the 4-bit model within
+  0.05 of its float path;
+- what cannot run is refused at convert time in one line naming the field.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from colibri_core.convert import convert
+from colibri_core.engine import Engine
+from colibri_core.errors import ConfigError
+
+import hf_helpers
+from hf_helpers import assert_float_parity, check_fast_path, float_engine, greedy_match, save
+
+PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7],
+           [int(v) for v in np.random.default_rng(48).integers(0, 300, 48)]]
+
+CASES = {
+    "llama4": {},
+    "llama4_top2_bias": dict(num_experts_per_tok=2, attention_bias=True, use_qk_norm=False,
+                             moe_layers=[0, 2, 3], no_rope_layers=[1, 0, 1, 1]),
+}
+
+
+def make_llama4(seed: int = 1, **over):
+    torch, tr = hf_helpers._imports()
+    kw = dict(vocab_size=300, hidden_size=320, intermediate_size=96, intermediate_size_mlp=320,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+              attention_chunk_size=16, floor_scale=4, attn_scale=0.1,
+              max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    kw.update(over)
+    return hf_helpers.random_model(tr.Llama4TextConfig(**kw), tr.Llama4ForCausalLM, seed)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    models, dirs = {}, {}
+
+    def get(case: str, bits: int = 32):
+        if case not in models:
+            models[case] = make_llama4(**CASES[case])
+            dirs[case] = tmp_path_factory.mktemp(case)
+            save(models[case], dirs[case] / "hf")
+        out = dirs[case] / f"out{bits}"
+        if not out.exists():
+            convert(dirs[case] / "hf", out, bits=bits)
+        return models[case], dirs[case] / "hf", out
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float_weights_match_transformers(built, case):
+    model, _, out = built(case, 32)
+    assert_float_parity(case, model, out, PROMPTS)
+    with float_engine(out) as eng:                 # decoding across chunk borders
+        greedy_match(eng, model, PROMPTS[3], 16)
+
+
+def test_converted_config_carries_the_family_features(built):
+    from colibri_core.config import load_model_config
+    _, _, out = built("llama4", 32)
+    c = load_model_config(out / "config.json")
+    assert c.layer_types == ["dense", "moe", "dense", "moe"] and c.routing_scales_input
+    assert (c.scoring_func, c.norm_topk_prob, c.top_k, c.qk_norm) == ("sigmoid", False, 1, "l2")
+    assert c.attention_chunk == [16, 16, 16, 0] and c.nope_layers == [3]
+    assert (c.attn_temperature_floor, c.attn_temperature_scale) == (4, 0.1)
+    assert (c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size) == \
+        (320, 96, 96) and not c.shared_expert_gate
+
+
+def test_quantized_fast_path_near_the_float_path(built):
+    _, _, out = built("llama4", 4)
+    with float_engine(out) as ref, Engine.from_model_dir(out) as fast:
+        for ids in (PROMPTS[0], PROMPTS[3]):
+            check_fast_path(fast, ref, ids, "llama4-4")
+
+
+REFUSALS = [
+    ({"layer_types": ["sliding_attention"] * 4}, "layer_types ['sliding_attention']"),
+    ({"attention_chunk_size": None}, "attention_chunk_size=None"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}},
+     "rope type 'dynamic'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+]
+
+
+@pytest.mark.parametrize("patch,needle", REFUSALS, ids=[n for _, n in REFUSALS])
+def test_unsupported_options_are_refused_in_one_line(built, tmp_path, patch, needle):
+    _, hf, _ = built("llama4", 32)
+    d = tmp_path / "hf"
+    shutil.copytree(hf, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(patch)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="not supported") as e:
+        convert(d, tmp_path / "out")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
