@@ -167,6 +167,7 @@ class Model:
             else int(ks[0])
         self.file_check.check()                  # a damaged model computes nothing more
         out = self.pipeline.run(ids, spans, kt, es, all_logits, reuse)
+        self.residency.step_done()               # the preload waits for the first step
         self.file_check.check()                  # a fault during this step: not a result
         if self.route_sink is not None:
             self.route_sink(spans)
