@@ -1,0 +1,113 @@
+"""What a candidate in shadow costs the scoring of the fraud example (issue 35): scored
+transactions per second without a candidate, and with one in shadow whose routing takes
+about 10 %, 30 % or 100 % of the transactions (the card-testing expert with its router
+bias lowered by 28, 25 or 0), each shadowed transaction scored again, whole, under the
+candidate's set (what the server's shadow thread does; here inline, on the same thread).
+
+    python -m benchmarks.speed.bench_shadow            # ~1 min on 2 busy cores
+    python -m benchmarks.speed.bench_shadow --batches 6 --batch 256
+
+Each round scores the same batches once per variant, in rotating order; the figure is the
+median over rounds of transactions per second (live pass + shadow pass), and its ratio to
+the no-candidate variant measured in the same round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import OUT, REPO, git_commit, machine
+
+FRAUD = REPO / "examples" / "fraud"
+SHIFTS = {"10%": -28.0, "30%": -25.0, "100%": 0.0}
+
+
+def engines(tmp: Path):
+    sys.path.insert(0, str(FRAUD))
+    from fraud_common import CONFIG, EXPERT_NPZ, MODEL_DIR, NEW_EXPERT_LAYER, expert_q4_clip
+    from colibri_core.engine import Engine
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
+    from colibri_core.model.fingerprint import fingerprint_of_dir
+    out = {"none": Engine.from_config(CONFIG)}
+    z = dict(np.load(EXPERT_NPZ))
+    for label, shift in SHIFTS.items():
+        d = tmp / label.rstrip("%")
+        (d / "shadow").mkdir(parents=True, mode=0o700)
+        d.chmod(0o700)
+        npz = tmp / f"{label.rstrip('%')}.npz"
+        np.savez(npz, **{**z, "router_bias": np.asarray(z["router_bias"]) + shift})
+        build_expert(npz, d / "shadow" / "cand.so", NEW_EXPERT_LAYER, "cand", "1",
+                     q4_clip=expert_q4_clip(), base_model=fingerprint_of_dir(MODEL_DIR))
+        out[label] = Engine.from_config(CONFIG, experts_dir=str(d))
+        assert out[label].candidates.active(), f"the {label} candidate was not loaded"
+    return out
+
+
+def one_batch(eng, seqs) -> tuple[float, int]:
+    """Seconds for the live pass and the shadow pass of the routed sequences; how many."""
+    t0 = time.perf_counter()
+    got = eng.score(seqs, all_positions=True)
+    routed = [s for s, x in zip(seqs, got) if x.shadow]
+    if routed:
+        eng.score(routed, all_positions=True, expert_set=eng.candidates.active()[0].es)
+    return time.perf_counter() - t0, len(routed)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=4, help="batches per variant and round")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(FRAUD))
+    from fraud_stream import FRAUD as FRAUD_TOKEN
+    from run_demo import make_stream
+    txns = make_stream(a.batch * a.batches, 21, 0.008, 0.010)
+    seqs = [tx.token_ids() + [FRAUD_TOKEN] for tx in txns]
+    batches = [seqs[i:i + a.batch] for i in range(0, len(seqs), a.batch)]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_shadow_"))
+    engs = engines(tmp)
+    try:
+        names = list(engs)
+        for name in names:                       # warm: the candidates' tables built
+            one_batch(engs[name], batches[0])
+        rate = {n: [] for n in names}
+        share = {n: [] for n in names}
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t, routed = 0.0, 0
+                for b in batches:
+                    dt, k = one_batch(engs[name], b)
+                    t, routed = t + dt, routed + k
+                rate[name].append(len(seqs) / t)
+                share[name].append(routed / len(seqs))
+        base = np.array(rate["none"])
+        rows = {n: {"routed_share": float(np.median(share[n])),
+                    "txn_per_s": float(np.median(rate[n])),
+                    "ratio_to_none": float(np.median(np.array(rate[n]) / base))}
+                for n in names}
+    finally:
+        for e in engs.values():
+            e.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"command": "python -m benchmarks.speed.bench_shadow " + " ".join(argv or sys.argv[1:]),
+           "batch": a.batch, "transactions": len(seqs), "rounds": a.rounds,
+           "machine": machine(), "commit": git_commit(),
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "variants": rows}
+    for n, v in rows.items():
+        print(f"{n:>5}: routed {100 * v['routed_share']:5.1f} %  {v['txn_per_s']:7.0f} txn/s"
+              f"  x{v['ratio_to_none']:.2f} of no candidate")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "bench_shadow.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
