@@ -1,4 +1,4 @@
-"""Self-speculative decoding (speculative.py, generate.Decode, the scheduler's drafts):
+"""Self-speculative decoding (speculative.py, decode.Decode, the scheduler's drafts):
 the acceptance rule computed exactly on small distributions, the prompt-lookup draft,
 the verify pass's logits bit-identical to sequential decoding, and the output of every
 request path identical to plain decoding's (greedy and seeded sampling, batched,
@@ -84,7 +84,7 @@ def test_speculative_choice_gives_the_target_distribution_exactly(p, q):
 def test_one_hot_draft_is_sample_and_compare():
     """For a deterministic draft the rule accepts x with probability p(x) and otherwise
     draws from p without x: the distribution of "sample y ~ p, keep x iff y == x", which
-    is what generate.Decode does with the request's own sampler."""
+    is what decode.Decode does with the request's own sampler."""
     p = np.array([0.1, 0.45, 0.05, 0.4])
     for x in range(4):
         q = np.eye(4)[x]
