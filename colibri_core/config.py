@@ -41,10 +41,10 @@ class FormatVersion(BaseModel):
 
 
 class RopeScaling(BaseModel):
-    """YaRN rotary scaling (DeepSeek-V2/V3 long-context checkpoints), as transformers
-    computes it (modeling_rope_utils._compute_yarn_parameters)."""
+    """Rotary scaling as transformers computes it (modeling_rope_utils): YaRN (DeepSeek,
+    GLM, gpt-oss: _compute_yarn_parameters) or llama3 (Llama 4: _compute_llama3_parameters)."""
     model_config = _STRICT
-    type: Literal["yarn"] = "yarn"
+    type: Literal["yarn", "llama3"] = "yarn"
     factor: float = Field(gt=0)
     original_max_position_embeddings: int = Field(gt=0)
     beta_fast: float = 32.0
@@ -53,6 +53,8 @@ class RopeScaling(BaseModel):
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None
     truncate: bool = True
+    low_freq_factor: float = 1.0                # llama3
+    high_freq_factor: float = 4.0
 
 
 class ModelConfig(BaseModel):
@@ -193,10 +195,9 @@ class ModelConfig(BaseModel):
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             problems.append(f"nope_layers {self.nope_layers} names a layer outside "
                             f"0..{self.num_layers - 1}")
-        if self.attention == "mla" and (self.attention_window or self.attention_chunk or
-                                        self.attention_sinks or self.nope_layers):
-            problems.append("attention windows, chunks, sinks and nope_layers are not "
-                            "supported with attention 'mla'")
+        if self.attention == "mla" and (self.attention_window or self.attention_chunk
+                                        or self.attention_sinks or self.nope_layers):
+            problems.append("attention_window/_chunk/_sinks, nope_layers: not with attention 'mla'")
         if "moe" in self.layer_types and self.num_experts == 0:
             problems.append("layer_types has 'moe' layers but num_experts is 0")
         if "dense" in self.layer_types and self.intermediate_size == 0:

@@ -7,7 +7,8 @@ multiplies the expert's input, chunked attention (attention_chunk_size 16: a 48-
 prompt crosses two chunk borders), a NoPE layer with the temperature tuning (floor_scale 4,
 so the factor changes within the prompt), the weightless q/k norm after rope, the
 interleaved rope pairs (the converter reorders q/k rows); the second case top-2 routing,
-q/k/v/o biases, no q/k norm and moe_layers listed.
+q/k/v/o biases, no q/k norm, moe_layers listed and llama3 rope scaling (a blended band
+within the test's positions); the third Llama-4-Scout's llama3 rope (factor 16).
 
 - bits 32, float routing/activations: max relative logit error <= 1e-4 over prompts of
   15, 3, 1 and 48 tokens, and 16 greedy tokens identical to transformers' `generate`
@@ -37,10 +38,15 @@ from hf_helpers import assert_float_parity, check_fast_path, float_engine, greed
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7],
            [int(v) for v in np.random.default_rng(48).integers(0, 300, 48)]]
 
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=64)
 CASES = {
     "llama4": {},
     "llama4_top2_bias": dict(num_experts_per_tok=2, attention_bias=True, use_qk_norm=False,
-                             moe_layers=[0, 2, 3], no_rope_layers=[1, 0, 1, 1]),
+                             moe_layers=[0, 2, 3], no_rope_layers=[1, 0, 1, 1],
+                             rope_parameters=LLAMA3_ROPE),
+    # Llama-4-Scout's rope: factor 16, equal low and high factors (no blended band)
+    "llama4_scout_rope": dict(rope_parameters=dict(LLAMA3_ROPE, factor=16.0, high_freq_factor=1.0)),
 }
 
 

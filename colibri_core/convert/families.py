@@ -150,8 +150,14 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict], float]:
         _refuse(f"partial_rotary_factor={partial}")
     if kind == "default":
         return theta, None, partial
+    if kind == "llama3":                                    # Llama 4 Scout
+        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if any(params.get(k) is None for k in need):
+            _refuse(f"llama3 rope parameters {params}", f"{', '.join(need)} are required")
+        return theta, dict(type="llama3", **{k: float(params[k]) for k in need[:3]},
+                           original_max_position_embeddings=int(params[need[3]])), partial
     if kind != "yarn":
-        _refuse(f"rope type {kind!r}", "supported: default, yarn")
+        _refuse(f"rope type {kind!r}", "supported: default, yarn, llama3")
     orig = params.get("original_max_position_embeddings") or c("original_max_position_embeddings", None) \
         or c("max_position_embeddings")
     factor = params.get("factor")

@@ -175,6 +175,8 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     rs = cfg.rope_scaling
     if rs is None:
         return 1.0 / pos_freqs, 1.0
+    if rs.type == "llama3":
+        return _llama3_inv_freq(1.0 / pos_freqs, rs), 1.0
     factor = rs.factor
     af = rs.attention_factor
     if af is None:
@@ -196,6 +198,19 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     extra = 1.0 - ramp                                   # extrapolation weight
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     return inv.astype(np.float32).astype(np.float64), float(af)
+
+
+def _llama3_inv_freq(inv: np.ndarray, rs) -> np.ndarray:
+    """transformers' _compute_llama3_parameters: wavelengths above the original context /
+    low_freq_factor divided by factor, below it / high_freq_factor kept, between them a
+    blend."""
+    ctx = rs.original_max_position_embeddings
+    wl = 2 * math.pi / inv
+    out = np.where(wl > ctx / rs.low_freq_factor, inv / rs.factor, inv)
+    mid = (wl >= ctx / rs.high_freq_factor) & (wl <= ctx / rs.low_freq_factor)
+    with np.errstate(divide="ignore", invalid="ignore"):     # equal factors: no blend band
+        smooth = (ctx / wl - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        return np.where(mid, (1 - smooth) * out / rs.factor + smooth * out, out)
 
 
 def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, factor: float,
