@@ -63,7 +63,8 @@ class Gate:
         self.items[key] = [live, cand]
         self.items.move_to_end(key)
         while len(self.items) > MAX_ITEMS:
-            self.items.popitem(last=False)
+            gone, _ = self.items.popitem(last=False)
+            self.labels.pop(gone, None)
 
     def record_live(self, key, live: list[float]) -> None:
         """An item the live set scored whose routing did not choose the candidate."""
