@@ -271,8 +271,10 @@ class Candidates:
         with self.lock:
             e = self.get(name)
             src = e.hot.source_path
-            dest = os.path.join(self.live.experts_dir, os.path.basename(src))
             previous = self.live.active().get(name)
+            # over the live version's own file, if any: one file per name in the folder
+            dest = previous.source_path if previous is not None else \
+                os.path.join(self.live.experts_dir, os.path.basename(src))
             os.replace(src, dest)
             e.state = "promoted"
             self._dirty = True
