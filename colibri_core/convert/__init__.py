@@ -44,6 +44,7 @@ from ..nesting import json_loads
 from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8, quantize_rows
 from ..model.weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
+from . import gptoss
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
                   clip_groups)
 from .safetensors_reader import Checkpoint, f32_to_bf16
@@ -222,6 +223,9 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
                               "imported as it is (drop --calibration)")
         if bits not in (4, 8):
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
+        if fields["architecture"] == gptoss.FAMILY:
+            raise ConfigError("--calibration: not supported for gpt-oss (its experts are MXFP4; "
+                              "AWQ's search knows neither their biases nor the clamped SwiGLU)")
     # The lm_head at 6 bits under a 4-bit body: every token reads all of it (on the
     # benchmark model 32.2 of 116.5 MiB at q8, 24.7 at q6), and on both trained models the
     # q6 head left the converted model's KL to the float model within 2.2% and its
@@ -445,12 +449,19 @@ def _routing_sections(wr: _Writer, cfg: ModelConfig) -> Iterator:
         b = fam.router_bias_source(wr.ck, L)
         if b is not None and (cfg.scoring_func == "sigmoid" or cfg.select_bias_on_probs):
             yield f"layer.{L}.router_bias", wr.vector(b).reshape(-1)       # ERNIE's is [1, E]
+        lb = gptoss.router_logit_bias(wr.ck, L) if cfg.architecture == gptoss.FAMILY else None
+        if lb is not None:
+            yield f"layer.{L}.router_logit_bias", lb
 
 
 def _experts(wr: _Writer, cfg: ModelConfig, tick, bits: int) -> Iterator:
     I = cfg.expert_intermediate
     for L in cfg.moe_layers:
         for e in range(cfg.num_experts):
+            if cfg.architecture == gptoss.FAMILY:       # MXFP4 at 4 bits, biases
+                yield L, e, gptoss.expert_ffn(wr.ck, L, e, bits, wr.group_of("expert."))
+                tick(3)
+                continue
             srcs = fam.expert_sources(wr.ck, L, e, I)
             got = [wr.matrix(src, f"expert.{L}.{e}.{m}", bits)
                    for m, src in zip(("w1", "w3", "w2"), srcs)]

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import families_more as more
+from . import gptoss
 from .safetensors_reader import Checkpoint
 
 _MISSING = object()
@@ -69,6 +70,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                         mlp_bias=False, bos_token_id=1, eos_token_id=2, moe_layer_freq=1,
                         scoring_func="softmax"),
     **more.DEFAULTS,
+    gptoss.FAMILY: gptoss.DEFAULTS,
 }
 
 ARCHITECTURES = {
@@ -79,6 +81,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     **more.ARCHITECTURES,
+    **gptoss.ARCHITECTURES,
 }
 
 
@@ -201,7 +204,7 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
     if c("quantization_config", None):
         q = c("quantization_config")
         method = q.get("quant_method") if isinstance(q, dict) else q
-        if method != "awq":
+        if method != "awq" and not (fam == gptoss.FAMILY and gptoss.quantization_ok(q)):
             _refuse(f"quantization_config with quant_method={method!r}",
                     "supported: unquantized checkpoints and AutoAWQ 4-bit GEMM checkpoints")
     nh = c.int("num_attention_heads")
@@ -231,7 +234,9 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
             _refuse("use_sliding_window=true")
         if fam == "mixtral" and c("router_jitter_noise"):
             pass  # training-only noise: inference ignores it, as transformers does in eval
-    if fam in more.ARCHITECTURES.values():
+    if fam == gptoss.FAMILY:
+        gptoss.fields(c, d, _refuse)
+    elif fam in more.ARCHITECTURES.values():
         more.fields(fam, c, d, _refuse)
     elif fam == "mixtral":
         E = c.int("num_local_experts")
