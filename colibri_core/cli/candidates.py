@@ -109,15 +109,15 @@ def add_candidate_parsers(sub) -> None:
     ls.set_defaults(func=cmd_candidates)
     ca = common(sub.add_parser("canary", help="send a share of requests (by a hash of "
                                               "their id) to a candidate; 0: shadow only"))
-    ca.add_argument("name")
-    ca.add_argument("fraction", type=_fraction)
+    ca.add_argument("name", help="the candidate's name (`colibri experts candidates`)")
+    ca.add_argument("fraction", type=_fraction, help="the share of request ids, 0..1")
     ca.set_defaults(func=cmd_canary)
     for action, what in (("promote", "move a candidate into the live set"),
                          ("drop", "move a candidate to shadow/dropped/"),
                          ("demote", "undo a promotion (previous version back, or the "
                                     "file back in shadow/)")):
         p = common(sub.add_parser(action, help=what))
-        p.add_argument("name")
+        p.add_argument("name", help="the candidate's name (`colibri experts candidates`)")
         p.set_defaults(func=cmd_action, action=action)
 
 
