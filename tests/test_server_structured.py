@@ -140,6 +140,9 @@ def test_concurrent_constrained_and_free_requests(client):
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}},
      "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": "x"}},
      "response_format.json_schema"),

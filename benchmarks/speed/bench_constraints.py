@@ -56,10 +56,11 @@ DOC = {"name": "Ada Lovelace, Countess of Lovelace", "age": 36,
        "score": 98.25, "active": True}
 
 
-def build_tokenizer(target: int = 151643) -> Path:
-    """Train (or reuse) the ~150k byte-level BPE tokenizer; -> its tokenizer.json."""
+def build_tokenizer(target: int = 151643, name: str = "tok150k") -> Path:
+    """Train (or reuse) a byte-level BPE tokenizer of `target` tokens (Qwen2's
+    pre-tokenizer, trained on this Python's source files); -> its tokenizer.json."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    out = OUT / "tok150k" / "tokenizer.json"
+    out = OUT / name / "tokenizer.json"
     if out.exists():
         return out
     root = sysconfig.get_paths()["stdlib"]
@@ -207,6 +208,38 @@ def apply_cost(n_vocab: int, reps: int = 200) -> dict:
     return _stats(us)
 
 
+def sampler_cost(tok_path: Path, n_vocab: int, path: list, reps: int = 3) -> dict:
+    """Colibri's Sampler per token along the path, free against with the schema (greedy):
+    `fast` when the arg-max is a token the grammar allows (one check), `masked` when it
+    is not (the mask computed and applied); alternating, medians in microseconds."""
+    from colibri_core.runtime.constraints import Grammar
+    from colibri_core.runtime.sampler import SamplingParams
+    from colibri_core.runtime.tokenizer import Tokenizer
+    tok = Tokenizer(tok_path, n_vocab)
+    eos = [path[-1]]
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(n_vocab).astype(np.float32)
+    bad = int(tok.encode("\n")[0])       # a raw newline: never allowed in compact JSON
+    out: dict = {"free": [], "fast": [], "masked": []}
+    gram = Grammar.json_schema(SCHEMA)
+    for _ in range(reps):
+        free = SamplingParams(temperature=0.0).sampler(eos, tok, n_vocab)
+        fast = SamplingParams(temperature=0.0, grammar=gram).sampler(eos, tok, n_vocab)
+        masked = SamplingParams(temperature=0.0, grammar=gram).sampler(eos, tok, n_vocab)
+        for t in path:
+            x = base.copy()
+            x[t] = 50.0
+            y = x.copy()
+            y[bad] = 60.0                              # the arg-max, forbidden
+            for name, s, logits in (("free", free, x), ("fast", fast, x),
+                                    ("masked", masked, y)):
+                a = time.perf_counter()
+                got = s(logits)
+                out[name].append((time.perf_counter() - a) * 1e6)
+                assert got == (bad if name == "free" and logits is y else t)
+    return {k: float(np.median(v)) for k, v in out.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--libs", default="llguidance,xgrammar,outlines-core")
@@ -225,6 +258,10 @@ def main(argv=None) -> int:
                "path_tokens": len(path), "apply_numpy": apply_cost(n_vocab), "libs": {}}
     print(f"vocabulary {n_vocab} tokens; path {len(path)} tokens; machine {results['machine']}")
     print(f"applying a bitmask in numpy: p50 {results['apply_numpy']['p50_us']:.0f} us")
+    sc = results["sampler_us"] = sampler_cost(tok_path, n_vocab, path)
+    print(f"Colibri's greedy Sampler per token: free {sc['free']:.0f} us, with the schema "
+          f"{sc['fast']:.0f} us (arg-max allowed: one check), {sc['masked']:.0f} us (arg-max "
+          f"forbidden: mask and apply)")
     for lib in args.libs.split(","):
         for gname, grammar in (("schema", SCHEMA), ("json_object", None)):
             try:
