@@ -85,6 +85,27 @@ def test_float_weights_match_transformers(built, case):
         greedy_match(eng, model, PROMPTS[3], 16)
 
 
+def test_multimodal_checkpoint_converts_its_text_model(tmp_path):
+    """Llama4ForConditionalGeneration (the published Scout / Maverick layout): the text
+    model under language_model., its config under text_config; the vision tower is left
+    out. Parity with the multimodal model run on text."""
+    torch, tr = hf_helpers._imports()
+    text = dict(vocab_size=300, hidden_size=320, intermediate_size=96, intermediate_size_mlp=320,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                num_local_experts=8, interleave_moe_layer_step=2, attention_chunk_size=16,
+                floor_scale=4, max_position_embeddings=256, rms_norm_eps=1e-6)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                  image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=32)
+    cfg = tr.Llama4Config(text_config=text, vision_config=vision)
+    cfg.text_config._attn_implementation = "eager"
+    model = hf_helpers.random_model(cfg, tr.Llama4ForConditionalGeneration, 3)
+    save(model, tmp_path / "hf")
+    c = convert(tmp_path / "hf", tmp_path / "out", bits=32)
+    assert c.architecture == "llama4" and c.num_layers == 4
+    assert_float_parity("llama4 multimodal", model, tmp_path / "out", PROMPTS)
+
+
 def test_converted_config_carries_the_family_features(built):
     from colibri_core.config import load_model_config
     _, _, out = built("llama4", 32)

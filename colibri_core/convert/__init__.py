@@ -252,7 +252,8 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
             raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
         raise
     cfg.check_experts()
-    ck = gg.ck if gg is not None else Checkpoint(hf_dir, hf.get("transformers_weights"))
+    ck = gg.ck if gg is not None else Checkpoint(hf_dir, hf.get("transformers_weights"),
+                                                 fam.more.text_model(hf)[1])
     if gg is not None:
         method = "gguf"
         tok_files, tok_line = gguf_convert.tokenizer_files(gg, tokenizer_dir, TOKENIZER_FILES)

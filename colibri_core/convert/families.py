@@ -197,6 +197,7 @@ def _deepseek_layers(c: HFConfig) -> list[str]:
 
 def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
     """ModelConfig fields for a Hugging Face config.json; refuses what cannot be run."""
+    hf = more.text_model(hf)[0]
     fam = family_of(hf)
     c = HFConfig(hf, fam)
     if c("hidden_act") != "silu":

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..errors import ConfigError
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
@@ -58,6 +60,22 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": "llama4",
 }
 INTERLEAVED_ROPE = ("ernie4_5_moe", "llama4")   # q/k rows reordered at conversion (Src)
+# multimodal checkpoints whose text model is converted: its config, its tensors' prefix
+MULTIMODAL = {"Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.")}
+
+
+def text_model(hf: dict) -> tuple[dict, str]:
+    """(the config.json of the causal LM inside `hf`, its tensors' name prefix): a
+    multimodal checkpoint's text_config (the token ids the top level names, where the text
+    config has none), or `hf` itself and no prefix."""
+    for a in hf.get("architectures") or []:
+        if a in MULTIMODAL:
+            if not isinstance(hf.get("text_config"), dict):
+                raise ConfigError(f"config.json: {a} without a text_config mapping")
+            arch, prefix = MULTIMODAL[a]
+            top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+            return {**top, **hf["text_config"], "architectures": [arch]}, prefix
+    return hf, ""
 
 PARTIAL_ROTARY = ("glm4_moe",)        # the families whose partial_rotary_factor is run
 

@@ -210,16 +210,22 @@ class Checkpoint:
     """The safetensors files of a Hugging Face model folder (checkpoint_files: the ones
     transformers reads), by tensor name."""
 
-    def __init__(self, hf_dir: Path, explicit: str | None = None):
+    def __init__(self, hf_dir: Path, explicit: str | None = None, prefix: str = ""):
+        """prefix: only the tensors under it, named without it (the text model of a
+        multimodal checkpoint: families_more.text_model)."""
         self.dir = Path(hf_dir)
         self.files = [SafetensorsFile(f) for f in checkpoint_files(self.dir, explicit)]
         self.where: dict[str, SafetensorsFile] = {}
+        self.stored: dict[str, str] = {}           # name -> the file's name (prefixed)
         for f in self.files:
-            for n in f.names():
+            for stored in f.names():
+                if not stored.startswith(prefix):
+                    continue
+                n = stored[len(prefix):]
                 if n in self.where:
-                    raise ModelFormatError(f"{self.dir}: tensor {n} appears in both "
+                    raise ModelFormatError(f"{self.dir}: tensor {stored} appears in both "
                                            f"{self.where[n].path.name} and {f.path.name}")
-                self.where[n] = f
+                self.where[n], self.stored[n] = f, stored
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -234,18 +240,18 @@ class Checkpoint:
         return f
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._file(name).shape(name)
+        return self._file(name).shape(self.stored[name])
 
     def dtype(self, name: str) -> str:
-        return self._file(name).dtype(name)
+        return self._file(name).dtype(self.stored[name])
 
     def get(self, name: str, index: int | None = None,
             rows: tuple[int, int] | None = None) -> np.ndarray:
-        return self._file(name).float32(name, index, rows)
+        return self._file(name).float32(self.stored[name], index, rows)
 
     def raw(self, name: str, index: int | None = None,
             rows: tuple[int, int] | None = None) -> np.ndarray:
-        return self._file(name).raw(name, index, rows)
+        return self._file(name).raw(self.stored[name], index, rows)
 
     def matrix_rows(self, name: str, index: int | None = None,
                     rows: tuple[int, int] | None = None):
@@ -264,4 +270,5 @@ class Checkpoint:
             f.close()
 
     def float_dtypes(self) -> set[str]:
-        return {f.dtype(n) for f in self.files for n in f.names() if f.dtype(n) in _FLOAT}
+        return {f.dtype(s) for n, s in self.stored.items() for f in (self.where[n],)
+                if f.dtype(s) in _FLOAT}
