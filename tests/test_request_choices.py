@@ -160,3 +160,44 @@ def test_closing_one_choice_cancels_them_all_and_a_shared_one_is_not_iterated(ti
     assert req.cancelled and req.error is None
     assert [j.outcome for j in req.jobs] == [None, None]   # neither finished
     _wait(lambda: tiny.kv_pool.free_tokens == free, "both KV caches freed")
+
+
+def _tokens_ran(eng, p: GenParams) -> tuple[int, dict]:
+    """-> (tokens the steps ran for the request, {choice: token ids})."""
+    eng.scheduler.trace = []
+    try:
+        events, _ = _run_call(eng, p)
+    finally:
+        trace, eng.scheduler.trace = eng.scheduler.trace, None
+    got: dict = {}
+    for ev in events:
+        if isinstance(ev, TokenEvent):
+            got.setdefault(ev.choice, []).append(ev.token_id)
+    return sum(t for step in trace for _, t, _ in step), got
+
+
+def test_a_prompts_choices_run_its_prefill_once(tiny):
+    prompts, n, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], 3, 5
+    sampling = SamplingParams(temperature=0.9, seed=4)
+    solo = [tiny.generate(pr, max_new_tokens=new, sampling=sampling.with_seed(4 + i)
+                          ).run().token_ids for pr in prompts for i in range(n)]
+    ran, got = _tokens_ran(tiny, GenParams(prompts=prompts, n=n, max_tokens=new,
+                                           sampling=sampling))
+    assert [got[c] for c in sorted(got)] == solo       # the copied rows: the same tokens
+    # each prompt once, then every choice's decode tokens (its last one is not run)
+    assert ran == sum(map(len, prompts)) + len(prompts) * n * (new - 1)
+
+
+def test_a_choice_admitted_after_its_prompts_prefill_computes_it_itself(tiny_model_dir):
+    prompt, new = [5, 6, 7, 8, 9, 10, 11, 12], 4
+    # a KV pool with room for one choice at a time: the second is admitted only once
+    # the first is done, too late for its rows
+    with Engine.from_model_dir(tiny_model_dir, threads=1,
+                               kv_pool_tokens=len(prompt) + new) as eng:
+        solo = [eng.generate(prompt, max_new_tokens=new, sampling=SamplingParams(
+            temperature=0.9, seed=2 + i)).run().token_ids for i in range(2)]
+        ran, got = _tokens_ran(eng, GenParams(prompts=[prompt], n=2, max_tokens=new,
+                                              sampling=SamplingParams(temperature=0.9,
+                                                                      seed=2)))
+    assert [got[0], got[1]] == solo
+    assert ran == 2 * len(prompt) + 2 * (new - 1)

@@ -5,7 +5,9 @@ strings (stops.StopCutter: text that may begin one is held back), compute the to
 log-prob when asked, run the token hook and push a TokenEvent (events.py) to its
 request's reader. What it ends with (`stop_reason`, the held-back `tail`, `n_tokens`)
 is its own: a request (generate._Stream) carries one Decode per choice, and calls its
-`on_choice_end(job)` on the scheduler's thread as each choice ends.
+`on_choice_end(job)` on the scheduler's thread as each choice ends. Choices of one prompt
+run its prefill once: the first computes it, the others (`followers`, waiting) get its
+rows and logits copied (`_hand_over`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ModelFormatError
+from ..model.kvcache import copy_rows, paste_rows
 from .events import TokenEvent, TokenTexts, token_logprob
 from .request import Job
 from .speculative import PromptLookup
@@ -66,6 +69,7 @@ class Decode(Job):
             self.lookup = PromptLookup(gen.prompt_ids, cfg.draft_ngram_max, cfg.draft_ngram_min)
         self.draft: list[int] = []          # what the running step feeds after `feed`
         self.rounds = self.drafted_total = self.accepted_total = 0
+        self.followers: list = []           # jobs of its prompt waiting on its prefill
         # the audit log (audit.py): the prompt's routing, the tokens and their sets
         self.audit = getattr(eng, "audit", None)
         self.sink = eng.model.route_sink if self.audit is not None else None
@@ -125,6 +129,8 @@ class Decode(Job):
                 self.prompt_routed = final
         if not final:
             return
+        if self.followers:                      # its prompt is complete: theirs too
+            self._hand_over(logits, es)
         if self.step >= self.max_new_tokens:
             return self._finish("length")
         draft, self.draft = self.draft, []
@@ -149,6 +155,24 @@ class Decode(Job):
             break
         if self._room():
             self.feed = tok
+
+    def _hand_over(self, logits: np.ndarray, es) -> None:
+        """Its prompt's rows and last logits to the choices of the same prompt that wait
+        on them (generate._Stream made them followers): copied, the same bits as
+        computing them (batch invariance), so each samples its first token with its own
+        sampler as it would alone. One that is not admitted yet, or is pinned to
+        another snapshot, computes its prompt itself."""
+        rows = None
+        for f in self.followers:
+            f.waiting = False
+            if f.cache is None or f.es is not self.es:
+                continue
+            if rows is None:
+                rows = copy_rows(self.cache, 0, len(self.tokens))
+            paste_rows(f.cache, 0, rows)
+            f.cache.length = f.fed = len(f.tokens)
+            f.after_step(logits.copy(), es, True)     # a sampler may change its logits
+        self.followers = []
 
     def _room(self) -> bool:
         """Whether the cache has a place for the next token (else: finished)."""

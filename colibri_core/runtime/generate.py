@@ -31,6 +31,7 @@ from ..errors import RequestError
 from ..forward.model import Model
 from .sampler import Sampler, SamplingParams
 from .request import Request, cancel_when_gone
+from .prefixcache import PrefixCache
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
@@ -221,6 +222,17 @@ class _Stream(Request):
         ctx = eng.model_cfg.max_position_embeddings
         self.jobs = [Decode(self, g, max(min(ctx, len(g.prompt_ids) + g.max_new_tokens),
                                          len(g.prompt_ids))) for g in gens]
+        # choices of one prompt (the same tokens and k, pinned): its prefill runs once,
+        # the others wait for its rows (decode.Decode._hand_over); not while hooks or
+        # the audit log must see every row (prefixcache.py's rule)
+        if len(gens) > 1 and not PrefixCache.skipped(eng):
+            first: dict = {}
+            for g, d in zip(gens, self.jobs):
+                key = (tuple(g.prompt_ids), g.k)
+                lead = first.setdefault(key, d) if g.pin_experts else d
+                if lead is not d:
+                    lead.followers.append(d)
+                    d.waiting = True
 
     def started(self) -> None:
         now = time.perf_counter()

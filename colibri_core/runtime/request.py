@@ -26,6 +26,8 @@ class Job:
 
     all_logits = False          # every position's logits (scoring), or the last token's
     decodes = False             # a stream: after its prompt, one token per step
+    waiting = False             # its prompt's rows come from another job of its request
+                                # (decode.Decode's followers): out of the steps till then
 
     def __init__(self, request: "Request", tokens, k: int, capacity: int, pin: bool = False):
         self.request = request

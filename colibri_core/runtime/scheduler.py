@@ -206,7 +206,8 @@ class Scheduler:
             q = self._queue[0]
             if q.cancelled or (q._pending and q._pending[0].capacity <= self.kv.free_tokens):
                 return True
-        return any(j.fed < len(j.tokens) or j.ready() for j in self._running)
+        return any(not j.waiting and (j.fed < len(j.tokens) or j.ready())
+                   for j in self._running)
 
     def _loop(self) -> None:
         self._ident = threading.get_ident()
@@ -297,8 +298,8 @@ class Scheduler:
 
     def _compose(self) -> list:
         """[(job, tokens)] of the next step: decodes, then prompt chunks."""
-        running = [j for j in self._running if not j.done and j.request.error is None
-                   and not j.request.cancelled]
+        running = [j for j in self._running if not j.done and not j.waiting
+                   and j.request.error is None and not j.request.cancelled]
         decoding = any(j.decodes and j.fed >= len(j.tokens) for j in running)
         budget = self.max_step_tokens if decoding else self.max_batch_tokens
         ready = [j for j in running if j.fed >= len(j.tokens) and j.ready()]
