@@ -413,10 +413,9 @@ class Engine:
                                                  self._on_event, self.expert_changes.prepare)
         self.hotplug.start()     # the folder's experts are checked before the first token:
         self.hotplug.wait_idle(config.hotplug.startup_timeout_s)
-        shadow = os.path.join(self.hotplug.experts_dir, "shadow")
+        live, shadow = self.hotplug, os.path.join(self.hotplug.experts_dir, "shadow")
         if os.path.isdir(shadow):    # candidates: checked and loaded, not joined
             from .experts.candidates import Candidates
-            live = self.hotplug
             cm = HotplugManager.for_folder(
                 shadow, os.path.join(live.state_dir, "shadow"), config, self.model_cfg,
                 self.model_fingerprint, None, None,
@@ -450,9 +449,8 @@ class Engine:
         self.scheduler.call(self._apply_and_flush)
 
     def _apply_and_flush(self) -> None:
-        self.expert_changes.apply_and_flush()
-        if self.candidates is not None:
-            self.candidates.apply()
+        self._apply_expert_changes()
+        self.expert_changes.flush_releases()     # not on a token's path: unload now
 
     def _apply_expert_changes(self) -> None:    # the scheduler's thread, between two steps
         self.expert_changes.apply()
@@ -460,12 +458,10 @@ class Engine:
             self.candidates.apply()
 
     def set_for(self, request_id: str):
-        """The expert set a request's pinned sequence runs with, on the scheduler's thread
-        at its admission: the live one, or a canary candidate's for the share of request
-        ids its fraction takes (experts/candidates.py)."""
-        if self.candidates is None:
-            return self.model.expert_set
-        return self.candidates.set_for(request_id)
+        """The set a request's pinned sequence runs with (the scheduler's thread, at its
+        admission): the live one, or a canary candidate's (experts/candidates.py)."""
+        c = self.candidates
+        return self.model.expert_set if c is None else c.set_for(request_id)
 
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: a sequence (or 1-D array) of integers."""
