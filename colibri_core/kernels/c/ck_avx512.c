@@ -321,9 +321,7 @@ VNNI_FN void q4_panels(const ck_unpacked *u, const ck_panel *p, int64_t np, floa
 /* two dpbusd in place of AVX2's maddubs pair + madd: the same i32 lanes, so the same
  * floats (ck_tiles.h's CK_DEFINE_MX_I8_TILE) */
 VNNI_INL __m256i mx_dot(__m256i wa, __m256i xa, __m256i wb, __m256i xb) {
-    const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wa, wa),
-                                          _mm256_sign_epi8(xa, wa));
-    return _mm256_dpbusd_epi32(d, _mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xb, wb));
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
 }
 
 CK_DEFINE_MX_I8_TILE(VNNI_INL, mx_i8_tile, mx_dot)
