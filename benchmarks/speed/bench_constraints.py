@@ -244,10 +244,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--libs", default="llguidance,xgrammar,outlines-core")
     ap.add_argument("--repeat", type=int, default=3, help="walks of the path per grammar")
+    ap.add_argument("--vocab", type=int, default=151643,
+                    help="the trained tokenizer's size (32000: the benchmark model's)")
     args = ap.parse_args(argv)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     from tokenizers import Tokenizer
-    tok_path = build_tokenizer()
+    tok_path = build_tokenizer(args.vocab, "tok150k" if args.vocab == 151643
+                               else f"tok{args.vocab // 1000}k")
     tok_json = tok_path.read_text()
     tok = Tokenizer.from_str(tok_json)
     n_vocab, eos = tok.get_vocab_size(), tok.token_to_id(SPECIALS[0])
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
             print(f"{lib:14s} {gname:12s} tokenizer {r['tokenizer_s']:.2f} s, compile "
                   f"{r['compile_s'] * 1000:8.1f} ms, mask p50 {s['p50_us']:7.1f} us p90 "
                   f"{s['p90_us']:7.1f} max {s['max_us']:8.1f}")
-    out = OUT / "bench_constraints.json"
+    out = OUT / f"bench_constraints_{n_vocab}.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"-> {out}")
     return 0
