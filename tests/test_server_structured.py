@@ -114,6 +114,26 @@ def test_llama_server_grammar_and_json_schema_on_completions(server):
     assert set(json.loads(r["choices"][0]["text"])) == {"city", "days"}
 
 
+def test_vllm_guided_fields(server):
+    url = server.url + "/v1/completions"
+    choices = ["café au lait", 'say "hi"', "plain tea"]
+    seen = set()
+    for seed in range(6):
+        r = httpx.post(url, timeout=60, json={"prompt": "Pick:", "max_tokens": 20, "seed": seed,
+                                              "guided_choice": choices}).json()
+        seen.add(r["choices"][0]["text"])
+    assert seen <= set(choices) and len(seen) > 1
+    r = httpx.post(url, timeout=60, json={"prompt": "Code:", "max_tokens": 20, "seed": 1,
+                                          "guided_regex": "[A-Z]{3}-[0-9]{2}"}).json()
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", r["choices"][0]["text"])
+    r = httpx.post(url, timeout=60, json={"prompt": "Trip:", "max_tokens": 60, "temperature": 0,
+                                          "guided_json": json.dumps(SCHEMA)}).json()
+    assert set(json.loads(r["choices"][0]["text"])) == {"city", "days"}
+    r = httpx.post(url, timeout=60, json={"prompt": "Is it?", "max_tokens": 8, "seed": 2,
+                                          "guided_grammar": 'start: "yes" | "no"'}).json()
+    assert r["choices"][0]["text"] in ("yes", "no")
+
+
 def test_concurrent_constrained_and_free_requests(client):
     """Batched with free requests in the same steps: each constrained answer parses,
     each free one is as it is alone (greedy)."""
@@ -150,6 +170,10 @@ def test_concurrent_constrained_and_free_requests(client):
     ({"grammar": 5}, "grammar"),
     ({"grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "json_schema"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
 ])
 def test_bad_structured_fields_name_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,

@@ -11,6 +11,7 @@ SamplingParams.grammar (runtime/constraints.py); tools: server/tools.py.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Optional
@@ -32,7 +33,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "s
           "stream_options", "logit_bias", "user", "top_k", "experts_per_token", "ignore_eos",
           "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-          "return_token_ids", "response_format", "grammar", "json_schema"}
+          "return_token_ids", "response_format", "grammar", "json_schema", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETIONS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                  "parallel_tool_calls", "tools", "tool_choice"}
@@ -239,14 +241,16 @@ def sampling(body: dict, engine, route: str) -> GenParams:
 
 def structured(body: dict):
     """`response_format` (OpenAI: text, json_object, json_schema), `grammar` (GBNF, as
-    llama-server reads it) or `json_schema` (llama-server's bare schema): at most one ->
-    a checked constraints.Grammar, or None."""
+    llama-server reads it), `json_schema` (llama-server's bare schema) or vLLM's
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: at most one -> a
+    checked constraints.Grammar, or None."""
     from ..runtime.constraints import Grammar, GrammarError
     rf = body.get("response_format")
     if rf is not None and rf == {"type": "text"}:
         rf = None
-    given = [f for f, v in (("response_format", rf), ("grammar", body.get("grammar")),
-                            ("json_schema", body.get("json_schema"))) if v is not None]
+    given = [f for f, v in (("response_format", rf), *((f, body.get(f)) for f in (
+        "grammar", "json_schema", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar"))) if v is not None]
     if len(given) > 1:
         raise bad_request(f"{', '.join(given)}: give one of them (each is a grammar for the "
                           f"whole answer)", param=given[1])
@@ -259,8 +263,22 @@ def structured(body: dict):
                 raise bad_request("grammar: expected GBNF text (llama.cpp's grammar format)",
                                   param="grammar")
             return Grammar.gbnf(body["grammar"])
-        if field == "json_schema":
-            return Grammar.json_schema(body["json_schema"])
+        if field in ("json_schema", "guided_json"):
+            v = body[field]
+            if field == "guided_json" and isinstance(v, str):     # vLLM takes it as text too
+                v = _json_text(v, field)
+            return Grammar.json_schema(v)
+        if field in ("guided_regex", "guided_grammar"):
+            if not isinstance(body[field], str):
+                raise bad_request(f"{field}: expected text", param=field)
+            return Grammar.regex(body[field]) if field == "guided_regex" \
+                else Grammar.gbnf(body[field])                # GBNF or Lark
+        if field == "guided_choice":
+            v = body[field]
+            if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+                raise bad_request("guided_choice: expected a non-empty list of non-empty "
+                                  "strings", param=field)
+            return Grammar.lark("start: " + " | ".join(json.dumps(c) for c in v))
         kind = rf.get("type") if isinstance(rf, dict) else None
         if kind == "json_object":
             return Grammar.json_object()
@@ -276,6 +294,13 @@ def structured(body: dict):
         return Grammar.json_schema(js.get("schema", {}))
     except GrammarError as e:
         raise bad_request(f"{param}: {e}", param=param, code="invalid_grammar") from None
+
+
+def _json_text(v: str, field: str):
+    try:
+        return json.loads(v)
+    except ValueError:
+        raise bad_request(f"{field}: not JSON", param=field) from None
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
