@@ -141,3 +141,27 @@ def test_tool_call_parsers():
     assert parse_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
                        "hermes", names) is None
     assert parse_calls("[TOOL_CALLS] not json", "mistral", names) is None
+
+
+def test_speculative_decoding_under_a_grammar_gives_the_same_tokens(eng):
+    """Draft tokens (prompt lookup) are sampled row by row through the same matcher: the
+    greedy answer is the plain one, with drafts accepted."""
+    from colibri_core.engine import Engine
+    spec = Engine(eng.model_dir, eng.config.model_copy(
+        update={"speculative_decoding": "prompt_lookup"}))
+    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+        "type": "object", "properties": {"name": {"enum": ["alpha", "beta"]},
+                                         "id": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["name", "id"], "additionalProperties": False}}
+    prompt = 'Records: [{"name": "alpha", "id": 1}, {"name": "beta", "id": 2}]. Again:'
+    try:
+        outs = []
+        for e in (eng, spec):
+            g = e.generate(prompt, max_new_tokens=150, sampling=SamplingParams(
+                temperature=0, grammar=Grammar.json_schema(schema)))
+            g.run()
+            outs.append((g.token_ids, g.speculation["accepted"]))
+        assert outs[0][0] == outs[1][0] and len(json.loads(g.text)) == 6
+        assert outs[1][1] > 0
+    finally:
+        spec.close()
