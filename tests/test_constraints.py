@@ -165,3 +165,21 @@ def test_speculative_decoding_under_a_grammar_gives_the_same_tokens(eng):
         assert outs[1][1] > 0
     finally:
         spec.close()
+
+
+def test_hermes_calls_stream_as_each_block_closes():
+    """Each <tool_call> block is handed out when its closing tag arrives, with running
+    indexes; text before is content; a block cut short at the end is dropped."""
+    from colibri_core.runtime.events import TokenEvent
+    from colibri_core.server.tools import ToolState
+    st = ToolState("hermes", {"f", "g"}, None)
+    pieces = ['Sure. <tool', '_call>\n{"name": "f", "argu', 'ments": {}}\n</tool_call>',
+              '\n<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n</tool_call>\n<tool_ca',
+              'll>\n{"name": "f"']
+    content, got = "", []
+    for i, p in enumerate(pieces):
+        content += st.push(TokenEvent(i, i, p, 0, "x"))
+        got.append([c["function"]["name"] for c in st.take_calls()])
+    rest, last = st.finish()
+    assert content == "Sure. " and got == [[], [], ["f"], ["g"], []]
+    assert rest == "" and last == [] and st.sent == 2

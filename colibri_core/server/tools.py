@@ -14,8 +14,9 @@ the model, found in the template's text:
 (runtime/constraints.py): a grammar that writes the format's wrapper around JSON that the
 functions' parameter schemas allow. `auto` lets the model choose; `none` leaves the tools
 out of the prompt and parses nothing. Calls reach the client as OpenAI `tool_calls`
-(streamed: one delta per call, with its whole arguments, when the answer ends) and
-`finish_reason: "tool_calls"`; text before a call is content, streamed as it comes.
+(streamed: one delta per call with its whole arguments, as soon as its Hermes block
+closes, or when the answer ends for the one-JSON-value formats) and `finish_reason:
+"tool_calls"`; text before a call is content, streamed as it comes.
 """
 from __future__ import annotations
 
@@ -206,7 +207,8 @@ def template_message(m: dict, i: int) -> dict:
 
 class ToolState:
     """One choice's answer as it streams: content until the format's marker (text that
-    may begin it held back), then the calls, parsed when the answer ends."""
+    may begin it held back), then the calls: each Hermes block as soon as it closes
+    (`take_calls`), the rest when the answer ends."""
 
     def __init__(self, fmt: str, names: set, tokenizer):
         self.fmt = fmt
@@ -218,6 +220,8 @@ class ToolState:
         self.buf = ""
         self.calling = False
         self.started = False            # llama3: the first non-space character seen
+        self.sent = 0                   # calls handed out so far (their indexes)
+        self.broken = False             # a block that did not parse: the rest is content
 
     def push(self, ev: TokenEvent) -> str:
         """-> the content to send now."""
@@ -246,16 +250,41 @@ class ToolState:
         self.buf = self.buf[len(self.buf) - keep:]
         return out
 
+    def take_calls(self) -> list:
+        """Hermes blocks complete so far, parsed and taken out of the buffer (each
+        call's delta can go now); [] for the other formats, whose calls are one JSON
+        value read at the end."""
+        out = []
+        while self.calling and not self.broken and self.fmt == "hermes":
+            end = self.buf.find("</tool_call>")
+            if end < 0:
+                break
+            block = self.buf[:end + len("</tool_call>")]
+            calls = parse_calls(block, self.fmt, self.names)
+            if calls is None:
+                self.broken = True
+                break
+            self.buf = self.buf[len(block):].lstrip("\n")
+            out += calls
+        self.sent += len(out)
+        return out
+
     def finish(self) -> tuple[str, list]:
-        """-> (content still held, calls [{id, type, function: {name, arguments}}]). An
-        answer whose calls do not parse is content, as written."""
+        """-> (content still held, the remaining calls [{id, type, function: {name,
+        arguments}}]). An answer whose calls do not parse is content, as written."""
+        calls = self.take_calls()
         buf, self.buf = self.buf, ""
-        if not self.calling:
-            return buf, []
-        calls = parse_calls(buf, self.fmt, self.names)
-        if calls is None:
-            return buf, []
-        return "", calls
+        if not self.calling or (not buf.strip() and calls):
+            return ("" if calls else buf), calls
+        b = buf.strip()
+        if self.fmt == "hermes" and self.sent and not self.broken and "</tool_call>" not in b \
+                and (b.startswith("<tool_call>") or "<tool_call>".startswith(b)):
+            return "", calls        # a block cut short (max_tokens): the complete ones stand
+        more = None if self.broken else parse_calls(buf, self.fmt, self.names)
+        if more is None:
+            return buf, calls
+        self.sent += len(more)
+        return "", calls + more
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -306,8 +335,13 @@ def parse_calls(text: str, fmt: str, names: set) -> Optional[list]:
     return calls or None
 
 
-def _finish(reason: str, calls: list) -> str:
+def _finish(reason: str, calls) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _add_calls(delta: dict, calls: list, first: int) -> None:
+    if calls:
+        delta["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(calls)]
 
 
 class ToolChunker:
@@ -325,19 +359,28 @@ class ToolChunker:
 
     def chunk(self, ev) -> Optional[dict]:
         if isinstance(ev, TokenEvent):
-            text = self._state(ev.choice).push(ev)
-            if not text and ev.token_id >= 0 and self.inner.ids is False and \
-                    not (self.inner.logprobs and ev.logprob):
+            st = self._state(ev.choice)
+            text = st.push(ev)
+            first = st.sent
+            calls = st.take_calls()
+            if not text and not calls and ev.token_id >= 0 and self.inner.ids is False \
+                    and not (self.inner.logprobs and ev.logprob):
                 return None
-            return self.inner.chunk(replace(ev, text=text))
+            c = self.inner.chunk(replace(ev, text=text))
+            _add_calls(c["choices"][0]["delta"], calls, first)
+            if calls and not text:
+                del c["choices"][0]["delta"]["content"]
+            return c
         if isinstance(ev, End):
-            rest, calls = self._state(ev.choice).finish()
-            c = self.inner.chunk(replace(ev, finish_reason=_finish(ev.finish_reason, calls)))
+            st = self._state(ev.choice)
+            first = st.sent
+            rest, calls = st.finish()
+            c = self.inner.chunk(replace(ev, finish_reason=_finish(
+                ev.finish_reason, st.sent)))
             delta = c["choices"][0]["delta"]
             if rest:
                 delta["content"] = rest
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            _add_calls(delta, calls, first)
             return c
         return self.inner.chunk(ev)
 
@@ -349,16 +392,19 @@ def rewrite_body(body: dict, events: list, req: ToolRequest, tokenizer) -> dict:
     """A non-streaming chat body: each choice's message as content and tool_calls."""
     states: dict[int, ToolState] = {}
     texts: dict[int, list] = {}
+    taken: dict[int, list] = {}
     names = set(req.by_name())
     for ev in events:
         if isinstance(ev, TokenEvent):
             st = states.setdefault(ev.choice, ToolState(req.fmt, names, tokenizer))
             texts.setdefault(ev.choice, []).append(st.push(ev))
+            taken.setdefault(ev.choice, []).extend(st.take_calls())
     for ch in body["choices"]:
         st = states.get(ch["index"])
         if st is None:
             continue
-        rest, calls = st.finish()
+        rest, more = st.finish()
+        calls = taken.get(ch["index"], []) + more
         content = "".join(texts.get(ch["index"], [])) + rest
         msg = ch["message"]
         msg["content"] = content if content or not calls else None
