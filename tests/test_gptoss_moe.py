@@ -97,3 +97,15 @@ def test_pipeline_matches_the_reference(tmp_path, mx):
     for g, w in zip(got, want):
         assert np.abs(g - w).max() / np.abs(w).max() < (1e-4 if not mx else 2e-3)
     assert np.abs(nob - want[0]).max() / np.abs(want[0]).max() > 1e-2
+
+
+def test_fingerprint_holds_the_router_logit_bias(tmp_path):
+    """A hot-plugged expert's base model: another router bias is another model."""
+    from colibri_core.model.fingerprint import fingerprint_of_dir
+    _, mlp = _mlp()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = fingerprint_of_dir(_model_dir(tmp_path / "a", mlp, mx=False))
+    with torch.no_grad():
+        mlp.router.bias[1] += 0.25
+    assert fingerprint_of_dir(_model_dir(tmp_path / "b", mlp, mx=False)) != a

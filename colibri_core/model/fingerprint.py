@@ -13,8 +13,9 @@ The rule (FINGERPRINT_VERSION 1): sha256 over
     the architecture, one JSON line (sorted keys, no spaces): architecture, hidden_size,
         num_layers, layer_types, num_experts, vocab_size, scoring_func, norm_topk_prob
     then per MoE layer, ascending: b"layer %d\\n", its router [num_experts, hidden] and its
-        FFN input norm [hidden] as little-endian float32 bytes, and DeepSeek's selection
-        bias [num_experts] when the model has one
+        FFN input norm [hidden] as little-endian float32 bytes, DeepSeek's selection
+        bias [num_experts] when the model has one, then gpt-oss's router logit bias
+        [num_experts] when it has one (no other model's fingerprint changes)
 
 The router and the norm before the FFN are what an expert's computation depends on
 directly: the norm defines the input it is given, the router the scores it is chosen
@@ -52,7 +53,7 @@ def model_fingerprint(weights) -> str:
         if lw.kind != "moe":
             continue
         h.update(b"layer %d\n" % lw.index)
-        for arr in (lw.router, lw.ffn_norm, lw.router_bias):
+        for arr in (lw.router, lw.ffn_norm, lw.router_bias, lw.router_logit_bias):
             if arr is not None:
                 h.update(memoryview(np.ascontiguousarray(arr, "<f4")).cast("B"))
     fp = h.hexdigest()

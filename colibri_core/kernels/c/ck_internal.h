@@ -35,7 +35,8 @@ typedef ck_q4 ck_mx;
 #define CK_E2M1_X2 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 
 /* 2^(e - 128), exactly: an e8m0 block scale 2^(e - 127) halved for the doubled codes
- * (e 0 and 1 give float32 subnormals; 255, NaN in the OCP format, is refused at load) */
+ * (e 0 and 1 give float32 subnormals; 255, NaN in the OCP format, is refused where values
+ * are checked: the converter's writer and `colibri inspect --verify`, validate.py) */
 static inline float ck_e8m0_half(uint8_t e) {
     uint32_t u = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
     float f;
