@@ -214,7 +214,7 @@ async def completions(S: Server, request, rec):
     body = await read_json(request, LIMITS["generate"])
     surface.check_model(body, st)
     params.check_fields(body, "completions", st.strict_params, rec.rid)
-    p = params.sampling(body, eng, "completions")
+    p = await params.sampling_off_loop(body, eng, "completions")
     p.prompts = params.completion_prompts(body)
     stream, include_usage = params.stream_options(body)
     return await openai_run(S, request, rec, p, False, stream, include_usage)
@@ -225,7 +225,7 @@ async def chat_completions(S: Server, request, rec):
     body = await read_json(request, LIMITS["generate"])
     surface.check_model(body, st)
     params.check_fields(body, "chat", st.strict_params, rec.rid)
-    p = params.sampling(body, eng, "chat")
+    p = await params.sampling_off_loop(body, eng, "chat")
     messages, prefix_k = params.chat_messages(body)
     if S.template is None or eng.tokenizer is None:
         raise bad_request(f"this model ({eng.model_dir}) has no chat template "
@@ -234,7 +234,8 @@ async def chat_completions(S: Server, request, rec):
                           code="no_chat_template")
     tools = toolcalls.read(body, S.template)      # None: no tools, or tool_choice none
     if tools is not None:
-        g = toolcalls.grammar(tools, eng.tokenizer)   # tool_choice required or named
+        g = None if tools.choice == "auto" else \
+            await asyncio.to_thread(toolcalls.grammar, tools, eng.tokenizer)  # required, named
         if g is not None and p.sampling.grammar is not None:
             raise bad_request("tool_choice: required or a named function is not possible "
                               "with response_format or grammar", param="tool_choice")

@@ -239,6 +239,20 @@ def sampling(body: dict, engine, route: str) -> GenParams:
                      experts_per_token=k, echo=echo, return_token_ids=ids)
 
 
+GRAMMAR_FIELDS = ("response_format", "grammar", "json_schema", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar")
+
+
+async def sampling_off_loop(body: dict, engine, route: str) -> GenParams:
+    """sampling(), in a thread when the body asks for a grammar: compiling and checking
+    a large one takes 0.1-0.2 s (a 2,000-property schema, a 3,000-rule GBNF), which the
+    event loop's streams must not wait for."""
+    if any(body.get(f) is not None for f in GRAMMAR_FIELDS):
+        import asyncio
+        return await asyncio.to_thread(sampling, body, engine, route)
+    return sampling(body, engine, route)
+
+
 def structured(body: dict):
     """`response_format` (OpenAI: text, json_object, json_schema), `grammar` (GBNF, as
     llama-server reads it), `json_schema` (llama-server's bare schema) or vLLM's
