@@ -1,6 +1,6 @@
 """Constrained decoding libraries on this CPU: per-token mask cost with a real-size vocabulary.
 
-    python -m benchmarks.speed.bench_constraints                 # llguidance, xgrammar, outlines-core
+    python -m benchmarks.speed.bench_constraints            # llguidance, xgrammar, outlines-core
     python -m benchmarks.speed.bench_constraints --libs llguidance --tokens 400
 
 A Qwen2-style byte-level BPE tokenizer of about 150k tokens (Qwen2's pre-tokenizer regex)
@@ -256,7 +256,8 @@ def main(argv=None) -> int:
     n_vocab, eos = tok.get_vocab_size(), tok.token_to_id(SPECIALS[0])
     text = json.dumps(DOC)                 # ", " and ": ": what every library accepts
     path = tok.encode(text, add_special_tokens=False).ids + [eos]
-    results = {"command": "python -m benchmarks.speed.bench_constraints " + " ".join(argv or sys.argv[1:]),
+    results = {"command": "python -m benchmarks.speed.bench_constraints "
+               + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "commit": git_commit(), "vocab": n_vocab,
                "path_tokens": len(path), "apply_numpy": apply_cost(n_vocab), "libs": {}}
     print(f"vocabulary {n_vocab} tokens; path {len(path)} tokens; machine {results['machine']}")

@@ -194,5 +194,6 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-def constraint(grammar: Optional[Grammar], tokenizer, n_vocab: int, eos_ids) -> Optional[Constraint]:
+def constraint(grammar: Optional[Grammar], tokenizer, n_vocab: int,
+               eos_ids) -> Optional[Constraint]:
     return None if grammar is None else Constraint(grammar, tokenizer, n_vocab, eos_ids)

@@ -51,7 +51,8 @@ def _unset(v) -> bool:
 # field -> predicate "is this the default (harmless) value?"
 NOT_IMPLEMENTED = {
     "completions": {"best_of": _none_or(1), "suffix": _unset},
-    "chat": {"functions": _unset, "function_call": _none_or("none"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    "chat": {"functions": _unset, "function_call": _none_or("none"), "audio": _unset,
+             "modalities": lambda v: v is None or v == ["text"],
              "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset,
              "verbosity": _unset},
 }
