@@ -115,6 +115,23 @@ def test_streamed_tool_calls_equal_the_answer(client):
     assert len(whole) == 1 and finish == "tool_calls"
 
 
+def test_n_choices_each_call_streamed_and_not(client):
+    kw = dict(model="m", messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0,
+              seed=7, n=2, max_completion_tokens=60, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw)
+    assert len(whole.choices) == 2
+    for ch in whole.choices:
+        calls = _calls(ch.message)
+        assert len(calls) == 1 and valid(*calls[0])
+    acc: dict = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                acc[c.index, d.index] = (d.function.name, json.loads(d.function.arguments))
+    assert sorted(acc) == [(0, 0), (1, 0)]
+    assert [acc[i, 0] for i in (0, 1)] == [_calls(ch.message)[0] for ch in whole.choices]
+
+
 def test_auto_without_a_call_is_content(client):
     r = client.chat.completions.create(model="m", messages=MSG, tools=TOOLS, temperature=0,
                                        max_completion_tokens=16)
