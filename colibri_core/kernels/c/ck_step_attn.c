@@ -171,8 +171,13 @@ static void emit_v(void *p, int64_t t, int64_t r, float v) {
 static void emit_o(void *p, int64_t t, int64_t r, float v) {
     attn_ctx *c = p;
     float *x = c->x + t * c->L->hidden + r;
-    if (c->L->bo) v = v + c->L->bo[r];
     *x = *x + v * c->oscale;                        /* x 1.0f: the same bits */
+}
+/* with the output projection's bias (a function of its own: no test per value) */
+static void emit_o_bias(void *p, int64_t t, int64_t r, float v) {
+    attn_ctx *c = p;
+    float *x = c->x + t * c->L->hidden + r;
+    *x = *x + (v + c->L->bo[r]) * c->oscale;
 }
 
 /* rows r0..r0+rti of matrix m for all tokens: the panels, or tiles of be->rt rows */
@@ -326,6 +331,11 @@ static void o_chunk(void *p, int64_t ch) {
     for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++)
         item_rows(c, 3, i * c->rti, c->ao, emit_o);
 }
+static void o_chunk_bias(void *p, int64_t ch) {
+    attn_ctx *c = p;
+    for (int64_t i = ch * c->o.per; i < chunk_end(c->o, ch); i++)
+        item_rows(c, 3, i * c->rti, c->ao, emit_o_bias);
+}
 
 
 int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n,
@@ -380,7 +390,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     c.ao = act_for(&B, s, be, s->att, n, c.w[3].cols, &c.w[3], nth, &err);
     if (err) return err;
     if (c.pan[3]) c.p = pack_panels(&c.ao->q, n, s, nth);
-    ck_pool_for(o_chunk, &c, nchunks(c.o), nth);
+    ck_pool_for(a->bo ? o_chunk_bias : o_chunk, &c, nchunks(c.o), nth);
     norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
     return 0;
 }

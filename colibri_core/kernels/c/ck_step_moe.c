@@ -50,7 +50,8 @@ typedef struct {
     chunks s1, s2;
     int64_t hidden;
     const int64_t *pair_tok;  /* [pairs_max] the token of scratch row p */
-    const float *pair_w;      /* [pairs_max] its routing weight */
+    float *pair_w;            /* [pairs_max] its routing weight (an input-weighted job's:
+                                 the input's in stage 1, then oscale) */
     const float *xn;          /* [n, hidden] */
     const ck_act *xa;         /* xn quantized per token (the plain jobs' group), or NULL */
     ck_act ga;                /* gathered int8 rows: row p = xa's row pair_tok[p] (cp, ng:
@@ -64,11 +65,17 @@ typedef struct {
     float oscale;             /* the output factor of a job whose weights scale its input */
 } ffn_ctx;
 
-/* the factor on pair q's gate and up rows: its routing weight where the weights scale
- * the input (Llama 4: expert(w x) = down(act(w gate(x), w up(x))) without biases), else 1
- * (x 1.0f: the same bits) */
-static inline float in_weight(const ffn_ctx *c, const ffn_job *f, int64_t q) {
-    return f->win ? c->pair_w[q] : 1.0f;
+/* a job whose weights scale its input (f->win, Llama 4: expert(w x) = down(act(w gate(x),
+ * w up(x))) without biases): gate and up values times their pair's weight, in place; rt
+ * rows of nt tokens ld apart, token t of pair row q0 + t. Other jobs never come here. */
+static void weigh_inputs(const ffn_ctx *c, int64_t q0, int rt, int64_t nt, float *g, float *u,
+                         int64_t ld) {
+    for (int r = 0; r < rt; r++)
+        for (int64_t t = 0; t < nt; t++) {
+            const float w = c->pair_w[q0 + t];
+            g[r * ld + t] *= w;
+            u[r * ld + t] *= w;
+        }
 }
 
 /* h of gate g and up u at row r of job f: the biases, then the block's activation
@@ -173,19 +180,17 @@ static void up_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
     unpack_rows(be, &f->w3.q4, r0, rt, 4, 4, &u, wb, wz);
     ck_panel pn = job_panel(c, f, cp, ng);
     be->q4_panels(&u, &pn, np, res, ld);
+    if (f->win) weigh_inputs(c, f->off, rt, f->cnt, res, res + 4 * ld, ld);
     for (int r = 0; r < rt; r++)
-        for (int64_t t = 0; t < f->cnt; t++) {
-            const float wi = in_weight(c, f, f->off + t);
-            s->h[(f->off + t) * s->hld + r0 + r] =
-                gated(c, f, r0 + r, res[r * ld + t] * wi, res[(4 + r) * ld + t] * wi);
-        }
+        for (int64_t t = 0; t < f->cnt; t++)
+            s->h[(f->off + t) * s->hld + r0 + r] = gated(c, f, r0 + r, res[r * ld + t], res[(4 + r) * ld + t]);
 }
 
-/* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
-static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
+/* stage 1 in tiles; win: a compile-time constant (two copies, the common one untouched) */
+static inline __attribute__((always_inline))
+void up_tiles(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt, const int win) {
     const ck_backend_t *be = c->be;
     const ck_sscratch *s = c->s;
-    if (f->pan >= 0) { up_panels(c, f, r0, rt); return; }
     const int ntp = ck_tokens_per_tile(be, f->cnt);
     float g[CK_MAX_RT * CK_MAX_NT], u[CK_MAX_RT * CK_MAX_NT];
     const sact a = job_in(c, f);
@@ -193,14 +198,19 @@ static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
         int nt = ck_tile_tokens(ntp, f->cnt - t0);
         mat_tile(be, &f->w1, r0, rt, &a, t0, nt, g);
         mat_tile(be, &f->w3, r0, rt, &a, t0, nt, u);
+        if (win) weigh_inputs(c, f->off + t0, rt, nt, g, u, nt);
         for (int r = 0; r < rt; r++)
-            for (int t = 0; t < nt; t++) {
-                const float wi = in_weight(c, f, f->off + t0 + t);
-                s->h[(f->off + t0 + t) * s->hld + r0 + r] =
-                    gated(c, f, r0 + r, g[r * nt + t] * wi, u[r * nt + t] * wi);
-            }
+            for (int t = 0; t < nt; t++)
+                s->h[(f->off + t0 + t) * s->hld + r0 + r] = gated(c, f, r0 + r, g[r * nt + t], u[r * nt + t]);
         t0 += nt;
     }
+}
+
+/* stage 1: rows r0..r0+rt of gate and up for the job's tokens */
+static void up_tile(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) {
+    if (f->pan >= 0) up_panels(c, f, r0, rt);
+    else if (f->win) up_tiles(c, f, r0, rt, 1);
+    else up_tiles(c, f, r0, rt, 0);
 }
 
 static void up_chunk(void *p, int64_t ch) {
@@ -255,7 +265,7 @@ static void down_panels(const ffn_ctx *c, const ffn_job *f, int64_t r0, int rt) 
     be->q4_panels(&u, &pn, np, y, ld);
     for (int64_t t = 0; t < f->cnt; t++) {
         int64_t pq = f->off + t;
-        float wt = f->win ? c->oscale : c->pair_w[pq];
+        float wt = c->pair_w[pq];
         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
         for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * ld + t]) * wt;
     }
@@ -285,7 +295,7 @@ static void down_chunk(void *p, int64_t ch) {
                     mat_tile(be, &f->w2, r0, rt, &a, t0, nt, y);
                     for (int t = 0; t < nt; t++) {
                         int64_t pq = f->off + t0 + t;
-                        float wt = f->win ? c->oscale : c->pair_w[pq];
+                        float wt = c->pair_w[pq];
                         float *xr = c->x + c->pair_tok[pq] * c->hidden + r0;
                         for (int r = 0; r < rt; r++) xr[r] = xr[r] + down_out(f, r0 + r, y[r * nt + t]) * wt;
                     }
@@ -333,6 +343,8 @@ static int run_piece(ffn_ctx *c, ffn_job *jobs, int m, int nth) {
     ck_pool_for(gather_row, c, np, np >= 64 ? nth : 1);
     if (pans) ck_pool_for(pack_x_lane, c, pans * CK_PANEL, nth);
     ck_pool_for(up_chunk, c, nchunks(c->s1), nth);
+    for (int q = 0; q < m; q++)             /* weights that scaled the input: output at oscale */
+        for (int64_t t = 0; jobs[q].win && t < jobs[q].cnt; t++) c->pair_w[jobs[q].off + t] = c->oscale;
     ck_pool_for(hquant_chunk, c, t2, np >= 16 ? nth : 1);
     ck_pool_for(down_chunk, c, nchunks(c->s2), nth);
     return 0;
