@@ -14,7 +14,9 @@ times; decoding continues through the KV cache.
 - an MXFP4 checkpoint (`*_blocks` / `*_scales`, quant_method mxfp4) keeps its experts'
   bytes: the expert files hold the checkpoint's blocks and exponents exactly, and with the
   rest at 32 bits the model matches transformers running those MXFP4 weights (1e-4 and 16
-  greedy tokens); converted at 32 bits (experts dequantized), the same.
+  greedy tokens); converted at 32 bits (experts dequantized), the same;
+- a bf16 checkpoint: at 32 bits 1e-4 of transformers on the same (bf16-rounded) weights,
+  at 16 bits the experts' bf16 bytes are the checkpoint's (up rows: the odd ones).
 """
 from __future__ import annotations
 
@@ -163,3 +165,24 @@ def test_refusals_name_the_field(tmp_path):
                          ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config")):
         with pytest.raises(ConfigError, match=needle):
             model_config_fields({**base, **over})
+
+
+def test_bf16_checkpoint(tmp_path):
+    """A model saved in bf16: at 32 bits the same logits as transformers on the bf16-rounded
+    weights (in float32); at 16 bits the experts' bf16 bytes are the checkpoint's."""
+    import copy
+    model = make_model(seed=3)
+    with torch.no_grad():                 # the reference: float32, bf16-rounded weights
+        for p in model.parameters():      # (buffers such as rope's inv_freq stay float32)
+            p.copy_(p.to(torch.bfloat16).float())
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert(tmp_path / "hf", tmp_path / "out32", bits=32)
+    with Engine.from_model_dir(tmp_path / "out32", routing="float", activations="float") as eng:
+        assert rel_err(eng.next_token_logits(PROMPTS[0], all_positions=True),
+                       hf_logits(model, PROMPTS[0])) <= 1e-4
+    convert(tmp_path / "hf", tmp_path / "out16", bits=16)
+    f = ContainerFile(tmp_path / "out16" / "expert_1_2.bin", "mmap")
+    gu = model.model.layers[1].mlp.experts.gate_up_proj[2].to(torch.bfloat16)   # [H, 2I]
+    want = gu[:, 1::2].T.contiguous().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(np.asarray(f.tensor("w3")), want)
+    f.close()
