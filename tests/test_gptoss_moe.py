@@ -4,7 +4,7 @@ experts with gate/up and down biases and the clamped SwiGLU (ffn_act "swiglu_cla
 The numpy reference's block against transformers' GptOssMLP (the same weights, de-interleaved
 gate/up rows), then the C pipeline against that reference over a whole (one-layer) model:
 f32 experts with float activations (the 32-bit parity path) and MXFP4 experts with int8
-activations (the default precision)."""
+activations (the default precision) on every kernel backend."""
 from __future__ import annotations
 
 import numpy as np
@@ -80,8 +80,22 @@ def test_reference_block_matches_transformers(tmp_path):
     assert (gate > mlp.experts.limit).any()
 
 
-@pytest.mark.parametrize("mx", [False, True])
-def test_pipeline_matches_the_reference(tmp_path, mx):
+def _backends():
+    from colibri_core import kernels as K
+    return K.available_backends()
+
+
+@pytest.mark.parametrize("mx,backend", [(False, "auto")] + [(True, b) for b in _backends()])
+def test_pipeline_matches_the_reference(tmp_path, mx, backend):
+    from colibri_core import kernels as K
+    K.set_backend(backend)
+    try:
+        _pipeline_vs_reference(tmp_path, mx)
+    finally:
+        K.set_backend("auto")
+
+
+def _pipeline_vs_reference(tmp_path, mx):
     _, mlp = _mlp(seed=2)
     act = "int8" if mx else "float"
     prompts = [np.random.default_rng(3).integers(0, 100, n) for n in (21, 5, 1)]
