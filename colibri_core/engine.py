@@ -26,10 +26,10 @@ from .runtime.generate import Generation, generation
 from .experts.hotplug.events import ExpertEvents
 from .model.kvcache import KVPool
 from .forward.model import Model
-from .runtime.kselect import check_k, renamed_k, split_mode_prefix
+from .runtime.kselect import choose_k, renamed_k, split_mode_prefix
 from .runtime.sampler import SamplingParams
 from .runtime.scheduler import Scheduler
-from .runtime.tokenizer import Tokenizer
+from .runtime.tokenizer import Tokenizer, token_ids
 from .model.weights import load_model
 
 log = logging.getLogger("colibri")
@@ -267,23 +267,8 @@ class Engine:
     def choose_k(self, prompt_tokens: int, explicit: Optional[int], prefix: Optional[int],
                  request: dict) -> tuple[int, str]:
         """Precedence: argument, MODE: prefix, plugin, length policy, model (kselect.py)."""
-        cfg = self.model_cfg
-        if not cfg.moe_layers:
-            return cfg.top_k, "model (no MoE layers)"
-        n = self.num_experts
-        if explicit is not None:
-            return check_k(explicit, n, "the experts_per_token argument"), "argument"
-        if prefix is not None:
-            return check_k(prefix, n, "the MODE: prefix"), "prefix"
-        if self.hooks is not None and self.hooks.choose_k is not None:
-            got = self.hooks.choose_k(prompt_tokens=prompt_tokens, request=request,
-                                      default_k=cfg.top_k)
-            if got is not None:
-                return self.hooks.guard.check_choose_k(got, n), "plugin"
-        for rule in self.config.length_policy:
-            if rule.matches(prompt_tokens):
-                return check_k(rule.k, n, "the engine config's length_policy"), "policy"
-        return cfg.top_k, "model"
+        return choose_k(self.model_cfg, self.config.length_policy, self.hooks, prompt_tokens,
+                        explicit, prefix, request)
 
     def prepare_ids(self, prompt: Union[str, Sequence[int]], reserve: int = 1) -> tuple[list[int], Optional[int], Optional[int]]:
         """-> (token ids, k from a MODE: prefix, original length if truncated)."""
@@ -307,7 +292,7 @@ class Engine:
                     text = text[-limit:]
             ids = self.encode(text)
         else:
-            ids = _token_ids(prompt)
+            ids = token_ids(prompt)
         if not ids:
             raise RequestError("empty prompt: no tokens to run")
         V = self.model_cfg.vocab_size
@@ -462,27 +447,6 @@ class Engine:
         admission): the live one, or a canary candidate's (experts/candidates.py)."""
         c = self.candidates
         return self.model.expert_set if c is None else c.set_for(request_id)
-
-def _token_ids(prompt) -> list[int]:
-    """A prompt given as token ids: a sequence (or 1-D array) of integers."""
-    if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise RequestError("prompt is bytes: pass text (str) or a list of token ids")
-    if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
-            raise RequestError(f"token ids: expected a 1-D integer array, got shape "
-                               f"{list(prompt.shape)} of {prompt.dtype}")
-        return [int(t) for t in prompt]
-    try:
-        items = list(prompt)
-    except TypeError:
-        raise RequestError(f"prompt of type {type(prompt).__name__}: pass text (str) or a "
-                           f"list of token ids") from None
-    for i, t in enumerate(items):
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise RequestError(f"token id at position {i} is {t!r:.40} "
-                               f"({type(t).__name__}): token ids are integers")
-    return [int(t) for t in items]
-
 
 def _single_threaded_blas() -> None:
     """The engine's numpy calls are small (router logits, norms); a multi-threaded BLAS

@@ -59,3 +59,25 @@ def check_k(k: int, num_experts: int, source: str) -> int:
                            f"model has "
                            f"{num_experts} experts per MoE layer (allowed 1..{num_experts})")
     return int(k)
+
+
+def choose_k(model_cfg, length_policy, hooks, prompt_tokens: int, explicit, prefix,
+             request: dict) -> tuple[int, str]:
+    """-> (k, where it came from) by the precedence above (Engine.choose_k); `hooks`: the
+    engine's HookRelay (None: no plugins)."""
+    if not model_cfg.moe_layers:
+        return model_cfg.top_k, "model (no MoE layers)"
+    n = model_cfg.num_experts
+    if explicit is not None:
+        return check_k(explicit, n, "the experts_per_token argument"), "argument"
+    if prefix is not None:
+        return check_k(prefix, n, "the MODE: prefix"), "prefix"
+    if hooks is not None and hooks.choose_k is not None:
+        got = hooks.choose_k(prompt_tokens=prompt_tokens, request=request,
+                             default_k=model_cfg.top_k)
+        if got is not None:
+            return hooks.guard.check_choose_k(got, n), "plugin"
+    for rule in length_policy:
+        if rule.matches(prompt_tokens):
+            return check_k(rule.k, n, "the engine config's length_policy"), "policy"
+    return model_cfg.top_k, "model"

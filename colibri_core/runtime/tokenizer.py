@@ -1,8 +1,11 @@
-"""Text <-> token ids, with UTF-8-safe incremental decoding for streaming."""
+"""Text <-> token ids, with UTF-8-safe incremental decoding for streaming; a prompt given
+as token ids, checked (`token_ids`)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ModelFormatError, RequestError
 from ..files import read_text
@@ -136,3 +139,24 @@ class StreamDecoder:
             self.read -= self.prefix
             self.prefix = 0
         return text[len(done):]
+
+
+def token_ids(prompt) -> list[int]:
+    """A prompt given as token ids: a sequence (or 1-D array) of integers."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise RequestError("prompt is bytes: pass text (str) or a list of token ids")
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise RequestError(f"token ids: expected a 1-D integer array, got shape "
+                               f"{list(prompt.shape)} of {prompt.dtype}")
+        return [int(t) for t in prompt]
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise RequestError(f"prompt of type {type(prompt).__name__}: pass text (str) or a "
+                           f"list of token ids") from None
+    for i, t in enumerate(items):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise RequestError(f"token id at position {i} is {t!r:.40} "
+                               f"({type(t).__name__}): token ids are integers")
+    return [int(t) for t in items]
