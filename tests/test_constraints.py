@@ -183,3 +183,23 @@ def test_hermes_calls_stream_as_each_block_closes():
     rest, last = st.finish()
     assert content == "Sure. " and got == [[], [], ["f"], ["g"], []]
     assert rest == "" and last == [] and st.sent == 2
+
+
+def test_a_sample_plugin_stays_within_the_grammar():
+    """A colibri_sample plugin that always answers one token: where the grammar allows it,
+    it is taken (and the matcher advances on it); where it does not, the sampler picks
+    among the grammar's tokens, and the output still matches."""
+    from colibri_core.engine import Engine
+    from colibri_core.hookspecs import hookimpl
+    with Engine.from_config("builtin") as e:
+        seven = e.tokenizer.encode("7")[-1]
+
+        class AlwaysSeven:
+            @hookimpl
+            def colibri_sample(self, logits, request):
+                return seven
+        e.register_plugin(AlwaysSeven())
+        g = e.generate("n:", max_new_tokens=12, sampling=SamplingParams(
+            temperature=0.0, grammar=Grammar.regex("[0-9]{3}x")))
+        g.run()
+        assert g.text == "777x" and g.stop_reason == "eos"

@@ -224,9 +224,15 @@ class Decode(Job):
             got = hooks.sample(logits=logits, request={"id": self.request_id, "k": self.k})
             if got is not None:
                 tok = hooks.guard.check_sample(got, self.vocab_size)
-                if self.top_n is not None:
-                    self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
-                return tok
+                c = self.sampler.constraint
+                # a grammar is the request's contract: the plugin's token must fit it (the
+                # matcher takes it), else the sampler picks among the grammar's tokens
+                if c is None or c.allows(tok):
+                    if c is not None:
+                        c.advance(tok)
+                    if self.top_n is not None:
+                        self.logprob = token_logprob(logits, tok, self.top_n, self.texts)
+                    return tok
         if not np.isfinite(logits.max()):          # NaN or +Inf somewhere (no temporary array)
             logits = self._finite_logits(logits)
         tok = self.sampler(logits)
