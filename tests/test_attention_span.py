@@ -4,7 +4,7 @@ sinks (`attention_sinks`, gpt-oss), an output projection bias (section `bo`), la
 without rope (`nope_layers`) with Llama 4's temperature tuning, and its weightless q/k
 norm after rope (`qk_norm="l2"`).
 
-The C step (prefill panels and decode, every KV storage type) against the numpy
+The C step (prefill panels and decode, a prompt in pieces, every KV storage type) against the numpy
 reference (reference.py), and that reference's attention (ops.attention) against a
 float64 loop written from the definitions. Prompts of 48 tokens cross windows of 6 and
 chunks of 16; decoding continues past them through the cache."""
@@ -81,6 +81,23 @@ def test_pipeline_matches_the_reference_with_windows_chunks_sinks(tmp_path, act,
     bound = 1e-4 if act == "float" and kv != "q8" else 5e-3
     for g, w in zip(got, want):
         assert float(np.abs(g - w).max() / np.abs(w).max()) < bound
+
+
+def test_a_prompt_in_pieces_matches_it_whole(tmp_path):
+    """The scheduler's chunked prefill: a prompt's later pieces start mid-sequence (inside a
+    window, across a chunk border) and must see what the whole prompt's tokens see."""
+    write_random_model(tmp_path / "m", seed=3, vocab=300, hidden=192, heads=4, kv_heads=2,
+                       layers=LAYERS, experts=6, top_k=2, shared=64, out_bias=True,
+                       qk_norm="l2", **SPAN)
+    ids = np.random.default_rng(5).integers(0, 300, 48)
+    with Engine(tmp_path / "m", EngineConfig(activations="float", routing="float")) as e:
+        m = e.model
+        whole = m.ref.forward([ids], [m.ref.new_cache(64)], all_logits=True)[0]
+        cache, got = m.new_cache(64), []
+        for a, b in ((0, 13), (13, 30), (30, 31), (31, 48)):     # 13: inside chunk 0, ...
+            got.append(m.forward([ids[a:b]], [cache], all_logits=True)[0])
+    got = np.concatenate(got)
+    assert float(np.abs(got - whole).max() / np.abs(whole).max()) < 1e-4
 
 
 def test_each_field_changes_the_result(tmp_path):
