@@ -204,7 +204,7 @@ def test_interrupted_conversion_leaves_nothing_valid_looking(built, tmp_path, mo
     import colibri_core.convert as conv
     _, hf, _ = built("qwen2_moe", 4)
     calls = {"n": 0}
-    real = conv.quantize_q4
+    real = conv.quantize_rows      # every quantized matrix of a checkpoint
 
     def boom(*a, **k):
         calls["n"] += 1
@@ -212,17 +212,17 @@ def test_interrupted_conversion_leaves_nothing_valid_looking(built, tmp_path, mo
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(conv, "quantize_q4", boom)
+    monkeypatch.setattr(conv, "quantize_rows", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(hf, tmp_path / "out", bits=4)
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []                  # no staging folder left behind
     # with --force over an existing model, the old one survives a failed conversion
-    monkeypatch.setattr(conv, "quantize_q4", real)
+    monkeypatch.setattr(conv, "quantize_rows", real)
     convert(hf, tmp_path / "out", bits=8)
     before = (tmp_path / "out" / "config.json").read_bytes()
     calls["n"] = 0
-    monkeypatch.setattr(conv, "quantize_q4", boom)
+    monkeypatch.setattr(conv, "quantize_rows", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(hf, tmp_path / "out", bits=4, overwrite=True)
     assert (tmp_path / "out" / "config.json").read_bytes() == before
