@@ -1,7 +1,7 @@
 """A/B of decode speed between two commits, in the same run: each side in its own
 checkout and fresh processes, alternating, several rounds; medians and the ratio.
 
-    python -m benchmarks.speed.ab_decode REF [--other WORKTREE_OR_HEAD] [--rounds 5] [--threads 2]
+    python -m benchmarks.speed.ab_decode REF [--rounds 5] [--threads 2] [--model DIR]
 
 REF is any commit: it is checked out with `git worktree` into build/ab-<commit> and its
 kernels are built there; the other side is this working tree (uncommitted changes
