@@ -119,5 +119,30 @@ def add_parsers(sub, engine_defaults: str, shipped: str) -> None:
                                                "this model records (its base_model)")
     model_options(fp, "its model's fingerprint is printed", engine_defaults, shipped)
     fp.set_defaults(func=cmd_experts_fingerprint)
+    pl = el_sub.add_parser("place", help="expert placement for N expert shards: a plan "
+                                         "file (docs/SCALE.md, \"A model larger than one machine\")")
+    pl.add_argument("model", metavar="MODEL", help="the model directory (or builtin)")
+    pl.add_argument("--shards", type=int_at_least(1, 4096), required=True, metavar="N")
+    pl.add_argument("--load", metavar="JSON", help="routing statistics to balance by: "
+                    "{\"<layer>\": [routed tokens per expert]} (default: by bytes alone)")
+    pl.add_argument("--replicate", type=int_at_least(0, 4096), default=0, metavar="K",
+                    help="the K hottest experts per layer on two shards (needs --load)")
+    pl.add_argument("-o", "--output", required=True, metavar="PLAN.json")
+    pl.set_defaults(func=cmd_experts_place)
     from .candidates import add_candidate_parsers
     add_candidate_parsers(el_sub)
+
+
+def cmd_experts_place(args) -> int:
+    from ..files import write_atomic
+    from ..fleet.expertplan import place, read_load
+    model = args.model
+    if model == "builtin" and not Path(model).exists():
+        model = Path(__file__).resolve().parent.parent / "models" / "builtin"
+    model = require_model_dir(model)
+    plan = place(model, args.shards, read_load(args.load) if args.load else None, args.replicate)
+    write_atomic(args.output, json.dumps(plan, indent=1) + "\n")
+    mib = ", ".join(f"{b / 2**20:.1f}" for b in plan["bytes"])
+    print(f"{args.output}: {len(plan['owners'])} MoE layers x {plan['num_experts']} experts "
+          f"on {args.shards} shards; routed-expert MiB per shard: {mib}")
+    return 0

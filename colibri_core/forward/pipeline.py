@@ -95,6 +95,7 @@ class Pipeline:
         self.last_n = 0                             # tokens of the last step
         self.layer_k = [0] * len(self.layers)        # its k per layer (the arrays' layout)
         self.layer_width = [0] * len(self.layers)    # the choice's width (an override's)
+        self.experts = self._experts    # the routed experts' executor (fleet/expertshard.py)
 
     def _attn_layer(self, lw, p_inv, factor):
         return gqa_layer(self.keep, self.cfg, lw, self.eps, p_inv, factor)
@@ -388,7 +389,7 @@ class Pipeline:
                 self.layer_width[i] = m
         if self.routed is not None:
             self._count_routed(layer, idv[:, :self.layer_width[i]])
-        self._experts(i, L, T, n, kmax, idv, wv)
+        self.experts(i, L, T, n, kmax, idv, wv)
 
     def _count_routed(self, layer: int, ids: np.ndarray) -> None:
         counts = np.bincount(ids[ids >= 0].ravel())
