@@ -313,28 +313,44 @@ def test_score_matches_engine_logprobs(server, ref):
     assert bad.status_code == 400
 
 
+def lm_eval_parse(choice, ctxlen, tail=-1):
+    """lm-eval-harness's LocalCompletionsAPI.parse_logprobs for one choice: the sum of
+    token_logprobs[ctxlen:-1] and is_greedy (each token's log-prob is the max of its
+    top_logprobs). tail=None: the slice of a max_tokens 0 request, no generated token."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:tail]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:tail]
+    return sum(lps), all(t == max(top.values()) for t, top in zip(lps, tops))
+
+
 def test_lm_eval_harness_loglikelihood_payload(server, ref):
     """The request lm-eval-harness's local-completions sends for loglikelihood: token-id
-    prompts (context + continuation) in a batch, echo, max_tokens 1, logprobs 1; it reads
-    token_logprobs[ctxlen:-1] and checks greediness against top_logprobs."""
+    prompts (context + continuation) in a batch, echo, max_tokens 1, logprobs 1, read by
+    its own parse (lm_eval_parse); and the same with max_tokens 0. The summed continuation
+    log-prob equals a float64 log-softmax of the engine's logits, and is_greedy equals
+    "every continuation token is the argmax" (the third continuation is the greedy one;
+    one of the others is not)."""
     ctx = ref.encode("The assert statement")
     conts = [ref.encode("The assert statement is used")[len(ctx):],
-             ref.encode("The assert statement was")[len(ctx):]]
-    body = {"model": "builtin", "prompt": [ctx + c for c in conts], "temperature": 0,
-            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
-    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    for choice, cont in zip(sorted(out["choices"], key=lambda c: c["index"]), conts):
-        lp = choice["logprobs"]
-        assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1
-        got = lp["token_logprobs"][len(ctx):-1]
-        full = ctx + cont
-        want = log_softmax(ref.next_token_logits(full, all_positions=True))
-        assert got == pytest.approx([want[len(ctx) - 1 + j, t] for j, t in enumerate(cont)],
-                                    abs=1e-6)
-        tops = lp["top_logprobs"][len(ctx):-1]
-        for j, (tok, top) in enumerate(zip(lp["tokens"][len(ctx):-1], tops)):
-            greedy = cont[j] == int(np.argmax(want[len(ctx) - 1 + j]))
-            assert (tok == max(top, key=top.get)) == greedy
+             ref.encode("The assert statement was")[len(ctx):],
+             solo(ref, ctx, 3).token_ids]
+    wants = []
+    for cont in conts:
+        lp = log_softmax(ref.next_token_logits(ctx + cont, all_positions=True))
+        rows = [lp[len(ctx) - 1 + j] for j in range(len(cont))]
+        wants.append((float(sum(r[t] for r, t in zip(rows, cont))),
+                      all(t == int(np.argmax(r)) for r, t in zip(rows, cont))))
+    assert {g for _, g in wants} == {False, True}          # both answers are checked
+    for max_tokens, tail in ((1, -1), (0, None)):
+        body = {"model": "builtin", "prompt": [ctx + c for c in conts], "temperature": 0,
+                "max_tokens": max_tokens, "logprobs": 1, "seed": 1234, "echo": True}
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        for choice, cont, (want_sum, want_greedy) in zip(choices, conts, wants):
+            lp = choice["logprobs"]
+            assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + max_tokens
+            got_sum, got_greedy = lm_eval_parse(choice, len(ctx), tail)
+            assert got_sum == pytest.approx(want_sum, abs=1e-5)
+            assert got_greedy == want_greedy
 
 
 # ----------------------------------------------------------------------------- experts live
