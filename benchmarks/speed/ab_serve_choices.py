@@ -45,11 +45,11 @@ sys.exit(main(sys.argv[2:]))
 
 
 class Server:
-    def __init__(self, tree: Path, model: Path, threads: int):
+    def __init__(self, tree: Path, model: Path, threads: int, extra: tuple = ()):
         env = dict(os.environ, PYTHONPATH=str(tree))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVE, str(tree), "serve", "--model", str(model),
-             "--port", "0", "--threads", str(threads)],
+             "--port", "0", "--threads", str(threads), *extra],
             cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.url = ""
