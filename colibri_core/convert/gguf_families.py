@@ -7,7 +7,8 @@ Architectures (GGUF `general.architecture` -> transformers class):
   olmoe -> OlmoeForCausalLM             deepseek2 -> DeepseekV3ForCausalLM when the file
   has the selection bias (`exp_probs_b`) or sigmoid gating, else DeepseekV2ForCausalLM
   granitemoe -> GraniteMoe(Shared)ForCausalLM   glm4moe -> Glm4MoeForCausalLM
-  ernie4_5-moe -> Ernie4_5_MoeForCausalLM
+  ernie4_5-moe -> Ernie4_5_MoeForCausalLM   gpt-oss -> GptOssForCausalLM (its MXFP4 experts
+  kept as they are stored: gguf_reader's raw, gptoss.expert_ffn)
 What a GGUF does not record is what llama.cpp itself assumes for the architecture (e.g.
 Qwen3-MoE's renormalised top-k, Qwen2-MoE's and OLMoE's not renormalised), so the model
 runs as llama.cpp runs the same file.
@@ -32,7 +33,8 @@ TYPE_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "
 ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
          "deepseek2": "DeepseekV2ForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-         "glm4moe": "Glm4MoeForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
+         "glm4moe": "Glm4MoeForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
+         "gpt-oss": "GptOssForCausalLM"}
 
 
 class Meta:
@@ -148,6 +150,19 @@ def hf_config(m: Meta, shapes: dict, where: str) -> dict:
                   moe_num_shared_experts=int(m.a("expert_shared_count") or 0),
                   moe_layer_start_index=lo, moe_layer_end_index=hi, moe_layer_interval=step,
                   head_dim=int(m.a("attention.key_length") or H // nh), use_bias=False)
+    elif arch == "gpt-oss":
+        # llama.cpp's gpt-oss graph fixes what the file does not say: sliding-window layers
+        # the even ones (transformers' default layer_types), the clamped SwiGLU's limit 7 and
+        # alpha 1.702; YaRN without truncated correction dims, as gpt-oss's config.json
+        hf.update(num_local_experts=E, num_experts_per_tok=k, intermediate_size=int(eff or ff),
+                  head_dim=int(m.a("attention.key_length") or H // nh),
+                  sliding_window=int(m.need("attention.sliding_window")),
+                  attention_bias="blk.0.attn_q.bias" in shapes, swiglu_limit=7.0,
+                  swiglu_alpha=1.702, layer_types=None)
+        # rope_parameters, not rope_scaling: gpt-oss's defaults carry rope_parameters (YaRN
+        # x32), which would win over a rope_scaling key
+        rp = hf.pop("rope_scaling", None) or {"rope_type": "default"}
+        hf["rope_parameters"] = dict(rp, rope_theta=hf["rope_theta"], truncate=False)
     return hf
 
 
@@ -234,13 +249,17 @@ def tensor_names(m: Meta, hf: dict, names: list[str], shapes: dict) -> dict:
         if i >= L:
             continue                       # GLM's MTP layers
         p = f"model.layers.{i}."
-        if base in _EXPS:
+        if base in _EXPS:                  # gpt-oss's experts have biases too
             for e in range(shapes[g][0]):
-                out[f"{p}mlp.experts.{e}.{_EXPS[base]}.weight"] = (g, e, None)
+                out[f"{p}mlp.experts.{e}.{_EXPS[base]}.{kind}"] = (g, e, None)
         elif base == "ffn_gate_up_exps":
             for e in range(shapes[g][0]):
                 out[f"{p}mlp.experts.{e}.gate_proj.weight"] = (g, e, "gate")
                 out[f"{p}mlp.experts.{e}.up_proj.weight"] = (g, e, "up")
+        elif base == "attn_sinks":                     # gpt-oss: a logit per head
+            out[f"{p}self_attn.sinks"] = (g, None, None)
+        elif base == "ffn_gate_inp" and m.arch == "gpt-oss":     # its router has a bias
+            out[f"{p}mlp.router.{kind}"] = (g, None, None)
         elif base == "exp_probs_b":
             out[f"{p}mlp.gate.e_score_correction_bias"] = (g, None, None)
         elif base in ("attn_k_b", "attn_v_b"):

@@ -14,7 +14,8 @@ converter's family code (families.py) reads a GGUF as it reads a checkpoint fold
   (gguf_families.unpermute), so the rows are transformers' again.
 - A split GGUF (`NAME-00001-of-00003.gguf`) is read from its first file: the other parts
   are found beside it by name and all must be there.
-- F16 / BF16 tensors keep their stored bits (`raw`), so `--bits 16` copies them.
+- F16 / BF16 tensors keep their stored bits (`raw`), so `--bits 16` copies them; so do
+  gpt-oss's MXFP4 experts at 4 bits (convert/gptoss.py).
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ class GGUFCheckpoint:
         return out
 
     def raw(self, name: str, index: Optional[int] = None) -> np.ndarray:
-        """The stored bits of an F16 / BF16 / F32 tensor (bf16 as uint16)."""
+        """The stored bits of an F16 / BF16 / F32 tensor (bf16 as uint16), or an MXFP4
+        tensor's blocks (uint8 [rows, 17 bytes per 32 values]: format/mxfp4.from_gguf_blocks)."""
         t, idx, perm = self._src(name)
         if perm == "kv_b":
             return self._kv_b(name, self._raw)
@@ -169,8 +171,11 @@ class GGUFCheckpoint:
             a = data.view(np.uint16).reshape(shape)
         elif t.qtype in ("F16", "F32"):
             a = data.reshape(shape)
+        elif t.qtype == "MXFP4":
+            a = data.view(np.uint8).reshape(shape[0], -1)
         else:
-            raise ModelFormatError(f"GGUF: {t.t.name} is {t.qtype}; raw bits only for floats")
+            raise ModelFormatError(f"GGUF: {t.t.name} is {t.qtype}; raw bits only for floats "
+                                   f"and MXFP4")
         return a
 
     def close(self) -> None:

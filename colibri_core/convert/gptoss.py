@@ -15,7 +15,9 @@ Experts come in two layouts. A released checkpoint holds them as MXFP4
 bits) they are kept byte for byte (format/mxfp4.py), other precisions dequantize them
 first. A model built by transformers holds floats, `experts.gate_up_proj` [E, H, 2I] and
 `down_proj` [E, I, H] (x @ W): at 4 bits they are quantized to MXFP4, at 8 to q8, at 16
-to bf16, at 32 kept in f32. Biases stay f32.
+to bf16, at 32 kept in f32. A GGUF (llama.cpp's `gpt-oss`) holds gate, up and down apart
+(`ffn_gate_exps` ...), MXFP4 or another type: MXFP4 blocks are kept at 4 bits (lossless
+nibble reorder), anything else is dequantized. Biases stay f32.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError
-from ..format.mxfp4 import MX_BLOCK, MXFP4Tensor, dequantize_mxfp4, from_blocks, quantize_mxfp4
+from ..format.mxfp4 import (MX_BLOCK, MXFP4Tensor, dequantize_mxfp4, from_blocks,
+                            from_gguf_blocks, quantize_mxfp4)
 from ..format.quant import quantize_q8
 from ..model.weights import FFNWeights
 from .safetensors_reader import f32_to_bf16
@@ -87,6 +90,8 @@ def expert_ffn(ck, L: int, e: int, bits: int, group: int) -> FFNWeights:
     """Expert e of layer L: gate, up [I, H] and down [H, I] stored at `bits` (4: MXFP4),
     with its three biases."""
     p = _prefix(L) + "experts."
+    if f"{p}{e}.gate_proj.weight" in ck:                         # a GGUF (gguf_reader)
+        return _gguf_expert(ck, f"{p}{e}.", bits, group)
     gub = np.asarray(ck.get(p + "gate_up_proj_bias", e), np.float32)
     biases = {"w1": np.ascontiguousarray(gub[0::2]), "w3": np.ascontiguousarray(gub[1::2]),
               "w2": np.ascontiguousarray(ck.get(p + "down_proj_bias", e), np.float32)}
@@ -106,6 +111,21 @@ def expert_ffn(ck, L: int, e: int, bits: int, group: int) -> FFNWeights:
                           f"{p}gate_up_proj_blocks)")
     return FFNWeights(*(_store(np.ascontiguousarray(m), bits, group) for m in mats),
                       biases=biases)
+
+
+def _gguf_expert(ck, p: str, bits: int, group: int) -> FFNWeights:
+    """llama.cpp's gpt-oss layout: gate / up [I, H] and down [H, I] apart, each with a bias;
+    an MXFP4 matrix at 4 bits keeps its blocks (the codes and exponents unchanged), any other
+    type or precision is dequantized and stored at `bits`."""
+    mats, biases = [], {}
+    for m, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        w = p + name + ".weight"
+        biases[m] = np.ascontiguousarray(ck.get(p + name + ".bias"), np.float32)
+        if bits == 4 and ck.dtype(w) == "MXFP4":
+            mats.append(from_gguf_blocks(ck.raw(w), *ck.shape(w)))
+        else:
+            mats.append(_store(np.ascontiguousarray(ck.get(w)), bits, group))
+    return FFNWeights(*mats, biases=biases)
 
 
 def _store(w: np.ndarray, bits: int, group: int):

@@ -124,6 +124,12 @@ CASES = {
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                       "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                       "beta_slow": 1}), {"Q8_0": F_FLOAT["Q8_0"]}),
+    # gpt-oss (issue 32): sinks, a sliding window of 4 on the even layer, YaRN, biases, the
+    # router's bias, the SwiGLU clamp reached; F32 and llama-quantize's MXFP4_MOE (MXFP4
+    # experts: kept byte for byte by the converter)
+    "gpt_oss": ("gpt_oss", SMALL, dict(intermediate_size=32, num_local_experts=4,
+                                       num_experts_per_tok=2, head_dim=16, sliding_window=4),
+                {"F32": F_FLOAT["F32"], "MXFP4_MOE": ("quantize", "MXFP4_MOE")}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
@@ -172,9 +178,28 @@ def make_model(fam: str, widths: dict, over: dict, seed: int = 0):
         _, tr = hf_helpers._imports()
         return hf_helpers.random_model(tr.LlamaConfig(**dict(kw, num_hidden_layers=1)),
                                        tr.LlamaForCausalLM, seed)
+    if fam == "gpt_oss":
+        return make_gpt_oss(kw, seed)
     if fam in hf_helpers_more.MORE_FAMILIES:
         return hf_helpers_more.make_more_model(fam, seed, **kw)
     return hf_helpers.make_hf_model(fam, seed, **kw)
+
+
+def make_gpt_oss(kw: dict, seed: int):
+    """A tiny random gpt-oss as tests/test_convert_gptoss.py builds one: YaRN (factor 4 over
+    16 positions), sinks, router bias, gate/up pre-activations past the clamp."""
+    hf_helpers, _ = _helpers()
+    torch, tr = hf_helpers._imports()
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    cfg = tr.GptOssConfig(**dict(kw, max_position_embeddings=64, rope_parameters=rope))
+    model = hf_helpers.random_model(cfg, tr.GptOssForCausalLM, seed)
+    with torch.no_grad():
+        for lyr in model.model.layers:
+            lyr.self_attn.sinks.normal_(0.0, 1.0)
+            lyr.mlp.experts.gate_up_proj.mul_(4.0)
+            lyr.mlp.router.bias.normal_(0.0, 0.5)
+    return model
 
 
 def run_convert(src: Path, hf_dir: Path, outtype: str, out: Path, extra=()) -> None:
