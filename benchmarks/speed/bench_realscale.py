@@ -191,13 +191,18 @@ def gguf_floor_bytes(cfg) -> float:
 def measure(shape: str, a) -> dict:
     from benchmarks.speed._pipeline_inputs import weights_per_token
     from benchmarks.peers._llamacpp_tools import ensure_tools, parse_batched_bench
+    from benchmarks.speed._realscale_routing import routing_variant, set_routing
     p = RM.ensure(shape, a.dir)
     mdir, gguf = p["colibri"], p["gguf"]
+    variant = routing_variant(shape, a.dir)     # set on the Colibri model (issue 31)
+    if variant is not None:     # a GGUF written since then has its own routers: make them one
+        set_routing(shape, variant, a.dir)
     cfiles = sorted(x for x in mdir.iterdir() if x.suffix == ".bin")
     tools = ensure_tools(("llama-bench", "llama-batched-bench"), build=not a.no_build)
     cfg = RM.model_config(shape)
     T = str(a.threads)
     res = {"shape": shape, "threads": a.threads, "tokens": a.tokens, "loadavg_before": os.getloadavg(),
+           "routing": variant or "uniform (each file its own random draw)",
            "colibri_bytes": sum(x.stat().st_size for x in cfiles), "gguf_bytes": gguf.stat().st_size}
     log("read bandwidth ...")
     res["bandwidth"] = best_read_bandwidth(a.threads, 1024, 5)
