@@ -88,13 +88,20 @@ def colibri_logits(out: Path, prompts) -> list:
         return [np.asarray(eng.next_token_logits(p, all_positions=True)) for p in prompts]
 
 
-def gguf_types(remake, path: Path) -> str:
-    """The GGML types of the file's 2-D+ weights, with counts."""
+def gguf_types(path: Path) -> tuple[str, float]:
+    """The GGML types of the file's weight matrices (with counts) and their stored bits per
+    weight: the tensors Colibri's bits per weight counts (embedding, lm_head, attention,
+    FFNs, experts; not norms, biases, sinks, routers)."""
+    import gguf
     got: dict = {}
-    for n, t in remake.tensor_types(path).items():
-        if not n.endswith((".bias", "norm.weight")) and "sinks" not in n:
-            got[t] = got.get(t, 0) + 1
-    return " ".join(f"{k} x{v}" for k, v in sorted(got.items()))
+    nbytes = nweights = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        n = t.name
+        if n.endswith((".bias", "norm.weight")) or "sinks" in n or "ffn_gate_inp" in n:
+            continue
+        got[t.tensor_type.name] = got.get(t.tensor_type.name, 0) + 1
+        nbytes, nweights = nbytes + int(t.n_bytes), nweights + int(t.n_elements)
+    return " ".join(f"{k} x{v}" for k, v in sorted(got.items())), nbytes * 8 / nweights
 
 
 def run_family(fam: str, a, remake, helpers, lib, work: Path) -> dict:
@@ -128,7 +135,8 @@ def run_family(fam: str, a, remake, helpers, lib, work: Path) -> dict:
         path = work / fam / f"{kind}.gguf"
         remake.run_quantize(bindir, f32, path, kind)
         err = float(np.median(token_errors([lib.logits(path, p) for p in prompts], ref)))
-        row["llama"][kind] = {"error": err, "types": gguf_types(remake, path)}
+        types, bits = gguf_types(path)
+        row["llama"][kind] = {"error": err, "types": types, "bits": bits}
     return row
 
 
@@ -155,16 +163,16 @@ def main(argv=None) -> int:
           f"Colibri C kernels (default engine: int8 activations, fixed-point routing) vs "
           f"llama.cpp CPU (libllama); commit {git_commit()}; error = median over 96 positions "
           f"of the relative RMS logit error against transformers float32\n")
-    print("| family | Colibri default (bits/w) | Colibri error | llama.cpp file (types) | "
+    print("| family | Colibri default bits/w | Colibri error | llama.cpp file (types) | bits/w | "
           "llama.cpp error | ratio Colibri / llama.cpp | llama.cpp F32 check |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['family']} | {r['colibri_bits']:.2f} | {r['colibri']:.4f} |"
         if "llama" not in r:
-            print(f"{head} {r['llama_cpp']} | | | |")
+            print(f"{head} {r['llama_cpp']} | | | | |")
             continue
         for kind, v in r["llama"].items():
-            print(f"{head} {kind} ({v['types']}) | {v['error']:.4f} | "
+            print(f"{head} {kind} ({v['types']}) | {v['bits']:.2f} | {v['error']:.4f} | "
                   f"{r['colibri'] / v['error']:.2f} | {r['llama_f32']:.1e} |")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"command": cmd, "commit": git_commit(), "rows": rows}, indent=1))
