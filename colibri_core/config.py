@@ -41,10 +41,11 @@ class FormatVersion(BaseModel):
 
 
 class RopeScaling(BaseModel):
-    """Rotary scaling as transformers computes it (modeling_rope_utils): YaRN (DeepSeek,
-    GLM, gpt-oss: _compute_yarn_parameters) or llama3 (Llama 4: _compute_llama3_parameters)."""
+    """Rotary scaling as transformers computes it (modeling_rope_utils): YaRN (DeepSeek, GLM,
+    gpt-oss), llama3 (Llama 4) or longrope (Phi-3.5-MoE: ops.rope_frequencies says how)."""
     model_config = _STRICT
-    type: Literal["yarn", "llama3"] = "yarn"
+    type: Literal["yarn", "llama3", "longrope"] = "yarn"
+    short_factor: list[float] = []              # longrope: a divisor per frequency
     factor: float = Field(gt=0)
     original_max_position_embeddings: int = Field(gt=0)
     beta_fast: float = 32.0
@@ -73,7 +74,8 @@ class ModelConfig(BaseModel):
     head_dim: Optional[int] = Field(default=None, gt=0)  # None -> hidden_size // num_heads
     max_position_embeddings: int = Field(default=2048, gt=0)  # the context length
     rope_theta: float = Field(default=10000.0, gt=0)
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)   # the eps of either norm_type
+    norm_type: Literal["rms", "layer"] = "rms"  # "layer": LayerNorm, sections *norm_bias too
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     qk_norm: Literal["none", "per_head", "full", "l2"] = "none"  # RMSNorm on q/k: per head
@@ -93,7 +95,8 @@ class ModelConfig(BaseModel):
     top_k: int = Field(default=0, ge=0)
     layer_types: list[Literal["dense", "moe"]]    # one entry per global layer index
     norm_topk_prob: bool = True
-    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+    scoring_func: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"  # routing.route
+    router_jitter_eps: float = Field(default=0.0, ge=0)    # sparsemixer's mask width
     routed_scaling_factor: float = 1.0
     n_group: int = Field(default=1, ge=1)       # group-limited routing (DeepSeek)
     topk_group: int = Field(default=1, ge=1)
@@ -102,10 +105,9 @@ class ModelConfig(BaseModel):
     select_bias_on_probs: bool = False          # softmax routing: the selection bias added to
                                                 # the probabilities, not the logits (ERNIE-4.5)
     routing_scales_input: bool = False          # Llama 4: weight x the expert's input, not output
-    # Granite's scalars, applied where its model applies them: the embedding rows times
-    # embedding_multiplier; the softmax scale attention_multiplier (None: 1/sqrt(head_dim));
-    # the attention and FFN outputs times residual_multiplier before each residual add;
-    # the logits divided by logits_scaling
+    # Granite's scalars, where its model applies them: the embedding rows x embedding_multiplier;
+    # the softmax scale attention_multiplier (None: 1/sqrt(head_dim)); the attention and FFN
+    # outputs x residual_multiplier before each residual add; the logits / logits_scaling
     embedding_multiplier: float = 1.0
     attention_multiplier: Optional[float] = Field(default=None, gt=0)
     residual_multiplier: float = 1.0
@@ -116,8 +118,7 @@ class ModelConfig(BaseModel):
     swiglu_limit: float = Field(default=7.0, gt=0)
     swiglu_alpha: float = 1.702
     logits_scaling: float = Field(default=1.0, gt=0)
-    rotary_dim: Optional[int] = Field(default=None, gt=0)   # the first dims of a head rotated
-                                                            # (partial rotary); None: all
+    rotary_dim: Optional[int] = Field(default=None, gt=0)   # partial rotary; None: all dims
 
     # Attention variant. "mla": DeepSeek multi-head latent attention (colibri_core/model/mla.py);
     # head_dim is then qk_nope_head_dim + qk_rope_head_dim and num_kv_heads == num_heads.
@@ -129,8 +130,7 @@ class ModelConfig(BaseModel):
     v_head_dim: int = Field(default=0, ge=0)
     rope_interleave: bool = False               # rotary pairs (x0,x1),(x2,x3).. (DeepSeek)
     rope_scaling: Optional[RopeScaling] = None
-    # Converter provenance (bits, group size, method: rtn / awq / awq-import, ...);
-    # informational, never read by the engine.
+    # Converter provenance (bits, group size, method, ...); never read by the engine
     quantization: dict[str, Any] = {}
 
     bos_token_id: Optional[int] = None

@@ -223,6 +223,9 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
                               "imported as it is (drop --calibration)")
         if bits not in (4, 8):
             raise ConfigError(f"--calibration applies to --bits 4 or 8, not {bits}")
+        if fields.get("norm_type") == "layer":
+            raise ConfigError("--calibration: not supported with LayerNorms (Phi-3.5-MoE): "
+                              "AWQ's calibration forward runs RMSNorms")
         if fields["architecture"] == gptoss.FAMILY:
             raise ConfigError("--calibration: not supported for gpt-oss (its experts are MXFP4; "
                               "AWQ's search knows neither their biases nor the clamped SwiGLU)")
@@ -440,6 +443,10 @@ def _main_sections(wr: _Writer, cfg: ModelConfig, cls_bits: dict, tick) -> Itera
                 g = wr.vector(fam.shared_gate_source(ck, L))
                 yield p + "shared_gate", g.reshape(1, cfg.hidden_size)
     yield "final_norm", wr.vector(fam.Src("model.norm.weight"))
+    if cfg.norm_type == "layer":                     # Phi-3.5-MoE: LayerNorm with a bias
+        yield "final_norm_bias", wr.vector(fam.Src("model.norm.bias"))
+    if "lm_head.bias" in wr.ck:
+        yield "lm_head_bias", wr.vector(fam.Src("lm_head.bias"))
     if not cfg.tie_word_embeddings:
         yield from mat("lm_head", fam.Src("lm_head.weight"), bits=cls_bits["lm_head"])
 

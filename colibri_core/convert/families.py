@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import families_more as more
-from . import gptoss
+from . import gptoss, phimoe
 from .safetensors_reader import Checkpoint
 
 _MISSING = object()
@@ -71,6 +71,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                         scoring_func="softmax"),
     **more.DEFAULTS,
     gptoss.FAMILY: gptoss.DEFAULTS,
+    phimoe.FAMILY: phimoe.DEFAULTS,
 }
 
 ARCHITECTURES = {
@@ -82,6 +83,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     **more.ARCHITECTURES,
     **gptoss.ARCHITECTURES,
+    **phimoe.ARCHITECTURES,
 }
 
 
@@ -159,8 +161,10 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict], float]:
             _refuse(f"llama3 rope parameters {params}", f"{', '.join(need)} are required")
         return theta, dict(type="llama3", **{k: float(params[k]) for k in need[:3]},
                            original_max_position_embeddings=int(params[need[3]])), partial
+    if kind == "longrope" and c.family == phimoe.FAMILY:
+        return theta, phimoe.longrope(c, params, theta, _refuse), partial
     if kind != "yarn":
-        _refuse(f"rope type {kind!r}", "supported: default, yarn, llama3")
+        _refuse(f"rope type {kind!r}", "supported: default, yarn, llama3 (longrope: PhiMoE's)")
     orig = params.get("original_max_position_embeddings") or c("original_max_position_embeddings", None) \
         or c("max_position_embeddings")
     factor = params.get("factor")
@@ -237,6 +241,8 @@ def model_config_fields(hf: dict, add_bos: Optional[bool] = None) -> dict:
             pass  # training-only noise: inference ignores it, as transformers does in eval
     if fam == gptoss.FAMILY:
         gptoss.fields(c, d, _refuse)
+    elif fam == phimoe.FAMILY:
+        phimoe.fields(c, d, _refuse)
     elif fam in more.ARCHITECTURES.values():
         more.fields(fam, c, d, _refuse)
     elif fam == "mixtral":
@@ -388,8 +394,12 @@ def attention_sections(ck: Checkpoint, cfg, L: int) -> list[tuple[str, Src, str]
         for s, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             d = cfg.head_size if cfg.architecture in more.INTERLEAVED_ROPE and s != "bv" else 0
             out.append((p + s, Src(q + f"{n}.bias", deinterleave=d), "vector"))
-    if q + "o_proj.bias" in ck:                             # gpt-oss
+    if q + "o_proj.bias" in ck:                             # gpt-oss, Phi-3.5-MoE
         out.append((p + "bo", Src(q + "o_proj.bias"), "vector"))
+    if cfg.norm_type == "layer":                            # Phi-3.5-MoE's LayerNorm biases
+        out += [(p + "attn_norm_bias", Src(f"model.layers.{L}.input_layernorm.bias"), "vector"),
+                (p + "ffn_norm_bias", Src(f"model.layers.{L}.post_attention_layernorm.bias"),
+                 "vector")]
     if cfg.attention_sinks:                                 # gpt-oss: [num_heads]
         out.append((p + "sinks", Src(q + "sinks"), "vector"))
     if cfg.qk_norm not in ("none", "l2"):                  # l2 has no weights

@@ -27,6 +27,7 @@ def gqa_layer(keep, cfg, lw, eps: float, p_inv, factor: float):
     al.qk_norm = 0 if cfg.qk_norm == "l2" and nope else _QK_NORM[cfg.qk_norm]
     al.q_norm, al.k_norm = keep.f32(a.q_norm), keep.f32(a.k_norm)
     al.norm, al.ffn_norm = keep.f32(lw.attn_norm), keep.f32(lw.ffn_norm)
+    al.norm_b, al.ffn_norm_b = keep.f32(lw.attn_norm_bias), keep.f32(lw.ffn_norm_bias)  # LayerNorm
     al.hidden, al.nh, al.nkv, al.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     al.eps, al.scale = eps, float(cfg.attention_multiplier or 1.0 / np.sqrt(cfg.head_size))
     al.rot, al.out_scale = ops.rope_dim(cfg), cfg.residual_multiplier

@@ -84,7 +84,8 @@ class Pipeline:
             self.layers.append(L)
         self.head = keep.new("ck_mat *")
         set_mat(keep, self.head, w.lm_head, what="lm_head")
-        self.final_norm = keep.f32(w.final_norm)
+        self.final_norm, self.final_norm_b = keep.f32(w.final_norm), keep.f32(w.final_norm_bias)
+        self.head_b = keep.f32(w.lm_head_bias)      # Phi-3.5-MoE's lm_head bias, or NULL
         self.embed_mat = keep.new("ck_mat *")
         set_mat(keep, self.embed_mat, w.embed, what="embed")
         self._tables: Optional[SetTables] = None
@@ -201,7 +202,7 @@ class Pipeline:
             slots, k, width = t.layers[L.index].slots, self.layer_k[i], self.layer_width[i]
             logits = sc.rows("logits", i, n, slots).copy()
             ids = sc.rows("ids", i, n, k)[:, :width].copy()
-            if self.cfg.scoring_func == "softmax":
+            if self.cfg.scoring_func != "sigmoid":
                 p = ops.softmax(logits.astype(np.float64))
             else:
                 p = ops.sigmoid(logits.astype(np.float64))
@@ -328,8 +329,8 @@ class Pipeline:
         else:
             out = np.empty((n, self.head.rows), np.float32)
             p_out = ffi.cast("float *", ffi.from_buffer(out))
-        self._check(lib.ck_step_head(self.head, self.final_norm, self.eps, self.scratch.p_head_x,
-                                     n, p_out, self.scratch.s))
+        self._check(lib.ck_step_head_b(self.head, self.final_norm, self.final_norm_b, self.head_b,
+                                       self.eps, self.scratch.p_head_x, n, p_out, self.scratch.s))
         if self.cfg.logits_scaling != 1.0:          # Granite
             out /= np.float32(self.cfg.logits_scaling)
         return out
@@ -362,7 +363,7 @@ class Pipeline:
         if rc == lib.CK_E_NONFINITE:                # NaN/Inf logits: the router's fallback
             r = route(lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
                       mode=model.engine.routing, scoring=cfg.scoring_func,
-                      norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias,
+                      norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias, jitter_eps=cfg.router_jitter_eps,
                       n_group=cfg.n_group, topk_group=cfg.topk_group,
                       scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
             K = r.ids.shape[1]
@@ -376,7 +377,7 @@ class Pipeline:
             tap(layer, sc.xn[:n], lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
                 self._last_tables.es)
         if hooks is not None and hooks.routing is not None:
-            p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func == "softmax" \
+            p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func != "sigmoid" \
                 else ops.sigmoid(lg.astype(np.float64))
             scores = np.take_along_axis(p, np.maximum(idv, 0), 1).astype(np.float32)
             override = hooks.routing(layer=layer, expert_ids=idv, weights=wv, scores=scores, logits=lg)

@@ -50,6 +50,15 @@ class ReferenceModel:
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return ops.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
+    def _norm(self, x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
+        """The layer norms: RMSNorm, or LayerNorm where there is a bias (norm_type "layer")."""
+        if b is None:
+            return self._rmsnorm(x, w)
+        x64 = x.astype(np.float64)
+        c = x64 - x64.mean(axis=-1, keepdims=True)
+        y = c / np.sqrt((c * c).mean(axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        return (y * w + b).astype(np.float32)
+
     def linear(self, w, x: np.ndarray, act_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """x [T, in] @ w^T -> [T, out] float32, whatever the stored number type.
 
@@ -132,7 +141,8 @@ class ReferenceModel:
         r = route(logits, k_tok, mode=self.routing_mode, scoring=cfg.scoring_func,
                   norm_topk_prob=cfg.norm_topk_prob, bias=es.select_bias[L],
                   n_group=cfg.n_group, topk_group=cfg.topk_group,
-                  scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
+                  scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs,
+                  jitter_eps=cfg.router_jitter_eps)
         self.last_routing.append(LayerTrace(L, r, logits))
         experts = es.experts[L]
         out = np.zeros_like(xn)
@@ -200,8 +210,8 @@ class ReferenceModel:
         self.last_routing = []
         x = self._embed(ids)                                              # [T, H]
         for lw in self.w.layers:
-            x = x + self._attention(lw, self._rmsnorm(x, lw.attn_norm), pos, spans)
-            xn = self._rmsnorm(x, lw.ffn_norm)
+            x = x + self._attention(lw, self._norm(x, lw.attn_norm, lw.attn_norm_bias), pos, spans)
+            xn = self._norm(x, lw.ffn_norm, lw.ffn_norm_bias)
             if lw.kind == "dense":
                 y = np.empty_like(xn)
                 self._ffn(lw.dense, xn, y)
@@ -212,8 +222,10 @@ class ReferenceModel:
         for t0, t1, cache in spans:
             cache.length += t1 - t0
             rows = x[t0:t1] if all_logits else x[t1 - 1:t1]
-            logits = self.linear(self.w.lm_head, self._rmsnorm(rows, self.w.final_norm))
+            logits = self.linear(self.w.lm_head, self._norm(rows, self.w.final_norm, self.w.final_norm_bias))
             logits /= np.float32(cfg.logits_scaling)
+            if self.w.lm_head_bias is not None:
+                logits += self.w.lm_head_bias
             results.append(logits if all_logits else logits[0])
         return results
 

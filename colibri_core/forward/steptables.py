@@ -450,7 +450,9 @@ class SetTables:
             rt.scaling = float(cfg.routed_scaling_factor)
             rt.bias_on_probs = bool(cfg.select_bias_on_probs)
             rt.scoring = (lib.CK_ROUTE_SIGMOID if cfg.scoring_func == "sigmoid" else
+                          lib.CK_ROUTE_SPARSEMIXER if cfg.scoring_func == "sparsemixer" else
                           lib.CK_ROUTE_FIXED if model.engine.routing == "fixed" else lib.CK_ROUTE_FLOAT)
+            rt.jitter_eps = float(cfg.router_jitter_eps)
             rt.select_bias = keep.f32(es.select_bias[L])
             rt.n_group, rt.topk_group = cfg.n_group, cfg.topk_group
             rt.exp2_q30 = self.exp2

@@ -53,7 +53,7 @@ def model_fingerprint(weights) -> str:
         if lw.kind != "moe":
             continue
         h.update(b"layer %d\n" % lw.index)
-        for arr in (lw.router, lw.ffn_norm, lw.router_bias, lw.router_logit_bias):
+        for arr in (lw.router, lw.ffn_norm, lw.router_bias, lw.router_logit_bias, lw.ffn_norm_bias):
             if arr is not None:
                 h.update(memoryview(np.ascontiguousarray(arr, "<f4")).cast("B"))
     fp = h.hexdigest()

@@ -177,6 +177,18 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         return 1.0 / pos_freqs, 1.0
     if rs.type == "llama3":
         return _llama3_inv_freq(1.0 / pos_freqs, rs), 1.0
+    if rs.type == "longrope":
+        # transformers 5's PhiMoE: 1 / (short_factor * base^(2i/d)) in float32 at every
+        # length (its forward never passes the length that would pick long_factor), cos/sin
+        # times attention_factor (the converter's mscale)
+        ext = np.asarray(rs.short_factor, np.float32)
+        if ext.shape != (dim // 2,):
+            raise ValueError(f"config.json: rope_scaling.short_factor has {ext.size} entries, "
+                             f"expected {dim // 2} (rotary dims / 2)")
+        shape = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        inv = np.float32(1.0) / (ext * np.power(np.float32(base), shape, dtype=np.float32))
+        af = 1.0 if rs.attention_factor is None else rs.attention_factor
+        return inv.astype(np.float32).astype(np.float64), float(af)
     factor = rs.factor
     af = rs.attention_factor
     if af is None:

@@ -66,9 +66,10 @@ def fixed_point_softmax_weights(logits: np.ndarray, sel: np.ndarray,
 def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: str = "softmax",
           norm_topk_prob: bool = True, bias: np.ndarray | None = None,
           n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-          bias_on_probs: bool = False) -> Routing:
+          bias_on_probs: bool = False, jitter_eps: float = 0.0) -> Routing:
     """Route T tokens. `k` is an int array [T] (per-token k; each 1..E). bias_on_probs:
-    with softmax scores the selection bias is added to the probabilities (ERNIE-4.5)."""
+    with softmax scores the selection bias is added to the probabilities (ERNIE-4.5).
+    scoring "sparsemixer": Phi-3.5-MoE's two experts and weights (sparsemixer below)."""
     logits = np.asarray(logits, dtype=np.float32)
     T, E = logits.shape
     k = np.asarray(k, dtype=np.int64).reshape(-1)
@@ -76,7 +77,7 @@ def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: st
     finite = np.isfinite(logits).all(axis=1)
     safe = np.where(finite[:, None], logits, 0.0).astype(np.float32)
 
-    if scoring == "softmax":
+    if scoring in ("softmax", "sparsemixer"):
         probs = ops.softmax(safe.astype(np.float64), axis=1)
         select_on = safe.astype(np.float64)
     else:  # sigmoid scores (DeepSeek-V3): selection may add a bias and be group-limited
@@ -88,8 +89,14 @@ def route(logits: np.ndarray, k: np.ndarray, *, mode: str = "fixed", scoring: st
         select_on = _group_limit(select_on, n_group, topk_group, top2=scoring == "sigmoid")
 
     sel = ops.top_k(select_on, K)                                 # [T, K]
+    if scoring == "sparsemixer":                # at most two experts; the rest unused
+        sel2, w2 = sparsemixer(safe, jitter_eps)
+        sel[:, :min(K, 2)], k = sel2[:, :K], np.minimum(k, 2)
     scores = np.take_along_axis(probs, sel, axis=1)
-    if scoring == "softmax":
+    if scoring == "sparsemixer":
+        weights = np.zeros((T, K))
+        weights[:, :min(K, 2)] = w2[:, :K]
+    elif scoring == "softmax":
         if mode == "fixed":
             weights = fixed_point_softmax_weights(safe, sel, normalize_selected=False).astype(np.float64)
         else:
@@ -126,3 +133,25 @@ def _group_limit(values: np.ndarray, n_group: int, topk_group: int, top2: bool) 
     mask = np.zeros((T, n_group), dtype=bool)
     np.put_along_axis(mask, keep, True, axis=1)
     return np.where(np.repeat(mask, E // n_group, axis=1), values, -np.inf)
+
+
+def sparsemixer(logits: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' PhiMoE sparsemixer in eval mode: (ids [T, 2], weights [T, 2]). The first
+    expert is the best logit m; its weight its softmax probability among the logits s with
+    (m - s) / max(|s|, m) <= 2 eps (the others masked out). The second: the same with the
+    first expert removed and m the best of the rest. The comparisons in float32, as there."""
+    s = np.asarray(logits, np.float32)
+    T, E = s.shape
+    ids, w = np.zeros((T, 2), np.int64), np.zeros((T, 2))
+    two_eps, rows = np.float32(2.0 * eps), np.arange(T)
+    avail = np.ones((T, E), bool)
+    for j in range(2):
+        cand = np.where(avail, s, -np.inf).astype(np.float32)
+        best = np.argmax(cand, axis=1)
+        m = cand[rows, best][:, None]
+        keep = avail & ~(((m - s) / np.maximum(np.abs(s), m)) > two_eps)
+        z = np.where(keep, s.astype(np.float64) - m, -np.inf)
+        p = np.exp(z)
+        ids[:, j], w[:, j] = best, p[rows, best] / p.sum(axis=1)
+        avail[rows, best] = False
+    return ids, w

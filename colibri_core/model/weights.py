@@ -89,6 +89,8 @@ class LayerWeights:
     experts: list[ModelExpert] = field(default_factory=list)
     shared: Optional[FFNWeights] = None
     shared_gate: Optional[np.ndarray] = None  # [1, H]
+    attn_norm_bias: Optional[np.ndarray] = None   # [H] norm_type "layer": the LayerNorms'
+    ffn_norm_bias: Optional[np.ndarray] = None    # biases (Phi-3.5-MoE)
 
 
 @dataclass
@@ -100,6 +102,8 @@ class ModelWeights:
     lm_head: Matrix                  # [V, H] (the embedding when tied)
     layers: list[LayerWeights]
     files: list[ContainerFile]
+    final_norm_bias: Optional[np.ndarray] = None  # [H] norm_type "layer"
+    lm_head_bias: Optional[np.ndarray] = None     # [V] (Phi-3.5-MoE), or None
 
     def close(self) -> None:
         # Views first: a mapping is unmapped (and its file descriptor closed) only once no
@@ -277,6 +281,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
                                                     ("wo", nh * hd))))
             lw = LayerWeights(L, kind, get(main, p + "attn_norm", (H,)),
                               get(main, p + "ffn_norm", (H,)), attn)
+            if cfg.norm_type == "layer":             # LayerNorms: their biases
+                lw.attn_norm_bias = get(main, p + "attn_norm_bias", (H,))
+                lw.ffn_norm_bias = get(main, p + "ffn_norm_bias", (H,))
             if kind == "dense":
                 lw.dense = ffn(main, p, ("w1", "w3", "w2"), cfg.intermediate_size)
             else:
@@ -299,7 +306,9 @@ def load_model(path: Union[str, Path], load_mode: str = "mmap",
             layers.append(lw)
         embed = get(main, "embed", (cfg.vocab_size, H))
         lm_head = embed if cfg.tie_word_embeddings else get(main, "lm_head", (cfg.vocab_size, H))
-        return ModelWeights(cfg, path, embed, get(main, "final_norm", (H,)), lm_head, layers, files)
+        return ModelWeights(cfg, path, embed, get(main, "final_norm", (H,)), lm_head, layers, files,
+                            get(main, "final_norm_bias", (H,)) if cfg.norm_type == "layer" else None,
+                            get(main, "lm_head_bias", (cfg.vocab_size,), optional=True))
     except BaseException:
         for f in files:
             f.close()

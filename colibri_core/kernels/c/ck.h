@@ -129,6 +129,8 @@ typedef struct {               /* one layer's attention block (grouped-query att
                                     times 1 + temp_scale * log1p(floor((pos+1) / temp_floor))
                                     when temp_floor > 0 */
     float temp_floor, temp_scale;
+    const float *norm_b, *ffn_norm_b;  /* LayerNorm biases [H] (norm_type "layer": the two
+                                    norms are LayerNorms), or NULL: RMSNorms */
 } ck_attn_layer;
 
 typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V3; mla.py) */
@@ -147,7 +149,7 @@ typedef struct {               /* one layer's MLA attention block (DeepSeek-V2/V
     int interleave;              /* DeepSeek's interleaved rope pairs (rope_interleave) */
 } ck_mla_layer;
 
-enum { CK_ROUTE_FIXED = 0, CK_ROUTE_FLOAT = 1, CK_ROUTE_SIGMOID = 2 };
+enum { CK_ROUTE_FIXED = 0, CK_ROUTE_FLOAT = 1, CK_ROUTE_SIGMOID = 2, CK_ROUTE_SPARSEMIXER = 3 };
 
 typedef struct {               /* one MoE layer's router (routing.route) */
     const float *weight;         /* [e, h] */
@@ -162,6 +164,7 @@ typedef struct {               /* one MoE layer's router (routing.route) */
     const int64_t *exp2_q30;     /* routing._EXP2_TABLE */
     int bias_on_probs;           /* softmax: select_bias added to the probabilities, not the
                                     logits (ERNIE-4.5) */
+    float jitter_eps;            /* CK_ROUTE_SPARSEMIXER's mask width (routing.sparsemixer) */
 } ck_router;
 
 typedef struct {               /* one layer's expert block */
@@ -252,6 +255,10 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
 /* logits [n, rows] = rmsnorm(x [n, cols], norm) @ w^T */
 int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, int64_t n,
                  float *logits, ck_sscratch *s);
+/* the same with a LayerNorm (weight norm, bias norm_b) where norm_b is not NULL, and
+ * bias [rows] added to the logits where not NULL (Phi-3.5-MoE) */
+int ck_step_head_b(const ck_mat *w, const float *norm, const float *norm_b, const float *bias,
+                   float eps, const float *x, int64_t n, float *logits, ck_sscratch *s);
 
 /* Tests: n rows of d floats into a cache's storage type and back (kind CK_KV_F16: dst
  * uint16 [n, d]; CK_KV_Q8: dst int8 [n, d] and scales [n]), as ck_step_attention

@@ -31,6 +31,11 @@ static void lm_chunk(void *p, int64_t ch) {
 
 int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, int64_t n,
                  float *logits, ck_sscratch *s) {
+    return ck_step_head_b(w, norm, NULL, NULL, eps, x, n, logits, s);
+}
+
+int ck_step_head_b(const ck_mat *w, const float *norm, const float *norm_b, const float *bias,
+                   float eps, const float *x, int64_t n, float *logits, ck_sscratch *s) {
     const ck_backend_t *be = ck_active_backend();
     if (n > s->n_max) return CK_E_SCRATCH;
     if (n <= 0) return 0;
@@ -38,7 +43,7 @@ int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, 
     act_set A = {0};
     int err = 0;
     int nth = nthreads(s, n * w->rows * w->cols);
-    norm_rows(x, norm, n, w->cols, eps, s->xn, nth);
+    norm_rows_b(x, norm, norm_b, n, w->cols, eps, s->xn, nth);
     c.a = act_for(&A, s, be, s->xn, n, w->cols, &c.w, nth, &err);
     if (err) return err;
     /* a batch's head through the panels: each row tile unpacked once for all tokens, the
@@ -50,6 +55,8 @@ int ck_step_head(const ck_mat *w, const float *norm, float eps, const float *x, 
     }
     c.ch = chunking((w->rows + c.rti - 1) / c.rti, n * c.rti * mat_bytes_per_row(w));
     ck_pool_for(lm_chunk, &c, nchunks(c.ch), nth);
+    for (int64_t t = 0; bias && t < n; t++)
+        for (int64_t r = 0; r < w->rows; r++) logits[t * w->rows + r] += bias[r];
     return 0;
 }
 

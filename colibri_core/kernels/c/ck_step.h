@@ -276,17 +276,35 @@ static inline const sact *act_for(act_set *A, ck_sscratch *s, const ck_backend_t
     return &A->a[i];
 }
 
-typedef struct { const float *x; const float *w; int64_t h; float eps; float *out; } norm_ctx;
+typedef struct { const float *x; const float *w; int64_t h; float eps; float *out; const float *b; } norm_ctx;
+
+/* out = (x - mean) / sqrt(var + eps) * w + b (nn.LayerNorm; the sums in double) */
+static inline void layernorm(const float *x, const float *w, const float *b, int64_t n,
+                             float eps, float *out) {
+    double s = 0.0, ss = 0.0;
+    for (int64_t i = 0; i < n; i++) s += x[i];
+    const double mean = s / (double)n;
+    for (int64_t i = 0; i < n; i++) ss += ((double)x[i] - mean) * ((double)x[i] - mean);
+    const double r = 1.0 / sqrt(ss / (double)n + (double)eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (float)(((double)x[i] - mean) * r) * w[i] + b[i];
+}
 
 static inline void norm_row(void *p, int64_t t) {
     norm_ctx *c = p;
-    rmsnorm(c->x + t * c->h, c->w, c->h, c->eps, c->out + t * c->h);
+    if (c->b) layernorm(c->x + t * c->h, c->w, c->b, c->h, c->eps, c->out + t * c->h);
+    else rmsnorm(c->x + t * c->h, c->w, c->h, c->eps, c->out + t * c->h);
+}
+
+/* RMSNorm rows, or LayerNorm rows where b (the bias) is not NULL */
+static inline void norm_rows_b(const float *x, const float *w, const float *b, int64_t n,
+                               int64_t h, float eps, float *out, int nth) {
+    norm_ctx c = {x, w, h, eps, out, b};
+    ck_pool_for(norm_row, &c, n, n >= 16 ? nth : 1);
 }
 
 static inline void norm_rows(const float *x, const float *w, int64_t n, int64_t h, float eps,
                       float *out, int nth) {
-    norm_ctx c = {x, w, h, eps, out};
-    ck_pool_for(norm_row, &c, n, n >= 16 ? nth : 1);
+    norm_rows_b(x, w, NULL, n, h, eps, out, nth);
 }
 
 /* ------------------------------------------------------------------ panels */

@@ -363,7 +363,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     for (int m = 0; m < 4; m++) work += c.w[m].rows * c.w[m].cols;
     work *= n;
     const int nth = nthreads(s, work);
-    norm_rows(x, a->norm, n, a->hidden, a->eps, s->xn, nth);
+    norm_rows_b(x, a->norm, a->norm_b, n, a->hidden, a->eps, s->xn, nth);
     act_set A = {0};
     for (int m = 0; m < 3 && !err; m++)
         c.act[m] = act_for(&A, s, be, s->xn, n, a->hidden, &c.w[m], nth, &err);
@@ -391,7 +391,7 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     if (err) return err;
     if (c.pan[3]) c.p = pack_panels(&c.ao->q, n, s, nth);
     ck_pool_for(a->bo ? o_chunk_bias : o_chunk, &c, nchunks(c.o), nth);
-    norm_rows(x, a->ffn_norm, n, a->hidden, a->eps, xn_out, nth);
+    norm_rows_b(x, a->ffn_norm, a->ffn_norm_b, n, a->hidden, a->eps, xn_out, nth);
     return 0;
 }
 

@@ -71,6 +71,35 @@ static int64_t best_of(const double *v, int64_t e, const int64_t *taken, int nta
     return best;
 }
 
+/* Phi-3.5-MoE's two experts (routing.sparsemixer): the best logit m, its weight its
+ * softmax among the logits s with (m - s) / max(|s|, m) <= 2 eps; then the same over the
+ * others. Slots from the third on stay unused. */
+static void route_sparsemixer(const ck_router *r, const float *logits, int k, int64_t *ids,
+                              float *weights) {
+    const int64_t e = r->e;
+    const float two_eps = (float)(2.0 * (double)r->jitter_eps);
+    double w[2] = {0.0, 0.0}, tot = 0.0;
+    for (int j = 0; j < k; j++) { ids[j] = -1; weights[j] = 0.0f; }
+    for (int j = 0; j < k && j < 2; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < e; i++)
+            if ((j == 0 || i != ids[0]) && (best < 0 || logits[i] > logits[best])) best = i;
+        const float m = logits[best];
+        double sum = 0.0;
+        for (int64_t i = 0; i < e; i++) {
+            if (j == 1 && i == ids[0]) continue;
+            const float f = fabsf(logits[i]) > m ? fabsf(logits[i]) : m;
+            if ((m - logits[i]) / f > two_eps) continue;
+            sum += exp((double)logits[i] - (double)m);
+        }
+        ids[j] = best;
+        w[j] = 1.0 / sum;
+        tot += w[j];
+    }
+    for (int j = 0; j < k && j < 2; j++)
+        weights[j] = (float)((r->norm_topk ? w[j] / (tot > 1e-20 ? tot : 1e-20) : w[j]) * r->scaling);
+}
+
 /* one token's choice as routing.route for every other mode: float softmax or sigmoid
  * scores (double), the selection bias, group-limited selection (groups scored by their
  * best value, or with sigmoid scores the sum of their best two), weights = the chosen
@@ -78,6 +107,10 @@ static int64_t best_of(const double *v, int64_t e, const int64_t *taken, int nta
 static void route_general(const ck_router *r, const float *logits, int k, int64_t *ids,
                           float *weights) {
     const int64_t e = r->e;
+    if (r->scoring == CK_ROUTE_SPARSEMIXER) {
+        route_sparsemixer(r, logits, k, ids, weights);
+        return;
+    }
     double prob[e > 0 ? e : 1], sel[e > 0 ? e : 1];
     double m = -INFINITY, sum = 0.0;
     for (int64_t i = 0; i < e; i++) m = logits[i] > m ? logits[i] : m;
