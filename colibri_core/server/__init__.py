@@ -60,6 +60,11 @@ def add_arguments(p) -> None:
                    help="answer 400 to unknown request fields instead of ignoring them")
     p.add_argument("--allow-expert-upload", dest="allow_expert_upload", action="store_true",
                    help="enable PUT /v1/experts/NAME (needs an API key and an allowlist)")
+    p.add_argument("--allow-expert-training", dest="allow_expert_training",
+                   action="store_true", help="enable POST /v1/experts/train (needs an API "
+                   "key and an allowlist; trains and builds candidates at nice 10)")
+    p.add_argument("--train-data-dir", dest="train_data_dir", metavar="DIR",
+                   help="folder whose files POST /v1/experts/train may name as its examples")
     p.add_argument("--expert-allowlist", dest="expert_allowlist", metavar="FILE",
                    help="sha256 digests (one per line) an uploaded expert may have")
     p.add_argument("--no-routing-stats", dest="routing_stats", action="store_false",

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import candidates, params, surface, tools as toolcalls
+from . import candidates, params, surface, tools as toolcalls, training
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
@@ -55,6 +55,8 @@ class Settings:
     strict_params: bool = False
     allow_expert_upload: bool = False
     upload_allowlist: Optional[frozenset] = None    # sha256 digests an upload may have
+    allow_expert_training: bool = False  # POST /v1/experts/train (training.py)
+    train_data_dir: Optional[str] = None   # the folder its `path` may name files in
     queue_size: int = 256              # the engine's max_queued_requests (serve.py sets it)
     request_timeout_s: Optional[float] = 600.0
     shutdown_timeout_s: float = 10.0
@@ -92,6 +94,7 @@ class Server:
 
     async def shutdown(self) -> None:
         self.ready = False
+        training.close(self)
         for t in self._tasks:
             t.cancel()
         await self.backend.shutdown(self.settings.shutdown_timeout_s)
@@ -378,6 +381,7 @@ def build_app(server: Server) -> Starlette:
         r("/v1/experts/events", expert_events, "expert_events"),
         r("/v1/experts/{name}/rollback", rollback, "rollback", ("POST",)),
         *(r(path, fn, name, methods) for path, fn, name, methods in candidates.routes()),
+        *(r(path, fn, name, methods) for path, fn, name, methods in training.routes()),
         r("/v1/experts/{name}", upload, "upload", ("PUT",)),
         r("/health", health, "health", auth=False),
         r("/ready", ready, "ready", auth=False),

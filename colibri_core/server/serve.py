@@ -206,6 +206,14 @@ def settings_from_args(args, engine_cfg) -> Settings:
         raise ConfigError("--allow-expert-upload needs an API key (--api-key or "
                           f"${API_KEY_ENV}) and a hash allowlist (--expert-allowlist FILE or "
                           "the config's hotplug.allowlist): an uploaded expert is native code")
+    training = getattr(args, "allow_expert_training", False)
+    if training and (not key or not allow):
+        raise ConfigError("--allow-expert-training needs an API key (--api-key or "
+                          f"${API_KEY_ENV}) and a hash allowlist (--expert-allowlist FILE or "
+                          "the config's hotplug.allowlist): a trained expert is native code")
+    train_dir = getattr(args, "train_data_dir", None)
+    if train_dir is not None and not os.path.isdir(train_dir):
+        raise ConfigError(f"--train-data-dir {train_dir}: not a folder")
     ctx_size = getattr(args, "ctx_size", None)
     if ctx_size is not None and ctx_size < 1:
         raise ConfigError(f"--ctx-size {ctx_size}: expected at least 1 token")
@@ -220,6 +228,7 @@ def settings_from_args(args, engine_cfg) -> Settings:
                     cors_origins=list(args.cors_origin or []),
                     strict_params=args.strict_params,
                     allow_expert_upload=args.allow_expert_upload, upload_allowlist=allow,
+                    allow_expert_training=training, train_data_dir=train_dir,
                     queue_size=args.queue_size, request_timeout_s=args.request_timeout,
                     routing_stats=args.routing_stats,
                     client_timeout_s=getattr(args, "client_timeout", 10.0),
