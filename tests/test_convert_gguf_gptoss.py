@@ -10,8 +10,8 @@ gpt_oss.npz holds transformers' float32 logits and libllama's on each file.
 - the MXFP4_MOE file at its default precision: every expert matrix kept byte for byte (the
   GGUF's e2m1 codes and e8m0 exponents, no requantization; dequantized by the gguf package
   and by Colibri, equal), and with the rest at 32 bits the model is transformers' with the
-  file's dequantized weights put in (1e-4); its default conversion's logit error within
-  1.5x llama.cpp's on the same file.
+  file's dequantized weights put in (1e-4; also with the experts dequantized to f32); its
+  default conversion's logit error within 1.5x llama.cpp's on the same file.
 """
 from __future__ import annotations
 
@@ -117,9 +117,10 @@ def _remake():
 def _put_gguf_weights(model, g: dict) -> None:
     """The file's dequantized weights (gguf package) into the transformers model, by
     llama.cpp's gpt-oss tensor names."""
-    sd = model.state_dict()
+    sd, done = model.state_dict(), set()
 
     def put(name, arr):
+        done.add(name)
         with torch.no_grad():
             sd[name].copy_(torch.from_numpy(np.array(arr, np.float32)))
     put("model.embed_tokens.weight", g["token_embd.weight"][1])
@@ -144,6 +145,7 @@ def _put_gguf_weights(model, g: dict) -> None:
         put(p + "mlp.experts.gate_up_proj_bias", gub)
         put(p + "mlp.experts.down_proj", g[b + "ffn_down_exps.weight"][1].transpose(0, 2, 1))
         put(p + "mlp.experts.down_proj_bias", g[b + "ffn_down_exps.bias"][1])
+    assert done == set(sd), set(sd) - done           # every weight is the file's
 
 
 def test_mxfp4_gguf_is_the_files_model(tmp_path):
@@ -151,16 +153,17 @@ def test_mxfp4_gguf_is_the_files_model(tmp_path):
     dequantized weights, within 1e-4; the default conversion within 1.5x llama.cpp's error."""
     rm = _remake()
     fam, widths, over, _ = rm.CASES["gpt_oss"]
-    model = rm.make_model(fam, widths, over)
+    model = rm.make_model(fam, widths, over)         # its config; the weights are replaced
     d = np.load(DATA / "gpt_oss.npz")
-    assert _max_rel(rm._helpers()[0].hf_logits(model, d["ids_0"].tolist()), d["hf_0"]) <= 1e-5
     _put_gguf_weights(model, _gguf_tensors(DATA / "gpt_oss-MXFP4_MOE.gguf"))
     hf_logits = rm._helpers()[0].hf_logits
-    out = tmp_path / "mx32"
-    convert(DATA / "gpt_oss-MXFP4_MOE.gguf", out, bits=32, tensor_bits={"experts": 4})
-    got = _logits(out, d)
-    errs = [_max_rel(got[i], hf_logits(model, d[f"ids_{i}"].tolist())) for i in range(3)]
-    assert max(errs) <= 1e-4, errs
+    want = [hf_logits(model, d[f"ids_{i}"].tolist()) for i in range(3)]
+    # the experts kept (MXFP4 kernel), then dequantized (f32): the same model
+    for name, tb in (("mx32", {"experts": 4}), ("f32", None)):
+        convert(DATA / "gpt_oss-MXFP4_MOE.gguf", tmp_path / name, bits=32, tensor_bits=tb)
+        got = _logits(tmp_path / name, d)
+        errs = [_max_rel(got[i], want[i]) for i in range(3)]
+        assert max(errs) <= 1e-4, (name, errs)
     out = tmp_path / "default"
     convert(DATA / "gpt_oss-MXFP4_MOE.gguf", out, bits=None)
     ref = [d[f"hf_{i}"] for i in range(3)]
