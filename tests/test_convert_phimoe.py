@@ -165,3 +165,12 @@ def test_refusals_name_the_field():
                          ({"hidden_act": "gelu"}, "hidden_act")):
         with pytest.raises(ConfigError, match=needle):
             model_config_fields({**base, **over})
+
+
+def test_layernorm_with_mla_refused():
+    """The MLA block runs RMSNorms only: a LayerNorm config there is refused at load."""
+    from types import SimpleNamespace
+    from colibri_core.forward.steptables import check_attention
+    model = SimpleNamespace(cfg=SimpleNamespace(attention="mla", norm_type="layer"), act="int8")
+    with pytest.raises(ConfigError, match="norm_type 'layer' with attention 'mla'"):
+        check_attention(model, SimpleNamespace(index=0, attn=None))

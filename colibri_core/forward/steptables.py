@@ -116,6 +116,9 @@ _MLA_DEQUANT_BUDGET = 256 << 20   # bytes of float W_UK / W_UV kept for the C ML
 def check_attention(model, lw) -> None:
     """Refuse, naming the field, what the attention block cannot run."""
     cfg, a = model.cfg, lw.attn
+    if cfg.attention == "mla" and cfg.norm_type != "rms":
+        raise ConfigError(f"config.json: norm_type {cfg.norm_type!r} with attention 'mla': the "
+                          f"MLA block runs RMSNorms only")
     if cfg.attention != "mla":
         if cfg.head_size % 2:
             raise ConfigError(f"head_size {cfg.head_size} is odd: the rotate-half rope needs "
