@@ -162,7 +162,7 @@ def _rope(c: HFConfig) -> tuple[float, Optional[dict], float]:
         return theta, dict(type="llama3", **{k: float(params[k]) for k in need[:3]},
                            original_max_position_embeddings=int(params[need[3]])), partial
     if kind == "longrope" and c.family == phimoe.FAMILY:
-        return theta, phimoe.longrope(c, params, theta, _refuse), partial
+        return theta, phimoe.longrope(c, params, _refuse), partial
     if kind != "yarn":
         _refuse(f"rope type {kind!r}", "supported: default, yarn, llama3 (longrope: PhiMoE's)")
     orig = params.get("original_max_position_embeddings") or c("original_max_position_embeddings", None) \

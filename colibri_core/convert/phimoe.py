@@ -32,7 +32,7 @@ DEFAULTS: dict[str, Any] = dict(
     attention_bias=False, lm_head_bias=False)
 
 
-def longrope(c, params: dict, theta: float, refuse: Callable) -> dict:
+def longrope(c, params: dict, refuse: Callable) -> dict:
     """The RopeScaling fields of a longrope `params` (rope_parameters / rope_scaling)."""
     need = ("short_factor", "long_factor", "short_mscale", "long_mscale",
             "original_max_position_embeddings")
