@@ -115,7 +115,6 @@ def check_model(cfg, layer: int) -> None:
 
 
 def features(w, examples: list[dict], layer: int, batch: int = 512) -> recipe.Features:
-    cfg = w.cfg
     m = _Capture(w, layer)
     hs, xs = [], []
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["prompt"]))
@@ -149,6 +148,15 @@ def features(w, examples: list[dict], layer: int, batch: int = 512) -> recipe.Fe
     return recipe.Features(h=h, xn=xn, old_logits=logits, old_out=old, shared_out=shared)
 
 
+def head_of(w) -> recipe.Head:
+    cfg = w.cfg
+    return recipe.Head(final_norm=np.asarray(w.final_norm, np.float32),
+                       lm_head=ops.float_matrix(w.lm_head), eps=cfg.rms_norm_eps,
+                       k=cfg.top_k, norm_topk=cfg.norm_topk_prob,
+                       residual_multiplier=cfg.residual_multiplier,
+                       logits_scaling=cfg.logits_scaling)
+
+
 def run(spec: dict, log=print) -> dict:
     t0 = time.time()
     model_dir = Path(spec["model_dir"])
@@ -161,11 +169,7 @@ def run(spec: dict, log=print) -> dict:
         layer = cfg.num_layers - 1 if layer is None else int(layer)
         check_model(cfg, layer)
         f = features(w, examples, layer)
-        head = recipe.Head(final_norm=np.asarray(w.final_norm, np.float32),
-                           lm_head=ops.float_matrix(w.lm_head), eps=cfg.rms_norm_eps,
-                           k=cfg.top_k, norm_topk=cfg.norm_topk_prob,
-                           residual_multiplier=cfg.residual_multiplier,
-                           logits_scaling=cfg.logits_scaling)
+        head = head_of(w)
     finally:
         w.close()
     t_feat = time.time() - t0
@@ -182,8 +186,8 @@ def run(spec: dict, log=print) -> dict:
     out = Path(spec["out_so"])
     npz = out.with_suffix(".npz")
     np.savez(npz, **{k: got[k] for k in ("w1", "w3", "w2", "router_row", "router_bias")})
-    info = build_expert(npz, out, layer, spec["name"], spec["version"], q4_clip=clip,
-                        base_model=fingerprint_of_dir(model_dir))
+    build_expert(npz, out, layer, spec["name"], spec["version"], q4_clip=clip,
+                 base_model=fingerprint_of_dir(model_dir))
     os.unlink(npz)
     result = {"path": str(out), "sha256": _sha256(out),
               "layer": layer, "examples": len(examples),

@@ -75,10 +75,6 @@ class Trainer:
         self._event("train_queued", job, None)
         return job
 
-    def release(self, job: dict, reason: str) -> None:
-        """The job never started (its examples were refused): failed, and the slot free."""
-        self._finish(job, "failed", reason)
-
     def start(self, job: dict, examples: list, params: dict) -> None:
         threading.Thread(target=self._run, args=(job, examples, params), daemon=True,
                          name=f"colibri-{job['id']}").start()

@@ -65,22 +65,7 @@ def train(f: Features, head: Head, target: np.ndarray, route: np.ndarray, *,
     I, k = intermediate, head.k
 
     def logits_of(idx, new):
-        xn, lg, outs = T["xn"][idx], T["old_logits"][idx], T["old_out"][idx]
-        if new is not None:
-            wgu, wd, row, bias = new
-            gu = xn @ wgu.T
-            yo = (F.silu(gu[:, :I]) * gu[:, I:]) @ wd.T
-            lg = torch.cat([lg, (xn @ row + bias)[:, None]], 1)
-            outs = torch.cat([outs, yo[:, None, :]], 1)
-        probs = torch.softmax(lg, -1)
-        top_v, top_i = torch.topk(probs, k, -1)
-        if head.norm_topk:
-            top_v = top_v / top_v.sum(-1, keepdim=True)
-        sel = torch.gather(outs, 1, top_i[:, :, None].expand(-1, -1, H))
-        moe = (sel * top_v[:, :, None]).sum(1) + T["shared_out"][idx]
-        x = T["h"][idx] + moe * head.residual_multiplier
-        xs = x / torch.sqrt((x * x).mean(-1, keepdim=True) + head.eps) * norm_w
-        return (xs @ lm.T) / head.logits_scaling
+        return label_logits(T, head, norm_w, lm, idx, new)
 
     def margin(row, bias, idx):
         kth = torch.topk(T["old_logits"][idx], k, -1).values[:, -1]
@@ -134,3 +119,29 @@ def train(f: Features, head: Head, target: np.ndarray, route: np.ndarray, *,
             "router_row": row.detach().numpy().astype(np.float32),
             "router_bias": np.float32(bias.item()),
             "accuracy_before": acc0, "accuracy_after": acc1}
+
+
+def label_logits(T: dict, head: Head, norm_w, lm, idx, new=None):
+    """Next-token logits at the examples `idx` (torch tensors T of Features' fields), with
+    the new expert `new` = (w_gate_up [2I,H], w_down [H,I], row [H], bias) among the
+    routed ones, or without it (None: the model as it is)."""
+    import torch
+    import torch.nn.functional as F
+    xn, lg, outs = T["xn"][idx], T["old_logits"][idx], T["old_out"][idx]
+    H = xn.shape[1]
+    if new is not None:
+        wgu, wd, row, bias = new
+        I = wd.shape[1]
+        gu = xn @ wgu.T
+        yo = (F.silu(gu[:, :I]) * gu[:, I:]) @ wd.T
+        lg = torch.cat([lg, (xn @ row + bias)[:, None]], 1)
+        outs = torch.cat([outs, yo[:, None, :]], 1)
+    probs = torch.softmax(lg, -1)
+    top_v, top_i = torch.topk(probs, head.k, -1)
+    if head.norm_topk:
+        top_v = top_v / top_v.sum(-1, keepdim=True)
+    sel = torch.gather(outs, 1, top_i[:, :, None].expand(-1, -1, H))
+    moe = (sel * top_v[:, :, None]).sum(1) + T["shared_out"][idx]
+    x = T["h"][idx] + moe * head.residual_multiplier
+    xs = x / torch.sqrt((x * x).mean(-1, keepdim=True) + head.eps) * norm_w
+    return (xs @ lm.T) / head.logits_scaling
