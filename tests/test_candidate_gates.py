@@ -69,6 +69,17 @@ def test_min_positives_and_nothing_flagged():
     assert fb["live"]["recall"] == 0 and fb["live"]["precision"] == 1.0   # flagged none
 
 
+def test_precision_margin():
+    """Recall 0 -> 1 at precision 1.0 -> 0.75 (one false positive in four flags)."""
+    for margin, want in ((0.0, "drop"), (0.2, "drop"), (0.25, "promote")):
+        g = Gate(threshold=0.5, min_positives=3, precision_margin=margin)
+        for i in range(4):
+            g.record_shadow(("r", i), [math.log(0.1)], [math.log(0.9)])
+            g.label(("r", i), i < 3)
+        assert g.verdict() == want, margin
+        assert g.settings()["precision_margin"] == margin
+
+
 def test_canary_items_are_not_compared_and_old_items_are_forgotten(monkeypatch):
     monkeypatch.setattr(gates, "MAX_ITEMS", 5)
     g = Gate(min_positives=1)

@@ -38,8 +38,12 @@ def rates(tp: int, fp: int, fn: int) -> dict:
 
 
 class Gate:
-    def __init__(self, threshold: float = 0.5, min_positives: int = 20, auto: bool = True):
+    def __init__(self, threshold: float = 0.5, min_positives: int = 20, auto: bool = True,
+                 precision_margin: float = 0.0):
         self.lock = threading.Lock()
+        # precision the candidate may lose against the live set (a new pattern caught at
+        # the cost of a few false positives); 0: at least the live set's
+        self.precision_margin = float(precision_margin)
         self.threshold = float(threshold)
         self.min_positives = int(min_positives)
         self.auto = bool(auto)
@@ -53,7 +57,7 @@ class Gate:
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "min_positives": self.min_positives,
-                "auto": self.auto}
+                "auto": self.auto, "precision_margin": self.precision_margin}
 
     def _put(self, key, live, cand) -> None:
         old = self.items.get(key)
@@ -125,13 +129,14 @@ class Gate:
 
     def verdict(self) -> str | None:
         """The rule: None until `min_positives` labelled positives are compared; then
-        "promote" when the candidate's recall and precision are both at least the live
-        set's, else "drop"."""
+        "promote" when the candidate's recall is at least the live set's and its precision
+        at least the live set's minus `precision_margin` (default 0), else "drop"."""
         fb = self.feedback()
         if fb["positives"] < max(1, self.min_positives):
             return None
         live, cand = fb["live"], fb["candidate"]
-        ok = cand["recall"] >= live["recall"] and cand["precision"] >= live["precision"]
+        ok = cand["recall"] >= live["recall"] and \
+            cand["precision"] >= live["precision"] - self.precision_margin
         return "promote" if ok else "drop"
 
     def report(self) -> dict:

@@ -162,17 +162,19 @@ def _number(body, key, lo, hi, kind=float):
 
 async def configure(S, request, rec):
     body = await read_json(request, LIMITS["small"])
-    unknown = sorted(set(body) - {"fraction", "threshold", "min_positives", "auto"})
+    unknown = sorted(set(body) - {"fraction", "threshold", "min_positives", "auto",
+                                  "precision_margin"})
     if unknown:
         raise bad_request(f"{unknown[0]}: unknown field; expected fraction, threshold, "
-                          f"min_positives, auto", param=unknown[0])
+                          f"min_positives, auto, precision_margin", param=unknown[0])
     auto = body.get("auto")
     if auto is not None and not isinstance(auto, bool):
         raise bad_request(f"auto={auto!r:.40}: expected true or false", param="auto")
     row = _call(_cands(S).configure, request.path_params["name"],
                 fraction=_number(body, "fraction", 0.0, 1.0),
                 threshold=_number(body, "threshold", 0.0, 1.0),
-                min_positives=_number(body, "min_positives", 1, 10**9, int), auto=auto)
+                min_positives=_number(body, "min_positives", 1, 10**9, int), auto=auto,
+                precision_margin=_number(body, "precision_margin", 0.0, 1.0))
     return _json(row)
 
 
