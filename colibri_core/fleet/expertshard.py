@@ -15,8 +15,8 @@ the pair's token's xn), so it returns round(y_e * w_e) -- a row's result does no
 on the other rows (the pipeline is batch-invariant) -- and the driver's float32 adds in
 the same order give the single-machine pipeline's bits.
 
-A shard here is a plain object; any object with the same `compute` (a Ray actor's handle
-behind a small adapter) can stand in for it.
+A shard is a plain object here; anything with its submit / result (shardactor.py's Ray
+actor adapter) stands in for it.
 """
 from __future__ import annotations
 
@@ -79,6 +79,17 @@ class ExpertShard:
             raise RuntimeError(f"expert shard {self.index}: step kernel error {rc}")
         return out
 
+    # the executor's protocol: start every shard's work, then collect (a Ray actor's
+    # adapter, fleet/shardactor.py, returns an ObjectRef and gets it)
+    def submit(self, layer, xn, experts, weights):
+        return self.compute(layer, xn, experts, weights)
+
+    def result(self, handle):
+        return handle
+
+    def count(self) -> int:
+        return self.pairs
+
     def close(self) -> None:
         self.engine.close()
 
@@ -127,9 +138,9 @@ class ShardedExperts:
             sel = np.flatnonzero(owner == s)
             if sel.size:
                 self.sent[s] += sel.size
-                calls.append((sel, shard.compute(layer, xn[t_idx[sel]], e_idx[sel], w[sel])))
-        for sel, got in calls:
-            out[sel] = got
+                calls.append((sel, shard, shard.submit(layer, xn[t_idx[sel]], e_idx[sel], w[sel])))
+        for sel, shard, h in calls:
+            out[sel] = shard.result(h)
         # x + c per pair in ascending expert id: a token appears at most once per expert
         # and slot, so one expert's adds touch distinct rows unless a slot repeats it
         for e in np.unique(e_idx):
