@@ -10,6 +10,9 @@
     placement.py   CPUs per replica from the cluster found, the start-up line when not
                    all replicas fit, the ingress's /ready gate counting replicas
     deploy.py      build and run the application: the Python entry point and the CLI
+    expertplan.py  expert parallelism (issue 40): which shard holds each routed expert
+    expertshard.py   the step over expert shards, bit for bit one engine's
+    shardactor.py    expert shards as Ray actors
 
 Ray (`pip install 'colibri[ray]'`) is imported only by the functions that use it: without
 it, nothing of Colibri changes. Design and arithmetic: docs/SCALE.md.
