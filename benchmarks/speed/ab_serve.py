@@ -1,8 +1,8 @@
 """bench_serve's load as an A/B of two commits with llama-server beside, in the same run.
 
     python -m benchmarks.speed.ab_serve REF_A [REF_B] [--model DIR] [--gguf MODEL.gguf]
-        [--llama-server BIN] [--clients 1,4,16] [--rounds 5] [--tokens 128] [--prompt 64]
-        [--threads 2]
+        [--llama-server BIN | --no-peer] [--clients 1,4,16] [--rounds 5] [--tokens 128]
+        [--prompt 64] [--threads 2]
 
 Three servers run at once, idle but for the level being measured: `colibri serve` from
 REF_A's checkout (git worktree under build/ab-<commit> with its kernels, as
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", type=Path, default=OUT / "vs_llamacpp" / "model-q4_0.gguf")
     ap.add_argument("--llama-server", dest="llama_server", type=Path,
                     default=REPO / "build" / "llamacpp" / "build" / "bin" / "llama-server")
+    ap.add_argument("--no-peer", dest="peer", action="store_false",
+                    help="the two sides only, without llama-server")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
@@ -57,13 +59,15 @@ def main(argv=None) -> int:
     trees = {a.ref_a: checkout(a.ref_a), name_b: checkout(a.ref_b) if a.ref_b else REPO}
     load0 = os.getloadavg()
     print(f"# ab_serve: {model.name}, {a.rounds} rounds, load {load0[0]:.2f} {load0[1]:.2f} "
-          f"{load0[2]:.2f}", file=sys.stderr, flush=True)
+          f"{load0[2]:.2f}; " + ", ".join(f"{n}: {t}" for n, t in trees.items()),
+          file=sys.stderr, flush=True)
     servers: dict = {}
     try:
         for name, tree in trees.items():
             servers[name] = Server(tree, model, a.threads, ("--model-id", "bench"))
-        servers["llama-server"] = LlamaServer(a.llama_server, a.gguf, a.threads, max(levels),
-                                              a.prompt + a.tokens + 8)
+        if a.peer:
+            servers["llama-server"] = LlamaServer(a.llama_server, a.gguf, a.threads, max(levels),
+                                                  a.prompt + a.tokens + 8)
         keep = {name: name != "llama-server" for name in servers}  # it closes idle sockets
         for name, s in servers.items():                                        # warm-up
             asyncio.run(run_level(s.url, 1, prompts(vocab, 2, a.prompt, seed=1), 2, 8, 60,
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({
         "rounds": res, "medians": med, "ratios_over_a": ratio, "a": a.ref_a, "b": name_b,
+        "trees": {n: str(t) for n, t in trees.items()},
         "commit": git_commit(), "machine": machine(), "load_before": load0,
         "load_after": load1, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         indent=1))
