@@ -13,7 +13,8 @@ on labelled feedback, and recall measured per item before and after.
    polls the job until the trained expert is built and in shadow/;
 4. scores gate traffic (the candidate's shadow pass records what it would change), then
    posts its labels to /v1/experts/feedback: the gate promotes the candidate if its recall
-   and precision on them are at least the live set's;
+   on them is at least the live set's and its precision at least the live set's minus
+   --precision-margin (0.1);
 5. "after": scores a fresh stream; each item names the set that computed it. Every item is
    scored again in this process under the set it names (the base model, or the model
    with the built .so) and must come out bit for bit: no item attributed to the wrong set.
@@ -96,6 +97,8 @@ def main() -> int:
     ap.add_argument("--cards", type=int, default=MIX.n_cards, help="cards in the training mix")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--n", type=int, default=4096, help="transactions before and after")
+    ap.add_argument("--precision-margin", type=float, default=0.1, dest="precision_margin",
+                    help="the gate's: precision the candidate may lose against the live set")
     a = ap.parse_args()
     import httpx
     from colibri_core.engine import Engine
@@ -143,7 +146,8 @@ def main() -> int:
                               c.get(url + "/v1/experts", headers=H).json()["candidates"]),
                   "the candidate in shadow", 120)
             c.post(url + "/v1/experts/candidates/card_testing", headers=H,
-                   json={"threshold": thr, "min_positives": 20, "auto": True})
+                   json={"threshold": thr, "min_positives": 20, "auto": True,
+                         "precision_margin": a.precision_margin})
             gate = make_stream(2048, 22, 0.01, 0.05)
             score(c, url, gate, "loop-gate")
             until(lambda: c.get(url + "/v1/experts", headers=H).json()["candidates"][0]
@@ -152,6 +156,9 @@ def main() -> int:
                 {"request_id": "loop-gate", "item": i, "label": tx.is_fraud}
                 for i, tx in enumerate(gate)]}).json()
             print(f"feedback on {fb['matched']} items: gate decisions {fb['decisions']}")
+            why = [e["message"] for e in c.get(url + "/v1/experts/events", headers=H)
+                   .json()["data"] if e["reason"] == "gate"]
+            print(f"gate: {why[-1] if why else 'no decision'}")
             if fb["decisions"].get("card_testing") != "promote":
                 raise SystemExit("the gate did not promote the trained expert")
             live = until(lambda: (x := c.get(url + "/v1/experts", headers=H).json())
@@ -167,6 +174,9 @@ def main() -> int:
     # each item again in this process under the set it names, bit for bit
     engines = {base_id: Engine.from_config(CONFIG),
                live["expert_set_id"]: Engine.from_config(CONFIG, experts_dir=str(ref))}
+    # the "after" transactions under the base set too: a paired comparison, same items
+    got = engines[base_id].score([tx.token_ids() + [FRAUD] for tx in after], all_positions=True)
+    lp1_base = np.array([float(log_softmax(np.asarray(s.logits)[-2:-1])[0, FRAUD]) for s in got])
     wrong = 0
     for txns, lp, sets in ((before, lp0, sets0), (after, lp1, sets1)):
         for sid in set(sets):
@@ -188,6 +198,12 @@ def main() -> int:
         ko, no = recall(lp, txns, OLD_PATTERNS, thr)
         print(f"{label:>6}: card testing recall {k}/{n} ({100 * k / n:.1f}%), old patterns "
               f"{ko}/{no} ({100 * ko / max(no, 1):.1f}%)")
+    for name, group in (("card testing", ["card_testing"]), ("old patterns", OLD_PATTERNS)):
+        (k0, n), (k1, _) = recall(lp1_base, after, group, thr), recall(lp1, after, group, thr)
+        print(f"the after stream's {name}: {k0}/{n} without the expert, {k1}/{n} with it")
+    legit = np.array([tx.pattern == "legit" for tx in after])
+    print(f"its legit transactions flagged: {int((np.exp(lp1_base) >= thr)[legit].sum())} "
+          f"without, {int((np.exp(lp1) >= thr)[legit].sum())} with (of {int(legit.sum())})")
     print(f"items whose output differs from their named set's: {wrong} of "
           f"{len(before) + len(after)}")
     print(json.dumps({"train_s": round(t_train, 1), "examples": len(examples)}))
