@@ -80,6 +80,18 @@ def test_training_is_off_by_default(tmp_path):
         srv.stop()
 
 
+def test_training_needs_a_key_and_an_allowlist_to_start(tmp_path):
+    import os
+    import subprocess
+    (tmp_path / "a").write_text("0" * 64 + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_API_KEY"}
+    for extra in ([], ["--expert-allowlist", str(tmp_path / "a")]):
+        r = subprocess.run([sys.executable, "-m", "colibri_core", "serve", "--config",
+                            str(CONFIG), "--port", "0", "--allow-expert-training", *extra],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode != 0 and "--allow-expert-training needs an API key" in r.stderr
+
+
 def test_bad_requests_name_the_field(world):
     url = world["url"]
     ex = examples(60, 2)
