@@ -85,7 +85,8 @@ def test_training_needs_a_key_and_an_allowlist_to_start(tmp_path):
     import subprocess
     (tmp_path / "a").write_text("0" * 64 + "\n")
     env = {k: v for k, v in os.environ.items() if k != "COLIBRI_API_KEY"}
-    for extra in ([], ["--expert-allowlist", str(tmp_path / "a")]):
+    for extra in ([], ["--expert-allowlist", str(tmp_path / "a")],
+                  ["--api-key-file", str(tmp_path / "a")]):          # a key, no allowlist
         r = subprocess.run([sys.executable, "-m", "colibri_core", "serve", "--config",
                             str(CONFIG), "--port", "0", "--allow-expert-training", *extra],
                            capture_output=True, text=True, timeout=120, env=env)
