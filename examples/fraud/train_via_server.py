@@ -109,7 +109,7 @@ def main() -> int:
     (folder / "shadow").mkdir(parents=True, mode=0o700)
     folder.chmod(0o700)
     allow = work / "allow.txt"
-    allow.write_text("0" * 64 + "\n")      # training needs an allowlist; the server adds its own builds
+    allow.write_text("0" * 64 + "\n")      # training needs one; the server adds its own builds
     proc, url = start(folder, allow)
     print(f"colibri serve --config fraud --allow-expert-training at {url}")
     try:
