@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import hmac
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from .errors import ApiError, bad_request, from_exception
 from .experts import events_answer
 from ..runtime.events import TokenEvent
 from .endpoint import collect, endpoint, error_response
-from .limits import LIMITS, read_body, read_json, text_bound
+from .limits import LIMITS, check_upload, read_body, read_json, text_bound
 from .metrics import ServerMetrics
 from .responses import SSE_DONE, Chunker, Collector, sse
 
@@ -43,7 +42,6 @@ log = logging.getLogger("colibri.server")
 
 GEN_HEADER = "X-Colibri-Expert-Set-Generation"
 SET_HEADER = "X-Colibri-Expert-Set-Id"
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass
@@ -301,13 +299,7 @@ async def rollback(S: Server, request, rec):
 async def upload(S: Server, request, rec):
     eng, st = S.backend, S.settings
     name = request.path_params["name"]
-    if not st.allow_expert_upload:
-        raise ApiError(403, "expert upload is off: start the server with "
-                            "--allow-expert-upload (an upload runs native code)",
-                       type="permission_error", code="upload_disabled")
-    if not _NAME_RE.fullmatch(name):
-        raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
-                          f"'-' (1-64, not starting with '.')", param="name")
+    check_upload(st, name)
     data = await read_body(request, LIMITS["upload"])
     sha = hashlib.sha256(data).hexdigest()
     allow = st.upload_allowlist

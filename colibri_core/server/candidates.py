@@ -17,7 +17,6 @@ import hashlib
 import logging
 import math
 import queue
-import re
 import threading
 
 import numpy as np
@@ -28,11 +27,10 @@ from ..experts.candidates import CandidateError
 from ..files import write_atomic
 from ..model.ops import log_softmax
 from .errors import ApiError, bad_request
-from .limits import LIMITS, read_body, read_json
+from .limits import LIMITS, check_upload, read_body, read_json
 
 log = logging.getLogger("colibri.server")
 SHADOW_QUEUE = 64
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")    # app.py's upload names
 
 
 def item_scores(items, seqs, outs) -> dict:
@@ -211,13 +209,7 @@ async def feedback(S, request, rec):
 async def upload(S, request, rec):
     """PUT /v1/experts/candidates/NAME: an upload (app.py's rules) into shadow/."""
     st, name = S.settings, request.path_params["name"]
-    if not st.allow_expert_upload:
-        raise ApiError(403, "expert upload is off: start the server with "
-                            "--allow-expert-upload (an upload runs native code)",
-                       type="permission_error", code="upload_disabled")
-    if not _NAME_RE.fullmatch(name):
-        raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
-                          f"'-' (1-64, not starting with '.')", param="name")
+    check_upload(st, name)
     c = _cands(S)
     data = await read_body(request, LIMITS["upload"])
     sha = hashlib.sha256(data).hexdigest()

@@ -16,6 +16,7 @@ others or hold memory the next one needs (docs/ROBUSTNESS.md, "The server's limi
 from __future__ import annotations
 
 import asyncio
+import re
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -104,3 +105,18 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise bad_request("request body: expected a JSON object", code="invalid_json")
     return body
+
+
+# an expert's name in the upload routes (the live folder's and the candidates'), training
+EXPERT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def check_upload(settings, name: str) -> None:
+    """An upload route's two checks before its body is read: uploads on, a valid name."""
+    if not settings.allow_expert_upload:
+        raise ApiError(403, "expert upload is off: start the server with "
+                            "--allow-expert-upload (an upload runs native code)",
+                       type="permission_error", code="upload_disabled")
+    if not EXPERT_NAME_RE.fullmatch(name):
+        raise bad_request(f"expert name {name!r:.70}: expected letters, digits, '_', '.', "
+                          f"'-' (1-64, not starting with '.')", param="name")

@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,10 +32,9 @@ from starlette.responses import JSONResponse
 
 from ..files import write_atomic
 from .errors import ApiError, bad_request
-from .limits import LIMITS, read_json
+from .limits import EXPERT_NAME_RE, LIMITS, read_json
 
 log = logging.getLogger("colibri.server")
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 MAX_EXAMPLES = 500_000
 MAX_PROMPT = 4096
 MIN_EXAMPLES = 16
@@ -259,10 +257,10 @@ async def train(S, request, rec):
         raise bad_request(f"{unknown[0]}: unknown field; expected {', '.join(FIELDS)}",
                           param=unknown[0])
     name, version = body.get("name"), body.get("version", "1")
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+    if not isinstance(name, str) or not EXPERT_NAME_RE.fullmatch(name):
         raise bad_request(f"name={name!r:.70}: expected letters, digits, '_', '.', '-' "
                           f"(1-64, not starting with '.')", param="name")
-    if not isinstance(version, str) or not _NAME_RE.fullmatch(version):
+    if not isinstance(version, str) or not EXPERT_NAME_RE.fullmatch(version):
         raise bad_request(f"version={version!r:.40}: expected a short text like \"2\"",
                           param="version")
     if ("examples" in body) == ("path" in body):
