@@ -122,12 +122,14 @@ def add_parsers(sub, engine_defaults: str, shipped: str) -> None:
     pl = el_sub.add_parser("place", help="expert placement for N expert shards: a plan "
                                          "file (docs/SCALE.md, \"A model larger than one machine\")")
     pl.add_argument("model", metavar="MODEL", help="the model directory (or builtin)")
-    pl.add_argument("--shards", type=int_at_least(1, 4096), required=True, metavar="N")
+    pl.add_argument("--shards", type=int_at_least(1, 4096), required=True, metavar="N",
+                    help="how many expert shards share each layer's routed experts")
     pl.add_argument("--load", metavar="JSON", help="routing statistics to balance by: "
                     "{\"<layer>\": [routed tokens per expert]} (default: by bytes alone)")
     pl.add_argument("--replicate", type=int_at_least(0, 4096), default=0, metavar="K",
                     help="the K hottest experts per layer on two shards (needs --load)")
-    pl.add_argument("-o", "--output", required=True, metavar="PLAN.json")
+    pl.add_argument("-o", "--output", required=True, metavar="PLAN.json",
+                    help="where the plan is written (JSON, checked against the model at load)")
     pl.set_defaults(func=cmd_experts_place)
     from .candidates import add_candidate_parsers
     add_candidate_parsers(el_sub)
