@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -232,3 +236,25 @@ def torch_fraud_prob(model, ids: np.ndarray, batch: int = 2048) -> np.ndarray:
 
 
 assert VOCAB.index("LABEL") == LABEL and len(VOCAB) <= VOCAB_SIZE
+
+
+def serve(args: Sequence[str], timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """`colibri serve --config CONFIG --port 0 ARGS` started here: (the process, its URL),
+    read from its 'serving http://...' line; the process is killed if that never comes."""
+    proc = subprocess.Popen([sys.executable, "-m", "colibri_core", "serve", "--config",
+                             str(CONFIG), "--port", "0", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found, url = threading.Event(), {}
+
+    def read():
+        for line in proc.stdout:
+            m = re.search(r"serving (http://\S+)", line)
+            if m:
+                url["url"] = m.group(1)
+                found.set()
+        found.set()
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(timeout) or "url" not in url:
+        proc.kill()
+        raise SystemExit("colibri serve did not start")
+    return proc, url["url"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -38,32 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fraud_common import (BUILD, CONFIG, EXPERT_NPZ, MODEL_DIR, NEW_EXPERT_LAYER,  # noqa: E402
-                          REPO, expert_q4_clip, fraud_prob, load_scoring)
+                          expert_q4_clip, fraud_prob, load_scoring, serve)
 from fraud_stream import FRAUD  # noqa: E402
 from run_demo import make_stream  # noqa: E402
 
 
 def start_server(folder: Path, audit: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "colibri_core", "serve", "--config",
-                             str(CONFIG), "--port", "0", "--experts-dir", str(folder),
-                             "--audit-log", str(audit)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    found = threading.Event()
-    url = {}
-
-    def read():
-        for line in proc.stdout:
-            m = re.search(r"serving (http://\S+)", line)
-            if m:
-                url["url"] = m.group(1)
-                found.set()
-        found.set()
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(60) or "url" not in url:
-        proc.kill()
-        raise SystemExit("colibri serve did not start")
-    return proc, url["url"]
+    return serve(["--experts-dir", str(folder), "--audit-log", str(audit)], timeout=60)
 
 
 def score(client, url: str, ids: np.ndarray) -> tuple[np.ndarray, list]:

@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fraud_common import CONFIG, REPO, load_scoring  # noqa: E402
+from fraud_common import CONFIG, load_scoring, serve  # noqa: E402
 from fraud_stream import FRAUD, OK, OLD_PATTERNS, generate  # noqa: E402
 from run_demo import make_stream  # noqa: E402
 from train_new_expert import MIX  # noqa: E402
@@ -45,25 +43,8 @@ H = {"Authorization": f"Bearer {KEY}"}
 
 
 def start(folder: Path, allow: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "colibri_core", "serve", "--config",
-                             str(CONFIG), "--port", "0", "--experts-dir", str(folder),
-                             "--allow-expert-training", "--expert-allowlist", str(allow),
-                             "--api-key", KEY], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    found, url = threading.Event(), {}
-
-    def read():
-        for line in proc.stdout:
-            m = re.search(r"serving (http://\S+)", line)
-            if m:
-                url["url"] = m.group(1)
-                found.set()
-        found.set()
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(90) or "url" not in url:
-        proc.kill()
-        raise SystemExit("colibri serve did not start")
-    return proc, url["url"]
+    return serve(["--experts-dir", str(folder), "--allow-expert-training",
+                  "--expert-allowlist", str(allow), "--api-key", KEY])
 
 
 def score(c, url, txns, rid):
