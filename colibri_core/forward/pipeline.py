@@ -22,19 +22,17 @@ Shape legend: n tokens in the step, H hidden, E router slots, K the step's large
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 import numpy as np
 
 from ..model import ops
-from ..experts.expertcache import Pending as _PENDING
 from ..kernels import ffi, lib
 from .attnlayer import gqa_layer
-from ..model.routing import LayerTrace, Routing, route
-from .steptables import (_MLA_DEQUANT_BUDGET, Keep, MoETables, _shape, Scratch, SetTables,
+from ..model.routing import LayerTrace, Routing
+from .moelayer import MoELayer
+from .steptables import (_MLA_DEQUANT_BUDGET, Keep, _shape, Scratch, SetTables,
                          StepLayer, check_attention, set_ffn, set_mat)
-from ..model.weights import run_own_code
 
 log = logging.getLogger("colibri")
 
@@ -43,8 +41,9 @@ _ERRORS = {1: "more than two activation group sizes in one call",
            4: "no memory for attention scores"}
 
 
-class Pipeline:
-    """The forward of one Model (model.py): run() is every forward the engine does."""
+class Pipeline(MoELayer):
+    """The forward of one Model (model.py): run() is every forward the engine does; the
+    MoE layer's methods are moelayer.py's."""
 
     def __init__(self, model):
         self.model = model
@@ -335,152 +334,6 @@ class Pipeline:
             out /= np.float32(self.cfg.logits_scaling)
         return out
 
-    # ------------------------------------------------------------------ MoE layer
-    def _moe(self, i: int, L: StepLayer, T: MoETables, n: int, kmax: int) -> None:
-        """Route layer L's tokens, give plugins their say, run the experts."""
-        model, sc, cfg = self.model, self.scratch, self.cfg
-        layer, hooks = L.index, model.hooks
-        E = T.slots
-        lg = sc.rows("logits", i, n, E)            # C writes [n, E] from the start
-        p_logits, p_ids, p_wts = sc.p_layer[i]
-        choose = hooks.choose_k_token if hooks is not None else None
-        p_k = sc.p_kt
-        if choose is not None:                      # the plugin's k per token, from the logits
-            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, ffi.NULL, ffi.NULL, 0)
-            got = choose(layer=layer, probs=ops.softmax(lg), default_k=sc.kt[:n].astype(np.int64)) \
-                if rc == 0 else None
-            if got is not None:
-                k_tok = hooks.guard.check_choose_k_token(got, n, cfg.num_experts)
-                kmax = max(kmax, int(k_tok.max()))
-                sc.grow_k(kmax)                      # a plugin may choose more than the step's k
-                p_logits, p_ids, p_wts = sc.p_layer[i]
-                sc.kt_layer[:n] = k_tok
-                p_k = sc.p_kt_layer
-            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 1)
-        else:
-            rc = lib.ck_step_route(T.router, sc.p_xn, n, p_k, kmax, p_logits, p_ids, p_wts, 0)
-        idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
-        if rc == lib.CK_E_NONFINITE:                # NaN/Inf logits: the router's fallback
-            r = route(lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
-                      mode=model.engine.routing, scoring=cfg.scoring_func,
-                      norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias, jitter_eps=cfg.router_jitter_eps,
-                      n_group=cfg.n_group, topk_group=cfg.topk_group,
-                      scaling=cfg.routed_scaling_factor, bias_on_probs=cfg.select_bias_on_probs)
-            K = r.ids.shape[1]
-            idv[:, :K], wv[:, :K] = r.ids, r.weights
-            idv[:, K:], wv[:, K:] = -1, 0.0
-        else:
-            self._check(rc)
-        self.layer_k[i] = self.layer_width[i] = kmax
-        tap = model.moe_tap
-        if tap is not None and layer in tap.layers:  # a candidate in shadow: chosen here?
-            tap(layer, sc.xn[:n], lg, sc.kt_layer[:n] if p_k is sc.p_kt_layer else sc.kt[:n],
-                self._last_tables.es)
-        if hooks is not None and hooks.routing is not None:
-            p = ops.softmax(lg.astype(np.float64)) if cfg.scoring_func != "sigmoid" \
-                else ops.sigmoid(lg.astype(np.float64))
-            scores = np.take_along_axis(p, np.maximum(idv, 0), 1).astype(np.float32)
-            override = hooks.routing(layer=layer, expert_ids=idv, weights=wv, scores=scores, logits=lg)
-            if override is not None:                # validated here, the one place
-                new_ids, new_w = hooks.guard.check_routing(override, layer, n, kmax,
-                                                           T.experts, cfg.num_experts)
-                m = new_ids.shape[1]
-                idv[:, :m], wv[:, :m] = new_ids, new_w
-                idv[:, m:], wv[:, m:] = -1, 0.0
-                self.layer_width[i] = m
-        if self.routed is not None:
-            self._count_routed(layer, idv[:, :self.layer_width[i]])
-        self.experts(i, L, T, n, kmax, idv, wv)
-
-    def _count_routed(self, layer: int, ids: np.ndarray) -> None:
-        counts = np.bincount(ids[ids >= 0].ravel())
-        have = self.routed.get(layer)
-        if have is None or have.size < counts.size:
-            grown = np.zeros(max(counts.size, 8), np.int64)
-            if have is not None:
-                grown[:have.size] = have
-            have = grown
-        have[:counts.size] += counts
-        self.routed[layer] = have               # (one assignment: readers see old or new)
-
-    def _experts(self, i: int, L: StepLayer, T: MoETables, n: int, kmax: int, idv: np.ndarray,
-                 wv: np.ndarray) -> None:
-        model, sc = self.model, self.scratch
-        layer, hooks = L.index, model.hooks
-        _, p_ids, p_w = sc.p_layer[i]               # idv, wv: the start of layer i's buffers
-        res = model.residency
-        timing = hooks.expert_timing if hooks is not None else None
-        prefetch = hooks.expert_prefetch if hooks is not None else None
-        block = L.block
-        if L.tables is not T.token:                 # the expert set's table, once per set
-            block.table, block.n_table = T.table, T.n
-            L.tables = T.token                      # (not T: that would keep the set alive)
-        if not (T.custom or res.active or timing is not None or prefetch is not None
-                or not res.all_prefetched(layer)):
-            # the common case: the routed and the shared experts in one C call
-            self._check(lib.ck_step_experts(block, sc.p_xn, n, p_ids, p_w, kmax, sc.p_x, sc.s))
-            return
-        run_ids = sc.rows("run_ids", -1, n, kmax)
-        np.copyto(run_ids, idv)
-        used = np.unique(idv[idv >= 0])
-        shared, block.shared = block.shared, ffi.NULL      # the shared expert after the waves
-        try:
-            for wave in res.waves(used):            # one wave unless a budget forces more
-                run = res.acquire(layer, wave, T.experts)   # prefetch; budget: load + pin
-                try:
-                    if prefetch is not None:
-                        prefetch(layer=layer, experts=[(int(e), run[e].address, run[e].nbytes)
-                                                       for e in wave])
-                    self._run_wave(L, T, n, idv, wv, p_w, kmax, wave, used, run, timing, res.active)
-                finally:
-                    res.release(layer, wave)
-        finally:
-            block.shared = shared
-        if shared != ffi.NULL:
-            run_ids[...] = -1
-            self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
-
-    def _run_wave(self, L: StepLayer, T: MoETables, n, idv, wv, p_w, kmax, wave, used, run, timing,
-                  budget) -> None:
-        """The routed experts `wave` (ascending ids): C experts in one call -- one call
-        per expert when a load is still in flight (each computes as soon as it is read)
-        or a plugin times experts --, hot-plugged code (ffn_forward) between."""
-        sc = self.scratch
-        layer, table, block = L.index, T.table, L.block
-        x, xn = sc.x[:n], sc.xn[:n]
-        run_ids = sc.rows("run_ids", -1, n, kmax)
-        singles = timing is not None or any(isinstance(run[e], _PENDING) for e in wave)
-        batch = []
-        for e in (int(e) for e in wave):
-            c0, t0 = _cycles(), time.perf_counter()
-            if e in T.custom:                    # its own code, between the C calls
-                rows, slot = np.nonzero(idv == e)
-                out = np.zeros((len(rows), x.shape[1]), np.float32)
-                w, xin = wv[rows, slot], np.ascontiguousarray(xn[rows])
-                if self.cfg.routing_scales_input:            # Llama 4: expert(w x)
-                    xin, w = xin * w[:, None], np.ones_like(w)
-                run_own_code(run[e], xin, out, w * np.float32(self.cfg.residual_multiplier))
-                x[rows] += out
-            else:
-                if budget and T.bound.get(e) is not run[e]:   # where the cache holds it now
-                    ex = run[e]
-                    keep = Keep()                   # its views, for as long as it is bound
-                    set_ffn(keep, table[e], ex.ffn)
-                    T.bound[e], T.bound_keep[e] = ex, keep
-                if not singles:
-                    batch.append(e)
-                    continue
-                np.copyto(run_ids, np.where(idv == e, idv, -1))
-                self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
-            if timing is not None:
-                timing(layer=layer, expert=e, cycles=_cycles() - c0, seconds=time.perf_counter() - t0)
-        if batch:
-            if len(batch) == len(wave) == len(used):    # the whole choice: no mask to make
-                np.copyto(run_ids, idv)
-            else:
-                np.copyto(run_ids, np.where(np.isin(idv, batch), idv, -1))
-            self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax, sc.p_x, sc.s))
-
     @staticmethod
     def _check(rc: int) -> None:
         if rc != 0:
@@ -492,8 +345,3 @@ _KV_KIND = {"f32": lib.CK_KV_F32, "f16": lib.CK_KV_F16, "q8": lib.CK_KV_Q8}
 
 def _addr(a: np.ndarray) -> int:
     return int(ffi.cast("intptr_t", ffi.from_buffer(a)))
-
-
-def _cycles() -> int:
-    return int(lib.ck_rdtsc())
-

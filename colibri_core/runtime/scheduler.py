@@ -41,6 +41,7 @@ from ..errors import EngineBusyError, EngineClosedError, RequestError, RequestTo
 from ..model.kvcache import check_memory
 from .prefixcache import PrefixCache
 from .request import AHEAD, Job, Request  # noqa: F401 - Job and Request re-exported
+from .steprun import run_step
 
 log = logging.getLogger("colibri")
 
@@ -329,63 +330,7 @@ class Scheduler:
         return plan
 
     def _run(self, plan: list) -> None:
-        model = self.engine.model
-        current = model.expert_set
-        groups: dict = {}                        # expert set -> indices
-        for i, (j, _, _) in enumerate(plan):
-            es = j.es if j.pin else current
-            groups.setdefault(id(es), (es, []))[1].append(i)
-        outs: list = [None] * len(plan)
-        sets: list = [None] * len(plan)
-        for es, idx in groups.values():
-            got = self._forward([plan[i] for i in idx], es)
-            for i, o in zip(idx, got):
-                outs[i], sets[i] = o, es
-        if self.prefix is not None:
-            self.prefix.note(plan, outs, sets)
-        if self.trace is not None:
-            self.trace.append([(j.request.id, len(t), sets[i].generation)
-                               for i, (j, t, _) in enumerate(plan)])
-        for (j, toks, _), out, es in zip(plan, outs, sets):     # the step's order
-            req = j.request
-            if req.error is not None:
-                continue
-            if isinstance(out, BaseException):
-                self._fail(req, out)
-                continue
-            if j.fed < len(j.tokens):
-                j.fed += len(toks)
-            else:
-                j.feed = None
-            try:
-                j.after_step(out, es, j.fed >= len(j.tokens))
-            except Exception as exc:             # noqa: BLE001 - this request only
-                self._fail(req, exc)
-
-    def _forward(self, items: list, es) -> list:
-        """One Model.forward over the items (job, tokens, all their logits or the last
-        token's); when it fails, each item alone (its result or its error), so that a
-        fault one sequence causes fails only that one."""
-        model = self.engine.model
-        jobs = [j for j, _, _ in items]
-        lengths = [j.cache.length for j in jobs]
-        try:
-            return model.forward([t for _, t, _ in items], [j.cache for j in jobs],
-                                 [j.k for j in jobs], all_logits=[a for _, _, a in items],
-                                 expert_set=es)
-        except Exception as exc:                 # noqa: BLE001 - attributed below
-            if len(items) == 1:
-                return [exc]
-        outs = []
-        for (j, t, a), n in zip(items, lengths):
-            j.cache.length = n
-            try:
-                outs.append(model.forward([t], [j.cache], [j.k], all_logits=a,
-                                          expert_set=es)[0])
-            except Exception as exc:             # noqa: BLE001 - this sequence's
-                j.cache.length = n
-                outs.append(exc)
-        return outs
+        run_step(self, plan)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if req.error is None:
