@@ -362,7 +362,7 @@ def test_every_configuration_runs_the_c_pipeline_and_matches_the_reference(model
     """The configurations that once ran numpy blocks at run time, end to end through the C
     calls: a prompt and decode steps against the reference model, and a sequence's logits
     alone and beside another (batch invariance)."""
-    from test_pipeline_kernels import VARIANTS
+    from pipeline_kernel_helpers import VARIANTS
     variant, over = E2E[name]
     kw, change = VARIANTS[variant] if variant else ({}, None)
     d = models["mixed_shared_odd"]
