@@ -12,7 +12,8 @@
     deploy.py      build and run the application: the Python entry point and the CLI
     expertplan.py  expert parallelism (issue 40): which shard holds each routed expert
     expertshard.py   the step over expert shards, bit for bit one engine's
-    shardactor.py    expert shards as Ray actors
+    shardactor.py    expert shards as Ray actors (faults: 503, Ray's restart, slow counts)
+    shardserve.py    `colibri serve --ray --expert-shards N`: this process the driver
 
 Ray (`pip install 'colibri[ray]'`) is imported only by the functions that use it: without
 it, nothing of Colibri changes. Design and arithmetic: docs/SCALE.md.
@@ -41,11 +42,29 @@ def add_arguments(p) -> None:
                         "front of an ingress that serves HTTP itself, gRPC to the "
                         "replicas; serve: Serve's Python HTTP proxy and actor calls "
                         "(docs/SCALE.md, \"The data path\")")
+    sh = g.add_mutually_exclusive_group()
+    sh.add_argument("--expert-shards", dest="expert_shards", type=int, metavar="N",
+                    help="split the model's routed experts over N shard actors on the "
+                         "cluster's nodes (a plan by bytes); this process serves and runs "
+                         "the rest (docs/SCALE.md, \"A model larger than one machine\")")
+    sh.add_argument("--expert-plan", dest="expert_plan", metavar="FILE",
+                    help="like --expert-shards, with the plan `colibri experts place` wrote")
+    g.add_argument("--shard-cpus", dest="shard_cpus", type=int, default=None,
+                   help="CPUs each expert shard reserves, and its compute threads (default 1)")
+    g.add_argument("--shard-deadline-ms", dest="shard_deadline_ms", type=float, default=1000.0,
+                   help="a MoE layer's results later than this count as slow, per shard, "
+                        "in /metrics (default 1000)")
+    g.add_argument("--shard-timeout", dest="shard_timeout", type=float, default=60.0,
+                   help="seconds after which a shard that has not answered fails the step "
+                        "(503, as a shard that died; default 60)")
     g.add_argument("--registry-dir", dest="registry_dir",
                    help="the registry's state on the head (default: "
                         "<experts-dir>/.colibri-registry, else ./.colibri-registry)")
 
 
 def main(args) -> int:
+    if args.expert_shards is not None or args.expert_plan:
+        from .shardserve import main as shard_main
+        return shard_main(args)
     from .deploy import main as deploy_main
     return deploy_main(args)

@@ -3,39 +3,122 @@ the adapter the step's executor (expertshard.ShardedExperts) calls: submit() sta
 shard's share of a layer (an ObjectRef), result() waits for it. Every shard's submit
 goes out before the first result is awaited, so the shards compute at the same time.
 
+Faults: an actor that dies fails the step with ShardUnavailable (a 503 with Retry-After
+for the requests in it; never a local fallback). Ray restarts it (max_restarts) with its
+plan's experts; until it answers a ping again, every step fails at once with the same
+503, then the executor sends it its hot-plugged experts again (`restarted`). A result
+not back within `deadline_s` counts as slow (`slow`, per shard in /metrics); one not
+back within `timeout_s` fails the step like a dead shard.
+
 Ray is imported only here (the ray extra)."""
 from __future__ import annotations
 
-from .expertshard import ExpertShard
+import time
+
+from .expertshard import ExpertShard, ShardUnavailable
+
+DEADLINE_S = 1.0              # a layer's result later than this: the shard was slow
+TIMEOUT_S = 60.0              # later than this: the shard is taken as failed
+PLUG_TIMEOUT_S = 120.0
 
 
 class RayShard:
     """Shard `index` of a plan as an actor with `cpus` CPUs (its compute threads);
+    `hotplug`: the engine's hot-plug settings (a private watched folder on the shard);
     `options`: Ray's actor options (resources, scheduling_strategy, max_restarts ...)."""
 
-    def __init__(self, model_dir, index: int, owners: dict, cpus: int = 1, **options):
+    def __init__(self, model_dir, index: int, owners: dict, cpus: int = 1,
+                 hotplug: dict | None = None, deadline_s: float = DEADLINE_S,
+                 timeout_s: float = TIMEOUT_S, **options):
         import ray
         self.index = index
-        self._get = ray.get
+        self._ray = ray
+        self.deadline_s, self.timeout_s = deadline_s, timeout_s
+        self.slow = 0                 # results later than deadline_s
+        self.failures = 0             # steps failed by this shard (died, timed out)
+        self.restarts = 0             # times it came back after a failure
+        self.restarted = False        # back from a failure: holds no hot-plugged expert
+        self.node = ""
+        self._ping = None             # while down: a call that answers once it is back
+        self._why = ""
         self.actor = ray.remote(ExpertShard).options(num_cpus=cpus, **options).remote(
-            str(model_dir), index, owners, cpus)
+            str(model_dir), index, owners, cpus, hotplug)
 
+    # -- the executor's protocol --------------------------------------------------------
     def submit(self, layer, xn, experts, weights):
+        if self._ping is not None:
+            self._check_back()
         return self.actor.compute.remote(layer, xn, experts, weights)
 
     def result(self, ref):
-        return self._get(ref)
+        ray = self._ray
+        try:
+            ready, _ = ray.wait([ref], timeout=self.deadline_s)
+            if not ready:
+                self.slow += 1
+                ready, _ = ray.wait([ref], timeout=max(self.timeout_s - self.deadline_s, 0))
+                if not ready:
+                    self._down(f"no answer within {self.timeout_s:g} s")
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._down(f"its actor died ({type(e).__name__})")
 
+    def plug(self, want: dict) -> dict:
+        if self._ping is not None:
+            self._check_back()
+        try:
+            return self._ray.get(self.actor.plug.remote(want), timeout=PLUG_TIMEOUT_S)
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError) as e:
+            self._down(f"hot-plug failed ({type(e).__name__})")
+
+    # -- faults -------------------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        return self._ping is None
+
+    def _down(self, why: str):
+        self.failures += 1
+        self._why = why
+        self._ping = self.actor.count.remote()    # queued until Ray restarted it
+        raise ShardUnavailable(f"expert shard {self.index} failed: {why}; Ray restarts it "
+                               f"with its experts: retry in a few seconds")
+
+    def _check_back(self) -> None:
+        ray = self._ray
+        ready, _ = ray.wait([self._ping], timeout=0)
+        if ready:
+            try:
+                ray.get(self._ping)
+                self._ping, self.restarted = None, True
+                self.restarts += 1
+                return
+            except ray.exceptions.RayActorError:
+                self._ping = self.actor.count.remote()
+        raise ShardUnavailable(f"expert shard {self.index} is restarting (it failed: "
+                               f"{self._why}): retry in a few seconds")
+
+    # -- what /metrics reads ------------------------------------------------------------
     @property
     def pairs(self) -> int:
-        """(token, expert) pairs the actor has computed."""
-        return self._get(self.actor.count.remote())
+        """(token, expert) pairs the actor has computed (since it last started)."""
+        return self._ray.get(self.actor.count.remote())
 
-    def ready(self) -> "RayShard":
+    def pid(self) -> int:
+        return self._ray.get(self.actor.pid.remote())
+
+    def ready(self, timeout_s: float = 300.0) -> "RayShard":
         """Waits until the actor has loaded its model (raises what its start raised)."""
-        self._get(self.actor.count.remote())
+        ray = self._ray
+        self._ray.get(self.actor.count.remote(), timeout=timeout_s)
+        self.node = ray.get(self.actor.__ray_call__.remote(
+            lambda _self: ray.get_runtime_context().get_node_id()))
         return self
 
     def close(self) -> None:
-        import ray
-        ray.kill(self.actor)
+        self._ray.kill(self.actor, no_restart=True)
+
+
+def wait_all(shards: list, timeout_s: float = 300.0) -> list:
+    """Every shard ready (its model loaded), or the first one's start error."""
+    end = time.monotonic() + timeout_s
+    return [s.ready(max(end - time.monotonic(), 1.0)) for s in shards]

@@ -75,8 +75,10 @@ def load_allowlist(path: Optional[str]) -> Optional[frozenset]:
     return frozenset(x.lower() for x in lines)
 
 
-def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
-    """Build the engine (engine_factory()), bind, print the URL, serve until stopped."""
+def run_server(engine_factory, settings: Settings, out=sys.stderr, backend=LocalBackend) -> int:
+    """Build the engine (engine_factory()), bind, print the URL, serve until stopped;
+    `backend(engine, book, routing_stats)` makes what the routes run on (fleet/
+    shardserve.py's adds the expert shards' series)."""
     import uvicorn
 
     from . import logs, memory
@@ -95,8 +97,7 @@ def run_server(engine_factory, settings: Settings, out=sys.stderr) -> int:
         if settings.ctx_size is not None and settings.ctx_size > ctx:
             raise ConfigError(f"--ctx-size {settings.ctx_size}: more than the model's "
                               f"context of {ctx} tokens")
-        backend = LocalBackend(engine, book, routing_stats=settings.routing_stats)
-        server = Server(backend, settings)
+        server = Server(backend(engine, book, settings.routing_stats), settings)
         sock = _bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
