@@ -11,94 +11,20 @@ Error bounds (relative, ||y - ref|| / ||ref|| over the whole output):
 Every kernel runs on every available backend (scalar reference and SIMD) and on 1 and
 2 threads; results must not depend on the thread count at all (rows are split, never
 the reduction).
+The expert FFN and decode attention kernels: test_kernels_ffn_attention.py; argument
+checks, backend choice and runtime facts: test_kernels_runtime.py.
 """
 from __future__ import annotations
-
-import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from colibri_core import kernels as K
-from colibri_core.model import ops
 from colibri_core.format import quant as Q
 
-FLOAT_TOL = 1e-5
-INT8_TOL = 1e-5
-FFN_INT8_TOL = 2e-3
-
-BACKENDS = K.available_backends()
-THREADS = [1, 2]
-SHAPES = [(1, 64), (3, 130), (37, 300), (259, 1000)]   # (rows, cols): odd rows, partial groups
-NS = [1, 2, 7, 33]
-GROUPS = [64, 128]
-
-
-def rel(y, ref) -> float:
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    K.set_backend(request.param)
-    yield request.param
-    K.set_backend("auto")
-
-
-@pytest.fixture(params=THREADS)
-def threads(request):
-    """1 or 2 threads; with 2, even tiny calls really run on both (threshold 0), so that
-    row splits with fewer tiles than threads are covered too."""
-    old = K.get_threads()
-    K.set_threads(request.param)
-    K._set_parallel_threshold(0 if request.param > 1 else -1)
-    yield request.param
-    K.set_threads(old)
-    K._set_parallel_threshold(-1)
-
-
-def unaligned_q4(t: Q.Q4Tensor) -> Q.Q4Tensor:
-    """The same tensor with every part at an odd byte offset of one bytes buffer."""
-    parts = [np.ascontiguousarray(t.data), np.ascontiguousarray(t.scales),
-             np.ascontiguousarray(t.zeros)]
-    buf = bytearray(sum(p.nbytes for p in parts) + 3 * 8)
-    base = np.frombuffer(buf, np.uint8).ctypes.data
-    views, off = [], 0
-    for p in parts:
-        off += (1 - (base + off)) % 4            # address = 1 mod 4: odd, and not float-aligned
-        buf[off:off + p.nbytes] = p.tobytes()
-        views.append(np.frombuffer(buf, p.dtype, p.size, off).reshape(p.shape))
-        off += p.nbytes
-    assert all(v.ctypes.data % 4 == 1 for v in views)
-    return Q.Q4Tensor(*views, t.rows, t.cols, t.group)
-
-
-def unaligned_q6(t: Q.Q6Tensor) -> Q.Q6Tensor:
-    """The same q6 tensor with its parts at odd byte offsets (as unaligned_q4)."""
-    u = unaligned_q4(Q.Q4Tensor(t.data, t.scales, t.zeros, t.rows, t.cols, t.group))
-    return Q.Q6Tensor(u.data, u.scales, u.zeros, t.rows, t.cols, t.group)
-
-
-def unaligned_f32(a: np.ndarray) -> np.ndarray:
-    """Copy of a as a view offset by one float into a larger buffer."""
-    buf = np.zeros(a.size + 9, np.float32)
-    v = buf[1:1 + a.size].reshape(a.shape)
-    v[...] = a
-    return v
-
-
-@functools.lru_cache(maxsize=None)
-def case(rows: int, cols: int, group: int, n: int, seed: int = 0):
-    rng = np.random.default_rng(seed * 1000003 + rows * 7919 + cols * 31 + group + n)
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    t = Q.quantize_q4(w, group)
-    x = rng.standard_normal((n, cols)).astype(np.float32)
-    x[:, ::17] *= 8.0                            # some outliers, as real activations have
-    return t, x, Q.matvec_q4_ref(t, x), Q.matvec_q4_q8_ref(t, x)
+from kernel_helpers import (  # noqa: F401 (backend, threads: fixtures)
+    BACKENDS, FFN_INT8_TOL, FLOAT_TOL, GROUPS, INT8_TOL, NS, SHAPES, THREADS,
+    backend, case, ffn_case, rel, threads, unaligned_f32, unaligned_q4, unaligned_q6)
 
 
 # ----------------------------------------------------------------------------- act quant
@@ -339,178 +265,6 @@ def test_q6_layout_and_rounding():
     assert np.all(padded[1, 100 - 64:] == c.zeros[0, 1])       # padding = the zero point
     assert Q.bits_per_weight(Q.quantize_q6(np.ones((4, 1024)), 128)) == 6 + 40 / 128
 
-
-# ----------------------------------------------------------------------------- expert FFN
-
-@functools.lru_cache(maxsize=None)
-def ffn_case(hidden: int, inter: int, g13: int, g2: int, n: int):
-    rng = np.random.default_rng(hidden * 3 + inter + g13 + g2 + n)
-    w1 = Q.quantize_q4(rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1, g13)
-    w3 = Q.quantize_q4(rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1, g13)
-    w2 = Q.quantize_q4(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, g2)
-    x = rng.standard_normal((n, hidden)).astype(np.float32)
-    rw = rng.uniform(0.1, 1.0, n).astype(np.float32)
-    return (w1, w3, w2, x, rw, ops.expert_ffn_ref(w1, w3, w2, x, "float"),
-            ops.expert_ffn_ref(w1, w3, w2, x, "int8"))
-
-
-@pytest.mark.parametrize("dims", [(64, 128, 64, 128), (130, 300, 128, 64), (300, 259, 64, 128)])
-@pytest.mark.parametrize("n", NS)
-def test_expert_ffn(backend, threads, dims, n):
-    w1, w3, w2, x, rw, ref_f, ref_i = ffn_case(*dims, n)
-    out = np.empty_like(x)
-    K.expert_ffn(w1, w3, w2, x, out, act="float")
-    assert rel(out, ref_f) < FLOAT_TOL
-    K.expert_ffn(w1, w3, w2, x, out, act="int8")
-    assert rel(out, ref_i) < FFN_INT8_TOL
-    assert rel(out, ref_f) < 5e-2                # int8 activations vs float: a sanity bound
-    # routing weights, accumulate and unaligned views all at once
-    base = np.random.default_rng(n).standard_normal(x.shape).astype(np.float32)
-    acc = unaligned_f32(base)
-    K.expert_ffn(unaligned_q4(w1), unaligned_q4(w3), unaligned_q4(w2), unaligned_f32(x), acc,
-                 act="float", row_weights=rw, accumulate=True)
-    assert rel(acc - base, ref_f * rw[:, None]) < FLOAT_TOL
-    K.expert_ffn(w1, w3, w2, x, acc, act="int8", row_weights=rw)
-    assert rel(acc, ref_i * rw[:, None]) < FFN_INT8_TOL
-
-
-# ----------------------------------------------------------------------------- attention
-
-def attention_ref(q, k, v, length, scale):
-    """float64 attention of one token (the last of `length` positions) over the cache."""
-    f64 = np.float64
-    return ops.attention(q[None].astype(f64), k[:length].astype(f64), v[:length].astype(f64),
-                         scale, start=length - 1)[0]
-
-
-@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 8, 32), (6, 1, 100), (1, 1, 7),
-                                       (16, 4, 64), (12, 2, 72), (7, 1, 40)])
-@pytest.mark.parametrize("length", [1, 3, 77, 300])
-def test_attention_decode(backend, threads, nh, nkv, d, length):
-    rng = np.random.default_rng(nh * 1000 + d + length)
-    cap = 301
-    k = unaligned_f32(rng.standard_normal((cap, nkv, d)).astype(np.float32))
-    v = unaligned_f32(rng.standard_normal((cap, nkv, d)).astype(np.float32))
-    k[length:] = np.nan                         # never read past `length`
-    q = unaligned_f32(rng.standard_normal((nh, d)).astype(np.float32))
-    out = unaligned_f32(np.zeros((nh, d), np.float32))
-    K.attention_decode(q, k, v, length, out)
-    assert rel(out, attention_ref(q, k, v, length, 1 / np.sqrt(d))) < FLOAT_TOL
-    K.attention_decode(q, k, v, length, out, scale=0.3)
-    assert rel(out, attention_ref(q, k, v, length, 0.3)) < FLOAT_TOL
-
-
-def test_attention_decode_rejects():
-    k = np.zeros((10, 2, 8), np.float32)
-    q, out = np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)
-    with pytest.raises(ValueError, match="length"):
-        K.attention_decode(q, k, k, 11, out)
-    with pytest.raises(ValueError, match="length"):
-        K.attention_decode(q, k, k, 0, out)
-    with pytest.raises(ValueError, match="multiple"):
-        K.attention_decode(np.zeros((3, 8), np.float32), k, k, 5, np.zeros((3, 8), np.float32))
-    with pytest.raises(ValueError, match="v_cache: shape"):
-        K.attention_decode(q, k, k[:, :1], 5, out)
-    with pytest.raises(ValueError, match="q: "):
-        K.attention_decode(np.zeros((4, 7), np.float32), k, k, 5, out)
-    with pytest.raises(ValueError, match="contiguous"):
-        K.attention_decode(q, k, np.zeros((10, 8, 2), np.float32).transpose(0, 2, 1), 5, out)
-
-
-# ----------------------------------------------------------------------------- validation
-
-def test_rejects_bad_arguments():
-    t, x, _, _ = case(37, 300, 64, 2)
-    out = np.zeros((2, 37), np.float32)
-    bad = [
-        (x.astype(np.float64), out, "dtype"),
-        (x[:, :299], out, "shape"),
-        (np.asfortranarray(x), out, "contiguous"),
-        (np.zeros((2, 600), np.float32)[:, ::2], out, "contiguous"),
-        (x, out.astype(np.float64), "dtype"),
-        (x, out[:1], "shape"),
-        (x, np.empty((37, 2), np.float32).T, "contiguous"),
-        (x, np.broadcast_to(np.float32(0), (2, 37)), "contiguous|writable"),
-        (x.tolist(), out, "numpy array"),
-    ]
-    for xx, oo, msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            K.q4_matmul(t, xx, oo)
-    ro = np.empty((2, 37), np.float32)
-    ro.flags.writeable = False
-    with pytest.raises(ValueError, match="writable"):
-        K.q4_matmul(t, x, ro)
-    with pytest.raises(ValueError, match="act"):
-        K.q4_matmul(t, x, out, act="fp16")
-    with pytest.raises(ValueError, match="Q4Tensor"):
-        K.q4_matmul(Q.quantize_q8(np.ones((37, 300)), 64), x, out)
-    with pytest.raises(ValueError, match="w.scales: dtype"):
-        K.q4_matmul(Q.Q4Tensor(t.data, t.scales.astype(np.float64), t.zeros, 37, 300, 64), x, out)
-    with pytest.raises(ValueError, match="w.data: shape"):
-        K.q4_matmul(Q.Q4Tensor(t.data[:, :-32], t.scales, t.zeros, 37, 300, 64), x, out)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        K.q4_matmul(Q.Q4Tensor(t.data, t.scales, t.zeros, 37, 300, 96), x, out)
-    with pytest.raises(ValueError, match="Q8Tensor"):
-        K.q8_matmul(t, x, out)
-    with pytest.raises(ValueError, match="x: dtype"):
-        K.act_quantize_q8(x.astype(np.float16), 64)
-    with pytest.raises(ValueError, match="xq: shape"):
-        K.act_quantize_q8(x, 64, xq=np.empty((2, 300), np.int8))
-    w1, w3, w2, xf, rw, _, _ = ffn_case(64, 128, 64, 128, 2)
-    o = np.empty_like(xf)
-    with pytest.raises(ValueError, match="w2: shape"):
-        K.expert_ffn(w1, w3, w1, xf, o)
-    with pytest.raises(ValueError, match="w3"):
-        K.expert_ffn(w1, w2, w2, xf, o)
-    with pytest.raises(ValueError, match="row_weights"):
-        K.expert_ffn(w1, w3, w2, xf, o, row_weights=np.ones(3, np.float32))
-    with pytest.raises(ValueError, match="x: shape"):
-        K.expert_ffn(w1, w3, w2, xf[:, :32].copy(), o)
-    with pytest.raises(ValueError):
-        K.set_threads(0)
-    with pytest.raises(ValueError, match="not available"):
-        K.set_backend("sse9")
-
-
-# ----------------------------------------------------------------------------- runtime
-
-def test_runtime_info():
-    assert K.backend() in BACKENDS and "scalar" in BACKENDS
-    old = K.get_threads()
-    K.set_threads(1)
-    assert K.get_threads() == 1
-    K.set_threads(3)
-    assert K.get_threads() == 3
-    K.set_threads(old)
-    a, b = K.rdtsc(), K.rdtsc()
-    assert isinstance(a, int) and b >= a
-    assert K.cycle_counter_name() in ("rdtsc", "cntvct_el0", "clock_gettime_ns")
-
-
-BEST = next(b for b in ["avx512vnni", "avx2", "neon", "scalar"] if b in BACKENDS)
-
-
-@pytest.mark.parametrize("name", BACKENDS + ["auto", "sse9"])
-def test_env_forces_backend(name):
-    """COLIBRI_KERNELS=<name> picks that backend at import; "auto" and names this CPU
-    lacks give the best one."""
-    code = ("import numpy as np; from colibri_core import kernels as K; "
-            "from colibri_core.format import quant as Q; "
-            "t = Q.quantize_q4(np.ones((3, 70), np.float32), 64); "
-            "y = K.q4_matmul(t, np.ones((1, 70), np.float32), np.empty((1, 3), np.float32)); "
-            "print(K.backend(), round(float(y.sum())))")
-    # the child imports the very colibri_core this process tests (checkout or install)
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
-    env = dict(os.environ, COLIBRI_KERNELS=name,
-               PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [name if name in BACKENDS else BEST, "210"]
-
-
-def test_auto_is_the_best():
-    assert K.set_backend("auto") == BEST
 
 
 # ----------------------------------------------------------------------------- prefill switch
