@@ -88,7 +88,6 @@ def case(rows: int, cols: int, group: int, n: int, seed: int = 0):
     return t, x, Q.matvec_q4_ref(t, x), Q.matvec_q4_q8_ref(t, x)
 
 
-
 @functools.lru_cache(maxsize=None)
 def ffn_case(hidden: int, inter: int, g13: int, g2: int, n: int):
     rng = np.random.default_rng(hidden * 3 + inter + g13 + g2 + n)

@@ -140,7 +140,6 @@ def every_thread():
 # ----------------------------------------------------------------------------- attention
 
 
-
 def run_attention(p, L, x, caches, positions):
     """ck_step_attention on rows x of sequences `caches` at `positions` (one per row)."""
     n = len(x)

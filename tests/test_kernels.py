@@ -266,7 +266,6 @@ def test_q6_layout_and_rounding():
     assert Q.bits_per_weight(Q.quantize_q6(np.ones((4, 1024)), 128)) == 6 + 40 / 128
 
 
-
 # ----------------------------------------------------------------------------- prefill switch
 
 # (rows, cols, group) for q4/q8 matmul and (hidden, inter, g13, g2) for expert_ffn: odd

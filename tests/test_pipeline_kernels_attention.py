@@ -66,7 +66,6 @@ def test_attention_rows_are_batch_invariant(eng, kv):
         assert np.array_equal(solo.k[L, 6], crowd.k[L, 6])
 
 
-
 # ----------------------------------------------------------------------------- MLA
 
 def _mla_awq(w, rng):
