@@ -31,7 +31,7 @@ unregistered.
 Dict arguments: a docstring lists the keys the engine always passes in a section
 ``Keys of ``ARG``:``, one key per line as ``name (type): description`` (type one of
 ``str``, ``int``, ``bool``, ``float``, ``list[int]``), continuation lines indented
-further. tests/test_hardening_plugins.py reads these sections and checks every key and
+further. tests/test_hookspecs_dict_keys.py reads these sections and checks every key and
 type against what a real generation (with hot-plugged experts) passes.
 """
 from __future__ import annotations
