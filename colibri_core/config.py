@@ -275,6 +275,9 @@ class ResidencyConfig(BaseModel):
     half_life_tokens: float = Field(default=32.0, gt=0)   # lfu aging: a use counts half after this many forwards
     speculative: bool = False                      # guess the next MoE layer's experts early
     speculative_layers: int = Field(default=1, ge=1, le=8)   # with speculative: guess this many MoE layers ahead
+    # a guess 2+ MoE layers ahead evicts only an expert whose use rate x this is at most
+    # the far guesses' measured precision (experts/speculation.py); 0: any expert
+    far_guess_margin: float = Field(default=2.0, ge=0)
     io_threads: int = Field(default=4, ge=1, le=64)   # expert loads in flight at once
     kv_tokens: Optional[int] = Field(default=None, gt=0)  # older name of EngineConfig.kv_pool_tokens (used when that is unset)
     debug_poison: bool = False                     # copy mode: fill evicted frames with NaN

@@ -59,8 +59,11 @@ def test_loads_are_asked_for_layers_ahead_nearest_first(model_dir, monkeypatch):
         asked.append((key[0], prio))
         return admit(self, key, ex, prio)
     monkeypatch.setattr(BudgetResidency, "_admit", spy)
+    # far_guess_margin 0: every far guess is loaded (the rule that skips some is
+    # tests/test_far_guess_rule.py's)
     cfg = EngineConfig(max_resident_mb=quarter(model_dir),
-                       residency=ResidencyConfig(speculative=True, speculative_layers=3))
+                       residency=ResidencyConfig(speculative=True, speculative_layers=3,
+                                                 far_guess_margin=0))
     with Engine(model_dir, cfg) as eng:
         eng.generate(PROMPT, max_new_tokens=4, temperature=0.0).run()
         moe = eng.model_cfg.moe_layers

@@ -2,12 +2,12 @@
 residency.py's module docstring describes as "the cache" -- entries per (layer, expert),
 pinning, LRU/LFU eviction, loads on I/O threads (mapped pages through MADV_POPULATE_READ,
 or copy-in frames read with preadv, O_DIRECT where possible) and speculative loads of the
-next MoE layer's likely experts. residency.py plans the budget and picks this class;
-expertio.py does its reads and runs its I/O threads.
+next MoE layers' likely experts. residency.py plans the budget and picks this class;
+expertio.py does its reads and runs its I/O threads; speculation.py makes its guesses and
+holds the rule for what a far guess may evict.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -16,7 +16,6 @@ from typing import Optional
 
 import numpy as np
 
-from ..model import ops
 from ..config import EngineConfig
 from ..errors import RequestError
 from ..memstat import (MADV_DONTNEED, MADV_POPULATE_READ, MADV_RANDOM, MADV_WILLNEED, PAGE,
@@ -26,6 +25,7 @@ from .residency import (BudgetPlan, EmbeddingLayout, Residency, layout_of, model
                         plan_budget)
 from ..format.modelfile import expert_name
 from ..model.weights import ModelExpert, ModelWeights, expert_ffn
+from .speculation import Speculation
 
 class CopyInExpert:
     """A routed expert living in a copy-in frame: its views point into the frame and are
@@ -62,11 +62,14 @@ class Pending:
 
 
 class _Entry:
-    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "frame", "ex", "drops")
+    __slots__ = ("key", "nbytes", "pins", "score", "future", "obj", "spec", "frame", "ex", "drops",
+                 "uses", "born")
 
-    def __init__(self, key, nbytes: int, ex):
+    def __init__(self, key, nbytes: int, ex, born: int = 0):
         self.key, self.nbytes, self.ex = key, nbytes, ex
         self.pins = 0
+        self.uses = 1             # forwards that used it (a miss's load is its first)
+        self.born = born          # the forward it came in
         self.score = 0.0
         self.future: Optional[Future] = None
         self.obj = None
@@ -77,7 +80,7 @@ class _Entry:
 
 # ----------------------------------------------------------------------------- the cache
 
-class BudgetResidency(Residency):
+class BudgetResidency(Speculation, Residency):
     """The expert cache of a memory budget (see the module docstring)."""
 
     active = True
@@ -89,8 +92,6 @@ class BudgetResidency(Residency):
         cfg = weights.cfg
         self.cfg, self.plan, self.mode = cfg, plan, engine.load_mode
         self.chunk_tokens = plan.chunk_tokens
-        self.speculative = rc.speculative and bool(cfg.moe_layers)
-        self.spec_depth = rc.speculative_layers
         self.poison = rc.debug_poison or os.environ.get("COLIBRI_POISON_EVICTED") == "1"
         self.lru = rc.policy == "lru"
         self._growth = 2.0 ** (1.0 / rc.half_life_tokens)
@@ -104,16 +105,10 @@ class BudgetResidency(Residency):
         self.loaded_bytes = 0
         self.stall_s = 0.0
         self.forwards = self.tokens = 0
-        self.spec_guessed = self.spec_correct = self.spec_loaded = self.spec_used = 0
-        self.spec_wasted = 0
-        self._spec_pending: dict = {}
+        self._init_speculation(rc, cfg)
         self._to_drop: list = []    # mmap: evicted, pages not dropped yet (next load job does)
         self._dropping: dict = {}   # key -> the job that drops that expert's pages
         self._layers = {lw.index: lw for lw in weights.layers}
-        moe = cfg.moe_layers
-        self._next_moe = {L: next((m for m in moe if m > L), None) for L in range(cfg.num_layers)}
-        self._ahead = {L: [m for m in moe if m > L] for L in range(cfg.num_layers)}
-        self._spec_far: dict = {}   # layer -> experts guessed from further back
         self._mem0 = proc_memory()
         experts = [ex for lw in weights.layers for ex in lw.experts]
         self.capacity = plan.capacity
@@ -234,11 +229,14 @@ class BudgetResidency(Residency):
                 self._inc = 1.0
 
     # --- admission and eviction
-    def _make_room(self, need: int, optional: bool = False) -> bool:
+    def _make_room(self, need: int, optional: bool = False, far_p: Optional[float] = None) -> bool:
+        """Evict until `need` bytes fit, lowest score first; `far_p`: for a far guess of
+        that measured precision, only victims speculation.py's rule allows."""
         while self.used + need > self.capacity:
             victim = None
             for ent in self.entries.values():
-                if ent.pins == 0 and (victim is None or ent.score < victim.score):
+                if (ent.pins == 0 and (victim is None or ent.score < victim.score)
+                        and (far_p is None or self.far_victim_ok(ent, far_p))):
                     victim = ent
             if victim is None:
                 if optional:
@@ -284,12 +282,12 @@ class BudgetResidency(Residency):
     def _admit(self, key, ex, prio: int) -> _Entry:
         f = ex.file
         if self.mode == "copy":
-            ent = _Entry(key, self.frame_bytes, ex)
+            ent = _Entry(key, self.frame_bytes, ex, self.forwards)
             self._make_room(ent.nbytes)
             ent.frame = self._free.pop()
             ent.future = self._pool.submit(prio, self._load_frame, ex, ent.frame)
         else:
-            ent = _Entry(key, f.size, ex)
+            ent = _Entry(key, f.size, ex, self.forwards)
             self._make_room(ent.nbytes)
             prev = self._dropping.pop(key, None)
             if prev is not None and not prev.done():
@@ -350,9 +348,8 @@ class BudgetResidency(Residency):
         with self._lock:
             try:
                 guess = self._spec_pending.pop(layer, None)
-                if guess is not None:
+                if guess is not None or layer in self._spec_far:
                     self._score_guess(layer, guess, used)
-                self._spec_far.pop(layer, None)
                 misses = []
                 for e in used:
                     ex = experts[e]
@@ -367,6 +364,7 @@ class BudgetResidency(Residency):
                     ent.pins += 1
                     pinned.append(ent)
                     self._touch(ent)
+                    ent.uses += 1
                     self.hits += 1
                     if ent.spec:
                         ent.spec = False
@@ -392,57 +390,6 @@ class BudgetResidency(Residency):
                 if ent is not None and ent.pins > 0:
                     ent.pins -= 1
 
-    # --- speculation
-    def speculate(self, after_layer: int, x: np.ndarray, es, k) -> None:
-        """Guess the next residency.speculative_layers MoE layers' experts from the hidden
-        state after `after_layer` (each one's router on it) and start loading them, nearer
-        layers first: several layers' misses in flight at once."""
-        if x.shape[0] > 4:                         # a prefill needs most experts anyway
-            return
-        for depth, L in enumerate(self._ahead[after_layer][:self.spec_depth]):
-            self._speculate_layer(L, x, es, k, depth)
-
-    def _speculate_layer(self, L: int, x: np.ndarray, es, k, depth: int) -> None:
-        lw = self._layers[L]
-        xn = ops.rmsnorm(x, lw.ffn_norm, self.cfg.rms_norm_eps)
-        logits = ops.router_logits(xn, es.routers[L], es.logit_bias[L])
-        if es.select_bias[L] is not None:
-            logits = logits + es.select_bias[L]
-        kk = int(np.max(k)) if np.ndim(k) else int(k)
-        kk = max(1, min(kk, logits.shape[1]))
-        top = np.argpartition(-logits, kk - 1, axis=1)[:, :kk]
-        guess = sorted(set(int(e) for e in top.reshape(-1)))
-        exps = es.experts[L]
-        with self._lock:
-            if depth == 0:                         # the nearest guess is the one scored
-                self._spec_pending[L] = guess
-            else:
-                self._spec_far.setdefault(L, set()).update(guess)
-            for e in guess:
-                ex = exps[e]
-                if ex is None or ex.file is None:
-                    continue
-                key = (L, e)
-                if key in self.entries:
-                    continue
-                need = self.frame_bytes if self.mode == "copy" else ex.file.size
-                if not self._make_room(need, optional=True):
-                    break
-                ent = self._admit(key, ex, 1 + depth)
-                ent.spec = True
-                self.spec_loaded += 1
-            self._flush_drops()
-
-    def _score_guess(self, layer: int, guess: list, used) -> None:
-        actual = {int(e) for e in used}
-        g = set(guess)
-        self.spec_guessed += len(g)
-        self.spec_correct += len(g & actual)
-        for e in (g | self._spec_far.pop(layer, set())) - actual:   # wrong guesses go first
-            ent = self.entries.get((layer, e))
-            if ent is not None and ent.spec and ent.pins == 0:
-                ent.score = -math.inf
-
     # --- reporting
     def report(self, page_cache: bool = True) -> dict:
         r = super().report(page_cache)
@@ -461,11 +408,7 @@ class BudgetResidency(Residency):
             "anon_growth": mem.get("RssAnon", 0) - self._mem0.get("RssAnon", 0),
         })
         if self.speculative:
-            r["speculation"] = {"guessed": self.spec_guessed, "correct": self.spec_correct,
-                                "loaded": self.spec_loaded, "used": self.spec_used,
-                                "wasted": self.spec_wasted,
-                                "hit_rate": (self.spec_correct / self.spec_guessed
-                                             if self.spec_guessed else None)}
+            r["speculation"] = self.speculation_report()
         if self.mode == "copy":
             r.update({"frames": self.n_frames, "frame_bytes": self.frame_bytes, "o_direct": self.direct})
         return r
