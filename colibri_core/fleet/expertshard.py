@@ -137,8 +137,14 @@ class ExpertShard:
     def count(self) -> int:
         return self.pairs
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> tuple[int, str]:
+        """(process id, Ray node id or "") of this shard."""
+        try:
+            import ray
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        except ImportError:
+            node = ""
+        return os.getpid(), node
 
     def plug(self, want: dict) -> dict:
         """Hold exactly the hot-plugged experts `want` ({name: {"slot", "sha256",
@@ -257,9 +263,6 @@ class ShardedExperts:
             raise RuntimeError("expert shards: hot-plugged experts with their own code, a "
                                "memory budget and expert timing/prefetch plugins are not "
                                "supported across shards yet")
-        es = pipe._last_tables.es
-        if es is not self._es or any(getattr(s, "restarted", False) for s in self.shards):
-            self.sync(es)
         layer = L.index
         ids = idv[:, :kmax]
         t_idx, j_idx = np.nonzero(ids >= 0)
@@ -268,15 +271,17 @@ class ShardedExperts:
         t_idx, j_idx, e_idx = t_idx[order], j_idx[order], e_idx[order]
         owner = np.array([self.owner(layer, e, t) for e, t in zip(e_idx.tolist(), t_idx.tolist())],
                          np.int64)
+        sels = [np.flatnonzero(owner == s) for s in range(len(self.shards))]
+        for s, sel in enumerate(sels):              # every routed pair goes to a shard
+            self.sent[s] += sel.size                # (counted even if the step then fails)
+        es = pipe._last_tables.es
+        if es is not self._es or any(getattr(s, "restarted", False) for s in self.shards):
+            self.sync(es)
         xn, x = sc.xn[:n], sc.x[:n]
         w = wv[t_idx, j_idx]
         out = np.empty((len(e_idx), x.shape[1]), np.float32)
-        calls = []
-        for s, shard in enumerate(self.shards):
-            sel = np.flatnonzero(owner == s)
-            if sel.size:
-                self.sent[s] += sel.size
-                calls.append((sel, shard, shard.submit(layer, xn[t_idx[sel]], e_idx[sel], w[sel])))
+        calls = [(sel, shard, shard.submit(layer, xn[t_idx[sel]], e_idx[sel], w[sel]))
+                 for sel, shard in zip(sels, self.shards) if sel.size]
         for sel, shard, h in calls:
             out[sel] = shard.result(h)
         # x + c per pair in ascending expert id: a token appears at most once per expert

@@ -13,6 +13,7 @@ back within `timeout_s` fails the step like a dead shard.
 Ray is imported only here (the ray extra)."""
 from __future__ import annotations
 
+import threading
 import time
 
 from .expertshard import ExpertShard, ShardUnavailable
@@ -38,9 +39,10 @@ class RayShard:
         self.failures = 0             # steps failed by this shard (died, timed out)
         self.restarts = 0             # times it came back after a failure
         self.restarted = False        # back from a failure: holds no hot-plugged expert
-        self.node = ""
+        self.node, self.pid = "", 0   # where its actor runs now
         self._ping = None             # while down: a call that answers once it is back
         self._why = ""
+        self._lock = threading.Lock()     # the step's thread and /metrics' both poll
         self.actor = ray.remote(ExpertShard).options(num_cpus=cpus, **options).remote(
             str(model_dir), index, owners, cpus, hotplug)
 
@@ -77,23 +79,34 @@ class RayShard:
         return self._ping is None
 
     def _down(self, why: str):
-        self.failures += 1
-        self._why = why
-        self._ping = self.actor.count.remote()    # queued until Ray restarted it
+        with self._lock:
+            self.failures += 1
+            self._why = why
+            self._ping = self.actor.where.remote()  # queued until Ray restarted it
         raise ShardUnavailable(f"expert shard {self.index} failed: {why}; Ray restarts it "
                                f"with its experts: retry in a few seconds")
 
-    def _check_back(self) -> None:
+    def poll(self) -> bool:
+        """Up? While down, True (and `restarted`) once its actor answers again."""
         ray = self._ray
-        ready, _ = ray.wait([self._ping], timeout=0)
-        if ready:
+        with self._lock:
+            if self._ping is None:
+                return True
+            ready, _ = ray.wait([self._ping], timeout=0)
+            if not ready:
+                return False
             try:
-                ray.get(self._ping)
-                self._ping, self.restarted = None, True
-                self.restarts += 1
-                return
+                self.pid, self.node = ray.get(self._ping)
             except ray.exceptions.RayActorError:
-                self._ping = self.actor.count.remote()
+                self._ping = self.actor.where.remote()
+                return False
+            self._ping, self.restarted = None, True
+            self.restarts += 1
+            return True
+
+    def _check_back(self) -> None:
+        if self.poll():
+            return
         raise ShardUnavailable(f"expert shard {self.index} is restarting (it failed: "
                                f"{self._why}): retry in a few seconds")
 
@@ -103,15 +116,9 @@ class RayShard:
         """(token, expert) pairs the actor has computed (since it last started)."""
         return self._ray.get(self.actor.count.remote())
 
-    def pid(self) -> int:
-        return self._ray.get(self.actor.pid.remote())
-
     def ready(self, timeout_s: float = 300.0) -> "RayShard":
         """Waits until the actor has loaded its model (raises what its start raised)."""
-        ray = self._ray
-        self._ray.get(self.actor.count.remote(), timeout=timeout_s)
-        self.node = ray.get(self.actor.__ray_call__.remote(
-            lambda _self: ray.get_runtime_context().get_node_id()))
+        self.pid, self.node = self._ray.get(self.actor.where.remote(), timeout=timeout_s)
         return self
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ class Shards:
         """Per shard: sent, computed (its own count; the last known while it does not
         answer), slow, failures, restarts, up; and the pairs the driver computed."""
         import ray
-        refs = [s.actor.count.remote() if s.up else None for s in self.shards]
+        refs = [s.actor.count.remote() if s.poll() else None for s in self.shards]
         live = [r for r in refs if r is not None]
         if live:
             ray.wait(live, num_returns=len(live), timeout=COUNT_TIMEOUT_S)
@@ -57,7 +57,7 @@ class Shards:
         ex = self.executor
         routed = self.engine.model.pipeline.routed
         total = None if routed is None else int(sum(int(v.sum()) for v in routed.values()))
-        return {"shards": [{"shard": i, "node": s.node, "sent": ex.sent[i],
+        return {"shards": [{"shard": i, "node": s.node, "pid": s.pid, "sent": ex.sent[i],
                             "computed": self._computed[i], "slow": s.slow,
                             "failures": s.failures, "restarts": s.restarts, "up": s.up}
                            for i, s in enumerate(self.shards)],
