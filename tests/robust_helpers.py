@@ -14,8 +14,10 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from colibri_core.format.modelfile import ContainerFile
+from colibri_core.model.testing import write_random_model
 
 
 # ----------------------------------------------------------------------------- model dirs
@@ -237,3 +239,32 @@ def model_dict(**over):
 def solo_tokens(engine, prompt, n: int = 12) -> list:
     """A request's greedy tokens when it runs alone (the reference for concurrent runs)."""
     return engine.generate(prompt, max_new_tokens=n, temperature=0).run().token_ids
+
+
+# ----------------------------------------------------------------------------- robustness tests
+# (test_robustness.py and test_robustness_cli.py; test_hardening_server runs _default_sigint)
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    """The tiny model with a byte-level tokenizer (256 ids, the model's whole vocab)."""
+    from hf_helpers import write_tokenizer
+    d = tmp_path_factory.mktemp("tokm")
+    tok = write_tokenizer(d)
+    write_random_model(d / "m", seed=1, tokenizer=tok)
+    return d / "m"
+
+
+def _tokenizer_with_id(d: Path, extra_id: int) -> Path:
+    from hf_helpers import write_tokenizer
+    d.mkdir(parents=True, exist_ok=True)
+    tok = write_tokenizer(d)
+    data = json.loads(tok.read_text())
+    data["model"]["vocab"]["<extra>"] = extra_id
+    tok.write_text(json.dumps(data))
+    return tok
+
+
+def _default_sigint() -> None:
+    """In the child before exec: a shell's background job (`nohup pytest ... &`) starts
+    with SIGINT ignored, which Python keeps (no KeyboardInterrupt); put back the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -394,7 +394,7 @@ class TestSignalsAndSecrets:
 
         def ignore():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        from test_robustness import _default_sigint
+        from robust_helpers import _default_sigint
         got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              preexec_fn=lambda: (ignore(), _default_sigint()), timeout=60)
         assert got.stdout.strip() == "True", got
