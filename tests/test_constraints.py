@@ -124,23 +124,38 @@ def test_ignore_eos_with_a_grammar_is_refused(eng):
 
 # ----------------------------------------------------------------------------- tool calls
 
+def _read(fmt: str, pieces, names=("f", "g")):
+    """(content, [(name, arguments text)]) of an answer read piece by piece."""
+    from colibri_core.runtime.events import TokenEvent
+    from colibri_core.server.toolstream import CallReader
+    rd = CallReader(fmt, set(names), None)
+    outs = [rd.push(TokenEvent(i, i, p, 0, "x")) for i, p in enumerate(pieces)]
+    outs.append(rd.finish())
+    calls: dict = {}
+    for o in outs:
+        for d in o.calls:
+            c = calls.setdefault(d["index"], ["", ""])
+            c[0] += d["function"].get("name", "")
+            c[1] += d["function"]["arguments"]
+    return "".join(o.content for o in outs), [tuple(calls[i]) for i in sorted(calls)]
+
+
 def test_tool_call_parsers():
-    from colibri_core.server.tools import parse_calls
-    names = {"f", "g"}
-    h = 'x<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n' \
+    h = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n' \
         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
-    calls = parse_calls(h[1:], "hermes", names)
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("f", {"a": 1}), ("g", {})]
+    assert _read("hermes", ["x" + h]) == ("x", [("f", '{"a": 1}'), ("g", "{}")])
     cut = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na'
-    assert len(parse_calls(cut, "hermes", names)) == 1
+    assert _read("hermes", [cut]) == ("", [("f", "{}")])
     ll = '<|python_tag|>{"name": "f", "parameters": {"a": 2}}; {"name": "g", "parameters": {}}'
-    assert [c["function"]["name"] for c in parse_calls(ll, "llama3", names)] == ["f", "g"]
+    assert _read("llama3", [ll]) == ("", [("f", '{"a": 2}'), ("g", "{}")])
     m = '[TOOL_CALLS][{"name": "g", "arguments": {"b": "x"}}]'
-    assert json.loads(parse_calls(m, "mistral", names)[0]["function"]["arguments"]) == {"b": "x"}
-    assert parse_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
-                       "hermes", names) is None
-    assert parse_calls("[TOOL_CALLS] not json", "mistral", names) is None
+    assert _read("mistral", [m]) == ("", [("g", '{"b": "x"}')])
+    bad = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    assert _read("hermes", [bad]) == (bad, [])
+    assert _read("mistral", ["[TOOL_CALLS] not json"]) == ("[TOOL_CALLS] not json", [])
+    # arguments first: read whole when the object closes
+    assert _read("hermes", ['<tool_call>{"arguments": {"z": [1]}, "name": "g"}</tool_call>']) \
+        == ("", [("g", '{"z": [1]}')])
 
 
 def test_speculative_decoding_under_a_grammar_gives_the_same_tokens(eng):
@@ -167,22 +182,40 @@ def test_speculative_decoding_under_a_grammar_gives_the_same_tokens(eng):
         spec.close()
 
 
-def test_hermes_calls_stream_as_each_block_closes():
-    """Each <tool_call> block is handed out when its closing tag arrives, with running
-    indexes; text before is content; a block cut short at the end is dropped."""
+def test_call_arguments_stream_as_they_are_written():
+    """Every format: a call's first delta (index, id, name) as soon as its name and the
+    start of its arguments are read, then its arguments fragment by fragment as the pieces arrive (never more than was
+    written); text before is content; a second call cut short at the end keeps what was
+    sent of it."""
     from colibri_core.runtime.events import TokenEvent
-    from colibri_core.server.tools import ToolState
-    st = ToolState("hermes", {"f", "g"}, None)
-    pieces = ['Sure. <tool', '_call>\n{"name": "f", "argu', 'ments": {}}\n</tool_call>',
-              '\n<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n</tool_call>\n<tool_ca',
-              'll>\n{"name": "f"']
-    content, got = "", []
-    for i, p in enumerate(pieces):
-        content += st.push(TokenEvent(i, i, p, 0, "x"))
-        got.append([c["function"]["name"] for c in st.take_calls()])
-    rest, last = st.finish()
-    assert content == "Sure. " and got == [[], [], ["f"], ["g"], []]
-    assert rest == "" and last == [] and st.sent == 2
+    from colibri_core.server.toolstream import CallReader
+    args = '{"city": "Paris", "n": [1, {"x": "}"}]}'
+    whole = {"hermes": f'Sure. <tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>'
+                       f'\n<tool_call>\n{{"name": "g", "arguments": {{"k": 1',
+             "llama3": f'{{"name": "f", "parameters": {args}}}; {{"name": "g", "parameters": '
+                       f'{{"k": 1',
+             "mistral": f'Sure. [TOOL_CALLS][{{"name": "f", "arguments": {args}}}, {{"name": "g", '
+                        f'"arguments": {{"k": 1'}
+    for fmt, text in whole.items():
+        rd = CallReader(fmt, {"f", "g"}, None)
+        sent, first_at = {0: "", 1: ""}, {}
+        content = ""
+        for i in range(len(text)):                     # one character a token
+            o = rd.push(TokenEvent(i, i, text[i], 0, "x"))
+            content += o.content
+            for d in o.calls:
+                if "id" in d:
+                    first_at[d["index"]] = i
+                    assert d["function"]["name"] in "fg" and d["id"].startswith("call_")
+                sent[d["index"]] += d["function"]["arguments"]
+            # what was sent of the first call is always a prefix of its arguments, and
+            # it is all of them, written so far, once the call is past them
+            assert args.startswith(sent[0])
+        assert rd.finish().content == ""
+        assert content == ("" if fmt == "llama3" else "Sure. ")
+        assert sent == {0: args, 1: '{"k": 1'}, fmt
+        assert text.index('"name": "f"') < first_at[0] < text.index(args) + 1
+        assert rd.called
 
 
 def test_a_sample_plugin_stays_within_the_grammar():

@@ -127,9 +127,32 @@ def test_n_choices_each_call_streamed_and_not(client):
     for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:
             for d in c.delta.tool_calls or []:
-                acc[c.index, d.index] = (d.function.name, json.loads(d.function.arguments))
+                e = acc.setdefault((c.index, d.index), ["", ""])
+                e[0] += d.function.name or ""
+                e[1] += d.function.arguments or ""
     assert sorted(acc) == [(0, 0), (1, 0)]
-    assert [acc[i, 0] for i in (0, 1)] == [_calls(ch.message)[0] for ch in whole.choices]
+    assert [(acc[i, 0][0], json.loads(acc[i, 0][1])) for i in (0, 1)] == \
+        [_calls(ch.message)[0] for ch in whole.choices]
+
+
+def test_arguments_stream_in_fragments_with_the_openai_helper(client):
+    """The `openai` client's stream helper (its own accumulator): the call's arguments
+    arrive in several `tool_calls.function.arguments.delta` events, each the next piece
+    of what was written, and the final message equals the non-streamed answer."""
+    kw = dict(model="m", messages=MSG, tools=TOOLS, tool_choice="required", temperature=0,
+              max_completion_tokens=120, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    pieces = []
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                assert event.arguments == "".join(pieces) + event.arguments_delta
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    assert len(pieces) >= 3 and "".join(pieces) == whole.tool_calls[0].function.arguments
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    assert final.finish_reason == "tool_calls"
 
 
 def test_auto_without_a_call_is_content(client):

@@ -44,7 +44,7 @@ class Decode(Job):
         self.hooks = eng.hooks
         self.vocab_size = eng.model_cfg.vocab_size
         self.model_dir = eng.model_dir
-        self.eos = set(eng.model_cfg.eos_token_ids)
+        self.eos = set(eng.model_cfg.eos_token_ids).union(gen.stop_token_ids)
         self.max_new_tokens = gen.max_new_tokens
         self.sampler = gen.sampler
         self.cut = StopCutter(gen.stop)          # stop strings, their starts held back

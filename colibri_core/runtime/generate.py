@@ -71,6 +71,7 @@ class Generation:
     truncated_from: Optional[int] = None
     logprobs: Optional[int] = None          # alternatives per token's log-prob (None: off)
     choice: int = 0                         # the server's choice index, on every event
+    stop_token_ids: tuple = ()              # tokens that end it as EOS does (not emitted)
     stop_reason: Optional[str] = None      # "length" | "eos" | "stop" | "context" | "error"
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import candidates, params, surface, tools as toolcalls, training
+from . import candidates, harmony, params, surface, toolstream, tools as toolcalls, training
 from .calls import Cancelled
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request, from_exception
@@ -76,6 +76,9 @@ class Server:
         self.settings = settings
         self.metrics = ServerMetrics(self)
         self.template = ChatTemplate.from_model_dir(backend.model_dir)
+        # gpt-oss: every chat answer is read by its channels (harmony.py)
+        self.harmony = harmony.Harmony.of(backend.tokenizer) \
+            if self.template is not None and harmony.is_harmony(self.template.source) else None
         self.ready = False
         self.started_at = time.time()
         self.last_snapshot: dict = {}
@@ -146,7 +149,9 @@ def version_headers(S: Server, events) -> dict:
 
 
 async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, include_usage: bool,
-                     tools=None):
+                     reader=None):
+    """`reader()`: a new reader of one choice's answer (toolstream.py; None: its text is
+    the content)."""
     eng, st = S.backend, S.settings
     rid_body = ("chatcmpl-" if chat else "cmpl-") + rec.rid
     created = int(time.time())
@@ -162,8 +167,8 @@ async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, inclu
         for ev in events:
             coll.add(ev)
         body = coll.body(rid_body, created, st.model_id, job.result, S.versions())
-        if tools is not None:              # calls out of the content (tools.py)
-            body = toolcalls.rewrite_body(body, events, tools, eng.tokenizer)
+        if reader is not None:             # content, reasoning, calls (toolstream.py)
+            body = toolstream.rewrite_body(body, events, reader)
         return JSONResponse(body, headers=version_headers(S, events))
     try:
         first = await collect(request, job, rec, until_token=True)
@@ -171,8 +176,8 @@ async def openai_run(S: Server, request, rec, p, chat: bool, stream: bool, inclu
         return Response(status_code=499)
     chunker = Chunker(rid_body, created, st.model_id, chat, logprobs, include_usage,
                       p.return_token_ids)
-    if tools is not None:
-        chunker = toolcalls.ToolChunker(chunker, tools, eng.tokenizer)
+    if reader is not None:
+        chunker = toolstream.Chunker(chunker, reader)
     rec.deferred = True
 
     async def body():
@@ -225,6 +230,8 @@ async def chat_completions(S: Server, request, rec):
     eng, st = S.backend, S.settings
     body = await read_json(request, LIMITS["generate"])
     surface.check_model(body, st)
+    # gpt-oss's template reads reasoning_effort (elsewhere: a 400, unimplemented)
+    effort = body.pop("reasoning_effort", None) if S.harmony is not None else None
     params.check_fields(body, "chat", st.strict_params, rec.rid)
     p = await params.sampling_off_loop(body, eng, "chat")
     messages, prefix_k = params.chat_messages(body)
@@ -242,10 +249,24 @@ async def chat_completions(S: Server, request, rec):
                               "with response_format or grammar", param="tool_choice")
         if g is not None:
             p.sampling = dataclasses.replace(p.sampling, grammar=g)
+    extra, reader = {}, None
+    if S.harmony is not None:
+        messages = harmony.template_messages(messages)
+        p.stop_token_ids = S.harmony.stop_ids()       # <|call|> ends an answer too
+        if effort is not None:
+            if effort not in ("low", "medium", "high"):
+                raise bad_request(f"reasoning_effort: {effort!r:.30} is not low, medium or "
+                                  f"high", param="reasoning_effort")
+            extra["reasoning_effort"] = effort
+        names = set(tools.by_name()) if tools is not None else set()
+        reader = lambda: harmony.HarmonyReader(S.harmony, names)  # noqa: E731
+    elif tools is not None:
+        reader = lambda: toolstream.CallReader(  # noqa: E731
+            tools.fmt, set(tools.by_name()), eng.tokenizer)
     # Rendered and tokenized off the event loop, no more text than the context holds.
     ids = await asyncio.to_thread(S.template.prompt_ids, messages, eng.tokenizer,
                                   text_bound(eng, spare=16),
-                                  tools.tools if tools is not None else None)
+                                  tools.tools if tools is not None else None, **extra)
     if not ids:
         raise bad_request("messages: the chat template rendered them as empty text",
                           param="messages")
@@ -253,7 +274,7 @@ async def chat_completions(S: Server, request, rec):
     if p.experts_per_token is None:
         p.experts_per_token = prefix_k
     stream, include_usage = params.stream_options(body)
-    return await openai_run(S, request, rec, p, True, stream, include_usage, tools)
+    return await openai_run(S, request, rec, p, True, stream, include_usage, reader)
 
 
 async def score(S: Server, request, rec):

@@ -111,9 +111,10 @@ class ChatTemplate:
                            code="chat_template") from None
 
     def prompt_ids(self, messages: list, tokenizer, keep_chars: int,
-                   tools: Optional[list] = None) -> list:
+                   tools: Optional[list] = None, **extra) -> list:
         """The conversation's prompt tokens. Only the end of a prompt longer than the
         context can stay (the engine keeps its last tokens), so no more than `keep_chars`
-        characters of the rendered text are tokenized, as the engine does for text."""
-        text = self.render(messages, tools=tools)
+        characters of the rendered text are tokenized, as the engine does for text.
+        `extra`: more template variables (gpt-oss's `reasoning_effort`)."""
+        text = self.render(messages, tools=tools, **extra)
         return tokenizer.encode(text[-keep_chars:] if len(text) > keep_chars else text)

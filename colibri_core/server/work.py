@@ -43,6 +43,7 @@ class GenParams:
     experts_per_token: Optional[int] = None   # None: the engine's choice (kselect.py)
     return_token_ids: bool = False      # token_ids and prompt_token_ids on each choice
     ctx_size: Optional[int] = None      # the server's per-request context (--ctx-size)
+    stop_token_ids: tuple = ()          # end the answer as EOS does (harmony's <|call|>)
 
     @property
     def logprobs(self) -> Optional[int]:
@@ -89,6 +90,7 @@ def run_generation(ctx, p: GenParams, book) -> dict:
                            sampling=sampling(0), stop=p.stop, request_id=rid(pi * p.n),
                            pin_experts=True)
         surface.fit_context(gen, p.ctx_size)          # --ctx-size
+        gen.stop_token_ids = tuple(p.stop_token_ids)
         firsts.append(gen)
     # the answer's size is checked before the other choices (and any echo) cost anything
     _check_answer_size(eng, p, firsts)
