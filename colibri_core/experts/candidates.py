@@ -88,11 +88,17 @@ class ShadowTap:
         self.watch: list = []          # (name, layer, router row, bias, slot)
         self.live = None               # the live set the checks run under
         self.step: dict = {}           # name -> chosen [n] bool, this forward
+        self.pass_id = -1              # the pass whose rows `step` holds (rows=)
         self.hits: dict = {}           # id(cache) -> (weakref to it, set of names)
 
-    def __call__(self, layer, xn, logits, kt, es) -> None:
+    def __call__(self, layer, xn, logits, kt, es, rows=None) -> None:
+        """rows=(t0, n, pass): these are rows t0.. of forward pass `pass` of n tokens (a
+        pass of several expert sets calls once per run of one set, forward/mixedsets.py;
+        what an earlier pass that failed left is dropped)."""
         if es is not self.live:
             return
+        if rows is not None and rows[2] != self.pass_id:
+            self.step, self.pass_id = {}, rows[2]
         for name, L, row, bias, slot in self.watch:
             if L != layer:
                 continue
@@ -100,7 +106,14 @@ class ShadowTap:
             above = (logits > mine[:, None]).sum(axis=1)
             if slot < logits.shape[1]:             # a new version: not against the old one
                 above -= logits[:, slot] > mine
-            self.step[name] = above < kt
+            if rows is None:
+                self.step[name] = above < kt
+                continue
+            t0, n, _ = rows
+            got = self.step.get(name)
+            if got is None or len(got) != n:
+                got = self.step[name] = np.zeros(n, bool)
+            got[t0:t0 + len(above)] = above < kt
 
     def done(self, spans) -> None:
         if not self.step:

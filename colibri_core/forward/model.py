@@ -112,18 +112,31 @@ class Model:
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Sequence[np.ndarray], caches: Sequence[KVCache],
                 ks: Sequence[int] | None = None, all_logits: bool | Sequence[bool] = False,
-                expert_set: Optional[ExpertSet] = None) -> list[np.ndarray]:
+                expert_set: Optional[ExpertSet] | Sequence[ExpertSet] = None) -> list[np.ndarray]:
         """Run a batch: tokens[i] (int ids) continue sequence i whose KV cache is caches[i].
 
         ks[i] is the top-k for sequence i (default: the model's). Returns per sequence the
         logits [V] of its last token, or [n_i, V] for all its tokens when all_logits (one
         bool for the batch, or one per sequence: a speculative decode's verification
-        beside prompt chunks). `expert_set` pins a snapshot (default: the current one).
+        beside prompt chunks). `expert_set` pins a snapshot (default: the current one), or
+        one per sequence: sequences of several sets in one pass (forward/mixedsets.py),
+        or one pass per set where they cannot mix (plugins that see the routing, a memory
+        budget); either way each sequence's logits are those it gets alone.
         """
         cfg = self.cfg
         es = expert_set or self.expert_set
         if len(tokens) != len(caches):
             raise RequestError(f"{len(tokens)} token lists but {len(caches)} caches")
+        if isinstance(es, (list, tuple)):
+            if len(es) != len(tokens):
+                raise RequestError(f"{len(tokens)} token lists but {len(es)} expert sets")
+            distinct = list({id(e): e for e in es}.values())
+            if len(distinct) == 1:
+                es = distinct[0]
+            elif not self.pipeline.mixable(distinct):
+                return self._forward_per_set(tokens, caches, ks, all_logits, es)
+            else:
+                es = list(es)
         if len({id(c) for c in caches}) != len(caches):
             raise RequestError("the same KV cache appears twice in one batch")
         ks = list(ks) if ks is not None else [cfg.top_k] * len(tokens)
@@ -151,6 +164,22 @@ class Model:
         if chunk is not None and sum(len(t) for t in toks) > chunk:
             return self._forward_chunked(toks, caches, ks, all_logits, es, chunk)
         return self._run(toks, caches, ks, all_logits, es)
+
+    def _forward_per_set(self, tokens, caches, ks, all_logits, sets) -> list:
+        """forward() once per expert set among `sets` (one per sequence), in order of
+        first appearance; the results in the sequences' order."""
+        groups: dict = {}
+        for i, e in enumerate(sets):
+            groups.setdefault(id(e), (e, []))[1].append(i)
+        every = [all_logits] * len(tokens) if isinstance(all_logits, bool) else list(all_logits)
+        ks = list(ks) if ks is not None else [self.cfg.top_k] * len(tokens)
+        outs: list = [None] * len(tokens)
+        for e, idx in groups.values():
+            got = self.forward([tokens[i] for i in idx], [caches[i] for i in idx],
+                               [ks[i] for i in idx], [every[i] for i in idx], expert_set=e)
+            for i, o in zip(idx, got):
+                outs[i] = o
+        return outs
 
     def _check_k(self, k: int) -> None:
         cfg = self.cfg
@@ -208,7 +237,8 @@ class Model:
         outs: list[list] = [[] for _ in toks]
         for b in batches:
             got = self._run([p for _, p in b], [caches[i] for i, _ in b], [ks[i] for i, _ in b],
-                            [every[i] for i, _ in b], es)
+                            [every[i] for i, _ in b],
+                            [es[i] for i, _ in b] if isinstance(es, list) else es)
             for (i, _), o in zip(b, got):
                 outs[i].append(o)
         return [np.concatenate(o, axis=0) if a else o[-1] for o, a in zip(outs, every)]

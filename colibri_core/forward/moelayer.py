@@ -19,6 +19,7 @@ from ..kernels import ffi, lib
 from ..model import ops
 from ..model.routing import route
 from ..model.weights import run_own_code
+from .mixedsets import logit_rows
 from .steptables import Keep, MoETables, StepLayer, set_ffn
 
 
@@ -79,6 +80,54 @@ class MoELayer:
         if self.routed is not None:
             self._count_routed(layer, idv[:, :self.layer_width[i]])
         self.experts(i, L, T, n, kmax, idv, wv)
+
+    def _moe_mixed(self, i: int, L: StepLayer, runs: list, mix, n: int, kmax: int) -> None:
+        """Layer L's tokens of several expert sets (mixedsets.py): each run of one set
+        routed with its set's router, then every (token, expert) pair in one expert call
+        over the union table, a token's slots mapped to its set's entries."""
+        model, sc, cfg = self.model, self.scratch, self.cfg
+        layer, H = L.index, cfg.hidden_size
+        M = mix.layers[layer]
+        p_logits, p_ids, p_wts = sc.p_layer[i]
+        idv, wv = sc.rows("ids", i, n, kmax), sc.rows("wts", i, n, kmax)
+        buf = sc.logits[i]
+        tap = model.moe_tap
+        tap = tap if tap is not None and layer in tap.layers else None
+        res = model.residency
+        advise = not res.all_prefetched(layer)
+        run_ids = sc.rows("run_ids", -1, n, kmax)
+        for t0, t1, tables in runs:
+            T, m = tables.layers[layer], t1 - t0
+            rc = lib.ck_step_route(T.router, sc.p_xn + t0 * H, m, sc.p_kt + t0, kmax,
+                                   p_logits + t0 * M.slots, p_ids + t0 * kmax, p_wts + t0 * kmax, 0)
+            lg = logit_rows(buf, t0, t1, T.slots, M.slots)
+            if rc == lib.CK_E_NONFINITE:            # NaN/Inf logits: the router's fallback
+                r = route(lg, sc.kt[t0:t1], mode=model.engine.routing, scoring=cfg.scoring_func,
+                          norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias,
+                          jitter_eps=cfg.router_jitter_eps, n_group=cfg.n_group,
+                          topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+                          bias_on_probs=cfg.select_bias_on_probs)
+                K = r.ids.shape[1]
+                idv[t0:t1, :K], wv[t0:t1, :K] = r.ids, r.weights
+                idv[t0:t1, K:], wv[t0:t1, K:] = -1, 0.0
+            else:
+                self._check(rc)
+            if tap is not None:                     # the shadow's tap: these rows of n
+                tap(layer, sc.xn[t0:t1], lg, sc.kt[t0:t1], tables.es, rows=(t0, n, self.passes))
+            if advise:                              # the madvise prefetch, by its set's slots
+                used = np.unique(idv[t0:t1])
+                res.acquire(layer, used, T.experts)
+                res.release(layer, used)
+            # its slots -> the union's entries (-1, unused, maps to the map's last: -1)
+            np.take(M.maps[mix.index[id(tables)]], idv[t0:t1], out=run_ids[t0:t1])
+        self.layer_k[i] = self.layer_width[i] = kmax
+        if self.routed is not None:
+            self._count_routed(layer, idv)
+        block = L.block
+        if L.tables is not M.token:
+            block.table, block.n_table = M.table, M.n
+            L.tables = M.token
+        self._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_wts, kmax, sc.p_x, sc.s))
 
     def _count_routed(self, layer: int, ids: np.ndarray) -> None:
         counts = np.bincount(ids[ids >= 0].ravel())

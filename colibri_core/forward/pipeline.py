@@ -30,6 +30,7 @@ from ..model import ops
 from ..kernels import ffi, lib
 from .attnlayer import gqa_layer
 from ..model.routing import LayerTrace, Routing
+from .mixedsets import MixedTables, mixable, runs_of, trace_logits
 from .moelayer import MoELayer
 from .steptables import (_MLA_DEQUANT_BUDGET, Keep, _shape, Scratch, SetTables,
                          StepLayer, check_attention, set_ffn, set_mat)
@@ -90,6 +91,12 @@ class Pipeline(MoELayer):
         self._tables: Optional[SetTables] = None
         self._pinned: dict = {}                     # id(es) -> tables of an older, pinned set
         self._last_tables: Optional[SetTables] = None   # the last step's (the trace's)
+        # several expert sets in one step (mixedsets.py): union tables per combination of
+        # sets, and the last step's runs [(t0, t1, SetTables)] and union (None: one set)
+        self._mixed: dict = {}
+        self._runs: Optional[list] = None
+        self._mix: Optional[MixedTables] = None
+        self.passes = 0                             # run() calls: forward passes done
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
         self.last_n = 0                             # tokens of the last step
@@ -157,6 +164,29 @@ class Pipeline(MoELayer):
         live = {id(es) for es in sets} | {id(es) for es in self.model.kept_sets}
         for key in [k for k in self._pinned if k not in live]:
             del self._pinned[key]
+        self._prune_mixed()
+
+    def mixable(self, sets) -> bool:
+        """Whether one pass can run sequences of these expert sets together
+        (mixedsets.py); their tables are built here if they were not."""
+        return mixable(self, [self.tables_for(es) for es in sets])
+
+    def _mixed_for(self, tables: list) -> MixedTables:
+        key = tuple(id(t) for t in tables)
+        got = self._mixed.get(key)
+        if got is None or any(a is not b for a, b in zip(got.tables, tables)):
+            if len(self._mixed) >= 8:
+                self._prune_mixed()
+            got = self._mixed[key] = MixedTables(tables)
+            self.scratch.grow_slots(got.entries_max)
+        return got
+
+    def _prune_mixed(self) -> None:
+        """Forget the unions of tables no longer current or pinned (they keep them)."""
+        live = {id(self._tables)} | {id(t) for t in self._pinned.values()}
+        for key, m in list(self._mixed.items()):
+            if any(id(t) not in live for t in m.tables):
+                del self._mixed[key]
 
     def prepare(self, es) -> SetTables:
         """The tables of expert set `es`, built without installing them: on another thread
@@ -171,6 +201,7 @@ class Pipeline(MoELayer):
         if tables.es is not es:
             raise ValueError("Pipeline.adopt: the tables were made for another expert set")
         old, self._tables = self._tables, tables
+        self._prune_mixed()
         self.scratch.fit_ffns(tables.ffns)
         self.scratch.grow_slots(max((v.slots for v in tables.layers.values()), default=1))
         return old
@@ -180,6 +211,8 @@ class Pipeline(MoELayer):
         self._tables = None
         self._pinned.clear()
         self._last_tables = None
+        self._mixed.clear()
+        self._mix = self._runs = None
         self._cache_addr.clear()
 
     def close(self) -> None:
@@ -199,7 +232,10 @@ class Pipeline(MoELayer):
             if not L.moe or t is None or n == 0:
                 continue
             slots, k, width = t.layers[L.index].slots, self.layer_k[i], self.layer_width[i]
-            logits = sc.rows("logits", i, n, slots).copy()
+            if self._mix is not None:               # each run's rows, as wide as the largest
+                logits = trace_logits(sc.logits[i], self._runs, L.index, self._mix.layers[L.index].slots)
+            else:
+                logits = sc.rows("logits", i, n, slots).copy()
             ids = sc.rows("ids", i, n, k)[:, :width].copy()
             if self.cfg.scoring_func != "sigmoid":
                 p = ops.softmax(logits.astype(np.float64))
@@ -234,7 +270,8 @@ class Pipeline(MoELayer):
     def run(self, ids: np.ndarray, spans: list, kt: np.ndarray, es, all_logits=False,
             reuse: bool = False) -> list:
         """ids [n] token ids; spans [(t0, t1, cache)] each sequence's tokens; kt [n] the
-        k of each token (or one int for all). Returns per sequence the logits of its last
+        k of each token (or one int for all); es the expert set, or one per span (the
+        sets mixable(): one union per MoE layer, mixedsets.py). Returns per sequence the logits of its last
         token [V], or of all its tokens [n_i, V] where all_logits says so (one bool for
         every sequence, or one per sequence); the caches' lengths advance. reuse: the
         logits are views of a buffer the next step overwrites (the decode loop copies
@@ -243,6 +280,15 @@ class Pipeline(MoELayer):
         n = len(ids)
         kmax = kt if isinstance(kt, int) else (int(kt.max()) if n else 1)
         sc.ensure(n, kmax)
+        self.passes += 1
+        self._mix = self._runs = None
+        if isinstance(es, (list, tuple)):           # a set per sequence
+            per = [self.tables_for(e) for e in es]
+            distinct = list({id(t): t for t in per}.values())
+            if len(distinct) > 1:
+                self._mix = self._mixed_for(distinct)
+                self._runs = runs_of(spans, per)
+            es = per[0].es
         t = self._last_tables = self.tables_for(es)
         s = sc.s
         x = sc.prefix("x", n)
@@ -281,6 +327,8 @@ class Pipeline(MoELayer):
             if not L.moe:
                 self._check(lib.ck_step_experts(L.block, sc.p_xn, n, sc.p_dense_ids,
                                                 sc.p_dense_w, 1, sc.p_x, s))
+            elif self._mix is not None:
+                self._moe_mixed(i, L, self._runs, self._mix, n, kmax)
             else:
                 self._moe(i, L, t.layers[lw.index], n, kmax)
             if res.speculative:                     # guess the next MoE layer's experts

@@ -13,10 +13,10 @@ what it produced; nothing they do touches the model.
          decoding that token and its draft: Job.decode_tokens), then prompt chunks fill
          the rest, at most max_step_tokens tokens while a stream decodes
          (max_batch_tokens while none does) and then at most max_prefill_tokens of
-         each prompt; one Model.forward per expert set among the
-         step's sequences (a pinned sequence keeps its snapshot; the others use the
-         current one), each sequence with its kind of output (last-token logits, or all
-         its positions: scoring, a draft's verification)
+         each prompt; one Model.forward for the step's sequences, each with its
+         expert set (a pinned sequence keeps its snapshot or its canary's set; the others
+         use the current one: steprun.py), each sequence with its kind of output
+         (last-token logits, or all its positions: scoring, a draft's verification)
       -> per sequence, in the step's order: its logits handled (sampling, stop strings,
          hooks: Job.after_step), then finished sequences retired and their KV freed
 

@@ -4,6 +4,10 @@ result handed to its job.
 Apart from scheduler.py (the thread's loop, admission, composition, retirement) because
 this is the part that knows how a step meets the model: which expert set each sequence
 runs with, and how a failing forward is attributed to the one sequence that caused it.
+
+A step is one Model.forward whatever the expert sets of its sequences (a pinned snapshot,
+a canary's set, the live one): each sequence carries its own, and the pipeline routes it
+and runs its experts through that set's table (forward/mixedsets.py).
 """
 from __future__ import annotations
 
@@ -13,16 +17,15 @@ def run_step(sched, plan: list) -> None:
     in the step's order (a failure fails that job's request only)."""
     model = sched.engine.model
     current = model.expert_set
-    groups: dict = {}                        # expert set -> indices
-    for i, (j, _, _) in enumerate(plan):
-        es = j.es if j.pin else current
-        groups.setdefault(id(es), (es, []))[1].append(i)
+    sets = [j.es if j.pin else current for j, _, _ in plan]
+    # the forward sees each set's sequences side by side (one router call per run of one
+    # set and layer); the results go back to the step's order
+    first: dict = {}
+    order = sorted(range(len(plan)), key=lambda i: first.setdefault(id(sets[i]), i))
+    got = forward_items(model, [plan[i] for i in order], [sets[i] for i in order])
     outs: list = [None] * len(plan)
-    sets: list = [None] * len(plan)
-    for es, idx in groups.values():
-        got = forward_items(model, [plan[i] for i in idx], es)
-        for i, o in zip(idx, got):
-            outs[i], sets[i] = o, es
+    for i, o in zip(order, got):
+        outs[i] = o
     if sched.prefix is not None:
         sched.prefix.note(plan, outs, sets)
     if sched.trace is not None:
@@ -45,21 +48,22 @@ def run_step(sched, plan: list) -> None:
             sched._fail(req, exc)
 
 
-def forward_items(model, items: list, es) -> list:
+def forward_items(model, items: list, sets: list) -> list:
     """One Model.forward over the items (job, tokens, all their logits or the last
-    token's); when it fails, each item alone (its result or its error), so that a
-    fault one sequence causes fails only that one."""
+    token's), each with its expert set (`sets`, one per item); when it fails, each item
+    alone (its result or its error), so that a fault one sequence causes fails only that
+    one."""
     jobs = [j for j, _, _ in items]
     lengths = [j.cache.length for j in jobs]
     try:
         return model.forward([t for _, t, _ in items], [j.cache for j in jobs],
                              [j.k for j in jobs], all_logits=[a for _, _, a in items],
-                             expert_set=es)
+                             expert_set=sets)
     except Exception as exc:                 # noqa: BLE001 - attributed below
         if len(items) == 1:
             return [exc]
     outs = []
-    for (j, t, a), n in zip(items, lengths):
+    for (j, t, a), n, es in zip(items, lengths, sets):
         j.cache.length = n
         try:
             outs.append(model.forward([t], [j.cache], [j.k], all_logits=a,
