@@ -42,6 +42,7 @@ from ..errors import ConfigError
 from ..files import read_bytes, read_text
 from ..nesting import json_loads
 from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8, quantize_rows
+from .. import kernels
 from ..model.weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
 from . import families as fam
 from . import gptoss
@@ -138,7 +139,8 @@ class _Writer:
         got = (self.ck.matrix_rows(src.name, src.index, src.rows) if bits in (4, 6, 8) and isinstance(
             self.ck, Checkpoint) and not (scaled or src.awq or src.deinterleave or src.transpose) else None)
         if got is not None:            # a block of rows at a time: memory = output + one block
-            return quantize_rows(f"q{bits}", got[2], *got[:2], self.group_of(key), self.q4_clip), None
+            return quantize_rows(f"q{bits}", got[2], *got[:2], self.group_of(key), self.q4_clip,
+                                 kernels.q4_group_codes), None
         w = self.float32(src)
         if w.ndim != 2:
             raise ConfigError(f"checkpoint: {src.name} has shape {list(w.shape)}, expected a matrix")
@@ -157,9 +159,9 @@ class _Writer:
         if key in sc.clip:
             w = clip_groups(w, g, sc.clip[key])
         if bits == 4:
-            return quantize_q4(w, g, clip=self.q4_clip), s
+            return quantize_q4(w, g, clip=self.q4_clip, group_codes=kernels.q4_group_codes), s
         if bits == 6:
-            return quantize_q6(w, g, clip=self.q4_clip), s
+            return quantize_q6(w, g, clip=self.q4_clip, group_codes=kernels.q4_group_codes), s
         return quantize_q8(w, g), s
 
 

@@ -103,7 +103,8 @@ _IMPROVE = 1e-12              # a later candidate must beat the kept one by this
 
 
 def quantize_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
-                act_scale: np.ndarray | None = None, clip: str = DEFAULT_Q4_CLIP) -> Q4Tensor:
+                act_scale: np.ndarray | None = None, clip: str = DEFAULT_Q4_CLIP,
+                group_codes=None) -> Q4Tensor:
     """Asymmetric INT4 group quantization of a [R, C] matrix (round to nearest).
 
     `clip` picks each group's scale and zero point (docs/FORMAT.md, "Rounding"):
@@ -122,7 +123,7 @@ def quantize_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
     a = None if act_scale is None else np.asarray(act_scale, dtype=np.float64)[None, :]
     rows, cols = np.shape(w)
     return quantize_rows("q4", lambda r0, r1: w[r0:r1] if a is None else w[r0:r1] * a,
-                         rows, cols, group, clip)
+                         rows, cols, group, clip, group_codes)
 
 
 # Rows are quantized in blocks of about this many bytes of float64 (each block's working
@@ -140,10 +141,12 @@ def row_blocks(rows: int, cols: int):
 
 
 def quantize_rows(kind: str, read, rows: int, cols: int, group: int = DEFAULT_GROUP,
-                  clip: str = DEFAULT_Q4_CLIP):
+                  clip: str = DEFAULT_Q4_CLIP, group_codes=None):
     """Quantize a [rows, cols] matrix given by `read(r0, r1)` (its rows r0..r1, any float
     dtype) block by block (row_blocks) into a Q4Tensor, Q6Tensor or Q8Tensor (`kind`
-    "q4", "q6", "q8"): the matrix is never held in float64, nor whole unless `read` holds it."""
+    "q4", "q6", "q8"): the matrix is never held in float64, nor whole unless `read` holds it.
+    `group_codes`: q4/q6's per-group search, q4_group_codes (default) or a function with its
+    signature and results (the converter passes kernels.q4_group_codes, the same in C)."""
     check_group(group)
     if kind not in ("q4", "q6", "q8"):
         raise ValueError(f"quantize_rows: kind {kind!r} is not q4, q6 or q8")
@@ -160,7 +163,8 @@ def quantize_rows(kind: str, read, rows: int, cols: int, group: int = DEFAULT_GR
         if kind == "q8":
             data[r0:r1], scales[r0:r1] = _q8_codes(w, group)
             continue
-        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, 15 if kind == "q4" else 63)
+        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, 15 if kind == "q4" else 63,
+                                                   group_codes or q4_group_codes)
         data[r0:r1] = pack_nibbles(q) if kind == "q4" else pack_q6(q)
         del q, w
     if kind == "q8":
@@ -179,7 +183,7 @@ def fake_quant_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
     return g.reshape(rows, cp)[:, : w.shape[1]]
 
 
-def _q4_codes(w: np.ndarray, group: int, clip: str, qmax: int = 15):
+def _q4_codes(w: np.ndarray, group: int, clip: str, qmax: int = 15, group_codes=None):
     """float64 [R, C] -> (q uint8 [R, Cp] unpacked, scales float32 [R, NG], zeros uint8 [R, NG]);
     levels 0..qmax (15: q4, 63: q6)."""
     check_group(group)
@@ -202,8 +206,7 @@ def _q4_codes(w: np.ndarray, group: int, clip: str, qmax: int = 15):
             parts.append((full, ng, cols - full * group))   # last partial group: real values only
         for g0, g1, k in parts:
             blk = np.ascontiguousarray(w[:, g0 * group: g0 * group + (g1 - g0) * k]).reshape(-1, k)
-            s, z = q4_group_params(blk, clip, qmax)
-            qq = np.clip(np.round(blk / s[:, None]) + z[:, None], 0, qmax).astype(np.uint8)
+            qq, s, z = (group_codes or q4_group_codes)(blk, clip, qmax)
             n = g1 - g0
             qv = q[:, g0 * group: g1 * group].reshape(rows, n, group)
             qv[:, :, :k] = qq.reshape(rows, n, k)
@@ -211,6 +214,15 @@ def _q4_codes(w: np.ndarray, group: int, clip: str, qmax: int = 15):
             scales[:, g0:g1] = s.reshape(rows, n)
             zeros[:, g0:g1] = z.reshape(rows, n).astype(np.uint8)
     return q, scales, zeros
+
+
+def q4_group_codes(blk: np.ndarray, clip: str = DEFAULT_Q4_CLIP, qmax: int = 15):
+    """Each group's (row of `blk`, float64 [N, K]) scale and zero point (q4_group_params)
+    and its codes: -> (q uint8 [N, K], scale [N], zero [N])."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
+        s, z = q4_group_params(blk, clip, qmax)
+        q = np.clip(np.round(blk / s[:, None]) + z[:, None], 0, qmax).astype(np.uint8)
+    return q, s, z
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -325,13 +337,13 @@ def unpack_q6(packed: np.ndarray) -> np.ndarray:
 
 
 def quantize_q6(w: np.ndarray, group: int = DEFAULT_GROUP,
-                clip: str = DEFAULT_Q4_CLIP) -> Q6Tensor:
+                clip: str = DEFAULT_Q4_CLIP, group_codes=None) -> Q6Tensor:
     """Asymmetric 6-bit group quantization of a [R, C] matrix: q4's rules (scale and zero
     point per group by `clip`, padding stored as the zero point) with levels 0..63."""
     if np.ndim(w) != 2:
         raise ValueError(f"quantize_q6 expects a matrix, got shape {np.shape(w)}")
     rows, cols = np.shape(w)
-    return quantize_rows("q6", lambda r0, r1: w[r0:r1], rows, cols, group, clip)
+    return quantize_rows("q6", lambda r0, r1: w[r0:r1], rows, cols, group, clip, group_codes)
 
 
 def dequantize_q6(t: Q6Tensor) -> np.ndarray:

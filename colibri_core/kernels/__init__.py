@@ -27,7 +27,8 @@ from typing import Optional
 import numpy as np
 
 from ..format.mxfp4 import MXFP4Tensor
-from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor, check_group, padded_cols
+from ..format.quant import (Q4_CLIP_GRID, Q4_CLIPS, Q4Tensor, Q6Tensor, Q8Tensor, check_group,
+                            padded_cols, q4_group_codes as _q4_group_codes_np)
 
 try:
     from .._colibri_kernels import ffi, lib
@@ -41,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 __all__ = [
     "backend", "available_backends", "set_backend", "set_threads", "get_threads",
     "rdtsc", "cycle_counter_name", "act_quantize_q8", "q4_matmul", "q6_matmul", "mxfp4_matmul",
-    "q8_matmul", "expert_ffn", "attention_decode",
+    "q8_matmul", "expert_ffn", "attention_decode", "q4_group_codes",
 ]
 
 lib.ck_init()
@@ -366,3 +367,34 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, le
     sc = 1.0 / float(np.sqrt(d)) if scale is None else float(scale)
     _rc(lib.ck_attention_decode(qp, nh, d, kp, vp, nkv, length, sc, op))
     return out
+
+
+_GRID = np.array(Q4_CLIP_GRID, dtype=np.float64)
+
+
+def q4_group_codes(blk: np.ndarray, clip: str = "mse", qmax: int = 15):
+    """quant.q4_group_codes in C (ck_qsearch.c, the kernels' threads, GIL released): each
+    group's (row of `blk`, float64 [N, K], K <= 1024) scale and zero point by `clip`, and
+    its codes -> (q uint8 [N, K], scale float32 [N], zero uint8 [N]), bit for bit numpy's.
+    A block with a NaN or Inf is redone by numpy (its rules give the non-finite scale that
+    validate.check_tensor refuses)."""
+    if clip not in Q4_CLIPS:
+        raise ValueError(f"q4 clip {clip!r}: must be one of {', '.join(Q4_CLIPS)}")
+    if not isinstance(blk, np.ndarray) or blk.dtype != np.float64 or blk.ndim != 2:
+        raise ValueError(f"blk: expected a float64 numpy array [N, K], got "
+                         f"{getattr(blk, 'dtype', type(blk).__name__)} {getattr(blk, 'shape', '')}")
+    n, k = blk.shape
+    if not 1 <= k <= 1024 or not 1 <= int(qmax) <= 255:
+        return _q4_group_codes_np(blk, clip, qmax)           # outside the kernel's sizes
+    blk = np.ascontiguousarray(blk)
+    q = np.empty((n, k), np.uint8)
+    s = np.empty(n, np.float32)
+    z = np.empty(n, np.uint8)
+    bad = lib.ck_q4_group_search(ffi.cast("const double *", ffi.from_buffer(blk)), n, k,
+                                 int(qmax), ffi.cast("const double *", ffi.from_buffer(_GRID)),
+                                 len(_GRID), int(clip == "mse"), ffi.from_buffer("float[]", s),
+                                 ffi.from_buffer("uint8_t[]", z),
+                                 ffi.from_buffer("uint8_t[]", q), lib.ck_get_threads())
+    if bad:
+        return _q4_group_codes_np(blk, clip, qmax)
+    return q, s, z

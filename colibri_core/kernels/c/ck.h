@@ -298,6 +298,16 @@ int ck_guard_damaged(int slot);
 void ck_guard_mark_damaged(int slot);
 const uint64_t *ck_guard_counter(void);
 
+/* ------------------------------------------------------------------ converter */
+
+/* ck_qsearch.c: quant.q4_group_params + the codes for n groups of k doubles (b [n, k]),
+ * levels 0..qmax (15: q4, 63: q6); mse != 0 also tries the shrink factors grid[ngrid]
+ * (quant.Q4_CLIP_GRID). Writes scale [n] (float32), zero [n], q [n, k]. Returns the number
+ * of groups holding a NaN / Inf (left unwritten: the caller uses numpy's rules for them),
+ * or -1 for k outside 1..1024 or qmax outside 1..255. nth threads of ck_pool.c. */
+int64_t ck_q4_group_search(const double *b, int64_t n, int64_t k, int qmax, const double *grid,
+                           int ngrid, int mse, float *scale, uint8_t *zero, uint8_t *q, int nth);
+
 /* cdef end */
 
 #endif
