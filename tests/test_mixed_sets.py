@@ -163,3 +163,23 @@ def test_the_scheduler_runs_pinned_canary_and_live_requests_in_one_step(tiny_mod
                 assert got.expert_set.get("candidate") == cand
                 want = m.forward([s], [m.new_cache(64)], [2], expert_set=es)[0]
                 assert np.array_equal(got.logits, want)
+
+
+def test_a_set_whose_router_gives_nan_takes_the_fallback_for_its_rows_only(tiny_model_dir):
+    """Non-finite router logits (a hot expert's NaN router row) send that set's run to
+    routing.route's fallback, as alone; the other sets' runs route in C."""
+    with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
+        m, cfg = eng.model, eng.model_cfg
+        _, live, _ = three_sets(eng)
+        bad = QHot(cfg, cfg.num_experts + 2, 5, 0.0, "c")
+        bad.router_row[:] = np.nan
+        nan_set = live.with_expert(bad)
+        m.expert_set = live
+        seqs, sets = _seqs(4, seed=3), [live, nan_set, nan_set, live]
+        alone = [_alone(m, s, es) for s, es in zip(seqs, sets)]
+        p0 = m.pipeline.passes
+        got = m.forward(seqs, [m.new_cache(64) for _ in seqs], [2] * 4, all_logits=True,
+                        expert_set=sets)
+        assert m.pipeline.passes - p0 == 1
+        for a, b in zip(alone, got):
+            assert np.isfinite(b).all() and np.array_equal(a, b)

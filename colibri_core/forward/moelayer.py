@@ -100,9 +100,9 @@ class MoELayer:
             T, m = tables.layers[layer], t1 - t0
             rc = lib.ck_step_route(T.router, sc.p_xn + t0 * H, m, sc.p_kt + t0, kmax,
                                    p_logits + t0 * M.slots, p_ids + t0 * kmax, p_wts + t0 * kmax, 0)
-            lg = logit_rows(buf, t0, t1, T.slots, M.slots)
             if rc == lib.CK_E_NONFINITE:            # NaN/Inf logits: the router's fallback
-                r = route(lg, sc.kt[t0:t1], mode=model.engine.routing, scoring=cfg.scoring_func,
+                r = route(logit_rows(buf, t0, t1, T.slots, M.slots), sc.kt[t0:t1],
+                          mode=model.engine.routing, scoring=cfg.scoring_func,
                           norm_topk_prob=cfg.norm_topk_prob, bias=T.select_bias,
                           jitter_eps=cfg.router_jitter_eps, n_group=cfg.n_group,
                           topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
@@ -113,7 +113,8 @@ class MoELayer:
             else:
                 self._check(rc)
             if tap is not None:                     # the shadow's tap: these rows of n
-                tap(layer, sc.xn[t0:t1], lg, sc.kt[t0:t1], tables.es, rows=(t0, n, self.passes))
+                tap(layer, sc.xn[t0:t1], logit_rows(buf, t0, t1, T.slots, M.slots), sc.kt[t0:t1],
+                    tables.es, rows=(t0, n, self.passes))
             if advise:                              # the madvise prefetch, by its set's slots
                 used = np.unique(idv[t0:t1])
                 res.acquire(layer, used, T.experts)
