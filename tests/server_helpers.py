@@ -18,7 +18,8 @@ READY_DEADLINE_S = 30.0
 
 
 class LiveServer:
-    def __init__(self, *args: str, experts_dir: Path, env: dict | None = None):
+    def __init__(self, *args: str, experts_dir: Path, env: dict | None = None,
+                 ready_s: float = READY_DEADLINE_S):
         cmd = [sys.executable, "-m", "colibri_core", "serve", "--port", "0",
                "--experts-dir", str(experts_dir), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
@@ -28,10 +29,10 @@ class LiveServer:
         self._url = threading.Event()
         self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._url.wait(READY_DEADLINE_S) or not self.url:
+        if not self._url.wait(ready_s) or not self.url:
             self.stop()
             raise RuntimeError("the server did not print its URL within "
-                               f"{READY_DEADLINE_S:.0f} s:\n" + "\n".join(self.lines))
+                               f"{ready_s:.0f} s:\n" + "\n".join(self.lines))
         deadline = time.monotonic() + READY_DEADLINE_S
         while time.monotonic() < deadline:
             try:

@@ -6,10 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from colibri_core.engine import Engine
-from colibri_core.config import EngineConfig
 from colibri_core.fleet.expertplan import PlanError, check_plan, load_plan, place, read_load
-from colibri_core.fleet.expertshard import ExpertShard, ShardedExperts
+from colibri_core.fleet.expertshard import ExpertShard
+from shard_helpers import one_and_sharded
 
 BUILTIN = "colibri_core/models/builtin"
 
@@ -110,14 +109,8 @@ def sharded():
     m = _model_dir()
     load = {L: [8, 1, 2, 3, 4, 5, 6, 7] for L in (1, 2, 3)}
     owners = check_plan(place(m, 3, load, replicate=1), m)
-    with Engine(m, EngineConfig(threads=1)) as one, Engine(m, EngineConfig(threads=1)) as drv:
-        shards = [ExpertShard(m, s, owners) for s in range(3)]
-        ex = ShardedExperts(drv.model.pipeline, owners, shards).install()
-        try:
-            yield one, drv, ex
-        finally:
-            for s in shards:
-                s.close()
+    with one_and_sharded(m, owners, [ExpertShard(m, s, owners) for s in range(3)]) as got:
+        yield got
 
 
 def test_shard_step_bit_identical_logits(sharded):

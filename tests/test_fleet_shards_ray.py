@@ -10,60 +10,31 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-    # the loopback address for the driver too: ray.init otherwise swaps 127.0.0.1 for
-    # the machine's own address, which the test nodes do not listen on
-    loopback, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep) if p])
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    node = dict(num_cpus=1, object_store_memory=200 * 2**20, node_ip_address="127.0.0.1",
-                include_dashboard=False)
-    c = Cluster(initialize_head=True, head_node_args=node)
-    try:
-        for i in range(2):
-            c.add_node(**node, resources={f"shard{i}": 1})
-        ray.init(address=c.address, log_to_driver=False)
+    pytest.importorskip("ray")
+    from colibri_core.fleet.localcluster import local_cluster
+    with local_cluster(nodes=2, cpus=1, object_store_mb=200) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = loopback
 
 
 @pytest.fixture(scope="module")
 def sharded(cluster):
     import colibri_core
-    from colibri_core.config import EngineConfig
-    from colibri_core.engine import Engine
     from colibri_core.fleet.expertplan import check_plan, place
-    from colibri_core.fleet.expertshard import ShardedExperts
     from colibri_core.fleet.shardactor import RayShard
+    from shard_helpers import one_and_sharded
     m = os.path.join(os.path.dirname(colibri_core.__file__), "models", "builtin")
     owners = check_plan(place(m, 2), m)
     shards = [RayShard(m, s, owners, cpus=1, resources={f"shard{s}": 1}).ready() for s in range(2)]
-    with Engine(m, EngineConfig(threads=1)) as one, Engine(m, EngineConfig(threads=1)) as drv:
-        ex = ShardedExperts(drv.model.pipeline, owners, shards).install()
-        try:
-            yield one, drv, ex
-        finally:
-            for s in shards:
-                s.close()
+    with one_and_sharded(m, owners, shards) as got:
+        yield got
 
 
 def test_shard_actors_on_two_nodes(cluster, sharded):
-    import ray
     _, _, ex = sharded
-    nodes = {ray.get(s.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
-             for s in ex.shards}
-    assert len(nodes) == 2
+    assert len({s.node for s in ex.shards}) == 2 and all(s.node for s in ex.shards)
 
 
 def test_shard_actors_bit_identical_logits(sharded):

@@ -19,8 +19,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -28,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_helpers import metric, wait_until
+from server_helpers import LiveServer, metric, wait_until
 
 pytestmark = pytest.mark.ray
 START_DEADLINE_S = 180.0
@@ -47,32 +45,16 @@ def _need_ray():
         pytest.skip("needs ray: pip install -e '.[ray]'")
 
 
-class Server:
+class Server(LiveServer):
+    """The documented command, joining the test's cluster."""
+
     def __init__(self, tmp, cluster):
         from colibri_core.fleet.localcluster import worker_env
         self.experts = tmp / "experts"
         self.experts.mkdir()
-        cmd = [sys.executable, "-m", "colibri_core", "serve", "--ray", "--expert-shards",
-               "2", "--ray-address", cluster.address, "--port", "0", "--threads", "1",
-               "--experts-dir", str(self.experts), "--shard-deadline-ms", str(DEADLINE_MS)]
-        self.proc = subprocess.Popen(cmd, env=worker_env(), text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: list[str] = []
-        self.url = ""
-        seen = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                m = re.search(r"serving (http://\S+)", line)
-                if m:
-                    self.url = m.group(1)
-                    seen.set()
-            seen.set()
-        threading.Thread(target=read, daemon=True).start()
-        if not seen.wait(START_DEADLINE_S) or not self.url:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-40:]))
+        super().__init__("--ray", "--expert-shards", "2", "--ray-address", cluster.address,
+                         "--threads", "1", "--shard-deadline-ms", str(DEADLINE_MS),
+                         experts_dir=self.experts, env=worker_env(), ready_s=START_DEADLINE_S)
 
     def complete(self, prompt, tokens=16, stream=False, **kw) -> httpx.Response:
         return httpx.post(self.url + "/v1/completions", timeout=180, json={
@@ -83,14 +65,6 @@ class Server:
 
     def shards(self) -> list[dict]:
         return httpx.get(self.url + "/status.json", timeout=30).json()["expert_shards"]["shards"]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +83,6 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     """One engine on its own watched folder: the hot-plug test drops the same file in."""
-    from colibri_core.config import EngineConfig
     from colibri_core.engine import Engine
     folder = tmp_path_factory.mktemp("ref-experts")
     with Engine.from_config("builtin", threads=1, experts_dir=str(folder)) as eng:

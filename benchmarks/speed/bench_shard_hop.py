@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.common import OUT, REPO
+from benchmarks.common import OUT
 
 ROWS = (1, 4, 16, 64, 256)
 
@@ -54,22 +53,11 @@ def main(argv=None) -> int:
                     help="also Compiled Graphs (on this machine, Ray 2.60: their first execute "
                          "times out, RayChannelTimeoutError, on the driver's node and across)")
     a = ap.parse_args(argv)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep) if p])
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-    ray_constants.ENABLE_RAY_CLUSTER = False    # ray.init keeps 127.0.0.1 (the nodes' address)
     from ray.dag import InputNode, MultiOutputNode
-    node = dict(num_cpus=1, object_store_memory=200 * 2**20, node_ip_address="127.0.0.1",
-                include_dashboard=False)
-    cluster = Cluster(initialize_head=True, head_node_args=node)
-    for i in range(2):
-        cluster.add_node(**node, resources={f"shard{i}": 1})
+    from colibri_core.fleet.localcluster import local_cluster
     out = {"ray": ray.__version__, "hidden": a.hidden, "calls": a.calls, "rows": {}}
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
+    with local_cluster(nodes=2, cpus=1, object_store_mb=200):
         actor = ray.remote(Echo)
         # plain calls to actors on the two worker nodes; Compiled Graphs to actors on the
         # driver's node (shared-memory channels; across nodes the graph's first execute
@@ -110,9 +98,6 @@ def main(argv=None) -> int:
             slope, icpt = np.polyfit(b, y, 1)
             out[f"fit_{k}"] = {"per_hop_ms": float(icpt), "per_MiB_ms": float(slope * 2**20)}
             print(f"{k}: {icpt:.3f} ms + {slope * 2**20:.3f} ms/MiB (each way)", file=sys.stderr)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "shard_hop.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))

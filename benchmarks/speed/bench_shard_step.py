@@ -4,7 +4,7 @@ executor's own cost, no transport) and on two Ray actors on two nodes of Ray's t
 cluster (ray.cluster_utils.Cluster: 1 CPU, 200 MB, loopback; fleet/shardactor.py).
 The added latency per MoE layer = (sharded - one) / MoE layers.
 
-    python -m benchmarks.speed.bench_shard_step [--model builtin] [--tokens 48] [--rounds 3]
+    python -m benchmarks.speed.bench_shard_step [--model builtin|bench|DIR] [--tokens 48] [--rounds 3]
 
 Rounds alternate the three; medians of per-token p50s. Tokens are checked identical.
 """
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import OUT, REPO
+from benchmarks.common import OUT, bench_model, git_commit, machine
 
 
 def _p50(eng, prompt, n):
@@ -31,7 +31,8 @@ def _p50(eng, prompt, n):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_shard_step")
-    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--model", default="builtin",
+                    help="builtin, bench (the Mixtral-shaped benchmark model) or a model directory")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
@@ -41,23 +42,12 @@ def main(argv=None) -> int:
     from colibri_core.fleet.expertplan import check_plan, place
     from colibri_core.fleet.expertshard import ExpertShard, ShardedExperts
     from colibri_core.fleet.shardactor import RayShard
-    m = a.model if a.model != "builtin" else os.path.join(
-        os.path.dirname(colibri_core.__file__), "models", "builtin")
+    from colibri_core.fleet.localcluster import local_cluster
+    m = os.path.join(os.path.dirname(colibri_core.__file__), "models", "builtin") \
+        if a.model == "builtin" else str(bench_model()) if a.model == "bench" else a.model
     owners = check_plan(place(m, 2), m)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep) if p])
-    import ray
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-    ray_constants.ENABLE_RAY_CLUSTER = False    # ray.init keeps 127.0.0.1
-    node = dict(num_cpus=1, object_store_memory=200 * 2**20, node_ip_address="127.0.0.1",
-                include_dashboard=False)
-    cluster = Cluster(initialize_head=True, head_node_args=node)
     res = {"one": [], "inprocess": [], "ray": []}
-    try:
-        for i in range(2):
-            cluster.add_node(**node, resources={f"shard{i}": 1})
-        ray.init(address=cluster.address, log_to_driver=False)
+    with local_cluster(nodes=2, cpus=1, object_store_mb=200):
         cfg = EngineConfig(threads=1)
         one, local, remote = Engine(m, cfg), Engine(m, cfg), Engine(m, cfg)
         plain = [ExpertShard(m, s, owners) for s in range(2)]
@@ -80,11 +70,10 @@ def main(argv=None) -> int:
                "ratio_tok_s_ray_vs_one": med["one"] / med["ray"]}
         for e in (one, local, remote):
             e.close()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    out.update(commit=git_commit(), machine=machine(), loadavg=os.getloadavg())
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "shard_step.json").write_text(json.dumps(out, indent=1))
+    name = {"builtin": "shard_step", "bench": "shard_step_bench"}.get(a.model, "shard_step_model")
+    (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     return 0
 
