@@ -1,13 +1,20 @@
 """Tiny random models of the families added by issue 32 (Granite MoE, GLM-4.5, ERNIE-4.5), built
 locally as hf_helpers.make_hf_model builds the first six, and Colibri's dequantized weights
-written back into them (Granite's tensor names differ from the others')."""
+written back into them (Granite's tensor names differ from the others'). Also what the
+family conversion tests share beyond hf_helpers: the norms and head written back, q/k rows
+back in a checkpoint's interleaved rope order, a patched config refused at convert time."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import hf_helpers
+from colibri_core.convert import convert
+from colibri_core.errors import ConfigError
 from hf_helpers import _deq, effective, load_dequantized_into
 
 MORE_FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe")
@@ -66,14 +73,9 @@ def load_dequantized_more(model, colibri_dir: Path):
     def put(name, arr):
         sd[name].copy_(torch.from_numpy(np.array(arr, np.float32).reshape(sd[name].shape)))
 
-    put("model.embed_tokens.weight", _deq(w.embed))
-    if "lm_head.weight" in sd and not w.cfg.tie_word_embeddings:
-        put("lm_head.weight", _deq(w.lm_head))
-    put("model.norm.weight", w.final_norm)
+    put_head_and_norms(put, w, "lm_head.weight" in sd and not w.cfg.tie_word_embeddings)
     for lw in w.layers:
         q, a = f"model.layers.{lw.index}.", lw.attn
-        put(q + "input_layernorm.weight", lw.attn_norm)
-        put(q + "post_attention_layernorm.weight", lw.ffn_norm)
         for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             put(q + f"self_attn.{n}.weight", effective(getattr(a, s), a.act_scales.get(s)))
         m = q + "block_sparse_moe."
@@ -96,11 +98,6 @@ def _load_ernie(model, colibri_dir: Path):
     from colibri_core.config import load_model_config
     D = load_model_config(Path(colibri_dir) / "config.json").head_size
     state = model.state_dict()
-
-    def interleave(a):                     # inverse of families.Src.deinterleave
-        h = np.asarray(a).reshape(-1, 2, D // 2, *np.shape(a)[1:])
-        return np.swapaxes(h, 1, 2).reshape(np.shape(a))
-
     sd = {k.replace("mlp.gate.moe_statics.", "mlp.gate."): v for k, v in state.items()}
 
     class _Wrap:                           # load_dequantized_into writes through state_dict()
@@ -109,5 +106,40 @@ def _load_ernie(model, colibri_dir: Path):
     load_dequantized_into(_Wrap(), colibri_dir)
     for k, v in state.items():
         if k.endswith(("q_proj.weight", "k_proj.weight")):
-            v.copy_(torch.from_numpy(interleave(v.numpy())))
+            v.copy_(torch.from_numpy(interleave(v.numpy(), D)))
     return model
+
+
+def put_head_and_norms(put, w, lm_head: bool = True) -> None:
+    """The embedding, the lm_head (unless told not to: tied), the final norm and each
+    layer's two norms of Colibri's model `w`, by `put(name, array)` under Llama's names."""
+    put("model.embed_tokens.weight", _deq(w.embed))
+    if lm_head:
+        put("lm_head.weight", _deq(w.lm_head))
+    put("model.norm.weight", w.final_norm)
+    for lw in w.layers:
+        q = f"model.layers.{lw.index}."
+        put(q + "input_layernorm.weight", lw.attn_norm)
+        put(q + "post_attention_layernorm.weight", lw.ffn_norm)
+
+
+def interleave(a, head_size: int) -> np.ndarray:
+    """q/k rows (or biases) of heads of `head_size` back in a checkpoint's interleaved rope
+    order: the inverse of families.Src.deinterleave."""
+    h = np.asarray(a).reshape(-1, 2, head_size // 2, *np.shape(a)[1:])
+    return np.swapaxes(h, 1, 2).reshape(np.shape(a))
+
+
+def assert_refused_at_convert(hf: Path, tmp_path: Path, patch: dict, needle: str) -> Path:
+    """A copy of checkpoint `hf` (at tmp_path/hf, returned) with `patch` in its config.json
+    is refused by convert in one ConfigError line containing `needle`, writing nothing."""
+    d = tmp_path / "hf"
+    shutil.copytree(hf, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(patch)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="not supported") as e:
+        convert(d, tmp_path / "out")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    return d

@@ -19,9 +19,6 @@ moe_layer_start_index / interval, tied embeddings; YaRN over the interleaved pai
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 
@@ -30,11 +27,10 @@ pytest.importorskip("transformers")
 
 from colibri_core.convert import convert
 from colibri_core.engine import Engine
-from colibri_core.errors import ConfigError
 
 from hf_helpers import (assert_float_parity, check_fast_path, float_engine, greedy_match,
                         hf_logits, rel_err, save)
-from hf_helpers_more import load_dequantized_more, make_more_model
+from hf_helpers_more import assert_refused_at_convert, load_dequantized_more, make_more_model
 
 H = 320
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7],
@@ -176,15 +172,7 @@ REFUSALS = [
 @pytest.mark.parametrize("case,patch,needle", REFUSALS, ids=[n for _, _, n in REFUSALS])
 def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patch, needle):
     _, hf, _ = built(case, 32)
-    d = tmp_path / "hf"
-    shutil.copytree(hf, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(patch)
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="not supported") as e:
-        convert(d, tmp_path / "out")
-    assert needle in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()
+    assert_refused_at_convert(hf, tmp_path, patch, needle)
 
 
 def test_verify_greedy_with_a_token_equal_to_the_pad_id(built, tmp_path):

@@ -20,9 +20,6 @@ within the test's positions); the third Llama-4-Scout's llama3 rope (factor 16).
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 
@@ -31,10 +28,10 @@ pytest.importorskip("transformers")
 
 from colibri_core.convert import convert
 from colibri_core.engine import Engine
-from colibri_core.errors import ConfigError
 
 import hf_helpers
 from hf_helpers import assert_float_parity, check_fast_path, float_engine, greedy_match, save
+from hf_helpers_more import assert_refused_at_convert, interleave, put_head_and_norms
 
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7],
            [int(v) for v in np.random.default_rng(48).integers(0, 300, 48)]]
@@ -124,35 +121,27 @@ def load_dequantized_llama4(model, colibri_dir):
     q/k rows (and biases) back in the interleaved order, the experts transposed back."""
     torch, _ = hf_helpers._imports()
     from colibri_core.model.weights import load_model
-    from hf_helpers import _deq, effective
+    from hf_helpers import effective
     w = load_model(colibri_dir)
     sd, D = model.state_dict(), w.cfg.head_size
 
     def put(name, arr):
         sd[name].copy_(torch.from_numpy(np.array(arr, np.float32).reshape(sd[name].shape)))
 
-    def interleave(a):                       # inverse of families.Src.deinterleave
-        h = np.asarray(a).reshape(-1, 2, D // 2, *np.shape(a)[1:])
-        return np.swapaxes(h, 1, 2).reshape(np.shape(a))
-
     def ffn(prefix, f):
         for s, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             put(prefix + n + ".weight", effective(getattr(f, s), f.act_scales.get(s)))
 
-    put("model.embed_tokens.weight", _deq(w.embed))
-    put("lm_head.weight", _deq(w.lm_head))
-    put("model.norm.weight", w.final_norm)
+    put_head_and_norms(put, w)
     for lw in w.layers:
         q, a = f"model.layers.{lw.index}.", lw.attn
-        put(q + "input_layernorm.weight", lw.attn_norm)
-        put(q + "post_attention_layernorm.weight", lw.ffn_norm)
         for s, n in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             m = effective(getattr(a, s), a.act_scales.get(s))
-            put(q + f"self_attn.{n}.weight", interleave(m) if s in ("wq", "wk") else m)
+            put(q + f"self_attn.{n}.weight", interleave(m, D) if s in ("wq", "wk") else m)
         for s, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj"), ("bo", "o_proj")):
             if getattr(a, s) is not None:
                 v = getattr(a, s)
-                put(q + f"self_attn.{n}.bias", interleave(v) if s in ("bq", "bk") else v)
+                put(q + f"self_attn.{n}.bias", interleave(v, D) if s in ("bq", "bk") else v)
         f = q + "feed_forward."
         if lw.kind == "dense":
             ffn(f, lw.dense)
@@ -204,12 +193,4 @@ REFUSALS = [
 @pytest.mark.parametrize("patch,needle", REFUSALS, ids=[n for _, n in REFUSALS])
 def test_unsupported_options_are_refused_in_one_line(built, tmp_path, patch, needle):
     _, hf, _ = built("llama4", 32)
-    d = tmp_path / "hf"
-    shutil.copytree(hf, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(patch)
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="not supported") as e:
-        convert(d, tmp_path / "out")
-    assert needle in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()
+    assert_refused_at_convert(hf, tmp_path, patch, needle)
