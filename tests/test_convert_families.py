@@ -31,6 +31,7 @@ from hf_helpers import (CALIBRATION_TEXT, HELD_OUT, assert_float_parity, check_f
                         float_engine, greedy_match, hf_greedy, hf_logits, inject_outliers,
                         load_dequantized_into, make_hf_model, mean_kl, perplexity, rel_err,
                         save, save_awq, write_tokenizer)
+from hf_helpers_more import assert_refused_at_convert
 
 H = 320
 PROMPTS = [[5, 17, 42, 9, 88, 5, 61, 200, 3, 77, 120, 250, 1, 2, 99], [250, 1, 2], [7]]
@@ -294,17 +295,9 @@ REFUSALS = [
 
 @pytest.mark.parametrize("case,patch,needle", REFUSALS, ids=[n for _, _, n in REFUSALS])
 def test_unsupported_options_are_refused_in_one_line(built, tmp_path, case, patch, needle, capsys):
-    import shutil
     from colibri_core.cli import main
     _, hf, _ = built(case, 32)
-    d = tmp_path / "hf"
-    shutil.copytree(hf, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(patch)
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="not supported") as e:
-        convert(d, tmp_path / "out")
-    assert needle in str(e.value) and "\n" not in str(e.value)
+    d = assert_refused_at_convert(hf, tmp_path, patch, needle)
     capsys.readouterr()                  # the fixture's own output (transformers' progress bars)
     assert main(["convert", str(d), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
