@@ -286,3 +286,26 @@ def test_reader_headers_and_fallbacks():
     assert read(f"<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{args}")[:3] \
         == (args, "", [])
     assert read("plain words, no header") == ("plain words, no header", "", [], False)
+
+
+def test_response_format_is_the_final_message(client, hf):
+    """A JSON schema on gpt-oss: the model keeps its channels (the grammar is the final
+    message's body, after an optional analysis: made unlikely here with a bias on the
+    'f' of final), the content validates, streamed the same."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                               "days": {"type": "integer", "minimum": 1,
+                                                        "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    kw = dict(model="m", messages=MSG, max_tokens=120, temperature=0,
+              logit_bias=byte_bias(hf, "f", 30), extra_body={"return_token_ids": True},
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "w", "schema": schema}})
+    r = client.chat.completions.create(**kw)
+    got = json.loads(r.choices[0].message.content)
+    assert got["city"] in ("Paris", "Oslo") and 1 <= got["days"] <= 7
+    assert r.choices[0].finish_reason == "stop"
+    text = hf.decode(r.choices[0].model_extra["token_ids"])
+    assert text.startswith("<|channel|>final<|message|>{")
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == r.choices[0].message.content

@@ -241,6 +241,9 @@ async def chat_completions(S: Server, request, rec):
                           f"chat_template): use /v1/completions", param="messages",
                           code="no_chat_template")
     tools = toolcalls.read(body, S.template)      # None: no tools, or tool_choice none
+    if S.harmony is not None and p.sampling.grammar is not None:   # the final message's
+        p.sampling = dataclasses.replace(p.sampling, grammar=await asyncio.to_thread(
+            harmony.final_answer, p.sampling.grammar, S.harmony))
     if tools is not None:
         g = None if tools.choice == "auto" else \
             await asyncio.to_thread(toolcalls.grammar, tools, eng.tokenizer)  # required, named

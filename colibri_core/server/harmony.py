@@ -17,7 +17,10 @@ message). The server:
 - enforces `tool_choice` `required` or a named function with a grammar (`grammar`): an
   optional analysis message, then `<|channel|>commentary to=functions.NAME
   <|constrain|>json<|message|>{arguments}<|call|>` with the arguments in the function's
-  schema.
+  schema;
+- puts a request's own grammar (`response_format`, `grammar`, ...) in the final message
+  (`final_answer`): an optional analysis message, then `<|channel|>final<|message|>` and
+  what the grammar allows.
 """
 from __future__ import annotations
 
@@ -155,15 +158,38 @@ class HarmonyReader:
         self.state, self.header = "body", ""
 
 
+def _analysis(h: Harmony) -> list:
+    return [f'analysis: {h.lark("<|channel|>")} "analysis" {h.lark("<|message|>")} '
+            f'THOUGHT {h.lark("<|end|>")} {h.lark("<|start|>")} "assistant"',
+            r"THOUGHT: /(.|\n)*/"]
+
+
+def final_answer(inner: Grammar, h: Harmony) -> Grammar:
+    """A request's own grammar (response_format, grammar, ...) as the final message's
+    body, after an optional analysis message: the model keeps its channels, the answer
+    (content) is what the grammar allows. A grammar that names harmony's tokens writes
+    the channels itself: it is used as it is."""
+    if any(t in inner.text or f"<[{i}]>" in inner.text for t, i in h.ids.items()):
+        return inner                            # it writes the channels itself
+    try:
+        subs = json.loads(inner.compiled())["grammars"]
+        subs[0] = {**subs[0], "name": "colibri_answer"}
+        top = ["start: analysis? final",
+               f'final: {h.lark("<|channel|>")} "final" {h.lark("<|message|>")} '
+               f"@colibri_answer", *_analysis(h)]
+        return Grammar.llguidance([{"lark_grammar": "\n".join(top)}] + subs)
+    except (GrammarError, KeyError, ValueError, IndexError) as e:
+        raise bad_request(f"response_format: this grammar cannot be the final message of "
+                          f"a gpt-oss answer: {e}", param="response_format",
+                          code="invalid_grammar") from None
+
+
 def grammar(req, h: Harmony) -> Grammar:
     """`required` or a named function: an optional analysis message, then one call (the
     answer ends at its `<|call|>`) whose arguments the function's schema allows."""
     fns = req.by_name()
     chosen = [fns[req.choice]] if req.choice in fns else list(fns.values())
-    lines = ["start: analysis? call",
-             f'analysis: {h.lark("<|channel|>")} "analysis" {h.lark("<|message|>")} '
-             f'THOUGHT {h.lark("<|end|>")} {h.lark("<|start|>")} "assistant"',
-             r"THOUGHT: /(.|\n)*/",
+    lines = ["start: analysis? call", *_analysis(h),
              "call: " + " | ".join(f"call{i}" for i in range(len(chosen)))]
     subs = []
     for i, f in enumerate(chosen):
