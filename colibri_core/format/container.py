@@ -17,6 +17,7 @@ from .filemap import FileMapping
 from ..memstat import resident_bytes
 from ..files import open_regular
 from .mxfp4 import MXFP4Tensor
+from .q5 import Q5Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
 # 2 MB pages for the weights. Decode streams ~100 MB of weights a token, with a page
@@ -51,11 +52,11 @@ def _cached_after(mm: FileMapping, start: int) -> bool:
 
 MAGIC = b"COLIBRI\x00"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2        # the newest minor version this Colibri reads and writes (1.1: q6,
-                        # 1.2: mxfp4)
+FORMAT_MINOR = 3        # the newest minor version this Colibri reads and writes (1.1: q6,
+                        # 1.2: mxfp4, 1.3: q5)
 # The minor version a file is written with: the lowest that describes its sections, so a
 # file without q6 sections stays 1.0 (byte for byte what an older Colibri wrote and reads).
-DTYPE_MINOR = {"q6": 1, "mxfp4": 2}
+DTYPE_MINOR = {"q6": 1, "mxfp4": 2, "q5": 3}
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, table_len
 # The largest section table a reader parses (docs/FORMAT.md): a parsed table costs about
@@ -66,11 +67,11 @@ MAX_TABLE_BYTES = 1 << 20
 MAX_EXPERT_TABLE_BYTES = 64 << 10
 
 PLAIN_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-QUANT_DTYPES = ("q4", "q6", "q8", "mxfp4")
+QUANT_DTYPES = ("q4", "q5", "q6", "q8", "mxfp4")
 ALL_DTYPES = set(PLAIN_DTYPES) | set(QUANT_DTYPES)
 _DTYPE_NAMES = {d: d for d in ALL_DTYPES}   # one shared string per dtype, not one per section
 
-Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor]
+Tensor = Union[np.ndarray, Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor]
 
 
 def _align(n: int) -> int:

@@ -27,6 +27,7 @@ from .filemap import FileMapping, max_map_count
 from ..files import open_regular
 from ..nesting import json_loads
 from .mxfp4 import MX_GROUP, MXFP4Tensor
+from .q5 import Q5Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 from .writer import DEFAULT_RESERVE, write_container
 
@@ -60,6 +61,8 @@ def _expected_part_sizes(dtype: str, shape: tuple[int, ...], group: int) -> dict
         return {"data": rows * cp // 2, "scales": rows * ng * 4, "zeros": rows * ng}
     if dtype == "q6":
         return {"data": rows * cp // 64 * 48, "scales": rows * ng * 4, "zeros": rows * ng}
+    if dtype == "q5":
+        return {"data": rows * cp // 64 * 40, "scales": rows * ng * 4, "zeros": rows * ng}
     if dtype == "mxfp4":
         return {"data": rows * cp // 2, "exps": rows * cp // 32}
     return {"data": rows * cp, "scales": rows * ng * 4}
@@ -314,6 +317,11 @@ class ContainerFile:
         if s.dtype == "mxfp4":
             return MXFP4Tensor(part("data", np.uint8, (rows, cp // 2)),
                                part("exps", np.uint8, (rows, cp // 32)), rows, cols)
+        if s.dtype == "q5":
+            return Q5Tensor(part("data", np.uint8, (rows, cp // 64 * 40)),
+                            part("scales", np.float32, (rows, ng)),
+                            part("zeros", np.uint8, (rows, ng)),
+                            rows, cols, s.group_size)
         if s.dtype == "q6":
             return Q6Tensor(part("data", np.uint8, (rows, cp // 64 * 48)),
                             part("scales", np.float32, (rows, ng)),

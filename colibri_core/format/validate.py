@@ -28,9 +28,10 @@ import numpy as np
 
 from ..errors import ModelFormatError
 from .mxfp4 import E8M0_NAN, MXFP4Tensor
+from .q5 import Q5Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
-Tensor = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor]
+Tensor = Union[np.ndarray, Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor]
 
 _BLOCK_BYTES = 4 << 20          # scan this many bytes of a tensor at a time
 _BF16_EXP = 0x7F80              # bf16 exponent bits: all ones -> Inf or NaN
@@ -80,8 +81,8 @@ def tensor_problems(name: str, t: Tensor) -> list[str]:
             out.append(f"section '{name}' (mxfp4): {n} block exponent(s) 255 (NaN in e8m0), "
                        f"first at {_where(exps.shape, first)}")
         return out
-    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
-        kind = {Q4Tensor: "q4", Q6Tensor: "q6"}.get(type(t), "q8")
+    if isinstance(t, (Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor)):
+        kind = {Q4Tensor: "q4", Q5Tensor: "q5", Q6Tensor: "q6"}.get(type(t), "q8")
         scales = np.asarray(t.scales)
         n, first = _count_bad(scales, _non_finite)
         if n:
@@ -89,8 +90,8 @@ def tensor_problems(name: str, t: Tensor) -> list[str]:
             out.append(f"section '{name}' ({kind}): {n} non-finite scale(s) (NaN/Inf), first at "
                        f"row {int(r)}, group {int(g)} (columns {int(g) * t.group}.."
                        f"{int(g + 1) * t.group - 1})")
-        if isinstance(t, (Q4Tensor, Q6Tensor)):
-            zeros, top = np.asarray(t.zeros), 15 if kind == "q4" else 63
+        if isinstance(t, (Q4Tensor, Q5Tensor, Q6Tensor)):
+            zeros, top = np.asarray(t.zeros), {"q4": 15, "q5": 31}.get(kind, 63)
             n, first = _count_bad(zeros, lambda b: b > top)
             if n:
                 out.append(f"section '{name}' ({kind}): {n} zero point(s) outside 0..{top}, "

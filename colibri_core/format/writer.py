@@ -15,6 +15,7 @@ from ..files import atomic_write
 from .container import (ALIGN, FORMAT_MAJOR, HUGE_PAGE, MAGIC, MAX_TABLE_BYTES, PLAIN_DTYPES,
                         _PREFIX, Tensor, _align, _drop_cached, minor_for)
 from .mxfp4 import MX_GROUP, MXFP4Tensor
+from .q5 import Q5Tensor
 from .quant import Q4Tensor, Q6Tensor, Q8Tensor
 
 
@@ -28,8 +29,8 @@ def _parts_of(t: Tensor) -> tuple[str, list[int], dict, list[tuple[str, np.ndarr
             ("data", np.ascontiguousarray(t.data, np.uint8)),
             ("scales", np.ascontiguousarray(t.scales, np.float32)),
             ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]
-    if isinstance(t, Q6Tensor):
-        return "q6", [t.rows, t.cols], {"group_size": t.group}, [
+    if isinstance(t, (Q5Tensor, Q6Tensor)):
+        return "q5" if isinstance(t, Q5Tensor) else "q6", [t.rows, t.cols], {"group_size": t.group}, [
             ("data", np.ascontiguousarray(t.data, np.uint8)),
             ("scales", np.ascontiguousarray(t.scales, np.float32)),
             ("zeros", np.ascontiguousarray(t.zeros, np.uint8))]

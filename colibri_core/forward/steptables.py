@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..kernels import ffi, lib
 from ..model.kvcache import check_memory
 from ..format.mxfp4 import MX_GROUP, MXFP4Tensor
+from ..format.q5 import Q5Tensor
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor, padded_cols
 from ..model.routing import _EXP2_TABLE
 
@@ -46,7 +47,7 @@ class Keep:
 
 
 def is_q(w) -> bool:
-    return isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor))
+    return isinstance(w, (Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor))
 
 
 _FLOAT_KINDS = {np.dtype(np.float32): lib.CK_W_F32, np.dtype(np.float16): lib.CK_W_F16,
@@ -66,8 +67,11 @@ def set_mat(keep: Keep, m, w, act_scale=None, what: str = "matrix") -> None:
         m.rows, m.cols, m.group = w.rows, w.cols, MX_GROUP
         m.act_scale = keep.f32(act_scale)
         return
-    if isinstance(w, (Q4Tensor, Q6Tensor)):
-        m.kind = lib.CK_W_Q4 if isinstance(w, Q4Tensor) else lib.CK_W_Q6
+    if isinstance(w, Q5Tensor) and (what == "embed" or what.endswith("wkv_b")):
+        raise ConfigError(f"{what}: q5 runs in matrix products only (FFNs, attention, lm_head); "
+                          f"the rows read one at a time need q4, q6, q8 or floats (re-convert)")
+    if isinstance(w, (Q4Tensor, Q5Tensor, Q6Tensor)):
+        m.kind = {Q4Tensor: lib.CK_W_Q4, Q5Tensor: lib.CK_W_Q5}.get(type(w), lib.CK_W_Q6)
         m.zeros = keep.buf(w.zeros, "uint8_t *")
     elif isinstance(w, Q8Tensor):
         m.kind, m.zeros = lib.CK_W_Q8, ffi.NULL

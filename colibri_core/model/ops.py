@@ -24,6 +24,7 @@ from ..format.quant import (Q4Tensor, Q6Tensor, Q8Tensor, dequantize_q4, dequant
                             dequantize_q8, matvec_q4_q8_ref, matvec_q4_ref, padded_cols,
                             quantize_act_q8, unpack_nibbles, unpack_q6)
 from ..format.mxfp4 import MXFP4Tensor, dequantize_mxfp4, matvec_mxfp4_q8_ref
+from ..format.q5 import Q5Tensor, dequantize_q5, unpack_q5
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -74,6 +75,8 @@ def float_matrix(w) -> np.ndarray:
         return dequantize_q4(w).astype(np.float32)
     if isinstance(w, Q6Tensor):
         return dequantize_q6(w).astype(np.float32)
+    if isinstance(w, Q5Tensor):
+        return dequantize_q5(w).astype(np.float32)
     if isinstance(w, Q8Tensor):
         return dequantize_q8(w).astype(np.float32)
     if isinstance(w, MXFP4Tensor):
@@ -101,14 +104,15 @@ def matmul(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     x = np.asarray(x, np.float32)
     if act == "int8" and isinstance(w, MXFP4Tensor):      # exact block dots (mxfp4.py)
         return matvec_mxfp4_q8_ref(w, np.atleast_2d(x)).astype(np.float32)
-    if act != "int8" or not isinstance(w, (Q4Tensor, Q6Tensor, Q8Tensor)):
+    if act != "int8" or not isinstance(w, (Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor)):
         return (x @ float_matrix(w).T).astype(np.float32, copy=False)
     g, rows = w.group, w.rows
     ng = padded_cols(w.cols, g) // g
     if isinstance(w, Q8Tensor):
         codes, zeros = np.asarray(w.data), None
     else:
-        codes = (unpack_nibbles if isinstance(w, Q4Tensor) else unpack_q6)(np.asarray(w.data))
+        codes = (unpack_nibbles if isinstance(w, Q4Tensor) else unpack_q5 if isinstance(w, Q5Tensor)
+                 else unpack_q6)(np.asarray(w.data))
         zeros = np.asarray(w.zeros, np.float64).T                         # [NG, R]
     q = codes.reshape(rows, ng, g).transpose(1, 2, 0).astype(np.float64)  # [NG, G, R]
     sw = np.asarray(w.scales, np.float64).T                              # [NG, R]
@@ -135,10 +139,10 @@ def embedding(table, ids: np.ndarray) -> np.ndarray:
         rows = Q4Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
                         table.cols, table.group)
         return dequantize_q4(rows).astype(np.float32)
-    if isinstance(table, Q6Tensor):
-        rows = Q6Tensor(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
-                        table.cols, table.group)
-        return dequantize_q6(rows).astype(np.float32)
+    if isinstance(table, (Q5Tensor, Q6Tensor)):
+        rows = type(table)(table.data[ids], table.scales[ids], table.zeros[ids], len(ids),
+                           table.cols, table.group)
+        return float_matrix(rows)
     if isinstance(table, Q8Tensor):
         rows = Q8Tensor(table.data[ids], table.scales[ids], len(ids), table.cols, table.group)
         return dequantize_q8(rows).astype(np.float32)

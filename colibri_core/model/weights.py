@@ -20,9 +20,10 @@ from ..format.modelfile import (FORMAT_MAJOR, MAX_EXPERT_TABLE_BYTES, MAX_TABLE_
                                 ContainerFile, Tensor, expert_file_name, expert_name, sha256_file,
                                 write_container)
 from ..format.mxfp4 import MXFP4Tensor
+from ..format.q5 import Q5Tensor
 from ..format.quant import Q4Tensor, Q6Tensor, Q8Tensor
 
-Matrix = Union[np.ndarray, Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor]
+Matrix = Union[np.ndarray, Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor]
 
 
 @dataclass
@@ -160,8 +161,8 @@ def check_gate_up(path, w: FFNWeights) -> FFNWeights:
 
 
 def _describe(t) -> str:
-    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor)):
-        kind = {Q4Tensor: "q4", Q6Tensor: "q6", MXFP4Tensor: "mxfp4"}.get(type(t), "q8")
+    if isinstance(t, (Q4Tensor, Q5Tensor, Q6Tensor, Q8Tensor, MXFP4Tensor)):
+        kind = {Q4Tensor: "q4", Q5Tensor: "q5", Q6Tensor: "q6", MXFP4Tensor: "mxfp4"}.get(type(t), "q8")
         return f"{kind} with group size {t.group}"
     return str(getattr(t, "dtype", type(t).__name__))
 

@@ -40,7 +40,8 @@ const char *ck_cycle_counter_name(void);
 /* ------------------------------------------------------------------ descriptors */
 
 enum { CK_W_Q4 = 1, CK_W_Q8 = 2, CK_W_Q6 = 3, CK_W_F32 = 4, CK_W_F16 = 5, CK_W_BF16 = 6,
-       CK_W_MXFP4 = 7 };
+       CK_W_MXFP4 = 7, CK_W_Q5 = 8 };   /* q5: q4's fields, data [rows, cp/64*40] (ck_q5.c);
+                                           the step's products only (not ck_matmul, ck_mat_row) */
 
 typedef struct {               /* a matrix [rows, cols]: q4, q6 or q8 in the docs/FORMAT.md
                                   layout, or floats (the step calls only) */
@@ -269,6 +270,11 @@ void ck_kv_load(int kind, const void *src, const float *scales, int64_t n, int64
 int ck_kv_attention(int kind, const float *q, int g, int64_t d, const void *k, const void *v,
                     const float *ks, const float *vs, int64_t ld, int64_t len, float scale,
                     float *out);
+
+/* ck_q5.c (tests, benchmarks): out [n, rows] = x [n, cols] @ W^T for a CK_W_Q5 matrix on one
+ * thread, through the step's q5 tiles (act_int8: x quantized per group of W); 0, or -1
+ * (not q5, or no memory) */
+int ck_q5_matmul(const ck_mat *w, const float *x, int64_t n, float *out, int act_int8);
 
 /* out [cols] = row `r` of w, dequantized as quant.dequantize_q4 / _q6 / _q8 */
 void ck_mat_row(const ck_mat *w, int64_t r, float *out);

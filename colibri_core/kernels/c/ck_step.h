@@ -59,13 +59,14 @@ static inline int is_float_kind(int kind) { return kind >= CK_W_F32 && kind <= C
 
 static inline int64_t mat_bytes_per_row(const ck_mat *m) {
     return m->kind == CK_W_Q4 ? m->cols / 2 : m->kind == CK_W_Q6 ? m->cols * 3 / 4 :
+           m->kind == CK_W_Q5 ? m->cols * 5 / 8 :
            m->kind == CK_W_MXFP4 ? m->cols / 2 + m->cols / 32 :
            m->kind == CK_W_F32 ? 4 * m->cols : is_float_kind(m->kind) ? 2 * m->cols : m->cols;
 }
 
 /* ------------------------------------------------------------------ matrices */
 
-/* a matrix as the tiles take it: q4, q6 and mxfp4 in q4, q8 in q8, floats in f (row r at
+/* a matrix as the tiles take it: q4, q5, q6 and mxfp4 in q4, q8 in q8, floats in f (row r at
  * f + r * cols, f32 / f16 / bf16 by kind); xs its AWQ activation scale or NULL */
 typedef struct { int kind; ck_q4 q4; ck_q8 q8; const void *f; const float *xs; int64_t rows, cols, group; } wmat;
 
@@ -75,7 +76,7 @@ static inline wmat to_w(const ck_mat *m) {
     memset(&w, 0, sizeof w);
     w.kind = m->kind;
     w.rows = m->rows; w.cols = m->cols; w.group = m->group; w.xs = m->act_scale;
-    if (m->kind == CK_W_Q4 || m->kind == CK_W_Q6)
+    if (m->kind == CK_W_Q4 || m->kind == CK_W_Q6 || m->kind == CK_W_Q5)
         w.q4 = (ck_q4){m->data, m->scales, m->zeros, m->rows, m->cols, m->group, cp, cp / m->group};
     else if (m->kind == CK_W_MXFP4) {          /* activations in groups of 64: two blocks */
         w.group = 64;
@@ -143,6 +144,10 @@ static inline void wf_tile(const wmat *w, int64_t r0, int rt, const ck_xf *x, in
  * rows (readable and finite up to round_up(cols, 64) for the quantized float tiles) */
 typedef struct { ck_act q; ck_xf f; int int8; } sact;
 
+/* ck_q5.c: the q5 tiles (every backend; AVX2 integer dots where the backend has them) */
+void ck_q5_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt, float *res);
+void ck_q5_f32(const ck_q4 *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt, float *res);
+
 /* one tile of any matrix kind against either kind of activations */
 static inline __attribute__((always_inline))
 void mat_tile(const ck_backend_t *be, const wmat *w, int64_t r0, int rt, const sact *a,
@@ -152,11 +157,13 @@ void mat_tile(const ck_backend_t *be, const wmat *w, int64_t r0, int rt, const s
         if (w->kind == CK_W_Q4) be->q4_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
         else if (w->kind == CK_W_Q6) be->q6_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
         else if (w->kind == CK_W_MXFP4) be->mx_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
+        else if (w->kind == CK_W_Q5) ck_q5_i8(&w->q4, r0, rt, &a->q, t0, nt, res);
         else be->q8_i8(&w->q8, r0, rt, &a->q, t0, nt, res);
     } else {
         if (w->kind == CK_W_Q4) be->q4_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
         else if (w->kind == CK_W_Q6) be->q6_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
         else if (w->kind == CK_W_MXFP4) ck_scalar_mx_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
+        else if (w->kind == CK_W_Q5) ck_q5_f32(&w->q4, r0, rt, &a->f, t0, nt, res);
         else be->q8_f32(&w->q8, r0, rt, &a->f, t0, nt, res);
     }
 }

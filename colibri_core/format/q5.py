@@ -1,0 +1,115 @@
+"""The `q5` format (container 1.3): 5-bit asymmetric group quantization, in plain numpy.
+
+q4's rules with 32 levels: per group of G input channels a float32 scale and a uint8 zero
+point 0..31, value = (q - zero) * scale, q in 0..31; the scale / zero point search is
+quant.q4_group_params with qmax 31 (clip "mse" or "minmax"). It exists for GGUF files
+(issue 33): a Q5_K expert class (5.5 bits per weight, 5.85 in a Q5_K_M file with its
+Q6_K ffn_down) had nothing between q4 g64 (4.63) and q8 (8.5); q5 g128 stores 5.31 and
+q5 g64 5.63 bits per weight.
+
+Layout (docs/FORMAT.md `q5`), per 64-value block 40 bytes: q4's 32 bytes of low nibbles
+(byte j: value j in the low nibble, value 32+j in the high one), then 8 bytes holding the
+64 values' fifth bits as one little-endian 64-bit mask (bit k of the mask: value k). The
+C kernels (kernels/c/ck_q5.c) are tested against the references below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .quant import (DEFAULT_GROUP, DEFAULT_Q4_CLIP, NIBBLE_BLOCK, _q4_codes, pack_nibbles,
+                    padded_cols, quantize_act_q8, row_blocks, unpack_nibbles)
+
+Q5_BLOCK_BYTES = 40      # bytes per 64 values: 32 of low nibbles, 8 of fifth bits
+Q5_QMAX = 31
+
+
+@dataclass(frozen=True)
+class Q5Tensor:
+    """A 5-bit matrix in the on-disk layout (arrays may be views into a mapped file)."""
+
+    data: np.ndarray    # uint8 [R, Cp*5/8]  40 bytes per 64 values (above)
+    scales: np.ndarray  # float32 [R, NG]
+    zeros: np.ndarray   # uint8 [R, NG], 0..31
+    rows: int
+    cols: int
+    group: int
+
+    @property
+    def cols_padded(self) -> int:
+        return padded_cols(self.cols, self.group)
+
+
+def pack_q5(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..31 [R, Cp] -> packed bytes [R, Cp*5/8] (the layout above)."""
+    rows, cp = q.shape
+    v = q.reshape(rows, cp // NIBBLE_BLOCK, NIBBLE_BLOCK).astype(np.uint8)
+    lo = pack_nibbles((v & 0x0F).reshape(rows, cp)).reshape(rows, -1, 32)
+    hi = np.packbits((v >> 4) & 1, axis=2, bitorder="little")          # [R, NB, 8]
+    return np.ascontiguousarray(np.concatenate([lo, hi], axis=2).reshape(rows, cp * 5 // 8))
+
+
+def unpack_q5(packed: np.ndarray) -> np.ndarray:
+    """packed bytes [R, Cp*5/8] -> uint8 values 0..31 [R, Cp]."""
+    rows, nb = packed.shape
+    b = np.asarray(packed).reshape(rows, nb // Q5_BLOCK_BYTES, Q5_BLOCK_BYTES)
+    lo = unpack_nibbles(np.ascontiguousarray(b[:, :, :32]).reshape(rows, -1))
+    hi = np.unpackbits(b[:, :, 32:], axis=2, bitorder="little").reshape(rows, -1)
+    return lo | (hi << 4)
+
+
+def quantize_q5(w: np.ndarray, group: int = DEFAULT_GROUP, clip: str = DEFAULT_Q4_CLIP,
+                group_codes=None) -> Q5Tensor:
+    """Asymmetric 5-bit group quantization of a [R, C] matrix: q4's rules (scale and zero
+    point per group by `clip`, padding stored as the zero point) with levels 0..31, a
+    block of rows at a time (quant.row_blocks). `group_codes`: as quant.quantize_rows's."""
+    if np.ndim(w) != 2:
+        raise ValueError(f"quantize_q5 expects a matrix, got shape {np.shape(w)}")
+    rows, cols = np.shape(w)
+    return quantize_q5_rows(lambda r0, r1: w[r0:r1], rows, cols, group, clip, group_codes)
+
+
+def quantize_q5_rows(read, rows: int, cols: int, group: int = DEFAULT_GROUP,
+                     clip: str = DEFAULT_Q4_CLIP, group_codes=None) -> Q5Tensor:
+    """As quant.quantize_rows for q5: `read(r0, r1)` gives rows r0..r1."""
+    ng = padded_cols(cols, group) // group
+    data = np.empty((rows, ng * group * 5 // 8), np.uint8)
+    scales = np.empty((rows, ng), np.float32)
+    zeros = np.empty((rows, ng), np.uint8)
+    for r0, r1 in row_blocks(rows, cols):
+        w = np.asarray(read(r0, r1), dtype=np.float64)
+        if w.shape != (r1 - r0, cols):
+            raise ValueError(f"quantize_q5_rows: rows {r0}..{r1} read as shape {w.shape}, "
+                             f"expected {(r1 - r0, cols)}")
+        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, Q5_QMAX, group_codes)
+        data[r0:r1] = pack_q5(q)
+    return Q5Tensor(data, scales, zeros, rows, cols, group)
+
+
+def dequantize_q5(t: Q5Tensor) -> np.ndarray:
+    """Q5Tensor -> float64 [R, C]."""
+    q = unpack_q5(np.asarray(t.data)).astype(np.float64)
+    z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
+    s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
+    return ((q - z) * s)[:, : t.cols]
+
+
+def matvec_q5_ref(t: Q5Tensor, x: np.ndarray) -> np.ndarray:
+    """float64 reference of y = W x for a q5 matrix (x [C] or [N, C])."""
+    return np.asarray(x, dtype=np.float64) @ dequantize_q5(t).T
+
+
+def matvec_q5_q8_ref(t: Q5Tensor, x: np.ndarray) -> np.ndarray:
+    """Reference of the int8-activation path (the kernels' arithmetic): x quantized per
+    group (quant.quantize_act_q8), exact integer dots per group, then
+    scale_w * scale_x * (dot - zero * xsum) summed over the groups."""
+    xq, xs, xsum = quantize_act_q8(x, t.group)
+    q = unpack_q5(np.asarray(t.data)).astype(np.int64)
+    ng = t.cols_padded // t.group
+    qg = q.reshape(t.rows, ng, t.group)
+    xg = xq.astype(np.int64).reshape(xq.shape[0], ng, t.group)
+    dots = np.einsum("rgk,ngk->nrg", qg, xg)
+    corr = dots - np.asarray(t.zeros, np.int64)[None] * xsum.astype(np.int64)[:, None, :]
+    y = (corr * np.asarray(t.scales, np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(2)
+    return y if np.ndim(x) == 2 else y[0]
