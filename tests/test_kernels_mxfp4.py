@@ -16,13 +16,9 @@ from colibri_core import kernels as K
 from colibri_core.format import mxfp4 as M
 from colibri_core.format.quant import quantize_act_q8
 
+from kernel_helpers import BACKENDS, backend, rel, threads  # noqa: F401 (fixtures)
+
 TOL = 1e-5
-BACKENDS = K.available_backends()
-
-
-def rel(y, ref) -> float:
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def random_mx(rows: int, cols: int, seed: int = 0, exp_range=(118, 130)) -> M.MXFP4Tensor:
@@ -31,23 +27,6 @@ def random_mx(rows: int, cols: int, seed: int = 0, exp_range=(118, 130)) -> M.MX
     blocks = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
     scales = rng.integers(*exp_range, (rows, cols // 32), dtype=np.uint8)
     return M.from_blocks(blocks, scales)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    K.set_backend(request.param)
-    yield request.param
-    K.set_backend("auto")
-
-
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    old = K.get_threads()
-    K.set_threads(request.param)
-    K._set_parallel_threshold(0 if request.param > 1 else -1)
-    yield request.param
-    K.set_threads(old)
-    K._set_parallel_threshold(-1)
 
 
 # (rows, cols): cols a multiple of 64, and not (a padded last block pair); odd rows
