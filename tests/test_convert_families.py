@@ -423,7 +423,7 @@ def test_tensor_bits_per_class_and_the_report(built, tmp_path, capsys):
         assert rows["attn_qo"]["count"] == 2 * len(w.layers)
     finally:
         w.close()
-    for args, msg in ((["--tensor-bits", "experts=6"], "--tensor-bits experts=6: must be one of 4, 8, 16, 32"),
+    for args, msg in ((["--tensor-bits", "embed=5"], "--tensor-bits embed=5: must be one of 4, 6, 8, 16, 32"),
                       (["--tensor-bits", "mlp=4"], "--tensor-bits mlp: unknown tensor class"),
                       (["--tensor-bits", "lm_head:6"], "expected CLASS=BITS")):
         with pytest.raises(SystemExit) if "CLASS=BITS" in msg else contextlib.nullcontext():

@@ -119,17 +119,17 @@ def add_parsers(sub) -> None:
                         "building tokenizer.json from the GGUF's metadata")
     c.add_argument("--group-size", type=int, default=None, dest="group_size",
                    help="quantization group size, a multiple of 64 (default 128)")
-    c.add_argument("--kv-bits", type=int, choices=[4, 6, 8, 16, 32], dest="kv_bits",
-                   help="attention K/V projections (default 8 under --bits 4; 6: q6)")
-    c.add_argument("--lm-head-bits", type=int, choices=[4, 6, 8, 16, 32], dest="lm_head_bits",
+    c.add_argument("--kv-bits", type=int, choices=[4, 5, 6, 8, 16, 32], dest="kv_bits",
+                   help="attention K/V projections (default 8 under --bits 4; 5: q5, 6: q6)")
+    c.add_argument("--lm-head-bits", type=int, choices=[4, 5, 6, 8, 16, 32], dest="lm_head_bits",
                    help="override the lm_head's precision (default: 6, i.e. q6, under --bits 4)")
     c.add_argument("--embed-bits", type=int, choices=[4, 6, 8, 16, 32], dest="embed_bits",
                    help="override the embedding's precision (default: 8 under --bits 4; "
                         "the lm_head's when tied; 6: q6)")
     c.add_argument("--tensor-bits", type=tensor_bits_arg, dest="tensor_bits",
                    metavar="CLASS=BITS[,...]",
-                   help="per tensor class: embed, lm_head, attn_qo, attn_kv (4, 6, 8, 16, 32), "
-                        "dense_ffn, shared_ffn, experts (4, 8, 16, 32); e.g. "
+                   help="per tensor class: embed (4, 6, 8, 16, 32), lm_head, attn_qo, attn_kv, "
+                        "dense_ffn, shared_ffn, experts (4, 5, 6, 8, 16, 32); e.g. "
                         "attn_qo=6,lm_head=6 (docs/CONVERT.md, Precision)")
     c.add_argument("--q4-clip", choices=["mse", "minmax"], dest="q4_clip",
                    help="q4 scale/zero point per group: mse (min/max or a shrunk range, "

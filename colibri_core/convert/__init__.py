@@ -41,6 +41,7 @@ from ..config import ModelConfig, format_validation_error
 from ..errors import ConfigError
 from ..files import read_bytes, read_text
 from ..nesting import json_loads
+from ..format.q5 import quantize_q5
 from ..format.quant import DEFAULT_Q4_CLIP, Q4_CLIPS, check_group, quantize_q4, quantize_q6, quantize_q8, quantize_rows
 from .. import kernels
 from ..model.weights import (AttentionWeights, FFNWeights, LayerWeights, ModelExpert, write_model_dir)
@@ -49,10 +50,10 @@ from . import gptoss
 from .awq import (AwqSpec, Scales, awq_dequantize, awq_q4, awq_spec, calibrate, calibration_tokens,
                   clip_groups)
 from .safetensors_reader import Checkpoint, f32_to_bf16
-from .classes import SIX_BIT_CLASSES, TENSOR_CLASSES, tensor_class, tensor_classes
+from .classes import FIVE_BIT_CLASSES, SIX_BIT_CLASSES, TENSOR_CLASSES, tensor_class, tensor_classes
 
 VALID_BITS = (4, 8, 16, 32)           # --bits: every matrix not set otherwise
-ROLE_BITS = (4, 6, 8, 16, 32)         # 6: q6, for the classes below
+ROLE_BITS = (4, 5, 6, 8, 16, 32)      # 5: q5, 6: q6, for the classes below
 
 __all__ = ["convert", "VALID_BITS", "ROLE_BITS", "TENSOR_CLASSES", "tensor_classes"]
 
@@ -160,6 +161,8 @@ class _Writer:
             w = clip_groups(w, g, sc.clip[key])
         if bits == 4:
             return quantize_q4(w, g, clip=self.q4_clip, group_codes=kernels.q4_group_codes), s
+        if bits == 5:
+            return quantize_q5(w, g, clip=self.q4_clip, group_codes=kernels.q4_group_codes), s
         if bits == 6:
             return quantize_q6(w, g, clip=self.q4_clip, group_codes=kernels.q4_group_codes), s
         return quantize_q8(w, g), s
@@ -197,10 +200,11 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
         if cls not in TENSOR_CLASSES:
             raise ConfigError(f"--tensor-bits {cls}: unknown tensor class; expected one of "
                               f"{', '.join(TENSOR_CLASSES)}")
-        ok = ROLE_BITS if cls in SIX_BIT_CLASSES else VALID_BITS
+        ok = tuple(b2 for b2 in ROLE_BITS if (b2 != 6 or cls in SIX_BIT_CLASSES)
+                   and (b2 != 5 or cls in FIVE_BIT_CLASSES))
         if b not in ok:
-            why = (f" (6 bits applies to {', '.join(SIX_BIT_CLASSES)}: FFN matrices are q4 "
-                   f"in the C expert block)" if b == 6 else "")
+            why = (f" (6 bits applies to {', '.join(SIX_BIT_CLASSES)})" if b == 6 else
+                   f" (5 bits applies to {', '.join(FIVE_BIT_CLASSES)})" if b == 5 else "")
             raise ConfigError(f"--tensor-bits {cls}={b}: must be one of "
                               f"{', '.join(map(str, ok))}{why}")
     try:
@@ -252,6 +256,11 @@ def convert(hf_dir, out_dir, *, bits: Optional[int] = 4, group_size: Optional[in
             raise ConfigError(format_validation_error(str(hf_dir / "config.json"), e)) from None
         raise
     cfg.check_experts()
+    for cls, why in (("embed", "the lm_head is tied to the embedding, whose rows"),
+                     ("attn_qo", "MLA's wkv_b rows")):
+        if cls_bits[cls] == 5 and (cls == "embed" or cfg.attention == "mla"):
+            raise ConfigError(f"--tensor-bits {'lm_head' if cls == 'embed' else cls}=5: {why} are "
+                              f"read one at a time and q5 runs in matrix products only; use 4, 6 or 8")
     ck = gg.ck if gg is not None else Checkpoint(hf_dir, hf.get("transformers_weights"),
                                                  fam.more.text_model(hf)[1])
     if gg is not None:

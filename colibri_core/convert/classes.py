@@ -9,9 +9,13 @@ from typing import Optional
 # Tensor classes, each set as a whole (`tensor_bits`); attn_qo is every attention matrix
 # but K/V (MLA: wq / wq_a / wq_b, wkv_a, wkv_b, wo).
 TENSOR_CLASSES = ("embed", "lm_head", "attn_qo", "attn_kv", "dense_ffn", "shared_ffn", "experts")
-# q6 where the C pipeline runs it: the embedding rows, the lm_head and the attention
-# projections. FFNs are q4 in the C expert block (the expert format is INT4).
-SIX_BIT_CLASSES = ("embed", "lm_head", "attn_qo", "attn_kv")
+# q6 where the C pipeline runs it: every class (the embedding rows, the products of the
+# lm_head, the attention and, in the expert block's tiles, the FFNs).
+SIX_BIT_CLASSES = TENSOR_CLASSES
+# q5 (format/q5.py) where the C pipeline runs it in matrix products: not the embedding, whose
+# rows are read one at a time (nor a tied lm_head, nor MLA's attn_qo with its wkv_b rows:
+# convert refuses those); for GGUF Q5_K classes (issue 33).
+FIVE_BIT_CLASSES = ("lm_head", "attn_qo", "attn_kv", "dense_ffn", "shared_ffn", "experts")
 
 _ATTN_QO = ("wq", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b")
 

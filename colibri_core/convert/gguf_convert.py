@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from .gguf_families import TYPE_BITS
 from .gguf_reader import GGUFSource, open_gguf
 
-SIX_BIT = ("embed", "lm_head", "attn_qo", "attn_kv")
+from .classes import FIVE_BIT_CLASSES, SIX_BIT_CLASSES
 
 
 def stored_bits(bits: int, group: int, shapes=None) -> float:
@@ -37,7 +37,7 @@ def stored_bits(bits: int, group: int, shapes=None) -> float:
     matrices of `shapes` (rows, cols) when given: a row is padded to whole groups."""
     if bits in (32, 16):
         return float(bits)
-    per_group = {8: 32, 6: 40, 4: 40}[bits]
+    per_group = {8: 32, 6: 40, 5: 40, 4: 40}[bits]
     if not shapes:
         return bits + per_group / group
     stored = weights = 0
@@ -93,11 +93,14 @@ def class_bits(types: dict[str, int]) -> float:
 GROUPS = (64, 128, 256)
 
 
-def choose(cls: str, gguf_bits: float, groups=GROUPS, shapes=None) -> tuple[int, int]:
+def choose(cls: str, gguf_bits: float, groups=GROUPS, shapes=None,
+           five=FIVE_BIT_CLASSES) -> tuple[int, int]:
     """(bits, group) for a class: the most bits per weight not above the GGUF's (stored
     over the class's matrices, padding included), at the smallest group that keeps it so;
-    when nothing fits, q4 at the group that stores the fewest bits (the floor)."""
-    cands = (32, 16, 8, 6, 4) if cls in SIX_BIT else (32, 16, 8, 4)
+    when nothing fits, q4 at the group that stores the fewest bits (the floor). `five`: the
+    classes that may be q5."""
+    cands = tuple(b for b in (32, 16, 8, 6, 5, 4) if (b != 6 or cls in SIX_BIT_CLASSES)
+                  and (b != 5 or cls in five))
     for b in cands:
         for g in sorted(groups):
             if stored_bits(b, g, shapes) <= gguf_bits + 1e-9:
@@ -128,10 +131,14 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
     groups = (group_size,) if group_given else GROUPS
     tb = dict(tensor_bits or {})
     cls_group = {}
+    # q5 nowhere its rows are read one at a time (convert refuses it): a tied lm_head (the
+    # embedding), MLA's attention (wkv_b)
+    five = tuple(c for c in FIVE_BIT_CLASSES if not (c == "lm_head" and src.hf["tie_word_embeddings"])
+                 and not (c == "attn_qo" and src.arch == "deepseek2"))
     for c, v in gb.items():
         # nominal bits (matrices whole groups wide, as at real sizes): on narrower test
         # matrices the padding would steer the choice away from what a real file gets
-        b, g = choose(c, v, groups)
+        b, g = choose(c, v, groups, five=five)
         if bits is None and c not in tb:
             if stored_bits(b, g) > v + 1e-9:
                 raise ConfigError(_below_floor(src.path.name, c, types[c], v, b, g))
@@ -139,11 +146,14 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
         cls_group[c] = g if tb.get(c, bits) == b else min(groups)
     headroom = {}
     if bits is None:
-        skip = set(tensor_bits or {}) | ({"embed", "lm_head"} if src.hf["tie_word_embeddings"]
-                                         else set())
-        headroom = _headroom(types, gb, tb, cls_group, groups, skip)
+        tied = src.hf["tie_word_embeddings"]
+        skip = set(tensor_bits or {}) | ({"embed", "lm_head"} if tied else set())
+        # tied: the lm_head is the embedding's weights, stored once (counted once)
+        headroom = _headroom({c: t for c, t in types.items() if not (tied and c == "lm_head")},
+                             gb, tb, cls_group, groups, skip, five)
     if bits is None:
-        bits = tb.get("experts") or tb.get("dense_ffn") or 4
+        # the model-wide --bits (every class is in tb): the FFN's, where it is one of them
+        bits = next((b for b in (tb.get("experts"), tb.get("dense_ffn")) if b in (4, 8, 16, 32)), 4)
     record = {"file": src.path.name, "architecture": src.arch, "group_size": cls_group,
               **({"headroom": headroom} if headroom else {}),
               "classes": {c: {"types": {t: n for t, n in sorted(types[c].items())},
@@ -152,7 +162,7 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
 
 
 # the formats a class may move up to with the headroom, best first
-_UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256))
+_UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256), (5, 64), (5, 128), (5, 256))
 # the classes that take the headroom, in this order: the embedding (one row read per
 # token: file size only), then the attention K/V, q/o and the lm_head (small next to the
 # experts; run at 6 or 8 bits by the C pipeline). FFN classes have no format between q4
@@ -160,7 +170,7 @@ _UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256))
 HEADROOM_ORDER = ("embed", "attn_kv", "attn_qo", "lm_head")
 
 
-def _headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups, skip) -> dict:
+def _headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups, skip, five=()) -> dict:
     """Spend what the classes' choices left under the GGUF's bits per weight (the whole
     model's, over all matrix classes) on HEADROOM_ORDER, each class moved up to the best
     format that keeps the model at or under the GGUF's bits per weight. At 4-5 bits the
@@ -177,7 +187,7 @@ def _headroom(types: dict, gb: dict, tb: dict, cls_group: dict, groups, skip) ->
             continue
         rest = sum(ours[k] * w[k] for k in w if k != c)
         for b, g in _UP:
-            if len(groups) == 1 and g not in groups:
+            if (len(groups) == 1 and g not in groups) or (b == 5 and c not in five):
                 continue
             sb = stored_bits(b, g)
             if sb > ours[c] and rest + sb * w[c] <= gguf_total + 1e-6:
@@ -198,8 +208,8 @@ def report(record: dict, rows: list[dict]) -> list[str]:
         r = stored.get(c)
         kinds = "+".join(g["types"])
         to = f"{r['formats']} {r['bits']:.2f}" if r else "(tied: the embedding)"
-        verdict = "kept" if r and set(g["types"]) <= {"F32", "F16", "BF16"} and r["bits"] >= g["bits"] \
-            else "requantized"
+        verdict = "tied" if not r else "kept" if set(g["types"]) <= {"F32", "F16", "BF16"} and \
+            r["bits"] >= g["bits"] else "requantized"
         out.append(f"  {c:<11} {kinds:<16} {g['bits']:6.2f} -> {to:<18} {verdict}")
     for c, what in (record.get("headroom") or {}).items():
         if c != "model":

@@ -114,10 +114,17 @@ CASES = {
     "mixtral_types": ("mixtral", SMALL, dict(SMALL_FAMILY["mixtral"]),
                       {"F16": F_FLOAT["F16"], "BF16": F_FLOAT["BF16"], "Q4_0": ("quantize", "Q4_0"),
                        "Q4_1": ("quantize", "Q4_1"), "MXFP4_MOE": ("quantize", "MXFP4_MOE")}),
-    # Q5_K (+ Q6_K): one layer, two experts, widths 256
+    # Q5_K (+ Q6_K), and Q6_K: one layer, two experts, widths 256
     "mixtral_kq5": ("mixtral", dict(KQ, num_hidden_layers=1),
                     dict(KQ_FAMILY["mixtral"], num_local_experts=2, num_experts_per_tok=1),
-                    {"Q5_K_M": ("quantize", "Q5_K_M")}),
+                    {"Q5_K_M": ("quantize", "Q5_K_M"), "Q6_K": ("quantize", "Q6_K")}),
+    # tied embeddings: no output.weight in the file (llama.cpp's lm_head is token_embd);
+    # F32 and Q8_0 at the small widths, Q4_K_M at widths 256 (one layer, two experts)
+    "qwen3_moe_tied": ("qwen3_moe", SMALL, dict(SMALL_FAMILY["qwen3_moe"], tie_word_embeddings=True),
+                       {"F32": F_FLOAT["F32"], "Q8_0": F_FLOAT["Q8_0"]}),
+    "qwen3_moe_kq_tied": ("qwen3_moe", dict(KQ, num_hidden_layers=1),
+                          dict(KQ_FAMILY["qwen3_moe"], num_experts=2, tie_word_embeddings=True),
+                          {"Q4_K_M": ("quantize", "Q4_K_M")}),
     # DeepSeek-V2 with YaRN (rope.scaling.* and yarn_log_multiplier) and group-limited routing
     "deepseek_v2_yarn": ("deepseek_v2", SMALL, dict(
         SMALL_FAMILY["deepseek_v2"], topk_method="group_limited_greedy", n_group=2, topk_group=1,
@@ -139,8 +146,9 @@ CASES = {
 # the GGML types each file must hold for its 2-D weights (after llama-quantize)
 EXPECTED_TYPES = {"F32": {"F32"}, "F16": {"F16"}, "BF16": {"BF16"}, "Q8_0": {"Q8_0"},
                   "Q4_0": {"Q4_0", "Q6_K", "Q8_0"}, "Q4_1": {"Q4_1", "Q6_K", "Q8_0"},
-                  "Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "MXFP4_MOE": {"MXFP4", "Q8_0", "F16", "BF16", "F32"}}
-MUST_HAVE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "MXFP4_MOE": "MXFP4"}
+                  "Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {"Q6_K"}, "MXFP4_MOE": {"MXFP4", "Q8_0", "F16", "BF16", "F32"}}
+MUST_HAVE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+             "MXFP4_MOE": "MXFP4"}
 PROMPTS = ([1, 17, 200, 45, 3, 99, 150, 7, 250, 31, 64, 128], [5, 260, 11],
            [int(x) for x in np.random.default_rng(33).integers(0, 288, 32)])
 # llama.cpp's logits of quantized files are kept as float16 (their errors are ~1e-2);
