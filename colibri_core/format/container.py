@@ -45,9 +45,17 @@ def _cached_after(mm: FileMapping, start: int) -> bool:
     """Whether the file's first 2 MB hold cached pages past its header's: the file is warm
     (often one 2 MB folio, which dropping the header would throw away), so dropping the
     header's pages cannot make a 2 MB folio and would only cost a read at the next load
-    (6,144 of them for Qwen3-30B-A3B's experts)."""
+    (6,144 of them for Qwen3-30B-A3B's experts). Two pages are asked, the first after the
+    header and the last of the 2 MB (a warm file holds both: its first tensor starts right
+    after the header and a 2 MB folio holds them all): mincore over the whole range looks
+    up 511 pages a file (opening Qwen3-30B-A3B's 6,144 warm files: 0.41 s CPU, 0.29 s
+    with two)."""
     end = min(HUGE_PAGE, mm.size) // mmap.PAGESIZE * mmap.PAGESIZE
-    return end > start and resident_bytes(mm.address + start, end - start) > 0
+    if end <= start:
+        return False
+    last = end - mmap.PAGESIZE
+    return (resident_bytes(mm.address + start, mmap.PAGESIZE) > 0
+            or (last > start and resident_bytes(mm.address + last, mmap.PAGESIZE) > 0))
 
 
 MAGIC = b"COLIBRI\x00"
