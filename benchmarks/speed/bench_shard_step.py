@@ -1,12 +1,15 @@
 """Decode through expert shards (issue 40): per-token latency of one engine, of the same
 model with its routed experts on two in-process shards (fleet/expertshard.py: the
 executor's own cost, no transport) and on two Ray actors on two nodes of Ray's test
-cluster (ray.cluster_utils.Cluster: 1 CPU, 200 MB, loopback; fleet/shardactor.py).
-The added latency per MoE layer = (sharded - one) / MoE layers.
+cluster (fleet/localcluster.py: 1 CPU, 200 MB, loopback; fleet/shardactor.py); with
+--compiled also through Ray Compiled Graphs (one graph per shard actor: its compute, the
+executor's submit = execute, result = get) to two actors on the worker nodes and two on
+the driver's node. The added latency per MoE layer = (sharded - one) / MoE layers.
 
-    python -m benchmarks.speed.bench_shard_step [--model builtin|bench|DIR] [--tokens 48] [--rounds 3]
+    python -m benchmarks.speed.bench_shard_step [--model builtin|bench|DIR] [--tokens 48]
+        [--rounds 3] [--compiled]
 
-Rounds alternate the three; medians of per-token p50s. Tokens are checked identical.
+Rounds alternate the kinds; medians of per-token p50s. Tokens are checked identical.
 """
 from __future__ import annotations
 
@@ -29,12 +32,32 @@ def _p50(eng, prompt, n):
     return float(np.median(lat[1:])) * 1e3, toks
 
 
+class CompiledShard:
+    """A shard actor behind a compiled graph of its own (a measurement: the actor then
+    runs the graph's loop and takes no other call -- no hot-plug, count or restart)."""
+
+    def __init__(self, shard):
+        import ray
+        from ray.dag import InputNode
+        self._get = ray.get
+        with InputNode() as inp:
+            self.graph = shard.actor.compute.bind(inp[0], inp[1], inp[2], inp[3]) \
+                .experimental_compile()
+
+    def submit(self, layer, xn, experts, weights):
+        return self.graph.execute(layer, xn, experts, weights)
+
+    def result(self, ref):
+        return self._get(ref)          # copied into the step's buffer, then let go
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_shard_step")
     ap.add_argument("--model", default="builtin",
                     help="builtin, bench (the Mixtral-shaped benchmark model) or a model directory")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="also through Ray Compiled Graphs")
     a = ap.parse_args(argv)
     import colibri_core
     from colibri_core.config import EngineConfig
@@ -46,29 +69,41 @@ def main(argv=None) -> int:
     m = os.path.join(os.path.dirname(colibri_core.__file__), "models", "builtin") \
         if a.model == "builtin" else str(bench_model()) if a.model == "bench" else a.model
     owners = check_plan(place(m, 2), m)
-    res = {"one": [], "inprocess": [], "ray": []}
+    os.environ.setdefault("RAY_CGRAPH_get_timeout", "120")    # a graph's first execute
     with local_cluster(nodes=2, cpus=1, object_store_mb=200):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         cfg = EngineConfig(threads=1)
-        one, local, remote = Engine(m, cfg), Engine(m, cfg), Engine(m, cfg)
-        plain = [ExpertShard(m, s, owners) for s in range(2)]
-        actors = [RayShard(m, s, owners, cpus=1, resources={f"shard{s}": 1}).ready() for s in range(2)]
-        ShardedExperts(local.model.pipeline, owners, plain).install()
-        ShardedExperts(remote.model.pipeline, owners, actors).install()
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        where = {"ray": lambda s: {"resources": {f"shard{s}": 0.5}}}
+        if a.compiled:
+            where.update(compiled_nodes=lambda s: {"resources": {f"shard{s}": 0.5}},
+                         compiled_here=lambda s: {"scheduling_strategy": here})
+        engines = {k: Engine(m, cfg) for k in ("one", "inprocess", *where)}
+        ShardedExperts(engines["inprocess"].model.pipeline, owners,
+                       [ExpertShard(m, s, owners) for s in range(2)]).install()
+        for k, opts in where.items():
+            shards = [RayShard(m, s, owners, cpus=0, **opts(s)).ready() for s in range(2)]
+            if k.startswith("compiled"):
+                shards = [CompiledShard(s) for s in shards]
+            ShardedExperts(engines[k].model.pipeline, owners, shards).install()
+        res = {k: [] for k in engines}
+        one = engines["one"]
         moe = len(one.model_cfg.moe_layers)
         prompt = np.random.default_rng(0).integers(1, one.model_cfg.vocab_size - 1, 16).tolist()
         for r in range(a.rounds):
             got = {}
-            for name, eng in (("one", one), ("inprocess", local), ("ray", remote)):
+            for name, eng in engines.items():
                 p50, got[name] = _p50(eng, prompt, a.tokens)
                 res[name].append(p50)
-            assert got["one"] == got["inprocess"] == got["ray"], "tokens differ"
+            assert all(t == got["one"] for t in got.values()), "tokens differ"
             print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} ms" for k, v in res.items()),
                   file=sys.stderr)
         med = {k: statistics.median(v) for k, v in res.items()}
         out = {"model": a.model, "moe_layers": moe, "p50_ms": med,
-               "added_ms_per_moe_layer": {k: (med[k] - med["one"]) / moe for k in ("inprocess", "ray")},
-               "ratio_tok_s_ray_vs_one": med["one"] / med["ray"]}
-        for e in (one, local, remote):
+               "added_ms_per_moe_layer": {k: (med[k] - med["one"]) / moe for k in med if k != "one"},
+               "ratio_tok_s_vs_one": {k: med["one"] / med[k] for k in med if k != "one"}}
+        for e in engines.values():
             e.close()
     out.update(commit=git_commit(), machine=machine(), loadavg=os.getloadavg())
     OUT.mkdir(parents=True, exist_ok=True)

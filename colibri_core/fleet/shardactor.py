@@ -24,7 +24,8 @@ PLUG_TIMEOUT_S = 120.0
 
 
 class RayShard:
-    """Shard `index` of a plan as an actor with `cpus` CPUs (its compute threads);
+    """Shard `index` of a plan as an actor with `cpus` CPUs (its compute threads; 0: one
+    thread, no CPU reserved);
     `hotplug`: the engine's hot-plug settings (a private watched folder on the shard);
     `options`: Ray's actor options (resources, scheduling_strategy, max_restarts ...)."""
 
@@ -44,7 +45,7 @@ class RayShard:
         self._why = ""
         self._lock = threading.Lock()     # the step's thread and /metrics' both poll
         self.actor = ray.remote(ExpertShard).options(num_cpus=cpus, **options).remote(
-            str(model_dir), index, owners, cpus, hotplug)
+            str(model_dir), index, owners, max(cpus, 1), hotplug)
 
     # -- the executor's protocol --------------------------------------------------------
     def submit(self, layer, xn, experts, weights):
