@@ -70,6 +70,9 @@ SETTINGS = {
     "copy": {"load_mode": "copy"},
     "copy-spec": {"load_mode": "copy", "residency": {"speculative": True}},
     "copy-spec3": {"load_mode": "copy", "residency": {"speculative": True, "speculative_layers": 3}},
+    # far guesses evicting any expert (the cost rule off: far_guess_margin 0), for its A/B
+    "copy-spec3-any": {"load_mode": "copy", "residency": {"speculative": True, "speculative_layers": 3,
+                                                          "far_guess_margin": 0}},
 }
 DRIVER_SRC = REPO / "benchmarks" / "speed" / "_llama_decode.c"
 DRIVER = REPO / "build" / "outofmem" / "_llama_decode"
@@ -265,13 +268,15 @@ def llama_row(row: dict, expert_bytes_per_token: float, n_tokens: int) -> dict:
     return row
 
 
-def top8_share(routed: dict) -> dict:
-    """Per layer, the share of routed selections its 8 most routed experts took."""
+def top8_share(routed: dict, k: int = 8) -> dict:
+    """Per layer, the share of routed selections its k most routed experts took (k: the
+    shape's top_k; 8 for Qwen3-30B-A3B, 2 for Mixtral-8x7B, whose 8 experts would all be
+    its top 8)."""
     shares = []
     for L, c in routed.items():
         c = np.sort(np.asarray(c))[::-1]
         if c.sum():
-            shares.append(float(c[:8].sum() / c.sum()))
+            shares.append(float(c[:k].sum() / c.sum()))
     if not shares:
         return {}
     return {"median": float(np.median(shares)), "min": float(min(shares)), "max": float(max(shares)),
@@ -282,10 +287,12 @@ def read_rates(mdir: Path, a, used: set) -> dict:
     files = sorted(mdir.glob("expert_*.bin"))
     rng = np.random.default_rng(len(used))
     free = [f for f in files if f not in used]
-    pick = [free[i] for i in rng.choice(len(free), 2 * a.read_files, replace=False)]
+    # --read-files, or ~245 MB and at least 8 files (96 of Qwen3's 2.55 MB, 8 of Mixtral's 95 MB)
+    n = a.read_files or max(8, round(245e6 / files[0].stat().st_size))
+    pick = [free[i] for i in rng.choice(len(free), 2 * n, replace=False)]
     used.update(pick)
     out = {}
-    for ways, part in ((1, pick[:a.read_files]), (4, pick[a.read_files:])):
+    for ways, part in ((1, pick[:n]), (4, pick[n:])):
         drop(part)
         r = spawn([sys.executable, "-m", "benchmarks.speed.bench_outofmem", "--child-read",
                    json.dumps({"files": [str(f) for f in part], "ways": ways})], None, 600)
@@ -319,7 +326,7 @@ def compute_refs(a, mdir: Path, gguf: Path, cfiles: list, cfg) -> dict:
     return out
 
 
-def summarize(rows: list, compute_s: float | None, rate_Bps: float | None) -> dict:
+def summarize(rows: list, compute_s: float | None, rate_Bps: float | None, k: int = 8) -> dict:
     ok = [r for r in rows if "tok_s" in r]
     s = {"runs": len(rows), "ok": len(ok), "oom_kills": sum(r.get("oom_kills") or 0 for r in rows),
          "errors": [r["error"] for r in rows if "error" in r],
@@ -332,9 +339,11 @@ def summarize(rows: list, compute_s: float | None, rate_Bps: float | None) -> di
              read_mb_token=med("read_per_token") / 1e6,
              hit_rate=med("hit_rate") if any(r.get("hit_rate") is not None for r in ok) else None,
              s_per_token=med("s_per_token"))
-    shares = [top8_share(r.get("routed", {})).get("median") for r in ok]
+    shares = [top8_share(r.get("routed", {}), k).get("median") for r in ok]
     shares = [x for x in shares if x is not None]
     s["top8_share"] = statistics.median(shares) if shares else None
+    if rate_Bps:        # the reads alone (no compute): a floor for either engine
+        s["io_only_s"] = s["read_mb_token"] * 1e6 / rate_Bps
     if compute_s and rate_Bps:
         model = compute_s + s["read_mb_token"] * 1e6 / rate_Bps
         s.update(io_model_s=model, io_model_tok_s=1 / model, ratio_to_model=s["s_per_token"] / model)
@@ -350,17 +359,21 @@ def summarize(rows: list, compute_s: float | None, rate_Bps: float | None) -> di
 
 def measure(a) -> dict:
     cfg = RM.model_config(a.shape)
-    p = RM.ensure(a.shape, a.dir)
+    llama = "llama" in a.engines
+    p = RM.paths(a.shape, a.dir)
+    if not (p["colibri"] / "config.json").exists() or (llama and not p["gguf"].exists()):
+        p = RM.ensure(a.shape, a.dir, gguf=llama)     # writes them (other shapes deleted)
     mdir, gguf = p["colibri"], p["gguf"]
     cfiles = sorted(x for x in mdir.iterdir() if x.suffix in (".bin", ".json"))
-    build_driver()
+    if llama:
+        build_driver()
     write_ids(cfg.vocab_size)
     limit = int(a.limit_gb * (1 << 30))
     expert_bytes = sorted(mdir.glob("expert_*.bin"))[0].stat().st_size
     routed_bytes = expert_bytes * cfg.top_k * len(cfg.moe_layers)
     res = {"shape": a.shape, "limit_bytes": limit, "threads": a.threads, "warmup": a.warmup,
            "tokens": a.tokens, "colibri_bytes": sum(x.stat().st_size for x in cfiles),
-           "gguf_bytes": gguf.stat().st_size, "expert_file_bytes": expert_bytes,
+           "gguf_bytes": gguf.stat().st_size if gguf.exists() else None, "expert_file_bytes": expert_bytes,
            "routed_expert_bytes_per_token": routed_bytes, "loadavg_before": os.getloadavg(),
            "variants": {}}
     used: set = set()
@@ -368,7 +381,7 @@ def measure(a) -> dict:
     for variant in a.routing:
         log(f"{a.shape}: routing {variant}")
         RR.set_routing(a.shape, variant, a.dir)
-        drop(cfiles + [gguf])
+        drop(cfiles + ([gguf] if gguf.exists() else []))
         v = {"read_rates": read_rates(mdir, a, used), "rows": {}}
         if compute is None or a.compute_each:
             compute = compute_refs(a, mdir, gguf, cfiles, cfg)
@@ -405,11 +418,12 @@ def measure(a) -> dict:
                 log(f"  run {i + 1} {eng}:{name}: tok/s {r.get('tok_s', 0):.3f}, "
                     f"read {r.get('read_per_token', 0) / 1e6:.0f} MB/tok, hit "
                     f"{r.get('hit_rate')}, peak {(r.get('memory_peak') or 0) / MiB:.0f} MiB, "
-                    f"OOM {r.get('oom_kills')}, top8 {top8_share(r.get('routed', {})).get('median')}"
+                    f"OOM {r.get('oom_kills')}, top-k share "
+                    f"{top8_share(r.get('routed', {}), cfg.top_k).get('median')}"
                     + (f", error {r['error']}" if "error" in r else ""))
         v["rows"] = rows
-        v["summary"] = {k: summarize(rs, compute.get(k.split(":")[0], {}).get("s_per_token"), rate)
-                        for k, rs in rows.items()}
+        v["summary"] = {k: summarize(rs, compute.get(k.split(":")[0], {}).get("s_per_token"), rate,
+                                     cfg.top_k) for k, rs in rows.items()}
         lsum = v["summary"].get("llama:mmap", {})
         for k, s in v["summary"].items():
             if k.startswith("colibri") and s.get("tok_s") and lsum.get("tok_s"):
@@ -459,7 +473,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--read-files", type=int, default=96, help="files per cold-read measurement")
+    ap.add_argument("--read-files", type=int, default=None,
+                    help="files per cold-read measurement (default: ~245 MB, at least 8)")
     ap.add_argument("--compute-runs", type=int, default=1, help="0: no compute reference")
     ap.add_argument("--compute-each", action="store_true", help="compute reference per routing")
     ap.add_argument("--margin-mb", type=int, default=384, help="cgroup limit - process_limit_mb")
