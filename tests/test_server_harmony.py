@@ -309,3 +309,23 @@ def test_response_format_is_the_final_message(client, hf):
     streamed = "".join(c.choices[0].delta.content or "" for c in
                        client.chat.completions.create(**kw, stream=True) if c.choices)
     assert streamed == r.choices[0].message.content
+
+
+def test_harmony_template_without_the_tokens(tmp_path):
+    """gpt-oss's template on a model whose tokenizer lacks harmony's tokens (the built-in
+    model's): tools are a 400 naming tools, not a misread answer; a plain chat works."""
+    from tool_templates import model_with_template
+    d = model_with_template(tmp_path / "m", TEMPLATE)
+    (tmp_path / "ex").mkdir()
+    srv = LiveServer("--model", str(d), "--model-id", "m", experts_dir=tmp_path / "ex")
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": MSG, "tools": TOOLS, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "<|channel|>" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": MSG, "max_tokens": 4})
+        assert r.status_code == 200 and isinstance(
+            r.json()["choices"][0]["message"]["content"], str)
+    finally:
+        srv.stop()

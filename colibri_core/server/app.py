@@ -241,6 +241,10 @@ async def chat_completions(S: Server, request, rec):
                           f"chat_template): use /v1/completions", param="messages",
                           code="no_chat_template")
     tools = toolcalls.read(body, S.template)      # None: no tools, or tool_choice none
+    if tools is not None and tools.fmt == "harmony" and S.harmony is None:
+        raise bad_request(f"tools: this model's template is gpt-oss's (harmony) but its "
+                          f"tokenizer lacks harmony's special tokens "
+                          f"({', '.join(harmony.TOKENS)})", param="tools")
     if S.harmony is not None and p.sampling.grammar is not None:   # the final message's
         p.sampling = dataclasses.replace(p.sampling, grammar=await asyncio.to_thread(
             harmony.final_answer, p.sampling.grammar, S.harmony))

@@ -136,12 +136,8 @@ def grammar(req: ToolRequest, tokenizer) -> Optional[Grammar]:
     parallel_tool_calls) whose JSON the parameter schemas allow. None for `auto`."""
     if req.choice == "auto":
         return None
-    if req.fmt == "harmony":
-        h = harmony.Harmony.of(tokenizer)
-        if h is None:
-            raise bad_request("tools: this model's tokenizer lacks harmony's special tokens "
-                              f"({', '.join(harmony.TOKENS)})", param="tools")
-        return harmony.grammar(req, h)
+    if req.fmt == "harmony":            # the route checked the tokenizer has them
+        return harmony.grammar(req, harmony.Harmony.of(tokenizer))
     fns = req.by_name()
     chosen = [fns[req.choice]] if req.choice in fns else list(fns.values())
     calls = [_call_schema(f, req.fmt) for f in chosen]
