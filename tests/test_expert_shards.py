@@ -153,3 +153,22 @@ def test_shard_refuses_an_expert_it_does_not_hold(sharded):
         s0.compute(1, np.zeros((1, 128), np.float32), np.array([e]), np.array([1.0]))
     with pytest.raises(ValueError, match="layer 0 is not a MoE layer"):
         s0.compute(0, np.zeros((1, 128), np.float32), np.array([0]), np.array([1.0]))
+
+
+def test_serve_expert_shards_bad_options_one_line(tmp_path, capsys):
+    """Refused before any Ray or engine start, one line naming the option."""
+    from colibri_core.cli import main
+    plan = place(_model_dir(), 2)
+    plan["owners"]["1"][0] = [5]
+    bad = _write(tmp_path / "plan.json", plan)
+    for args, want in (
+            (["--expert-shards", "0"], "--expert-shards 0: expected at least 1"),
+            (["--expert-plan", str(tmp_path / "none.json")],
+             f"--expert-plan {tmp_path / 'none.json'}: cannot read the plan"),
+            (["--expert-plan", str(bad)], "owners.1[0]: [5]; expected distinct shard ids in 0..1"),
+            (["--expert-shards", "2", "--replicas", "2"], "--replicas and --autoscale are for "
+                                                          "whole-model replicas"),
+            (["--expert-shards", "2", "--shard-deadline-ms", "0"], "expected a time > 0")):
+        assert main(["serve", "--ray", "--port", "0", *args]) != 0
+        err = capsys.readouterr().err.strip()
+        assert want in err and "\n" not in err and "Traceback" not in err, (args, err)

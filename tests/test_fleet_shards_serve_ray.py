@@ -8,8 +8,9 @@ Against one engine in this process (the same watched experts): completions greed
 seeded, streamed and not, token for token; per-shard /metrics with every shard computing
 and the driver computing no routed expert; a hot-plugged expert (INT4 weights) reaches
 its owner shard; a stopped shard counted slow; a killed shard fails the requests in
-flight with a 503 and Retry-After, Ray restarts it with its experts (the hot-plugged
-one too), and the same server and the other shard serve again.
+flight with a 503 and Retry-After (a stream that had sent tokens: its error event), Ray
+restarts it with its experts (the hot-plugged one too), and the same server and the
+other shard serve again.
 
 Marked `ray` (.ci/run's second stage). Every wait is a deadline, never a latency.
 """
@@ -205,22 +206,29 @@ def test_shard_serve_killed_shard_503_restart_and_serves_again(served, ref):
     victim, other = shards[0], shards[1]
     results: dict = {}
 
-    def long_request(i):
-        results[i] = served.complete(PROMPTS[i % 2], 3000, temperature=0, ignore_eos=True)
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
+    def long_request(i):       # two whole answers and a stream
+        results[i] = served.complete(PROMPTS[i % 2], 3000, stream=i == 2, temperature=0,
+                                     ignore_eos=True)
+    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    wait_until(lambda: metric(served.metrics(), "colibri_requests_running") >= 2,
-               "both requests running", timeout=60)
+    wait_until(lambda: metric(served.metrics(), "colibri_requests_running") >= 3,
+               "the three requests running", timeout=60)
     time.sleep(0.5)
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join(180)
-    for r in results.values():
+    for r in (results[0], results[1]):
         assert r.status_code == 503, r.text[:300]
         assert int(r.headers["Retry-After"]) >= 1
         err = r.json()["error"]
         assert err["code"] == "expert_shard_unavailable" and "expert shard 0" in err["message"]
+    # the stream had sent tokens: it ends with the error event, then [DONE]
+    events = [line[6:] for line in results[2].text.splitlines() if line.startswith("data: ")]
+    assert results[2].status_code == 200 and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "expert_shard_unavailable" and "expert shard 0" in err["message"]
+    assert any("choices" in json.loads(e) for e in events[:-2])
     # Ray restarts the actor; the next steps fail at once until it answers, then it
     # gets its hot-plugged expert again and the server serves as before
     wait_until(lambda: served.complete(PROMPTS[0], 2, temperature=0).status_code == 200,

@@ -153,7 +153,10 @@ def main(args) -> int:
     model_dir, engine_cfg, settings = resolve(args)
     try:
         if args.expert_plan:
-            _, owners = load_plan(args.expert_plan, model_dir)
+            try:
+                _, owners = load_plan(args.expert_plan, model_dir)
+            except PlanError as e:
+                raise ConfigError(f"--expert-plan {e}") from None
         else:
             if args.expert_shards < 1:
                 raise ConfigError(f"--expert-shards {args.expert_shards}: expected at least 1")
