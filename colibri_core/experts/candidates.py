@@ -179,6 +179,7 @@ class Candidates:
             return                               # (every step: nothing to do)
         with self.lock:
             self._dirty = False
+            gone = set()
             for ch in changes:
                 old = self.entries.get(ch.expert.name)
                 if old is not None:
@@ -186,11 +187,15 @@ class Candidates:
                 if ch.kind == "remove":
                     if old is not None and old.state in ACTIVE:
                         self._record("withdraw", old.info(reason=ch.reason or "deleted"))
+                    if old is not None and old.state != "promoted":
+                        gone.add(ch.expert.name)
                     continue
                 entry = self.entries[ch.expert.name] = Candidate(
                     ch.expert, Gate(**self.gate_defaults))
                 self._record("candidate", entry.info(
                     previous_version=old.hot.version if old is not None else None))
+            for name in gone - set(self.entries):   # dropped or withdrawn, not back
+                self._free_slot(name)
             active = [e for e in self.entries.values() if e.state in ACTIVE]
             for e in active:
                 if e.built_on is not live:
@@ -202,6 +207,18 @@ class Candidates:
                           float(e.hot.router_bias), e.hot.slot) for e in active]
             tap.layers = frozenset(w[1] for w in tap.watch)
             model.moe_tap = tap if tap.watch else None
+
+    def _free_slot(self, name: str) -> None:
+        """A candidate that left without going live: the slot its name took in the live
+        book goes back (the next new name's), and the shadow book forgets the name too, so
+        that a later file of it asks the live book again."""
+        try:
+            if self.live.book.forget_name(name):        # (a rare event: saved now)
+                self.live.book.save()
+                if self.manager.book.forget_name(name, only_unused=False):
+                    self.manager.book.save()
+        except Exception:  # noqa: BLE001 - the slot stays taken; serving goes on
+            log.exception("candidates: freeing the slot of %s failed", name)
 
     def _build(self, e: Candidate, live) -> None:
         prev = next((h for h in live.hot_experts() if h.name == e.name), None)

@@ -103,6 +103,22 @@ class Book:
                 self.dirty = True
             return self.records[name].slot, new
 
+    def forget_name(self, name: str, only_unused: bool = True) -> bool:
+        """Forget `name` and its slot: with only_unused, only when no version of it was
+        ever adopted here (a candidate's name that never went live; candidates.py, when
+        the candidate is dropped or withdrawn). The slot is the next new name's when it
+        was the last given. True when forgotten (the state to be saved)."""
+        with self.lock:
+            rec = self.records.get(name)
+            if rec is None or name in self.active or (only_unused and (
+                    rec.current or rec.history or rec.last or rec.rolled_back or rec.disabled)):
+                return False
+            del self.records[name]
+            self.next_slot = max([self.m.first_slot,
+                                  *(r.slot + 1 for r in self.records.values())])
+            self.dirty = True
+            return True
+
     def _assigned_slot(self, name: str) -> int:
         """The slot a name new to this manager gets: the slots file's, else the next."""
         slots_file, next_slot = self.m.slots_file, self.next_slot
