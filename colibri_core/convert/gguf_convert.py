@@ -5,14 +5,17 @@ Precision: every GGUF tensor is dequantized (gguf package) and, per tensor class
 (convert.TENSOR_CLASSES), stored in the Colibri format of the most bits per weight that
 is not more than the GGUF's class had (its bits per weight over all its weights):
 f32 (32) > the 16-bit type (16; an F16/BF16 tensor is copied bit for bit) > q8 (8.25) >
-q6 (6.31; the classes the C pipeline runs at 6 bits) > q4 (4.31), each at the smallest
-group of 64, 128, 256 that keeps it under the GGUF's bits (Q8_0's 8.5: q8 g64, 8.5; Q4_K's
-4.5: q4 g128, 4.31; a Q4_K_M expert class of Q4_K and Q6_K, ~4.8: q4 g64, 4.63). A class
+q6 (6.31) > q5 (5.31; not where rows are read one at a time: the embedding, a tied lm_head,
+MLA's q/o) > q4 (4.31), each at the smallest group of 64, 128, 256 that keeps it under the
+GGUF's bits (Q8_0's 8.5: q8 g64, 8.5; Q6_K's 6.56: q6 g128; Q5_K's 5.5: q5 g128, 5.31; a
+Q5_K_M expert class of Q5_K and Q6_K, 5.85: q5 g64, 5.63; Q4_K's 4.5: q4 g128, 4.31; a
+Q4_K_M expert class of Q4_K and Q6_K, ~4.8: q4 g64, 4.63). A class
 below 4.16 bits (Q3_K, Q2_K) is refused in one line unless --bits (or a class's flag) asks
 for a larger model: q4 g256 (4.16) is the floor.
 What these choices leave under the GGUF's bits per weight (the whole model's) is then
 spent on the embedding, the attention K/V, q/o and the lm_head, in that order
-(HEADROOM_ORDER), so the model as a whole stays at or under the GGUF's bits per weight.
+(HEADROOM_ORDER), so the model as a whole stays at or under the GGUF's bits per weight (a
+tied lm_head is the embedding: counted once).
 No C kernel runs a GGUF block format: K-quants, Q8_0 and MXFP4 are requantized.
 `--bits` / `--tensor-bits` (and the per-class flags) override the choice as for a
 checkpoint folder.
@@ -165,8 +168,7 @@ def prepare(path: Path, bits: Optional[int], tensor_bits: Optional[dict], group_
 _UP = ((8, 64), (8, 128), (8, 256), (6, 64), (6, 128), (6, 256), (5, 64), (5, 128), (5, 256))
 # the classes that take the headroom, in this order: the embedding (one row read per
 # token: file size only), then the attention K/V, q/o and the lm_head (small next to the
-# experts; run at 6 or 8 bits by the C pipeline). FFN classes have no format between q4
-# and q8, and q8 is above any 4-6 bit GGUF class.
+# experts). FFN classes are most of the model: a step up would not fit under the GGUF's bits.
 HEADROOM_ORDER = ("embed", "attn_kv", "attn_qo", "lm_head")
 
 
