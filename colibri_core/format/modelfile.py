@@ -13,7 +13,8 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -199,19 +200,21 @@ def _read_header(fd: int, size: int, path: Path, max_table: int) -> bytes:
 # Parsed section tables by (prefix and table bytes, file size, cap): a model's expert
 # files share one table (6,144 files for Qwen3-30B-A3B), so a load parses it once; any
 # other byte or size is a new key, parsed and checked in full. Only successes are kept.
+# Every file with the table shares one read-only mapping of its Sections (frozen), so
+# what is checked of a table can be checked once (weights.expert_ffn).
 _TABLES: dict = {}
 _TABLES_MAX = 64
 
 
-def _parsed(head: bytes, size: int, source: str, max_table: int) -> dict:
+def _parsed(head: bytes, size: int, source: str, max_table: int) -> Mapping:
     key = (head, size, max_table)
     got = _TABLES.get(key)
     if got is None:
-        got = tuple(parse_table(head, size, source, max_table))
+        got = MappingProxyType({s.name: s for s in parse_table(head, size, source, max_table)})
         if len(_TABLES) >= _TABLES_MAX:
             _TABLES.clear()
-        _TABLES[key] = got          # Sections are frozen: shared by every file with the table
-    return {s.name: s for s in got}
+        _TABLES[key] = got
+    return got
 
 
 # A mapped file truncated in place loses the pages past its new end, and reading one

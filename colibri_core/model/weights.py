@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterable, Optional, Union
 
 import numpy as np
@@ -167,12 +168,42 @@ def _describe(t) -> str:
     return str(getattr(t, "dtype", type(t).__name__))
 
 
+# Expert files with the same section table share one Sections mapping (modelfile._parsed):
+# expert_ffn checks a table once per model shape, not once per file (6,144 files for
+# Qwen3-30B-A3B). id(table) -> (table, hidden, inter); the table is held, so its id stays its.
+_CHECKED_TABLES: dict = {}
+
+
 def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarray] = None,
                base: int = 0) -> Optional[FFNWeights]:
     """An expert file's FFN: its sections' shapes checked against the config, then views
     into the file (mapped or copied in), or into `buf` holding the file's bytes from offset
     `base` on (the memory budget's copy-in slots, residency.py). A file opened for its table
     only (load mode "header") and no `buf`: checked only, returns None."""
+    hit = _CHECKED_TABLES.get(id(f.sections))
+    checked = hit is not None and hit[0] is f.sections and hit[1:] == (hidden, inter)
+    if not checked:
+        _check_expert_table(f, hidden, inter)
+    if buf is None and f.buf is None:
+        return None
+    w = FFNWeights(*(f.tensor(n, buf, base) for n in ("w1", "w3", "w2")))
+    if not checked:
+        check_gate_up(f.path, w)
+        if isinstance(f.sections, MappingProxyType):      # shared by the files of a table
+            if len(_CHECKED_TABLES) >= 64:
+                _CHECKED_TABLES.clear()
+            _CHECKED_TABLES[id(f.sections)] = (f.sections, hidden, inter)
+    for m in ("w1", "w3", "w2"):              # equal AWQ scales share one array (as at load)
+        if m + ".act_scale" in f:
+            a = f.tensor(m + ".act_scale", buf, base)
+            same = next((v for v in w.act_scales.values() if np.array_equal(v, a)), None)
+            w.act_scales[m] = same if same is not None else a
+        if m + ".bias" in f:
+            w.biases[m] = f.tensor(m + ".bias", buf, base)
+    return w
+
+
+def _check_expert_table(f: ContainerFile, hidden: int, inter: int) -> None:
     want = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter),
             "w1.act_scale": (hidden,), "w3.act_scale": (hidden,), "w2.act_scale": (inter,),
             "w1.bias": (inter,), "w3.bias": (inter,), "w2.bias": (hidden,)}
@@ -189,17 +220,6 @@ def expert_ffn(f: ContainerFile, hidden: int, inter: int, buf: Optional[np.ndarr
         if tuple(s.shape) != shape:
             raise ModelFormatError(f"{f.path}: section '{name}' has shape {list(s.shape)}, "
                                    f"expected {list(shape)} from config.json")
-    if buf is None and f.buf is None:
-        return None
-    w = check_gate_up(f.path, FFNWeights(*(f.tensor(n, buf, base) for n in ("w1", "w3", "w2"))))
-    for m in ("w1", "w3", "w2"):              # equal AWQ scales share one array (as at load)
-        if m + ".act_scale" in f:
-            a = f.tensor(m + ".act_scale", buf, base)
-            same = next((v for v in w.act_scales.values() if np.array_equal(v, a)), None)
-            w.act_scales[m] = same if same is not None else a
-        if m + ".bias" in f:
-            w.biases[m] = f.tensor(m + ".bias", buf, base)
-    return w
 
 
 def load_model(path: Union[str, Path], load_mode: str = "mmap",
