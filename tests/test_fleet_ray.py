@@ -213,6 +213,50 @@ def test_completions_through_the_fleet_equal_the_engine(fleet, client, ref):
     assert "colibri_replica_failures_total" in page
 
 
+def test_fleet_metrics_sum_the_replicas_prefix_caches(fleet, client):
+    """The fleet's /metrics: each prefix-cache counter is the sum of the live replicas'
+    own (their last reports to the registry). Six requests of one long prompt over two
+    replicas: one replica sees it twice at least, a hit with reused tokens."""
+    from colibri_core.fleet.registry import get_registry
+    from server_helpers import metric, wait_until
+    import ray
+    keys = ("hits", "misses", "reused_tokens")
+
+    def counts(page):
+        return {k: metric(page, f"colibri_prefix_cache_{k}_total") for k in keys}
+
+    def settled():               # the replicas report about once a second
+        last = None
+        for _ in range(30):
+            now = counts(fleet.metrics())
+            if now == last:
+                return now
+            last = now
+            time.sleep(2.5)
+        raise AssertionError(f"the prefix-cache counters kept changing: {last}")
+    before = settled()                    # earlier tests' lookups reported
+    prompt = " ".join(["The import system of a module"] * 24)
+    for _ in range(6):
+        client.completions.create(model="builtin", prompt=prompt, max_tokens=2,
+                                  temperature=0)
+    wait_until(lambda: (lambda c: c["hits"] + c["misses"] - before["hits"] -
+                        before["misses"] >= 6)(counts(fleet.metrics())),
+               "the six lookups reported by the replicas", timeout=60)
+    for _ in range(50):                 # a page read between two equal registry reports
+        a = ray.get(get_registry().snapshot.remote())
+        page = fleet.metrics()
+        b = ray.get(get_registry().snapshot.remote())
+        if a["replicas"] == b["replicas"]:
+            break
+    reps = [r["counters"]["prefix_cache"] for r in a["replicas"].values()]
+    assert len(reps) == 2 and all(reps)
+    got = counts(page)
+    assert got == {k: float(sum(r[k] for r in reps)) for k in keys}
+    assert got["hits"] - before["hits"] >= 1 and \
+        got["reused_tokens"] > before["reused_tokens"], (before, reps)
+    assert got["hits"] + got["misses"] - before["hits"] - before["misses"] == 6
+
+
 def test_a_drop_reaches_both_replicas_with_no_failed_request(fleet, client):
     before = fleet.listing()
     load = Load(client)

@@ -31,6 +31,8 @@ from .replica import Outcome
 log = logging.getLogger("colibri.fleet")
 
 OUTCOMES = ("stream_ended", "not_started", "retried", "retry_failed")
+# the prefix-cache figures /metrics shows, each the sum over the live replicas
+PREFIX_COUNTS = ("hits", "misses", "reused_tokens", "evictions", "bytes", "capacity_bytes")
 
 
 class ReplicaLost(ApiError):
@@ -265,6 +267,7 @@ class RayBackend:
         refusals: dict = {}
         routed: dict = {}
         kv = {"free_tokens": 0, "capacity_tokens": 0}
+        prefix = None               # the replicas' prefix caches summed (None: all off)
         gen = GaugeMetricFamily("colibri_replica_expert_set_generation", "The registry "
                                 "generation each engine replica serves", labels=["replica"])
         queue = GaugeMetricFamily("colibri_replica_queue_depth", "Engine requests waiting "
@@ -279,6 +282,11 @@ class RayBackend:
                 routed[k] = routed.get(k, 0) + n
             for k in kv:
                 kv[k] += c.get("kv_pool", {}).get(k, 0)
+            pc = c.get("prefix_cache")
+            if pc:
+                prefix = prefix or dict.fromkeys(PREFIX_COUNTS, 0)
+                for k in PREFIX_COUNTS:
+                    prefix[k] += pc.get(k, 0)
             gen.add_metric([rid], r["generation"] if r["generation"] is not None else -1)
             queue.add_metric([rid], c.get("queue_depth", 0))
         fails = CounterMetricFamily("colibri_replica_failures", "Requests whose replica "
@@ -293,7 +301,8 @@ class RayBackend:
             states.add_metric([k], len(ro[k]))
         return {"expert_set_generation": fleet["generation"],
                 "expert_set_id": fleet["expert_set_id"], **total, "refusals": refusals,
-                "routed": routed, "kv_pool": kv, "requests_running": len(self.live),
+                "routed": routed, "kv_pool": kv, "prefix_cache": prefix,
+                "requests_running": len(self.live),
                 "families": [gen, queue, fails, states], "rollout": ro,
                 "replica_failures": dict(self.failures)}
 

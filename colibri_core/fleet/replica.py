@@ -169,7 +169,7 @@ class EngineReplica:
                 "model_pairs": self.model_pairs, "time": time.time(), "timing": self.timing,
                 "counters": {k: snap[k] for k in ("queue_depth", "batch_size", "adoptions",
                                                   "refusals", "routed", "requests_running",
-                                                  "kv_pool")}}
+                                                  "kv_pool", "prefix_cache")}}
 
     def _sync_loop(self) -> None:
         import ray
