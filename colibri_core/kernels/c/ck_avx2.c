@@ -433,14 +433,14 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
 
 /* ------------------------------------------------------------------ mxfp4, int8 act */
 
-/* the integer dots of one 64-value step (ck_tiles.h's CK_DEFINE_MX_I8_TILE): unsigned
+/* c + the integer dots of one 64-value step (ck_tiles.h's CK_DEFINE_MX_I8_TILE): unsigned
  * bytes <= 24 x int8; i16 sums of four products stay within 4 * 24 * 127 < 2^15 */
-AVX2_INL __m256i mx_dot(__m256i wa, __m256i xa, __m256i wb, __m256i xb) {
+AVX2_INL __m256i mx_dotc(__m256i c, __m256i wa, __m256i xa, __m256i wb, __m256i xb) {
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa), _mm256_maddubs_epi16(wb, xb));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(c, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-CK_DEFINE_MX_I8_TILE(AVX2_INL, mx_i8_tile, mx_dot)
+CK_DEFINE_MX_I8_TILE(AVX2_INL, mx_i8_tile, mx_dotc)
 
 CK_DEFINE_Q6_I8(AVX2_FN, mx_i8, mx_i8_tile)
 

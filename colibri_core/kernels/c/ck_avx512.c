@@ -318,13 +318,13 @@ VNNI_FN void q4_panels(const ck_unpacked *u, const ck_panel *p, int64_t np, floa
 
 /* ------------------------------------------------------------------ mxfp4, int8 act */
 
-/* two dpbusd in place of AVX2's maddubs pair + madd: the same i32 lanes, so the same
- * floats (ck_tiles.h's CK_DEFINE_MX_I8_TILE) */
-VNNI_INL __m256i mx_dot(__m256i wa, __m256i xa, __m256i wb, __m256i xb) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
+/* two dpbusd from c in place of AVX2's maddubs pair + madd + add: the same i32 lanes, so
+ * the same floats (ck_tiles.h's CK_DEFINE_MX_I8_TILE) */
+VNNI_INL __m256i mx_dotc(__m256i c, __m256i wa, __m256i xa, __m256i wb, __m256i xb) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(c, wa, xa), wb, xb);
 }
 
-CK_DEFINE_MX_I8_TILE(VNNI_INL, mx_i8_tile, mx_dot)
+CK_DEFINE_MX_I8_TILE(VNNI_INL, mx_i8_tile, mx_dotc)
 
 CK_DEFINE_Q6_I8(VNNI_FN, mx_i8, mx_i8_tile)
 

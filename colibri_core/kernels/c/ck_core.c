@@ -208,19 +208,21 @@ typedef struct {
     const float *x;
     int64_t n, cols, group, cp, ng;
     int8_t *xq; float *xs; int32_t *xsum;
+    int mx;   /* for an mxfp4 matrix: the rows then in ck_mx_act_order's order */
 } quant_ctx;
 
 static void quant_row(void *p, int64_t t) {
     const quant_ctx *c = p;
     c->be->act_quant(c->x + t * c->cols, c->cols, c->group, c->xq + t * c->cp,
                      c->xs + t * c->ng, c->xsum + t * c->ng);
+    if (c->mx) ck_mx_act_order(c->xq + t * c->cp, c->cp);
 }
 
 void ck_act_quantize(const float *x, int64_t n, int64_t cols, int64_t group,
                      int8_t *xq, float *xs, int32_t *xsum) {
     ck_init();
     int64_t cp = round_up(cols, group);
-    quant_ctx c = {g_be, x, n, cols, group, cp, cp / group, xq, xs, xsum};
+    quant_ctx c = {g_be, x, n, cols, group, cp, cp / group, xq, xs, xsum, 0};
     ck_pool_for(quant_row, &c, n, nthreads_for(n * cp * 16));
 }
 
@@ -332,8 +334,8 @@ int ck_matmul(const ck_mat *m, const float *x, int64_t n, float *out, int act_in
                       is_mx ? K_MX_F32 : K_Q8_F32;
     int64_t cp = round_up(cols, group), ng = cp / group;
     int nth = nthreads_for(rows * cp * n), rc = 0;
-    matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL}, 0, w, NULL, rows, out,
-                    NULL, NULL};
+    matmul_ctx c = {{g_be, x, n, cols, group, cp, ng, NULL, NULL, NULL, is_mx}, 0, w, NULL, rows,
+                    out, NULL, NULL};
     if (act_int8) {
         act_buf b;
         if (m->kind == CK_W_Q4 && g_be->q4_panels && n >= ck_panel_min_tokens && cp <= CK_PANEL_MAX_CP) {

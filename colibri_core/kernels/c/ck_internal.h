@@ -31,6 +31,11 @@ typedef ck_q4 ck_q6;
  * blocks' e8m0 exponents, scales unused; group 64, cp = round_up(cols, 64): an activation
  * group is two blocks. */
 typedef ck_q4 ck_mx;
+/* ck_mx.c: an int8 activation row (cp values) put in place into the order the mxfp4 int8
+ * tiles of every backend read: per 64-value group its 32 even values (block 2i's 16, then
+ * block 2i+1's), then its 32 odd ones (the weight bytes' low, then high nibbles) */
+void ck_mx_act_order(int8_t *q, int64_t cp);
+extern const float ck_e8m0_half_tab[256];   /* ck_mx.c: ck_e8m0_half(e) for every e */
 /* the e2m1 codes' values times 2, integers (+0, 0.5, 1, 1.5, 2, 3, 4, 6, then negated) */
 #define CK_E2M1_X2 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 
@@ -128,9 +133,9 @@ typedef struct {
      * go through the same q4_dot_pass. NULL: q6 matrices run the tiles. */
     void (*q6_unpack)(const ck_q6 *w, int64_t r0, int rt, int slot, int8_t *wbuf,
                       int32_t *wzs);
-    /* mxfp4 x int8 activations (group 64): per 32-value block an exact integer dot of the
-     * doubled codes, times 2^(e - 128) * xs (float activations: ck_scalar_mx_f32 on
-     * every backend, the parity path) */
+    /* mxfp4 x int8 activations (group 64, in ck_mx_act_order's order): per 32-value block
+     * an exact integer dot of the doubled codes, times 2^(e - 128) * xs (float
+     * activations: ck_scalar_mx_f32 on every backend, the parity path) */
     void (*mx_i8)(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
                   float *res);
 } ck_backend_t;
@@ -192,6 +197,8 @@ void ck_scalar_q6_f32(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_
                       float *res);
 void ck_scalar_mx_f32(const ck_mx *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
                       float *res);
+void ck_scalar_mx_i8(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
+                     float *res);
 
 /* the expert FFN's activation: silu(v) = v * sigmoid(v) */
 static inline float ck_silu(float v) { return v / (1.0f + expf(-v)); }

@@ -215,8 +215,9 @@ NEON_ATTR static void NEON_NAME(q6_i8)(const ck_q6 *w, int64_t r0, int rt, const
 }
 
 /* mxfp4 (ck_internal.h's ck_mx): per 32-value block, each row's 16 bytes split into
- * nibbles, zipped back into value order and looked up as int8 (tbl over CK_E2M1_X2),
- * dotted with the token's 32 activations (NEON_DOT16 twice); the pairs' block dots
+ * nibbles and looked up as int8 where they lie (tbl over CK_E2M1_X2), dotted with the
+ * token's 16 even and 16 odd activations (NEON_DOT16 twice; ck_mx_act_order put them in
+ * the nibbles' order when they were quantized); the pairs' block dots
  * (lane k = pair k) are then added as ck_scalar.c's mx_i8 adds them, acc + (float)dot *
  * (2^(e-128) * xs), one block after the other: bit for bit the scalar tile. */
 static inline __attribute__((always_inline)) NEON_ATTR void
@@ -231,14 +232,13 @@ NEON_NAME(mx_i8_tile)(const ck_mx *w, int64_t r0, const ck_act *a, int64_t t0, f
         int8x16_t wa[4], wb[4];
         for (int r = 0; r < RT; r++) {
             const uint8x16_t v = vld1q_u8(w->data + (r0 + r) * rb + b * 16);
-            const uint8x16_t lo = vandq_u8(v, m4), hi = vshrq_n_u8(v, 4);
-            wa[r] = vqtbl1q_s8(lut, vzip1q_u8(lo, hi));
-            wb[r] = vqtbl1q_s8(lut, vzip2q_u8(lo, hi));
+            wa[r] = vqtbl1q_s8(lut, vandq_u8(v, m4));
+            wb[r] = vqtbl1q_s8(lut, vshrq_n_u8(v, 4));
         }
         int32x4_t i[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
         for (int t = 0; t < NT; t++) {
-            const int8_t *xp = a->q + (t0 + t) * a->cp + b * 32;
-            const int8x16_t x0 = vld1q_s8(xp), x1 = vld1q_s8(xp + 16);
+            const int8_t *xp = a->q + (t0 + t) * a->cp + b / 2 * 64 + (b & 1) * 16;
+            const int8x16_t x0 = vld1q_s8(xp), x1 = vld1q_s8(xp + 32);
             for (int r = 0; r < RT; r++)
                 i[r * NT + t] = NEON_DOT16(NEON_DOT16(i[r * NT + t], wa[r], x0), wb[r], x1);
         }

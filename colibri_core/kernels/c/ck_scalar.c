@@ -190,53 +190,6 @@ void ck_scalar_q6_f32(const ck_q6 *w, int64_t r0, int rt, const ck_xf *x, int64_
     }
 }
 
-/* mxfp4 x int8 activations: per 32-value block the exact integer dot of the doubled e2m1
- * codes (ck_e2m1_x2) with the activations, then acc + (float)dot * (2^(e-128) * xs) in
- * ascending block order (quant's mxfp4 reference: matvec_mxfp4_q8_ref) */
-static void mx_i8(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
-                  float *res) {
-    static const int8_t lut[16] = {CK_E2M1_X2};
-    const int64_t rb = w->cp / 2, nb = w->cp / 32;
-    for (int r = 0; r < rt; r++) {
-        const uint8_t *row = w->data + (r0 + r) * rb, *e = w->zeros + (r0 + r) * nb;
-        for (int t = 0; t < nt; t++) {
-            const int8_t *xq = a->q + (t0 + t) * a->cp;
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                int32_t dot = 0;
-                for (int j = 0; j < 16; j++)
-                    dot += lut[row[b * 16 + j] & 15] * xq[b * 32 + 2 * j] +
-                           lut[row[b * 16 + j] >> 4] * xq[b * 32 + 2 * j + 1];
-                acc += (float)dot * (ck_e8m0_half(e[b]) * ck_ldf(a->s + (t0 + t) * a->ng + b / 2));
-            }
-            res[r * nt + t] = acc;
-        }
-    }
-}
-
-/* mxfp4 x float activations (the parity path, every backend): per block the codes' sum
- * of products, times its scale */
-void ck_scalar_mx_f32(const ck_mx *w, int64_t r0, int rt, const ck_xf *x, int64_t t0, int nt,
-                      float *res) {
-    static const int8_t lut[16] = {CK_E2M1_X2};
-    const int64_t rb = w->cp / 2, nb = w->cp / 32;
-    for (int r = 0; r < rt; r++) {
-        const uint8_t *row = w->data + (r0 + r) * rb, *e = w->zeros + (r0 + r) * nb;
-        for (int t = 0; t < nt; t++) {
-            const float *xr = x->x + (t0 + t) * x->ld;
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb && b * 32 < w->cols; b++) {
-                float gacc = 0.0f;
-                for (int j = 0; j < 16; j++)
-                    gacc += (float)lut[row[b * 16 + j] & 15] * ck_ldf(xr + b * 32 + 2 * j) +
-                            (float)lut[row[b * 16 + j] >> 4] * ck_ldf(xr + b * 32 + 2 * j + 1);
-                acc += gacc * ck_e8m0_half(e[b]);
-            }
-            res[r * nt + t] = acc;
-        }
-    }
-}
-
 /* In place: each of the g rows of s [g, len] becomes its softmax (max-subtracted). */
 void ck_softmax_rows(float *s, int g, int64_t len) {
     for (int h = 0; h < g; h++) {
@@ -269,5 +222,5 @@ void ck_scalar_attn(const float *q, int g, int64_t d, const float *k, const floa
 
 const ck_backend_t ck_backend_scalar = {
     "scalar", ck_scalar_act_quant, q4_i8, ck_scalar_q4_f32, ck_scalar_q8_i8,
-    ck_scalar_q8_f32, q6_i8, ck_scalar_q6_f32, ck_scalar_attn, 1, 1, .mx_i8 = mx_i8,
+    ck_scalar_q8_f32, q6_i8, ck_scalar_q6_f32, ck_scalar_attn, 1, 1, .mx_i8 = ck_scalar_mx_i8,
 };

@@ -221,13 +221,14 @@ static inline void rope(float *x, const float *cs, const float *sn, int64_t half
  * matrix, or float rows; divided by the matrix's AWQ scale first where it has one (float
  * rows then copied, zero-padded to whole 64-blocks, into af / bf). A float-kind matrix
  * without a scale in int8 mode reads the source rows themselves. */
-typedef struct { int n; int64_t group[2]; const float *xs[2]; int f32[2]; sact a[2]; sact raw; } act_set;
+typedef struct { int n; int64_t group[2]; const float *xs[2]; int f32[2], mx[2]; sact a[2]; sact raw; } act_set;
 
 typedef struct {
     const ck_backend_t *be;
     const float *x; int64_t ld, cols, group, cp, ng;
     int8_t *q; float *s; int32_t *sum;
     const float *xs; float *f; int64_t fld;   /* copy (/ xs) into f first, or f NULL */
+    int mx;   /* for an mxfp4 matrix: the int8 rows then in ck_mx_act_order's order */
 } quant_ctx;
 
 /* row x (cols) / xs (or x) into f, zero-padded to fld */
@@ -246,13 +247,14 @@ static inline void quant_row(void *p, int64_t t) {
     if (c->q)
         c->be->act_quant(x, c->cols, c->group, c->q + t * c->cp, c->s + t * c->ng,
                          c->sum + t * c->ng);
+    if (c->q && c->mx) ck_mx_act_order(c->q + t * c->cp, c->cp);
 }
 
 static inline void quantize_rows(const ck_backend_t *be, const float *x, int64_t n, int64_t ld,
                           int64_t cols, int64_t group, int8_t *q, float *s, int32_t *sum,
                           int nth) {
     int64_t cp = rup(cols, group);
-    quant_ctx c = {be, x, ld, cols, group, cp, cp / group, q, s, sum, NULL, NULL, 0};
+    quant_ctx c = {be, x, ld, cols, group, cp, cp / group, q, s, sum, NULL, NULL, 0, 0};
     ck_pool_for(quant_row, &c, n, n >= 16 ? nth : 1);
 }
 
@@ -262,12 +264,14 @@ static inline const sact *act_for(act_set *A, ck_sscratch *s, const ck_backend_t
                              int nth, int *err) {
     const int f32 = s->act_f32 || is_float_kind(w->kind);
     const int64_t cols = w->cols, group = f32 ? 64 : w->group;
+    const int mx = !f32 && w->kind == CK_W_MXFP4;   /* int8 rows in the mxfp4 tiles' order */
     if (f32 && !s->act_f32 && !w->xs) {      /* float weights, int8 mode: the rows as they are */
         A->raw = (sact){{0}, {x, ld, cols, NULL}, 0};
         return &A->raw;
     }
     for (int i = 0; i < A->n; i++)
-        if (A->group[i] == group && A->xs[i] == w->xs && A->f32[i] == f32) return &A->a[i];
+        if (A->group[i] == group && A->xs[i] == w->xs && A->f32[i] == f32 && A->mx[i] == mx)
+            return &A->a[i];
     int64_t cp = rup(cols, group);
     if (A->n == 2) { *err = CK_E_GROUPS; return NULL; }
     if (cp > s->cp_max || n > s->n_max) { *err = CK_E_SCRATCH; return NULL; }
@@ -276,9 +280,9 @@ static inline const sact *act_for(act_set *A, ck_sscratch *s, const ck_backend_t
     if ((f32 || w->xs) && !f) { *err = CK_E_SCRATCH; return NULL; }
     quant_ctx c = {be, x, ld, cols, group, cp, cp / group,
                    f32 ? NULL : i ? s->bq : s->aq, i ? s->bs : s->as, i ? s->bsum : s->asum,
-                   w->xs, f, cp};
+                   w->xs, f, cp, mx};
     ck_pool_for(quant_row, &c, n, n >= 16 ? nth : 1);
-    A->group[i] = group; A->xs[i] = w->xs; A->f32[i] = f32;
+    A->group[i] = group; A->xs[i] = w->xs; A->f32[i] = f32; A->mx[i] = mx;
     A->a[i] = (sact){{c.q, c.s, c.sum, cp, cp / group}, {f ? f : x, f ? cp : ld, cols, NULL}, !f32};
     return &A->a[i];
 }

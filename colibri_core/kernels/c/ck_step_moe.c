@@ -127,6 +127,7 @@ static void gather_row(void *p, int64_t q) {
         float row[H];
         scale_row(c->xn + t * H, f->w1.xs, H, H, row);
         c->be->act_quant(row, H, f->w1.group, gq, gs, gsum);
+        if (f->w1.kind == CK_W_MXFP4) ck_mx_act_order(gq, rup(H, 64));
     } else {
         scale_row(c->xn + t * H, f->w1.xs, H, c->gld, c->s->gf + q * c->gld);
     }
@@ -242,6 +243,7 @@ static void hquant_chunk(void *p, int64_t i) {
     }
     c->be->act_quant(h, f->w2.cols, f->w2.group, s->hq + q * s->hcp,
                      s->hs + q * (s->hcp / 64), s->hsum + q * (s->hcp / 64));
+    if (f->w2.kind == CK_W_MXFP4) ck_mx_act_order(s->hq + q * s->hcp, f->w2.q4.cp);
     if (f->pan < 0) return;
     const int64_t l = i - f->t2, cp = f->w2.q4.cp, ng = f->w2.q4.ng;
     ck_panel pn = job_panel(c, f, cp, ng);
@@ -417,18 +419,21 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     }
     /* checks: gate and up alike, scratch sizes; what each job's inputs are */
     int64_t group = 0, G = 0, GN = 0;
+    int gmx = 0;   /* the shared rows are for mxfp4 gates (in ck_mx_act_order's order) */
     for (int i = 0; i < njobs; i++) {
         ffn_job *f = &jobs[i];
+        const int mx = f->w1.kind == CK_W_MXFP4;
         if (is_float_kind(f->w1.kind) != is_float_kind(f->w3.kind) || f->w1.xs != f->w3.xs ||
-            (!is_float_kind(f->w1.kind) && f->w1.group != f->w3.group))
+            (!is_float_kind(f->w1.kind) && f->w1.group != f->w3.group) ||
+            mx != (f->w3.kind == CK_W_MXFP4))
             return CK_E_GROUPS;
         f->i8x = !s->act_f32 && !is_float_kind(f->w1.kind);
         f->i8h = !s->act_f32 && !is_float_kind(f->w2.kind);
         if (f->w1.rows > s->hld || f->w2.cols != f->w1.rows || (!f->i8x && !s->gf) ||
             (f->i8h && (rup(f->w2.cols, f->w2.group) > s->hcp || f->w2.group % 64)))
             return CK_E_SCRATCH;
-        if (f->i8x && !f->w1.xs && !group) group = f->w1.group;
-        f->own = !f->i8x || f->w1.xs || f->w1.group != group;
+        if (f->i8x && !f->w1.xs && !group) { group = f->w1.group; gmx = mx; }
+        f->own = !f->i8x || f->w1.xs || f->w1.group != group || mx != gmx;
         if (f->i8x) {
             const int64_t cp = rup(hidden, f->w1.group);
             G = cp > G ? cp : G;
@@ -450,7 +455,8 @@ int ck_step_experts(const ck_ffn_block *b, const float *xn, int64_t n, const int
     c.gld = rup(hidden, 64);
     for (int i = 0; i < njobs; i++) c.mixed |= jobs[i].own;
     if (group) {
-        const wmat wx = {.kind = CK_W_Q4, .rows = 1, .cols = hidden, .group = group};
+        const wmat wx = {.kind = gmx ? CK_W_MXFP4 : CK_W_Q4, .rows = 1, .cols = hidden,
+                         .group = group};
         c.xa = &act_for(&A, s, be, xn, n, hidden, &wx, nth, &err)->q;
         if (err) return err;
     }

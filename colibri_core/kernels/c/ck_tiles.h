@@ -281,38 +281,23 @@
         }                                                                                \
     }
 
-/* mxfp4 x int8 (ck_internal.h's ck_mx), RT rows x NT tokens (needs CK_PF_BYTES). Per 64 values (two 32-value
- * blocks, one activation group) a row's 32 bytes are split into nibbles and interleaved
- * back into value order (unpacklo/hi per 128-bit lane: block 2i in the low lane, 2i+1 in
- * the high one), then looked up (pshufb) as 2 * E2M1 + 12, unsigned 0..24: maddubs' (and
- * dpbusd's) unsigned operand. Each token's two 32-byte halves are arranged alike once for
- * all rows, with the lanes' 12 * sum(x), which turns the offset dots back into exact
- * integer dots. DOTU(wa, xa, wb, xb) gives 8 i32 lanes, four per block (AVX2: maddubs +
- * madd; VNNI: dpbusd; the same integers); they become floats and go into one fma per lane
- * with 2^(e-128) * xs; the lanes are summed by hsum_ps at the end. The block scales of a
- * row are made 8 at a time into a table first ([s0 x4, s1 x4] per 64 values). The same
- * floats on AVX2 and AVX-512 (tests/test_kernels_mxfp4.py); within float rounding of
- * ck_scalar.c. Needs hsum_ps. The dispatch is CK_DEFINE_Q6_I8's (ck_mx is ck_q6's type). */
-#define CK_MX_CHUNK 64   /* 64-value steps whose block scales are tabled at once */
-#define CK_DEFINE_MX_I8_TILE(INL, NAME, DOTU)                                            \
-    INL void NAME##_scales(const uint8_t *e, int64_t nblk, float *tab) {                 \
-        const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1);            \
-        for (int64_t j = 0; j < nblk; j += 8) {                                          \
-            uint8_t eb[8] = {127, 127, 127, 127, 127, 127, 127, 127};                    \
-            if (nblk - j < 8) memcpy(eb, e + j, (size_t)(nblk - j)); /* the row's end */ \
-            const __m256i v = _mm256_cvtepu8_epi32(                                      \
-                _mm_loadl_epi64((const __m128i *)(nblk - j < 8 ? eb : e + j)));          \
-            const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(v, two), one), 23); \
-            const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);     \
-            const __m256 s8 = _mm256_castsi256_ps(                                       \
-                _mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(two, v)));               \
-            _Pragma("GCC unroll 4")                                                      \
-            for (int k = 0; k < 4; k++)                                                  \
-                _mm256_storeu_ps(tab + (j / 2 + k) * 8, _mm256_permutevar8x32_ps(s8,     \
-                    _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k,                        \
-                                      2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1)));     \
-        }                                                                                \
-    }                                                                                    \
+/* mxfp4 x int8 (ck_internal.h's ck_mx), RT rows x NT tokens (needs CK_PF_BYTES). Per 64 values
+ * (two 32-value blocks, one activation group) a row's 32 bytes hold the codes of values 2j
+ * (low nibbles) and 2j+1 (high) of block 2i in the low 128-bit lane and of block 2i+1 in
+ * the high one: the nibbles are looked up where they lie (pshufb over 2 * E2M1 + 12,
+ * unsigned 0..24: maddubs' and dpbusd's unsigned operand) against the activations in the
+ * nibbles' order, which ck_mx_act_order made once per token when they were quantized (the
+ * group's even values, then its odd ones). Per token and step -12 * sum(x) per i32 lane
+ * (nc, made once for all the rows of the tile; measured faster than tabling it per call
+ * for all rows) turns the offset dots back into exact integer dots:
+ * DOTC(c, wa, xa, wb, xb) = c + the four-product sums per i32 lane (AVX2: maddubs + madd;
+ * VNNI: dpbusd from c; the same integers), 8 lanes, four per block. They become floats and
+ * go into one fma per lane with 2^(e-128) * xs, the blocks' 2^(e-128) broadcast from
+ * ck_e8m0_half_tab to their lanes; the lanes are summed by hsum_ps at the end. Every (row,
+ * token) takes the same float steps in every tile shape (batch-invariant) and on AVX2 and
+ * AVX-512 (bit-identical, tests/test_kernels_mxfp4.py); within float rounding of the
+ * scalar tile. The dispatch is CK_DEFINE_Q6_I8's (ck_mx is ck_q6's type). Needs hsum_ps. */
+#define CK_DEFINE_MX_I8_TILE(INL, NAME, DOTC)                                            \
     INL void NAME(const ck_mx *w, int64_t r0, const ck_act *a, int64_t t0, float *res,   \
                   int ldr, const int RT, const int NT) {                                 \
         const __m256i m4 = _mm256_set1_epi8(0x0F), k12 = _mm256_set1_epi8(12);           \
@@ -322,45 +307,40 @@
                                              12, 11, 10, 9, 8, 6, 4, 0);                 \
         const int64_t rb = w->cp / 2, nb = w->cp / 32, n64 = w->cp / 64;                 \
         const int64_t pf = RT * rb + CK_PF_BYTES;   /* as the q4 tiles: the rows ahead */ \
-        float tab[CK_MAX_RT][CK_MX_CHUNK * 8 + 32];                                      \
+        const float *e2 = ck_e8m0_half_tab;                                              \
         __m256 acc[CK_MAX_RT * CK_MAX_NT];                                               \
         _Pragma("GCC unroll 4")                                                          \
         for (int k = 0; k < RT * NT; k++) acc[k] = _mm256_setzero_ps();                  \
         for (int64_t o = 0; o < RT * nb; o += 64)    /* the exponents two tiles ahead */ \
             _mm_prefetch((const char *)(w->zeros + (r0 + 2 * RT) * nb + o), _MM_HINT_T0); \
-        for (int64_t c0 = 0; c0 < n64; c0 += CK_MX_CHUNK) {                              \
-            const int64_t c1 = c0 + CK_MX_CHUNK < n64 ? c0 + CK_MX_CHUNK : n64;          \
-            for (int r = 0; r < RT; r++)                                                 \
-                NAME##_scales(w->zeros + (r0 + r) * nb + 2 * c0, 2 * (c1 - c0), tab[r]); \
-            for (int64_t b = c0; b < c1; b++) {                                          \
-                __m256i wa[CK_MAX_RT], wb[CK_MAX_RT];                                    \
+        for (int64_t b = 0; b < n64; b++) {                                              \
+            __m256i wa[CK_MAX_RT], wb[CK_MAX_RT];                                        \
+            __m256 sw[CK_MAX_RT];                                                        \
+            _Pragma("GCC unroll 4")                                                      \
+            for (int r = 0; r < RT; r++) {                                               \
+                const uint8_t *wp = w->data + (r0 + r) * rb + b * 32;                    \
+                const uint8_t *ep = w->zeros + (r0 + r) * nb + 2 * b;                    \
+                if (!(b & 1)) _mm_prefetch((const char *)(wp + pf), _MM_HINT_T1);       \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)wp);               \
+                wa[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4));               \
+                wb[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)); \
+                sw[r] = _mm256_blend_ps(_mm256_broadcast_ss(e2 + ep[0]),                 \
+                                        _mm256_broadcast_ss(e2 + ep[1]), 0xF0);          \
+            }                                                                            \
+            _Pragma("GCC unroll 4")                                                      \
+            for (int t = 0; t < NT; t++) {                                               \
+                const int8_t *xp = a->q + (t0 + t) * a->cp + b * 64;                     \
+                const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);              \
+                const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 32));       \
+                const __m256i nc = _mm256_sub_epi32(_mm256_setzero_si256(),              \
+                    DOTC(_mm256_setzero_si256(), k12, xe, k12, xo));                     \
+                const __m256 xs = _mm256_set1_ps(ck_ldf(a->s + (t0 + t) * a->ng + b));   \
                 _Pragma("GCC unroll 4")                                                  \
                 for (int r = 0; r < RT; r++) {                                           \
-                    const uint8_t *wp = w->data + (r0 + r) * rb + b * 32;                \
-                    if (!(b & 1)) _mm_prefetch((const char *)(wp + pf), _MM_HINT_T1);   \
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)wp);           \
-                    const __m256i lo = _mm256_and_si256(v, m4);                          \
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);    \
-                    wa[r] = _mm256_shuffle_epi8(lut, _mm256_unpacklo_epi8(lo, hi));      \
-                    wb[r] = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(lo, hi));      \
-                }                                                                        \
-                _Pragma("GCC unroll 4")                                                  \
-                for (int t = 0; t < NT; t++) {                                           \
-                    const int8_t *xp = a->q + (t0 + t) * a->cp + b * 64;                 \
-                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);          \
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));   \
-                    const __m256i xa = _mm256_permute2x128_si256(x0, x1, 0x20);          \
-                    const __m256i xb = _mm256_permute2x128_si256(x0, x1, 0x31);          \
-                    const __m256i x12 = DOTU(k12, xa, k12, xb);                          \
-                    const __m256 xs = _mm256_set1_ps(ck_ldf(a->s + (t0 + t) * a->ng + b)); \
-                    _Pragma("GCC unroll 4")                                              \
-                    for (int r = 0; r < RT; r++) {                                       \
-                        const __m256i d = _mm256_sub_epi32(DOTU(wa[r], xa, wb[r], xb), x12); \
-                        const __m256 sw = _mm256_loadu_ps(tab[r] + (b - c0) * 8);         \
-                        acc[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),         \
-                                                          _mm256_mul_ps(sw, xs),         \
-                                                          acc[r * NT + t]);              \
-                    }                                                                    \
+                    const __m256i d = DOTC(nc, wa[r], xe, wb[r], xo);                    \
+                    acc[r * NT + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),             \
+                                                      _mm256_mul_ps(sw[r], xs),          \
+                                                      acc[r * NT + t]);                  \
                 }                                                                        \
             }                                                                            \
         }                                                                                \
