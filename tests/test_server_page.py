@@ -42,6 +42,7 @@ class Rows(HTMLParser):
         super().__init__()
         self.rows: dict[str, list[str]] = {}
         self.events: dict[int, list[str]] = {}
+        self.candidates: dict[str, list[str]] = {}
         self.ids: dict[str, str] = {}
         self.body_attrs: dict = {}
         self._row = None
@@ -56,6 +57,8 @@ class Rows(HTMLParser):
             self._row = self.rows.setdefault(a["data-name"], [])
         if tag == "tr" and "data-seq" in a:          # the recent changes' rows
             self._row = self.events.setdefault(int(a["data-seq"]), [])
+        if tag == "tr" and "data-candidate" in a:    # the candidates' rows
+            self._row = self.candidates.setdefault(a["data-candidate"], [])
         if tag == "td" and self._row is not None:
             self._cell = []
         if "id" in a:
@@ -84,6 +87,9 @@ def test_status_page_shows_live_experts_in_chromium(tmp_path):
     d.mkdir(mode=0o755)
     compile_test_expert(d / "page_expert.so", hidden=128, layer=2, name="fraud_pattern",
                         version="1.2")
+    (d / "shadow").mkdir(mode=0o755)                # a candidate, tried before it joins
+    compile_test_expert(d / "shadow" / "new_pattern.so", hidden=128, layer=2,
+                        name="new_pattern", version="0.1")
     srv = LiveServer(experts_dir=d)
     try:
         for p in ("The assert statement", "The import system"):
@@ -108,6 +114,10 @@ def test_status_page_shows_live_experts_in_chromium(tmp_path):
         shares = [float(re.search(r"([0-9.]+)%", row[7]).group(1)) for row in page.rows.values()]
         assert 99.0 <= sum(shares) <= 101.0        # every routed token is someone's
         assert len(page.rows) == 1 + 3 * 8
+        # the candidate: its row, in shadow, the slot after the live expert's
+        cand = page.candidates["new_pattern"]
+        assert cand[:6] == ["new_pattern", "0.1", "9", "2", "shadow", "0.0%"], cand
+        assert cand[11] == "no labels yet"
         shot = os.environ.get("COLIBRI_SCREENSHOT") or str(tmp_path / "status.png")
         s = run_chromium(exe, f"--screenshot={shot}", "--window-size=1100,900",
                          "--hide-scrollbars", srv.url + "/", home=tmp_path)

@@ -369,6 +369,7 @@ async def status_json(S: Server, request, rec):
                          "expert_set_generation": listing["expert_set_generation"],
                          "expert_set_id": listing["expert_set_id"],
                          "experts": listing["data"], "refusals": listing["refusals"][:10],
+                         "candidates": listing.get("candidates", []),
                          "events": listing.get("events", [])[::-1],
                          "watched_folder": listing["watched_folder"],
                          "routing_stats": st.routing_stats,
