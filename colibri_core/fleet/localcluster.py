@@ -32,9 +32,10 @@ def worker_env() -> dict:
 def local_cluster(nodes: int = 2, cpus: int = 1, object_store_mb: int = 200,
                   connect: bool = True):
     """Yields the cluster (its .address); connected (ray.init) unless `connect` is
-    False; shut down at exit (the driver first)."""
-    os.environ.update({k: v for k, v in worker_env().items()
-                       if k in ("PYTHONPATH", "RAY_worker_niceness", *LOOPBACK_ENV)})
+    False; shut down at exit (the driver first), this process's environment as it was."""
+    keys = ("PYTHONPATH", "RAY_worker_niceness", *LOOPBACK_ENV)
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: v for k, v in worker_env().items() if k in keys})
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
@@ -54,3 +55,8 @@ def local_cluster(nodes: int = 2, cpus: int = 1, object_store_mb: int = 200,
         finally:
             c.shutdown()
             ray_constants.ENABLE_RAY_CLUSTER = was
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
