@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -55,13 +56,28 @@ class Shards:
                 except Exception:  # noqa: BLE001 - not back in time or down: the last one
                     pass
         ex = self.executor
-        routed = self.engine.model.pipeline.routed
-        total = None if routed is None else int(sum(int(v.sum()) for v in routed.values()))
+        driver = self._driver_pairs()
         return {"shards": [{"shard": i, "node": s.node, "pid": s.pid, "sent": ex.sent[i],
                             "computed": self._computed[i], "slow": s.slow,
                             "failures": s.failures, "restarts": s.restarts, "up": s.up}
                            for i, s in enumerate(self.shards)],
-                "driver_pairs": None if total is None else total - sum(ex.sent)}
+                "driver_pairs": driver}
+
+    def _driver_pairs(self):
+        """The engine's routed pairs minus those sent to shards (None without routing
+        statistics). The step counts a layer's routed pairs just before it sends them:
+        read again for a few ms while the two differ, so a scrape in between does not
+        report pairs the driver never computed."""
+        routed = self.engine.model.pipeline.routed
+        if routed is None:
+            return None
+        for _ in range(10):
+            total = int(sum(int(v.sum()) for v in list(routed.values())))
+            diff = total - sum(self.executor.sent)
+            if diff == 0:
+                break
+            time.sleep(0.001)
+        return diff
 
     def close(self) -> None:
         self.executor.uninstall()
