@@ -15,6 +15,7 @@ from colibri_core.engine import Engine
 from colibri_core.kernels import ffi, lib
 from colibri_core.forward.pipeline import Pipeline
 from colibri_core.format.quant import quantize_q4, quantize_q6, quantize_q8
+from colibri_core.model.routing import _EXP2_TABLE
 from colibri_core.model.testing import write_random_model
 
 
@@ -151,3 +152,33 @@ def run_attention(p, L, x, caches, positions):
     rc = lib.ck_step_attention(p.layers[L].attn, L, sc.p_x, n, sc.p_tok, sc.p_xn, sc.s)
     assert rc == 0
     return sc.x[:n].copy(), sc.xn[:n].copy()
+
+
+def route_c(logits, k, *, scoring, norm, scaling, bias=None, select_bias=None,
+            n_group=1, topk_group=1, bias_on_probs=0):
+    """ck_step_route on `logits` [n, E] exactly: xn = logits padded, router = identity;
+    (rc, ids, weights)."""
+    n, E = logits.shape
+    H = E + 3
+    xn = np.zeros((n, H), np.float32)
+    xn[:, :E] = logits
+    router = np.zeros((E, H), np.float32)
+    router[np.arange(E), np.arange(E)] = 1.0
+    exp2 = np.ascontiguousarray(_EXP2_TABLE, np.int64)
+    keep = [router, exp2, bias, select_bias]
+    r = ffi.new("ck_router *", {
+        "weight": fp(router), "bias": ffi.NULL if bias is None else fp(bias), "e": E, "h": H,
+        "scoring": {"fixed": lib.CK_ROUTE_FIXED, "float": lib.CK_ROUTE_FLOAT,
+                    "sigmoid": lib.CK_ROUTE_SIGMOID}[scoring],
+        "select_bias": ffi.NULL if select_bias is None else fp(select_bias),
+        "n_group": n_group, "topk_group": topk_group, "norm_topk": norm, "scaling": scaling,
+        "exp2_q30": fp(exp2, "int64_t *"), "bias_on_probs": bias_on_probs})
+    kk = np.ascontiguousarray(k, np.int32)
+    kmax = int(kk.max())
+    out_l = np.zeros((n, E), np.float32)
+    ids = np.zeros((n, kmax), np.int64)
+    w = np.zeros((n, kmax), np.float32)
+    rc = lib.ck_step_route(r, fp(xn), n, fp(kk, "int32_t *"), kmax, fp(out_l), fp(ids, "int64_t *"),
+                           fp(w), 0)
+    del keep
+    return rc, ids, w

@@ -10,9 +10,10 @@ import pytest
 
 from colibri_core.config import EngineConfig
 from colibri_core.engine import Engine
-from colibri_core.kernels import ffi, lib
-from colibri_core.model.routing import _EXP2_TABLE, route
+from colibri_core.model.routing import route
 from colibri_core.model.testing import write_random_model
+
+from pipeline_kernel_helpers import route_c
 
 FIELDS = dict(embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.3,
               logits_scaling=4.0, rotary_dim=16)
@@ -45,25 +46,9 @@ def test_pipeline_matches_the_reference_with_the_family_fields(tmp_path, act):
 
 def _route_c(logits, k, select_bias, *, fixed, bias_on_probs):
     """ck_step_route on `logits` [n, E] exactly (identity router over padded rows)."""
-    n, E = logits.shape
-    H = E + 3
-    xn = np.zeros((n, H), np.float32)
-    xn[:, :E] = logits
-    router = np.zeros((E, H), np.float32)
-    router[np.arange(E), np.arange(E)] = 1.0
-    exp2 = np.ascontiguousarray(_EXP2_TABLE, np.int64)
-    fp = lambda a, t="float *": ffi.cast(t, ffi.from_buffer(a))  # noqa: E731
-    r = ffi.new("ck_router *", {
-        "weight": fp(router), "bias": ffi.NULL, "e": E, "h": H,
-        "scoring": lib.CK_ROUTE_FIXED if fixed else lib.CK_ROUTE_FLOAT,
-        "select_bias": fp(select_bias), "n_group": 1, "topk_group": 1, "norm_topk": 1,
-        "scaling": 1.0, "exp2_q30": fp(exp2, "int64_t *"), "bias_on_probs": bias_on_probs})
-    kk = np.ascontiguousarray(k, np.int32)
-    kmax = int(kk.max())
-    out_l, ids = np.zeros((n, E), np.float32), np.zeros((n, kmax), np.int64)
-    w = np.zeros((n, kmax), np.float32)
-    assert lib.ck_step_route(r, fp(xn), n, fp(kk, "int32_t *"), kmax, fp(out_l),
-                             fp(ids, "int64_t *"), fp(w), 0) == 0
+    rc, ids, w = route_c(logits, k, scoring="fixed" if fixed else "float", norm=1, scaling=1.0,
+                         select_bias=select_bias, bias_on_probs=bias_on_probs)
+    assert rc == 0
     return ids, w
 
 

@@ -8,7 +8,7 @@ from colibri_core.kernels import ffi, lib
 from colibri_core.model.routing import route
 
 from pipeline_kernel_helpers import (  # noqa: F401 (eng, every_thread: fixtures)
-    eng, every_thread, fp, hidden_rows)
+    eng, every_thread, fp, hidden_rows, route_c)
 
 
 # ----------------------------------------------------------------------------- router
@@ -48,36 +48,6 @@ def test_router_matches_routing_route_bit_for_bit(eng):
         assert np.array_equal(l1[0], logits[7]) and i1[0].tolist() == ids[7].tolist()
 
 
-def _route_c(logits, k, *, scoring, norm, scaling, bias=None, select_bias=None,
-             n_group=1, topk_group=1):
-    """ck_step_route on `logits` [n, E] exactly: xn = logits padded, router = identity."""
-    from colibri_core.model.routing import _EXP2_TABLE
-    n, E = logits.shape
-    H = E + 3
-    xn = np.zeros((n, H), np.float32)
-    xn[:, :E] = logits
-    router = np.zeros((E, H), np.float32)
-    router[np.arange(E), np.arange(E)] = 1.0
-    exp2 = np.ascontiguousarray(_EXP2_TABLE, np.int64)
-    keep = [router, exp2, bias, select_bias]
-    r = ffi.new("ck_router *", {
-        "weight": fp(router), "bias": ffi.NULL if bias is None else fp(bias), "e": E, "h": H,
-        "scoring": {"fixed": lib.CK_ROUTE_FIXED, "float": lib.CK_ROUTE_FLOAT,
-                    "sigmoid": lib.CK_ROUTE_SIGMOID}[scoring],
-        "select_bias": ffi.NULL if select_bias is None else fp(select_bias),
-        "n_group": n_group, "topk_group": topk_group, "norm_topk": norm, "scaling": scaling,
-        "exp2_q30": fp(exp2, "int64_t *")})
-    kk = np.ascontiguousarray(k, np.int32)
-    kmax = int(kk.max())
-    out_l = np.zeros((n, E), np.float32)
-    ids = np.zeros((n, kmax), np.int64)
-    w = np.zeros((n, kmax), np.float32)
-    rc = lib.ck_step_route(r, fp(xn), n, fp(kk, "int32_t *"), kmax, fp(out_l), fp(ids, "int64_t *"),
-                           fp(w), 0)
-    del keep
-    return rc, ids, w
-
-
 @pytest.mark.parametrize("seed", range(60))
 def test_router_modes_equal_routing_route(seed):
     """Every routing mode in C against routing.route: the same ids, weights to the last
@@ -95,8 +65,8 @@ def test_router_modes_equal_routing_route(seed):
         logits[:, rng.integers(0, E, 3)] = logits.max()
     sbias = rng.standard_normal(E).astype(np.float32) * 0.3 if seed % 4 == 0 else None
     norm, scaling = bool(seed % 2 == 0 or mode == "sigmoid"), float(rng.choice([1.0, 2.5, 1.1]))
-    rc, ids, w = _route_c(logits, k, scoring=mode, norm=norm, scaling=scaling, select_bias=sbias,
-                          n_group=n_group, topk_group=topk_group)
+    rc, ids, w = route_c(logits, k, scoring=mode, norm=norm, scaling=scaling, select_bias=sbias,
+                         n_group=n_group, topk_group=topk_group)
     assert rc == 0
     ref = route(logits, k, mode="float" if mode == "float" else "fixed",
                 scoring="sigmoid" if mode == "sigmoid" else "softmax", norm_topk_prob=norm,
