@@ -46,10 +46,15 @@ c2 = time.process_time()
 if old == "parse":
     eng.model.residency._first_step_done.set()
 t2 = time.time()
+import resource
+r0 = resource.getrusage(resource.RUSAGE_SELF)
 eng.generate([5, 6, 7, 8, 9, 10, 11, 12], max_new_tokens=1, temperature=0).run()
 t3 = time.time()
+r1 = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"imports": t1 - t0, "engine": t2 - t1, "first": t3 - t2, "total": t3 - t0,
-                  "engine_cpu": c2 - c1, "load": os.getloadavg()[0]}), flush=True)
+                  "engine_cpu": c2 - c1,
+                  "first_cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
+                  "first_majflt": r1.ru_majflt - r0.ru_majflt, "load": os.getloadavg()[0]}), flush=True)
 os._exit(0)
 """
 
@@ -77,7 +82,8 @@ def main(argv=None) -> None:
             print(mode, " ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)
     for mode, rows in got.items():
         print(mode, "medians:", " ".join(f"{k} {statistics.median(r[k] for r in rows):.2f}"
-                                         for k in ("imports", "engine", "engine_cpu", "first", "total")))
+                                         for k in ("imports", "engine", "engine_cpu", "first", "first_cpu",
+                                                   "first_majflt", "total")))
 
 
 if __name__ == "__main__":
