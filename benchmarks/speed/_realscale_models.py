@@ -15,7 +15,8 @@ finite (bench_realscale.py asserts that at every step). Colibri's precisions are
 converter's defaults for --bits 4: experts, dense and shared FFNs and q/o projections
 q4 (group 128), k/v projections and the embedding q8, the lm_head q6, norms and routers
 f32. The GGUF is what llama-quantize Q4_0 makes: every matrix Q4_0, `output` Q6_K, norms
-and routers (`ffn_gate_inp`) F32, no tokenizer (`tokenizer.ggml.model = none`).
+and routers (`ffn_gate_inp`) F32, no tokenizer (`tokenizer.ggml.model = none`);
+DeepSeek-V2-Lite's in llama.cpp's `deepseek2` layout (_realscale_deepseek2.py).
 
 Routers are random (N(0, 1/hidden) rows): they route near-uniformly, so every expert is
 used about equally -- unlike a trained model, whose routing is skewed. Say so beside
@@ -89,7 +90,8 @@ SHAPES["mixtral-8x7b"] = {   # mistralai/Mixtral-8x7B-v0.1
     "vocab_size": 32000, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-05, "sliding_window": None, "hidden_act": "silu",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-GGUF_ARCH = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "llama"}
+GGUF_ARCH = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "llama",
+             "deepseek-v2-lite": "deepseek2"}
 
 
 def log(*a):
@@ -304,6 +306,10 @@ def _gguf_tensors(cfg, dr: Draw):
     f32 = lambda n: (lambda: np.ones(n, np.float32))                      # noqa: E731
     q4 = lambda r, c, g=1.0: (lambda: q4_0_rows(dr, r, c, g))              # noqa: E731
     yield "token_embd.weight", "Q4_0", (V, H), q4(V, H, np.sqrt(H))
+    if cfg.attention == "mla":
+        from benchmarks.speed._realscale_deepseek2 import gguf_tensors
+        yield from gguf_tensors(cfg, dr, f32, q4)
+        return
     for L in range(cfg.num_layers):
         b = f"blk.{L}."
         yield b + "attn_norm.weight", "F32", (H,), f32(H)
@@ -350,10 +356,14 @@ def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
     w.add_feed_forward_length(hf["intermediate_size"])
     w.add_expert_feed_forward_length(cfg.expert_intermediate)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_size)
-    w.add_value_length(cfg.head_size)
-    w.add_rope_dimension_count(cfg.head_size)
+    if arch == "deepseek2":
+        from benchmarks.speed._realscale_deepseek2 import gguf_metadata
+        gguf_metadata(w, gguf, cfg, hf)
+    else:
+        w.add_head_count_kv(cfg.num_kv_heads)
+        w.add_key_length(cfg.head_size)
+        w.add_value_length(cfg.head_size)
+        w.add_rope_dimension_count(cfg.head_size)
     w.add_rope_freq_base(float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)

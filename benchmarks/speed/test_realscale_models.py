@@ -84,3 +84,62 @@ def test_set_routing_writes_the_same_routers_into_both_files(tmp_path, monkeypat
             assert np.array_equal(np.asarray(cf.tensor(f"layer.{L}.router")), R)
             assert np.array_equal(got[L], R)
         cf.close()
+
+
+TINY_DS2 = {**RM.SHAPES["deepseek-v2-lite"], "hidden_size": 256, "intermediate_size": 512,
+            "moe_intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+            "v_head_dim": 32, "vocab_size": 512, "max_position_embeddings": 512}
+
+
+@pytest.fixture()
+def tiny_ds2_gguf(tmp_path, monkeypatch):
+    """DeepSeek-V2-Lite's layout (27 layers: llama.cpp takes that count for the Lite
+    variant, without q LoRA) at tiny widths, as write_gguf writes it for `deepseek2`."""
+    monkeypatch.setitem(RM.SHAPES, "tiny-ds2", TINY_DS2)
+    monkeypatch.setitem(RM.GGUF_ARCH, "tiny-ds2", "deepseek2")
+    monkeypatch.setattr(RM, "SPARE_DISK", 0)
+    return RM.write_gguf("tiny-ds2", tmp_path / "tiny-ds2.gguf")
+
+
+def test_deepseek2_gguf_has_llamas_mla_layout(tiny_ds2_gguf):
+    """MLA as llama.cpp's converter stores it: one kv head of kv_lora + rope, k_b per head
+    [kv_lora, nope] (ggml: nope first), v_b per head [v_head, kv_lora], the MLA head sizes
+    apart, the first layer dense, the shared experts one FFN."""
+    from benchmarks.peers._llamacpp_tools import import_gguf
+    rd = import_gguf().GGUFReader(str(tiny_ds2_gguf))
+    kv = {f.name: f.contents() for f in rd.fields.values() if f.name.startswith("deepseek2.")}
+    assert kv["deepseek2.attention.head_count_kv"] == 1
+    assert kv["deepseek2.attention.key_length"] == 64 + 32
+    assert kv["deepseek2.attention.value_length"] == 64
+    assert kv["deepseek2.attention.key_length_mla"] == 64
+    assert kv["deepseek2.attention.value_length_mla"] == 32
+    assert kv["deepseek2.rope.dimension_count"] == 32
+    assert kv["deepseek2.leading_dense_block_count"] == 1
+    assert kv["deepseek2.expert_shared_count"] == 1
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in rd.tensors}     # ggml order
+    assert shapes["blk.1.attn_k_b.weight"] == (32, 64, 2)
+    assert shapes["blk.1.attn_v_b.weight"] == (64, 32, 2)
+    assert shapes["blk.1.attn_kv_a_mqa.weight"] == (256, 64 + 32)
+    assert shapes["blk.0.ffn_gate.weight"] == (256, 512)
+    assert "blk.0.ffn_gate_inp.weight" not in shapes
+    assert shapes["blk.26.ffn_gate_shexp.weight"] == (256, 64)
+    assert shapes["blk.26.ffn_down_exps.weight"] == (64, 256, 8)
+
+
+def test_llama_cpp_loads_and_runs_the_deepseek2_gguf(tiny_ds2_gguf):
+    """llama.cpp's loader accepts it (every tensor it requires, of its shape, and no other)
+    and its deepseek2 graph runs a prompt and a few tokens (llama-bench)."""
+    import json
+    import subprocess
+    from benchmarks.peers._llamacpp_tools import tool
+    bench = tool("llama-bench")
+    if bench is None:
+        pytest.skip("llama-bench is not built (benchmarks/peers/_llamacpp_tools.py builds it)")
+    p = subprocess.run([str(bench), "-m", str(tiny_ds2_gguf), "-p", "8", "-n", "4", "-t", "1",
+                        "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(p.stdout)
+    assert rows and all(r["model_type"].startswith("deepseek2 16B") for r in rows), rows
+    assert all(r["avg_ts"] > 0 for r in rows)
