@@ -33,8 +33,8 @@ def _p50(eng, prompt, n):
 
 
 class CompiledShard:
-    """A shard actor behind a compiled graph of its own (a measurement: the actor then
-    runs the graph's loop and takes no other call -- no hot-plug, count or restart)."""
+    """A shard actor behind a compiled graph of its own (a measurement: no hot-plug or
+    restart; docs/SCALE.md says why the server does not use one)."""
 
     def __init__(self, shard):
         import ray

@@ -21,6 +21,10 @@ from .expertshard import ExpertShard, ShardUnavailable
 DEADLINE_S = 1.0              # a layer's result later than this: the shard was slow
 TIMEOUT_S = 60.0              # later than this: the shard is taken as failed
 PLUG_TIMEOUT_S = 120.0
+# after a failure a shard counts as down at least this long: the scheduler retries a
+# failed batch one sequence at a time at once, and those in flight must fail (a 503),
+# not find a shard Ray restarted meanwhile
+DOWN_MIN_S = 1.0
 
 
 class RayShard:
@@ -42,6 +46,7 @@ class RayShard:
         self.restarted = False        # back from a failure: holds no hot-plugged expert
         self.node, self.pid = "", 0   # where its actor runs now
         self._ping = None             # while down: a call that answers once it is back
+        self._down_until = 0.0
         self._why = ""
         self._lock = threading.Lock()     # the step's thread and /metrics' both poll
         self.actor = ray.remote(ExpertShard).options(num_cpus=cpus, **options).remote(
@@ -83,6 +88,7 @@ class RayShard:
         with self._lock:
             self.failures += 1
             self._why = why
+            self._down_until = time.monotonic() + DOWN_MIN_S
             self._ping = self.actor.where.remote()  # queued until Ray restarted it
         raise ShardUnavailable(f"expert shard {self.index} failed: {why}; Ray restarts it "
                                f"with its experts: retry in a few seconds")
@@ -93,6 +99,8 @@ class RayShard:
         with self._lock:
             if self._ping is None:
                 return True
+            if time.monotonic() < self._down_until:
+                return False
             ready, _ = ray.wait([self._ping], timeout=0)
             if not ready:
                 return False
