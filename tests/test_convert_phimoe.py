@@ -86,6 +86,21 @@ def test_float_weights_match_transformers(built):
     assert_float_parity("phimoe", model, d / "out32", PROMPTS)
 
 
+def test_published_architecture_name_converts_alike(built, tmp_path):
+    """The published Phi-3.5-MoE config.json names `PhiMoEForCausalLM` (its remote code):
+    the same conversion as transformers' `PhimoeForCausalLM`."""
+    _, d = built
+    hf = tmp_path / "hf"
+    shutil.copytree(d / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"] = ["PhiMoEForCausalLM"]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    convert(hf, tmp_path / "out32", bits=32)
+    with float_engine(tmp_path / "out32") as a, float_engine(d / "out32") as b:
+        assert np.array_equal(a.next_token_logits(PROMPTS[1], all_positions=True),
+                              b.next_token_logits(PROMPTS[1], all_positions=True))
+
+
 def test_reference_forward_matches_transformers(built):
     from colibri_core.forward.reference import ReferenceModel
     model, d = built

@@ -4,7 +4,7 @@
         [--work DIR] [--json benchmarks/out/family_fidelity.json]
 
 For each family (Granite MoE, Granite MoE shared, GLM-4.5, ERNIE-4.5-MoE, Llama 4 text,
-gpt-oss) a tiny random transformers model is built (seeded; widths multiples of 32 so
+gpt-oss, Phi-3.5-MoE) a tiny random transformers model is built (seeded; widths multiples of 32 so
 that Q4_0 / MXFP4 apply to every matrix) and saved with the byte-level tokenizer of
 tests/data/gguf/remake.py. Then:
 
@@ -23,7 +23,13 @@ transformers (benchmarks/peers/bench_gguf.token_errors); ratio = Colibri / llama
 The tiny models differ from the parity tests' where llama.cpp hard-codes a value the
 tests vary: Llama 4's attention chunk (8192 in llama.cpp) and temperature-tuning floor
 (8192) stay at the published values, ERNIE's dense FFN width is the shared experts' width
-x the KV heads (llama.cpp derives the shared width from it).
+x the KV heads (llama.cpp derives the shared width from it). Phi-3.5-MoE's config names
+the published checkpoint's architecture (`PhiMoEForCausalLM`, the name llama.cpp's
+converter registers), its LongRoPE has the published shape (original length 4096, max
+131072, equal mscales) with the mscale llama.cpp computes, sqrt(1 + ln 32 / ln 4096) (the
+published config says 1.243; llama.cpp's converter does not read it), the sliding window is
+the published 131072 (llama.cpp's phimoe reads none: full attention) and the router's
+jitter eps the published 0.01.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ import numpy as np
 from benchmarks.common import OUT, git_commit, machine
 from benchmarks.peers.bench_gguf import _remake, token_errors
 
-FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe", "llama4", "gpt_oss")
+FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe", "llama4", "gpt_oss",
+            "phimoe")
 LLAMA_TYPES = {"gpt_oss": ("MXFP4_MOE", "Q4_0")}
 VOCAB = 288
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -79,6 +86,19 @@ def build(fam: str, seed: int, helpers):
                 lyr.mlp.experts.gate_up_proj.mul_(4.0)
                 lyr.mlp.router.bias.normal_(0.0, 0.5)
         return model
+    if fam == "phimoe":
+        head, orig, longest = 64, 4096, 131072
+        rng = np.random.default_rng(seed + 7)
+        mscale = float(np.sqrt(1 + np.log(longest / orig) / np.log(orig)))
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_mscale": mscale,
+                "long_mscale": mscale, "original_max_position_embeddings": orig,
+                "short_factor": [float(v) for v in 1.0 + rng.random(head // 2) * 3],
+                "long_factor": [float(v) for v in 4.0 + rng.random(head // 2) * 8]}
+        cfg = tr.PhimoeConfig(**COMMON, intermediate_size=128, num_local_experts=4,
+                              num_experts_per_tok=2, max_position_embeddings=longest,
+                              attention_bias=True, lm_head_bias=True, sliding_window=longest,
+                              router_jitter_noise=0.01, rope_parameters=rope)
+        return hf_helpers.random_model(cfg, tr.PhimoeForCausalLM, seed)
     raise SystemExit(f"unknown family {fam!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -91,13 +111,14 @@ def colibri_logits(out: Path, prompts) -> list:
 def gguf_types(path: Path) -> tuple[str, float]:
     """The GGML types of the file's weight matrices (with counts) and their stored bits per
     weight: the tensors Colibri's bits per weight counts (embedding, lm_head, attention,
-    FFNs, experts; not norms, biases, sinks, routers)."""
+    FFNs, experts; not norms, biases, sinks, routers, LongRoPE's factors)."""
     import gguf
     got: dict = {}
     nbytes = nweights = 0
     for t in gguf.GGUFReader(str(path)).tensors:
         n = t.name
-        if n.endswith((".bias", "norm.weight")) or "sinks" in n or "ffn_gate_inp" in n:
+        if (n.endswith((".bias", "norm.weight")) or "sinks" in n or "ffn_gate_inp" in n or
+                n.startswith("rope_factors")):
             continue
         got[t.tensor_type.name] = got.get(t.tensor_type.name, 0) + 1
         nbytes, nweights = nbytes + int(t.n_bytes), nweights + int(t.n_elements)
@@ -113,6 +134,13 @@ def run_family(fam: str, a, remake, helpers, lib, work: Path) -> dict:
     shutil.rmtree(work / fam, ignore_errors=True)
     hf_helpers.save(model, hf_dir)
     remake.write_tokenizer(hf_dir)
+    if fam == "phimoe":                  # the published checkpoint's name (llama.cpp's too)
+        for name, key, value in (("config.json", "architectures", ["PhiMoEForCausalLM"]),
+                                 # llama.cpp's Phi-3 vocab: sentencepiece unless GPT2Tokenizer
+                                 ("tokenizer_config.json", "tokenizer_class", "GPT2Tokenizer")):
+            cfg = json.loads((hf_dir / name).read_text())
+            cfg[key] = value
+            (hf_dir / name).write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(32)
     prompts = [rng.integers(0, VOCAB, 48).tolist() for _ in range(2)]
     ref = [hf_helpers.hf_logits(model, p) for p in prompts]

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 FAMILY = "phimoe"
-ARCHITECTURES = {"PhimoeForCausalLM": FAMILY}
+# transformers' class, and the published checkpoint's config.json name (its remote code)
+ARCHITECTURES = {"PhimoeForCausalLM": FAMILY, "PhiMoEForCausalLM": FAMILY}
 DEFAULTS: dict[str, Any] = dict(
     vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=None,
