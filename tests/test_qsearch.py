@@ -108,3 +108,23 @@ def test_bad_arguments_are_refused_in_one_line():
         kernels.q4_group_codes(np.zeros((2, 64), np.float32))
     with pytest.raises(ValueError, match="blk: expected a float64"):
         kernels.q4_group_codes(np.zeros(64))
+
+
+def test_the_converter_uses_it_and_writes_the_same_files(tmp_path, monkeypatch):
+    """`colibri convert` searches in C, and its files are byte for byte those of the numpy
+    search (config.json's sha256 of every file)."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("hf_helpers")
+    from colibri_core.convert import convert
+    ck = hf.save(hf.make_hf_model("olmoe", vocab_size=512), tmp_path / "hf", dtype=torch.bfloat16)
+    calls = []
+    real = kernels.q4_group_codes
+    monkeypatch.setattr(kernels, "q4_group_codes", lambda *a: calls.append(a[0].shape) or real(*a))
+    convert(ck, tmp_path / "c")
+    assert calls, "the converter did not call kernels.q4_group_codes"
+    monkeypatch.setattr(kernels, "q4_group_codes", quant.q4_group_codes)
+    convert(ck, tmp_path / "numpy")
+    files = [json.loads((tmp_path / d / "config.json").read_text())["files"] for d in ("c", "numpy")]
+    assert files[0] == files[1]
