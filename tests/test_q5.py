@@ -61,7 +61,8 @@ def _backends():
 def test_q5_tiles_match_the_numpy_references_on_every_backend(group, cols, rows, n):
     """int8 activations: the exact integer group dots of matvec_q5_q8_ref (only the float
     sum over groups differs: ~1e-7); float activations: the float64 dequantized product.
-    Every backend gives the same bits (the AVX2 integer dots, the scalar float pass)."""
+    The AVX2 and AVX-512 backends run the same tile (the same bits); the scalar one adds the
+    groups in its own order; the float path is one tile on every backend."""
     rng = np.random.default_rng(group + cols)
     t = quantize_q5(rng.standard_normal((rows, cols)), group)
     x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
@@ -79,9 +80,12 @@ def test_q5_tiles_match_the_numpy_references_on_every_backend(group, cols, rows,
     finally:
         K.set_backend(before)
     first = next(iter(got.values()))
-    for b, g in got.items():
-        assert np.array_equal(g[0], first[0]) and np.array_equal(g[1], first[1]), b
-    assert np.array_equal(q5_matmul(t, x[0]), first[0][0])           # x [C] -> [R]
+    simd = [g for b, g in got.items() if b in ("avx2", "avx512vnni")]
+    for g in got.values():
+        assert np.array_equal(g[1], first[1])
+    for g in simd:
+        assert np.array_equal(g[0], simd[0][0])
+    assert np.array_equal(q5_matmul(t, x[0]), q5_matmul(t, x[:1])[0])   # x [C] -> [R]
 
 
 def test_q5_matmul_refuses_wrong_parts():

@@ -3,12 +3,13 @@
  * (byte j: value j low, value 32+j high) then the 64 values' fifth bits as one
  * little-endian 64-bit mask. The pipeline step runs them through ck_step.h's mat_tile.
  *
- * int8 activations: q4_i8's arithmetic (an exact integer dot per group, corrected by the
- * zero point times the activation group's sum, then one float multiply-add per group in
- * ascending order). The AVX2 and AVX-512 VNNI tiles compute the same integer dots, then the
- * same scalar float pass, so every backend's results are equal bit for bit (the
- * backend picked by ck_set_backend / COLIBRI_KERNELS decides which runs). Float
- * activations (the parity path): a scalar tile on every backend, as ck_scalar_q6_f32. */
+ * int8 activations: an exact integer dot per group, corrected by the zero point times the
+ * activation group's sum, then one float multiply-add per group. The scalar tile (every
+ * backend but AVX2 / AVX-512) adds the groups in ascending order as ck_scalar.c's q4_i8;
+ * the AVX2 tile (run by the AVX2 and AVX-512 backends alike: the same bits) is ck_tiles.h's
+ * q6 tile with q5's unpacking, and its float epilogue q4_dot_pass's: the q4 and q6 tiles'
+ * order for every tile shape (batch invariance), within float rounding of the scalar one.
+ * Float activations (the parity path): a scalar tile on every backend, as ck_scalar_q6_f32. */
 #include <stdlib.h>
 #include "ck_internal.h"
 
@@ -36,10 +37,23 @@ static inline int32_t block_dot_scalar(const uint8_t *blk, const int8_t *x) {
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define AVX2_FN static __attribute__((target("avx2,fma")))
+#include "ck_tiles.h"
+
+#define Q5_FN static __attribute__((target("avx2,fma")))
+#define Q5_INL static inline __attribute__((target("avx2,fma"), always_inline))
+#define CK_PF_BYTES 8192   /* as ck_avx2.c: software prefetch distance past the tile */
+
+Q5_INL float hsum_ps(__m256 v) {          /* ck_avx2.c's order */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+CK_DEFINE_Q4_DOT_PASS(Q5_INL)
 
 /* 32 mask bits -> 32 bytes, 0x10 where the bit is set */
-AVX2_FN inline __m256i fifth_bits(uint32_t m) {
+Q5_INL __m256i fifth_bits(uint32_t m) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
@@ -48,96 +62,67 @@ AVX2_FN inline __m256i fifth_bits(uint32_t m) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* the integer dots of four rows' groups (nblocks blocks of 64 each, rows at blk[i]) with
- * the same 64 * nblocks int8 activations: the activations loaded once for the four rows,
- * the four horizontal sums done together */
-AVX2_FN inline void group_dot4_avx2(const uint8_t *const blk[4], const int8_t *x, int64_t nblocks,
-                                    int32_t out[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                      _mm256_setzero_si256()};
-    for (int64_t b = 0; b < nblocks; b++) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + b * 64));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + b * 64 + 32));
-        for (int i = 0; i < 4; i++) {
-            const uint8_t *bp = blk[i] + b * Q5_BLOCK;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)bp);
-            const uint64_t h = ld64(bp + 32);
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits((uint32_t)h));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                               fifth_bits((uint32_t)(h >> 32)));
-            /* values 0..31 times int8: a pair sums to at most 2 * 31 * 127, and p0 + p1 to
-             * 4 * 31 * 127 = 15748: within int16 */
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q0, x0),
-                                               _mm256_maddubs_epi16(q1, x1));
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
+/* RT rows x NT tokens of a q5 matrix: ck_tiles.h's q6 tile with q5's unpacking (values
+ * 0..31: two maddubs sum to at most 4 * 31 * 127 in i16), the groups' integer dots then
+ * q4_dot_pass, the q4 / q6 tiles' float epilogue (so AVX2 and AVX-512 give the same bits) */
+Q5_INL void q5_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0, float *res,
+                       int ldr, const int RT, const int NT) {
+    const int K = RT * NT, K4 = (K + 3) / 4 * 4;
+    const int64_t rb = w->cp / 64 * Q5_BLOCK, ng = w->ng, bpg = w->group / 64;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const uint8_t *wr = w->data + r0 * rb;
+    const int8_t *xr = a->q + t0 * a->cp;
+    const int64_t pf = RT * rb + CK_PF_BYTES;
+    int32_t dq[2][CK_GCHUNK][4];
+    float acc[8];
+    for (int k = 0; k < K; k++) acc[k] = 0.0f;
+    for (int64_t gc = 0; gc < ng; gc += CK_GCHUNK) {
+        const int gn = ng - gc < CK_GCHUNK ? (int)(ng - gc) : CK_GCHUNK;
+        for (int gi = 0; gi < gn; gi++) {
+            const int64_t g = gc + gi;
+            __m256i iacc[8];
+            for (int k = 0; k < K4; k++) iacc[k] = _mm256_setzero_si256();
+            for (int64_t j = 0; j < bpg; j++) {
+                const int64_t b = g * bpg + j;
+                __m256i lo[CK_MAX_RT], hi[CK_MAX_RT];
+                for (int r = 0; r < RT; r++) {
+                    const uint8_t *p = wr + r * rb + b * Q5_BLOCK;
+                    _mm_prefetch((const char *)(p + pf), _MM_HINT_T1);
+                    const __m256i ql = _mm256_loadu_si256((const __m256i *)p);
+                    const uint64_t h = ld64(p + 32);
+                    lo[r] = _mm256_or_si256(_mm256_and_si256(ql, m4), fifth_bits((uint32_t)h));
+                    hi[r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                                            fifth_bits((uint32_t)(h >> 32)));
+                }
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *xp = xr + t * a->cp + b * 64;
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));
+                    for (int r = 0; r < RT; r++)
+                        iacc[r * NT + t] = _mm256_add_epi32(iacc[r * NT + t], _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], x0),
+                                             _mm256_maddubs_epi16(hi[r], x1)), one));
+                }
+            }
+            for (int k = 0; k < K4; k += 4) {
+                __m256i hs = _mm256_hadd_epi32(_mm256_hadd_epi32(iacc[k], iacc[k + 1]),
+                                               _mm256_hadd_epi32(iacc[k + 2], iacc[k + 3]));
+                _mm_storeu_si128((__m128i *)dq[k / 4][gi], _mm_add_epi32(
+                    _mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1)));
+            }
         }
+        q4_dot_pass(w, r0, a, t0, dq, gc, gn, acc, K, NT);
     }
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]),
-                                        _mm256_hadd_epi32(acc[2], acc[3]));
-    const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    _mm_storeu_si128((__m128i *)out, t);
+    for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];
 }
 
-/* the same with AVX-512 VNNI: a block's 64 values in one register (the nibbles' two
- * halves side by side, the fifth bits set from the 64-bit mask as a byte mask), one
- * dpbusd per row and block */
-#define Q5_VNNI static __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
-Q5_VNNI inline void group_dot4_vnni(const uint8_t *const blk[4], const int8_t *x, int64_t nblocks,
-                                    int32_t out[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m512i five = _mm512_set1_epi8(0x10);
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                      _mm512_setzero_si512()};
-    for (int64_t b = 0; b < nblocks; b++) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(x + b * 64));
-        for (int i = 0; i < 4; i++) {
-            const uint8_t *bp = blk[i] + b * Q5_BLOCK;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)bp);
-            const __m512i lohi = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_and_si256(v, low)),
-                _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
-            const __m512i q = _mm512_or_si512(lohi, _mm512_maskz_mov_epi8(ld64(bp + 32), five));
-            acc[i] = _mm512_dpbusd_epi32(acc[i], q, xv);
-        }
-    }
-    __m256i h[4];
-    for (int i = 0; i < 4; i++)
-        h[i] = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
-    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
-    _mm_storeu_si128((__m128i *)out, _mm_add_epi32(_mm256_castsi256_si128(s),
-                                                   _mm256_extracti128_si256(s, 1)));
-}
-/* groups g0..g1 of four rows (row[i]) against one token's activations xq: dots[g - g0][i];
- * one call per row quad and token, the group loop inside the target function */
-AVX2_FN void groups4_avx2(const uint8_t *const row[4], const int8_t *xq, int64_t g0, int64_t g1,
-                          int64_t gb, int32_t (*dots)[4]) {
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *blk[4] = {row[0] + g * gb * Q5_BLOCK, row[1] + g * gb * Q5_BLOCK,
-                                 row[2] + g * gb * Q5_BLOCK, row[3] + g * gb * Q5_BLOCK};
-        group_dot4_avx2(blk, xq + g * gb * 64, gb, dots[g - g0]);
-    }
-}
-
-Q5_VNNI void groups4_vnni(const uint8_t *const row[4], const int8_t *xq, int64_t g0, int64_t g1,
-                          int64_t gb, int32_t (*dots)[4]) {
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *blk[4] = {row[0] + g * gb * Q5_BLOCK, row[1] + g * gb * Q5_BLOCK,
-                                 row[2] + g * gb * Q5_BLOCK, row[3] + g * gb * Q5_BLOCK};
-        group_dot4_vnni(blk, xq + g * gb * 64, gb, dots[g - g0]);
-    }
-}
+/* the q6 dispatch's shapes: decode 4 rows x 1 token, batches 1 row x up to 4 tokens */
+CK_DEFINE_Q6_I8(Q5_FN, q5_i8_avx2, q5_i8_tile)
 #endif
 
-/* groups g0..g1 of rows row[0..3] (nblocks = gb blocks of 64 each) against xq: dots[g - g0][i];
- * simd 1: AVX2, 2: AVX-512 VNNI (the backends of those names) */
-static void group_dots(int simd, const uint8_t *const row[4], const int8_t *xq, int64_t g0,
-                       int64_t g1, int64_t gb, int32_t (*dots)[4]) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (simd == 2) { groups4_vnni(row, xq, g0, g1, gb, dots); return; }
-    if (simd) { groups4_avx2(row, xq, g0, g1, gb, dots); return; }
-#endif
-    (void)simd;
+/* groups g0..g1 of rows row[0..3] (gb blocks of 64 each) against xq: dots[g - g0][i] */
+static void group_dots(const uint8_t *const row[4], const int8_t *xq, int64_t g0, int64_t g1,
+                       int64_t gb, int32_t (*dots)[4]) {
     for (int64_t g = g0; g < g1; g++)
         for (int i = 0; i < 4; i++) {
             int32_t dot = 0;
@@ -153,9 +138,10 @@ void ck_q5_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, i
               float *res) {
 #if defined(__x86_64__) || defined(__i386__)
     const ck_backend_t *be = ck_active_backend();
-    const int simd = be == &ck_backend_avx512vnni ? 2 : be == &ck_backend_avx2;
-#else
-    const int simd = 0;
+    if (be == &ck_backend_avx2 || be == &ck_backend_avx512vnni) {
+        q5_i8_avx2(w, r0, rt, a, t0, nt, res);
+        return;
+    }
 #endif
     const int64_t rb = w->cp / 64 * Q5_BLOCK, gb = w->group / 64;
     for (int r1 = 0; r1 < rt; r1 += 4) {              /* four rows at a time (the last */
@@ -170,7 +156,7 @@ void ck_q5_i8(const ck_q4 *w, int64_t r0, int rt, const ck_act *a, int64_t t0, i
             int32_t dots[Q5_GROUPS][4];
             for (int64_t g0 = 0; g0 < w->ng; g0 += Q5_GROUPS) {
                 const int64_t g1 = g0 + Q5_GROUPS < w->ng ? g0 + Q5_GROUPS : w->ng;
-                group_dots(simd, row, xq, g0, g1, gb, dots);
+                group_dots(row, xq, g0, g1, gb, dots);
                 /* the four rows' sums interleaved (each its groups in ascending order):
                  * four independent chains of float adds */
                 for (int64_t g = g0; g < g1; g++) {
