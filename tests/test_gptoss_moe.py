@@ -17,6 +17,7 @@ from colibri_core.config import EngineConfig, load_model_config  # noqa: E402
 from colibri_core.engine import Engine  # noqa: E402
 from colibri_core.format.modelfile import ContainerFile  # noqa: E402
 from colibri_core.format.mxfp4 import quantize_mxfp4  # noqa: E402
+from colibri_core.format.quant import quantize_q4  # noqa: E402
 from colibri_core.model.testing import write_random_model  # noqa: E402
 from colibri_core.model.weights import FFNWeights, write_model_dir  # noqa: E402
 
@@ -37,8 +38,10 @@ def _mlp(seed: int = 0):
     return cfg, mlp
 
 
-def _model_dir(tmp_path, mlp, mx: bool):
-    """A one-layer model whose MoE block holds mlp's weights (attention: random)."""
+def _model_dir(tmp_path, mlp, mx):
+    """A one-layer model whose MoE block holds mlp's weights (attention: random); experts
+    MXFP4 (mx True), float32 (False) or "mixed": the even experts MXFP4, the odd ones q4 at
+    group 64 (the same activation group: one step runs both kinds of rows)."""
     base = tmp_path / "base"
     write_random_model(base, seed=1, vocab=100, hidden=H, layers=("moe",), experts=E, top_k=K,
                        moe_inter=I, shared=0, heads=4, kv_heads=2, group=64)
@@ -50,13 +53,17 @@ def _model_dir(tmp_path, mlp, mx: bool):
     ex = mlp.experts
     gu, gub = ex.gate_up_proj.detach().numpy(), ex.gate_up_proj_bias.detach().numpy()
     dn, dnb = ex.down_proj.detach().numpy(), ex.down_proj_bias.detach().numpy()
-    mat = quantize_mxfp4 if mx else (lambda a: np.ascontiguousarray(a, np.float32))
-    experts = [(0, e, FFNWeights(mat(gu[e][:, 0::2].T), mat(gu[e][:, 1::2].T), mat(dn[e].T),
+    def mat(a, e):
+        if mx == "mixed" and e % 2:
+            return quantize_q4(np.ascontiguousarray(a, np.float32), 64)
+        return quantize_mxfp4(a) if mx else np.ascontiguousarray(a, np.float32)
+    experts = [(0, e, FFNWeights(mat(gu[e][:, 0::2].T, e), mat(gu[e][:, 1::2].T, e),
+                                 mat(dn[e].T, e),
                                  biases={"w1": gub[e][0::2], "w3": gub[e][1::2], "w2": dnb[e]}))
                for e in range(E)]
     routing = [("layer.0.router", mlp.router.weight.detach().numpy().astype(np.float32)),
                ("layer.0.router_logit_bias", mlp.router.bias.detach().numpy().astype(np.float32))]
-    out = tmp_path / ("mx" if mx else "f32")
+    out = tmp_path / {True: "mx", False: "f32", "mixed": "mixed"}[mx]
     write_model_dir(out, cfg, main, routing, experts)
     f.close()
     return out
@@ -85,7 +92,8 @@ def _backends():
     return K.available_backends()
 
 
-@pytest.mark.parametrize("mx,backend", [(False, "auto")] + [(True, b) for b in _backends()])
+@pytest.mark.parametrize("mx,backend", [(False, "auto"), ("mixed", "auto")] +
+                         [(True, b) for b in _backends()])
 def test_pipeline_matches_the_reference(tmp_path, mx, backend):
     from colibri_core import kernels as K
     K.set_backend(backend)
