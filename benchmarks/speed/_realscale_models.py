@@ -317,7 +317,7 @@ def _gguf_tensors(cfg, dr: Draw):
         yield b + "attn_k.weight", "Q4_0", (nkv * hd, H), q4(nkv * hd, H)
         yield b + "attn_v.weight", "Q4_0", (nkv * hd, H), q4(nkv * hd, H)
         yield b + "attn_output.weight", "Q4_0", (H, nh * hd), q4(H, nh * hd)
-        if cfg.qk_norm:
+        if cfg.qk_norm in ("per_head", "full"):      # "none": no norm tensors
             qn, kn = (hd, hd) if cfg.qk_norm == "per_head" else (nh * hd, nkv * hd)
             yield b + "attn_q_norm.weight", "F32", (qn,), f32(qn)
             yield b + "attn_k_norm.weight", "F32", (kn,), f32(kn)
