@@ -13,13 +13,16 @@ or in every MoE layer (`all`: the worst case, two of ten experts differ in each 
     python -m benchmarks.speed.bench_mixed_sets --batch 24 --steps 16 --rounds 9
     python -m benchmarks.speed.bench_mixed_sets --hot-layers all
 
-Variants, per round in rotating order, each over the same prompts and decode tokens:
-`one set` (every sequence live), `mixed` (one pass: forward/mixedsets.py) and `pass per
-set` (the step as it was before: one forward per set, forced by an experts executor the
-union cannot use). Phases: `decode` (one token per sequence per step, after a 64-token
-context) and `prefill` (each sequence's 32-token prompt in one step). The figures are
-the medians over rounds of tokens per second, and of each round's ratio to `one set`;
-the load average is recorded before and after.
+Variants, each over the same prompts and decode tokens: `one set` (every sequence live),
+`mixed` (one pass: forward/mixedsets.py) and `pass per set` (the step as it was before:
+one forward per set, forced by an experts executor the union cannot use). Phases:
+`decode` (one token per sequence per step, after a 64-token context) and `prefill` (each
+sequence's 32-token prompt in one step). The variants alternate step by step, the order
+rotating; a round is `--steps` decode steps and 4 prefills of each. The figures are the
+medians over rounds of tokens per second, and of each round's ratio to `one set`; the
+same per CPU second of the process (the work, which the other jobs' load moves much less
+than the wall time: with --threads 1 no thread spins); the load average is recorded
+before and after.
 """
 from __future__ import annotations
 
@@ -94,48 +97,55 @@ def main(argv=None) -> dict:
     pipe = m.pipeline
     per_set = lambda *args: pipe._experts(*args)     # noqa: E731 - not the pipeline's own
 
-    def run(v: str, phase: str) -> float:
+    def step(v: str, phase: str, s: int) -> tuple[float, float]:
+        """Seconds of one step of variant v, wall and the process's CPU: decode step s
+        (its caches at 64 + s), or the prompts' prefill."""
         cs = caches[v]
         pipe.experts = per_set if v == "pass per set" else pipe._experts
         try:
-            if phase == "prefill":
-                for c in cs:
-                    c.length = 0
-                t0 = time.perf_counter()
-                m.forward(prompts, cs, [2] * B, expert_set=sets[v])
-                return B * 32 / (time.perf_counter() - t0)
             for c in cs:
-                c.length = 64
-            t0 = time.perf_counter()
-            for s in range(a.steps):
-                m.forward([toks[s, i:i + 1] for i in range(B)], cs, [2] * B, expert_set=sets[v])
-            return B * a.steps / (time.perf_counter() - t0)
+                c.length = 0 if phase == "prefill" else 64 + s
+            feed = prompts if phase == "prefill" else [toks[s, i:i + 1] for i in range(B)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            m.forward(feed, cs, [2] * B, expert_set=sets[v])
+            return time.perf_counter() - t0, time.process_time() - c0
         finally:
             pipe.experts = pipe._experts
 
     for v in VARIANTS:                               # the contexts; warm (tables, unions)
         m.forward(ctx, caches[v], [2] * B, expert_set=sets[v])
-        run(v, "decode")
-        run(v, "prefill")
+        step(v, "decode", 0)
+        step(v, "prefill", 0)
     p0 = pipe.passes
-    run("mixed", "decode")
-    assert pipe.passes - p0 == a.steps, "the mixed steps were not one pass each"
+    step("mixed", "decode", 0)
+    assert pipe.passes - p0 == 1, "a mixed step was not one pass"
     mix = pipe._mix
     rate = {(v, ph): [] for v in VARIANTS for ph in ("decode", "prefill")}
+    cpu_rate = {key: [] for key in rate}
     for r in range(a.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
-        for ph in ("decode", "prefill"):
-            for v in order:
-                rate[(v, ph)].append(run(v, ph))
+        spent = {key: np.zeros(2) for key in rate}
+        for ph, n in (("decode", a.steps), ("prefill", 4)):
+            for s in range(n):
+                k = r + s
+                for v in VARIANTS[k % 3:] + VARIANTS[:k % 3]:
+                    spent[(v, ph)] += step(v, ph, s)
+        for (v, ph), (t, c) in spent.items():
+            toks_done = B * (a.steps if ph == "decode" else 4 * 32)
+            rate[(v, ph)].append(toks_done / t)
+            cpu_rate[(v, ph)].append(toks_done / c)
     load1 = os.getloadavg()
     rows = {}
     for ph in ("decode", "prefill"):
         base = np.array(rate[("one set", ph)])
+        cbase = np.array(cpu_rate[("one set", ph)])
         for v in VARIANTS:
-            got = np.array(rate[(v, ph)])
+            got, cpu = np.array(rate[(v, ph)]), np.array(cpu_rate[(v, ph)])
             rows[f"{ph}: {v}"] = {"tok_per_s": float(np.median(got)),
                                   "ratio_to_one_set": float(np.median(got / base)),
-                                  "rounds": got.round(1).tolist()}
+                                  "tok_per_cpu_s": float(np.median(cpu)),
+                                  "cpu_ratio_to_one_set": float(np.median(cpu / cbase)),
+                                  "rounds": got.round(1).tolist(),
+                                  "cpu_rounds": cpu.round(1).tolist()}
     eng.close()
     bw = best_read_bandwidth(a.threads, mib=512, reps=5)
     res = {"command": "python -m benchmarks.speed.bench_mixed_sets " + " ".join(argv or sys.argv[1:]),
@@ -147,7 +157,8 @@ def main(argv=None) -> dict:
            "load_before": [round(x, 2) for x in load0], "load_after": [round(x, 2) for x in load1],
            "variants": rows}
     for name, v in rows.items():
-        print(f"{name:>22}: {v['tok_per_s']:8.1f} tok/s  x{v['ratio_to_one_set']:.3f} of one set")
+        print(f"{name:>22}: {v['tok_per_s']:8.1f} tok/s  x{v['ratio_to_one_set']:.3f} of one set;"
+              f" {v['tok_per_cpu_s']:8.1f} tok per CPU s  x{v['cpu_ratio_to_one_set']:.3f}")
     print(f"load average {load0[0]:.2f} before, {load1[0]:.2f} after; read {bw['GBps']:.1f} GB/s; "
           f"{backend()}; {git_commit()}")
     OUT.mkdir(exist_ok=True)
