@@ -183,3 +183,59 @@ def test_a_set_whose_router_gives_nan_takes_the_fallback_for_its_rows_only(tiny_
         assert m.pipeline.passes - p0 == 1
         for a, b in zip(alone, got):
             assert np.isfinite(b).all() and np.array_equal(a, b)
+
+
+def test_pinned_canary_and_live_streams_decode_in_one_step_each(tiny_model_dir):
+    """Three greedy streams -- one pinned to the snapshot current at its admission, one
+    whose request the canary picks, one live -- decode together: their tokens share steps
+    (one pass per step), and each stream's tokens are those it gets alone, replayed step by
+    step with its set."""
+    with Engine.from_model_dir(tiny_model_dir, threads=1) as eng:
+        m, sched = eng.model, eng.scheduler
+        pinned, live, canary = three_sets(eng)
+        eng.queue_expert_change(lambda es: pinned)
+        eng.apply_expert_changes()
+        picked = {"canary-0": canary}                 # the canary's choice by request id
+        eng.set_for = lambda rid: picked.get(rid, m.expert_set)
+        sched.trace, p0 = [], m.pipeline.passes
+        g_pin = eng.generate([5, 9, 31, 7], max_new_tokens=24, temperature=0,
+                             pin_experts=True, request_id="pinned-0")
+        stream = iter(g_pin)
+        first = next(stream)                          # admitted under `pinned`
+        assert first.expert_set_generation == pinned.generation
+        eng.queue_expert_change(lambda es: live)
+        eng.apply_expert_changes()
+        g_can = eng.generate([11, 3, 200], max_new_tokens=24, temperature=0,
+                             pin_experts=True, request_id="canary-0")
+        g_live = eng.generate([42, 17, 8, 99, 4], max_new_tokens=24, temperature=0,
+                              request_id="live-0")
+        threads = [threading.Thread(target=lambda: list(stream)),
+                   threading.Thread(target=g_can.run), threading.Thread(target=g_live.run)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        steps = [s for s in sched.trace if s]
+        sched.trace = None
+        assert m.pipeline.passes - p0 == len(steps)   # one pass per step, whatever the sets
+        together = [s for s in steps if len({rid for rid, _, _ in s}) == 3]
+        assert len(together) >= 10                    # the three decoded side by side
+        by_id = {"pinned-0": pinned, "canary-0": canary, "live-0": live}
+        for g in (g_pin, g_can, g_live):
+            es = by_id[g.request_id]
+            counts = [n for s in steps for rid, n, _ in s if rid == g.request_id]
+            cache = m.new_cache(len(g.prompt_ids) + g.max_new_tokens)
+            feed, pos, out = list(g.prompt_ids) + g.token_ids, 0, []
+            for n in counts:
+                logits = m.forward([np.asarray(feed[pos:pos + n])], [cache], [g.k],
+                                   expert_set=es)[0]
+                pos += n
+                if pos >= len(g.prompt_ids):
+                    out.append(int(np.argmax(logits)))
+            assert len(g.token_ids) == 24
+            assert out[:len(g.token_ids)] == g.token_ids, g.request_id
+        # the three sets give each prompt different logits (the replay's set matters)
+        for g in (g_pin, g_can, g_live):
+            got = {m.forward([np.asarray(g.prompt_ids)], [m.new_cache(40)], [g.k],
+                             expert_set=es)[0].tobytes() for es in (pinned, live, canary)}
+            assert len(got) == 3
