@@ -63,10 +63,21 @@ def test_one_pass_of_three_sets_is_each_sequence_alone(tiny_model_dir):
         for i in range(3):
             got = {_alone(m, seqs[i], es).tobytes() for es in (pinned, live, canary)}
             assert len(got) == 3
+        routes = []                                 # each sequence's routing alone
+        for s, es in zip(seqs, sets):
+            _alone(m, s, es)
+            routes.append([(t.layer, t.routing.ids, t.logits) for t in m.last_routing])
         caches = [m.new_cache(64) for _ in seqs]
         p0 = m.pipeline.passes
         got = m.forward(seqs, caches, [2] * 9, all_logits=True, expert_set=sets)
         assert m.pipeline.passes - p0 == 1                      # one pass, not one per set
+        trace, t0 = m.last_routing, 0                # the step's routing: each set's own
+        for s, own in zip(seqs, routes):
+            for lt, (layer, ids, logits) in zip(trace, own):
+                assert lt.layer == layer
+                assert np.array_equal(lt.routing.ids[t0:t0 + len(s)], ids)
+                assert np.array_equal(lt.logits[t0:t0 + len(s), :logits.shape[1]], logits)
+            t0 += len(s)
         mix = m.pipeline._mix
         assert mix is not None and len(mix.tables) == 3
         assert mix.shared_entries() >= 2 * (m.cfg.num_experts + 1)   # the model's and `a`
