@@ -1,7 +1,8 @@
 """A GGUF converted by Colibri beside llama.cpp running the same file (issue 33).
 
     python -m benchmarks.peers.bench_gguf [--hidden 1024] [--layers 4] [--experts 8]
-        [--inter 1024] [--vocab 8192] [--threads 2] [--tokens 32] [--types Q4_K_M,Q8_0]
+        [--inter 1024] [--vocab 8192] [--threads 2] [--tokens 32] [--rounds 3]
+        [--types Q4_K_M,Q5_K_M,Q6_K,Q8_0]
 
 1. A Mixtral-shaped random transformers model (seeded; widths multiples of 256 so every
    K-quant applies) is written as an F32 GGUF by llama.cpp's convert_hf_to_gguf.py and
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--types", default="Q4_K_M,Q8_0")
+    ap.add_argument("--types", default="Q4_K_M,Q5_K_M,Q6_K,Q8_0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=None, help="keep the files here")
     a = ap.parse_args(argv)
@@ -166,13 +167,14 @@ def main(argv=None) -> int:
           f"Mixtral-shaped random, hidden {a.hidden}, {a.layers} layers, {a.experts} experts "
           f"x {a.inter}, vocab {a.vocab}\n")
     print("| GGUF | GGUF bits/w | Colibri bits/w | llama.cpp error | Colibri error (fast) | "
-          "Colibri error (float) | ratio (fast / llama.cpp) | llama.cpp tok/s | Colibri tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "Colibri error (float) | ratio (fast / llama.cpp) | llama.cpp tok/s | Colibri tok/s | "
+          "load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['gguf_bits']:.2f} | {r['colibri_bits']:.2f} | "
               f"{r['llama_err']:.4f} | {r['fast_err']:.4f} | {r['float_err']:.4f} | "
               f"{r['fast_err'] / r['llama_err']:.2f} | {r['llama_tok_s']:.1f} | "
-              f"{r['colibri_tok_s']:.1f} |")
+              f"{r['colibri_tok_s']:.1f} | {min(r['load_avg']):.1f}-{max(r['load_avg']):.1f} |")
     if a.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
