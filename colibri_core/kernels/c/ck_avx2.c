@@ -442,7 +442,7 @@ AVX2_INL __m256i mx_dotc(__m256i c, __m256i wa, __m256i xa, __m256i wb, __m256i 
 
 CK_DEFINE_MX_I8_TILE(AVX2_INL, mx_i8_tile, mx_dotc)
 
-CK_DEFINE_Q6_I8(AVX2_FN, mx_i8, mx_i8_tile)
+CK_DEFINE_MX_I8(AVX2_FN, mx_i8, mx_i8_tile, 2)
 
 const ck_backend_t ck_backend_avx2 = {"avx2", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8,
                                      ck_avx2_q8_f32, q6_i8, ck_scalar_q6_f32, ck_avx2_attn,
