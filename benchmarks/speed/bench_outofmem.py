@@ -420,6 +420,7 @@ def measure(a) -> dict:
                     f"{r.get('hit_rate')}, peak {(r.get('memory_peak') or 0) / MiB:.0f} MiB, "
                     f"OOM {r.get('oom_kills')}, top-k share "
                     f"{top8_share(r.get('routed', {}), cfg.top_k).get('median')}"
+                    + (f", stall {r['stall_per_token']:.3f} s/tok" if "stall_per_token" in r else "")
                     + (f", error {r['error']}" if "error" in r else ""))
         v["rows"] = rows
         v["summary"] = {k: summarize(rs, compute.get(k.split(":")[0], {}).get("s_per_token"), rate,
