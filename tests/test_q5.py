@@ -15,8 +15,8 @@ from colibri_core.kernels.q5 import q5_matmul
 
 def _layout_by_hand(q: np.ndarray) -> np.ndarray:
     """docs/FORMAT.md `q5`, value by value: per 64 values 32 bytes (byte j: value j's low
-    four bits, value 32+j's in the high nibble), then bit k of the 8-byte little-endian
-    mask = bit 4 of value k."""
+    four bits, value 32+j's in the high nibble), then 8 bytes: bit k of byte i = bit 4 of
+    value 8k + i."""
     rows, cp = q.shape
     out = np.zeros((rows, cp // 64 * 40), np.uint8)
     for r in range(rows):
@@ -24,8 +24,8 @@ def _layout_by_hand(q: np.ndarray) -> np.ndarray:
             v = [int(x) for x in q[r, b * 64:(b + 1) * 64]]
             for j in range(32):
                 out[r, b * 40 + j] = (v[j] & 15) | ((v[32 + j] & 15) << 4)
-            mask = sum(((v[k] >> 4) & 1) << k for k in range(64))
-            out[r, b * 40 + 32:b * 40 + 40] = np.frombuffer(mask.to_bytes(8, "little"), np.uint8)
+            for i in range(8):
+                out[r, b * 40 + 32 + i] = sum(((v[8 * k + i] >> 4) & 1) << k for k in range(8))
     return out
 
 

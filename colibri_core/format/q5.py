@@ -9,8 +9,9 @@ q5 g64 5.63 bits per weight.
 
 Layout (docs/FORMAT.md `q5`), per 64-value block 40 bytes: q4's 32 bytes of low nibbles
 (byte j: value j in the low nibble, value 32+j in the high one), then 8 bytes holding the
-64 values' fifth bits as one little-endian 64-bit mask (bit k of the mask: value k). The
-C kernels (kernels/c/ck_q5.c) are tested against the references below.
+64 values' fifth bits, byte i those of values i, 8+i, .., 56+i in its bits 0..7 (as q6's
+top bits: a shift per 8-byte lane puts them in place). The C kernels (kernels/c/ck_q5.c)
+are tested against the references below.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def pack_q5(q: np.ndarray) -> np.ndarray:
     rows, cp = q.shape
     v = q.reshape(rows, cp // NIBBLE_BLOCK, NIBBLE_BLOCK).astype(np.uint8)
     lo = pack_nibbles((v & 0x0F).reshape(rows, cp)).reshape(rows, -1, 32)
-    hi = np.packbits((v >> 4) & 1, axis=2, bitorder="little")          # [R, NB, 8]
+    fifth = ((v >> 4) & 1).reshape(rows, -1, 8, 8).transpose(0, 1, 3, 2)   # [R, NB, i, k]
+    hi = np.packbits(fifth, axis=3, bitorder="little")[..., 0]             # [R, NB, 8]
     return np.ascontiguousarray(np.concatenate([lo, hi], axis=2).reshape(rows, cp * 5 // 8))
 
 
@@ -55,7 +57,8 @@ def unpack_q5(packed: np.ndarray) -> np.ndarray:
     rows, nb = packed.shape
     b = np.asarray(packed).reshape(rows, nb // Q5_BLOCK_BYTES, Q5_BLOCK_BYTES)
     lo = unpack_nibbles(np.ascontiguousarray(b[:, :, :32]).reshape(rows, -1))
-    hi = np.unpackbits(b[:, :, 32:], axis=2, bitorder="little").reshape(rows, -1)
+    bits = np.unpackbits(b[:, :, 32:, None], axis=3, bitorder="little")    # [R, NB, i, k]
+    hi = bits.transpose(0, 1, 3, 2).reshape(rows, -1)                      # value 8k + i
     return lo | (hi << 4)
 
 

@@ -1,7 +1,7 @@
 /* ck_q5.c -- the q5 tiles (CK_W_Q5, docs/FORMAT.md `q5`; colibri_core/format/q5.py is the
  * numpy reference): 5-bit asymmetric groups, per 64-value block q4's 32 bytes of nibbles
- * (byte j: value j low, value 32+j high) then the 64 values' fifth bits as one
- * little-endian 64-bit mask. The pipeline step runs them through ck_step.h's mat_tile.
+ * (byte j: value j low, value 32+j high) then 8 bytes of fifth bits (byte i: values i,
+ * 8+i, .., 56+i in bits 0..7). The pipeline step runs them through ck_step.h's mat_tile.
  *
  * int8 activations: an exact integer dot per group, corrected by the zero point times the
  * activation group's sum, then one float multiply-add per group. The scalar tile (every
@@ -22,16 +22,17 @@ static inline int q5_at(const uint8_t *row, int64_t k) {
     const uint8_t *blk = row + (k >> 6) * Q5_BLOCK;
     const int j = (int)(k & 63);
     const int lo = (j & 32) ? blk[j & 31] >> 4 : blk[j & 31] & 15;
-    return lo | (int)((ld64(blk + 32) >> j) & 1) << 4;
+    return lo | ((blk[32 + (j & 7)] >> (j >> 3)) & 1) << 4;
 }
 
 /* the integer dot of q5 block `blk` with 64 int8 activations */
 static inline int32_t block_dot_scalar(const uint8_t *blk, const int8_t *x) {
-    const uint64_t h = ld64(blk + 32);
     int32_t dot = 0;
-    for (int j = 0; j < 32; j++)
-        dot += ((blk[j] & 15) | (int)((h >> j) & 1) << 4) * x[j] +
-               ((blk[j] >> 4) | (int)((h >> (32 + j)) & 1) << 4) * x[32 + j];
+    for (int j = 0; j < 32; j++) {
+        const int h = blk[32 + (j & 7)];
+        dot += ((blk[j] & 15) | ((h >> (j >> 3)) & 1) << 4) * x[j] +
+               ((blk[j] >> 4) | ((h >> (4 + (j >> 3))) & 1) << 4) * x[32 + j];
+    }
     return dot;
 }
 
@@ -52,16 +53,6 @@ Q5_INL float hsum_ps(__m256 v) {          /* ck_avx2.c's order */
 
 CK_DEFINE_Q4_DOT_PASS(Q5_INL)
 
-/* 32 mask bits -> 32 bytes, 0x10 where the bit is set */
-Q5_INL __m256i fifth_bits(uint32_t m) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);
-    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
-}
-
 /* RT rows x NT tokens of a q5 matrix: ck_tiles.h's q6 tile with q5's unpacking (values
  * 0..31: two maddubs sum to at most 4 * 31 * 127 in i16), the groups' integer dots then
  * q4_dot_pass, the q4 / q6 tiles' float epilogue (so AVX2 and AVX-512 give the same bits) */
@@ -69,7 +60,10 @@ Q5_INL void q5_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0, 
                        int ldr, const int RT, const int NT) {
     const int K = RT * NT, K4 = (K + 3) / 4 * 4;
     const int64_t rb = w->cp / 64 * Q5_BLOCK, ng = w->ng, bpg = w->group / 64;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
+    /* 64-bit lane L of a block's 8 fifth-bit bytes, broadcast: values 8L+i take bit L of
+     * byte i (shift left 4 - L), values 32+8L+i bit 4+L (shift right L) */
+    const __m256i shl = _mm256_setr_epi64x(4, 3, 2, 1), shr = _mm256_setr_epi64x(0, 1, 2, 3);
     const uint8_t *wr = w->data + r0 * rb;
     const int8_t *xr = a->q + t0 * a->cp;
     const int64_t pf = RT * rb + CK_PF_BYTES;
@@ -89,10 +83,11 @@ Q5_INL void q5_i8_tile(const ck_q4 *w, int64_t r0, const ck_act *a, int64_t t0, 
                     const uint8_t *p = wr + r * rb + b * Q5_BLOCK;
                     _mm_prefetch((const char *)(p + pf), _MM_HINT_T1);
                     const __m256i ql = _mm256_loadu_si256((const __m256i *)p);
-                    const uint64_t h = ld64(p + 32);
-                    lo[r] = _mm256_or_si256(_mm256_and_si256(ql, m4), fifth_bits((uint32_t)h));
+                    const __m256i h = _mm256_set1_epi64x((long long)ld64(p + 32));
+                    lo[r] = _mm256_or_si256(_mm256_and_si256(ql, m4),
+                                            _mm256_and_si256(_mm256_sllv_epi64(h, shl), m5));
                     hi[r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
-                                            fifth_bits((uint32_t)(h >> 32)));
+                                            _mm256_and_si256(_mm256_srlv_epi64(h, shr), m5));
                 }
                 for (int t = 0; t < NT; t++) {
                     const int8_t *xp = xr + t * a->cp + b * 64;
