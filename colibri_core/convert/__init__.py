@@ -9,8 +9,8 @@
   16 -> the checkpoint's own 16-bit type copied bit for bit (bf16 or f16; a float32
   checkpoint is rounded to bf16), 32 -> f32. Norms, biases and routers stay f32.
   Per tensor class (TENSOR_CLASSES: embed, lm_head, attn_qo, attn_kv, dense_ffn,
-  shared_ffn, experts) `tensor_bits` overrides it, and 6 -> q6 for the classes the C
-  pipeline runs at 6 bits (SIX_BIT_CLASSES); `lm_head_bits`, `embed_bits`, `kv_bits` are
+  shared_ffn, experts) `tensor_bits` overrides it, 6 -> q6 (SIX_BIT_CLASSES: all) and
+  5 -> q5 (FIVE_BIT_CLASSES: not the embedding); `lm_head_bits`, `embed_bits`, `kv_bits` are
   the same for one class each. `tensor_classes(out_dir)` reports what each class got.
   `q4_clip`: "mse" (per group, the scale/zero point of smallest squared error among
   min/max and shrunk ranges) or "minmax" (plain min/max); see quant.quantize_q4. Default:
