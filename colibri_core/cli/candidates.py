@@ -93,16 +93,20 @@ def cmd_action(args) -> int:
     return _answer(_call(args, "POST", f"/v1/experts/candidates/{args.name}/{args.action}"))
 
 
+def server_options(p):
+    """--url, --api-key-file, --timeout: the options of a command that talks to a server."""
+    p.add_argument("--url", default=DEFAULT_URL,
+                   help=f"the server (default {DEFAULT_URL})")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="its API key's file (default: $COLIBRI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the server (default 30)")
+    return p
+
+
 def add_candidate_parsers(sub) -> None:
     """Under `colibri experts`."""
-    def common(p):
-        p.add_argument("--url", default=DEFAULT_URL,
-                       help=f"the server (default {DEFAULT_URL})")
-        p.add_argument("--api-key-file", metavar="FILE",
-                       help="its API key's file (default: $COLIBRI_API_KEY)")
-        p.add_argument("--timeout", type=float, default=30.0,
-                       help="seconds to wait for the server (default 30)")
-        return p
+    common = server_options
     ls = common(sub.add_parser("candidates", help="a running server's candidate experts "
                                                   "and their gates"))
     ls.add_argument("--json", action="store_true", help="print JSON")

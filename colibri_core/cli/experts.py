@@ -133,6 +133,8 @@ def add_parsers(sub, engine_defaults: str, shipped: str) -> None:
     pl.set_defaults(func=cmd_experts_place)
     from .candidates import add_candidate_parsers
     add_candidate_parsers(el_sub)
+    from .train import add_train_parser
+    add_train_parser(el_sub)
 
 
 def cmd_experts_place(args) -> int:
