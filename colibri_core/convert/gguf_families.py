@@ -9,6 +9,7 @@ Architectures (GGUF `general.architecture` -> transformers class):
   granitemoe -> GraniteMoe(Shared)ForCausalLM   glm4moe -> Glm4MoeForCausalLM
   ernie4_5-moe -> Ernie4_5_MoeForCausalLM   gpt-oss -> GptOssForCausalLM (its MXFP4 experts
   kept as they are stored: gguf_reader's raw, gptoss.expert_ffn)
+  phimoe -> PhimoeForCausalLM (LongRoPE's factors from the rope_factors_* tensors)
 What a GGUF does not record is what llama.cpp itself assumes for the architecture (e.g.
 Qwen3-MoE's renormalised top-k, Qwen2-MoE's and OLMoE's not renormalised), so the model
 runs as llama.cpp runs the same file.
@@ -34,7 +35,7 @@ ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
          "deepseek2": "DeepseekV2ForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
          "glm4moe": "Glm4MoeForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
-         "gpt-oss": "GptOssForCausalLM"}
+         "gpt-oss": "GptOssForCausalLM", "phimoe": "PhimoeForCausalLM"}
 
 
 class Meta:
@@ -62,8 +63,9 @@ class Meta:
         return v
 
 
-def hf_config(m: Meta, shapes: dict, where: str) -> dict:
-    """A config.json dict (transformers names) for the GGUF's metadata."""
+def hf_config(m: Meta, shapes: dict, where: str, vectors: Optional[dict] = None) -> dict:
+    """A config.json dict (transformers names) for the GGUF's metadata (`vectors`: the
+    file's rope_factors_* tensors as arrays)."""
     arch = m.arch
     if arch not in ARCHS:
         raise ConfigError(f"{where}: GGUF architecture {arch!r} is not supported (supported: "
@@ -163,7 +165,27 @@ def hf_config(m: Meta, shapes: dict, where: str) -> dict:
         # x32), which would win over a rope_scaling key
         rp = hf.pop("rope_scaling", None) or {"rope_type": "default"}
         hf["rope_parameters"] = dict(rp, rope_theta=hf["rope_theta"], truncate=False)
+    elif arch == "phimoe":
+        _phimoe(m, hf, shapes, vectors or {}, E, k)
     return hf
+
+
+def _phimoe(m: Meta, hf: dict, shapes: dict, vectors: dict, E: int, k: int) -> None:
+    # llama.cpp stores LongRoPE's factors as tensors and the two equal mscales as one
+    # attn_factor; the sparse-mixer's jitter epsilon is not in the file: the published 0.01.
+    # The model runs as transformers runs it (LayerNorms with biases from the file, the
+    # sparse-mixer routing), not as llama.cpp's phimoe graph does
+    W = int(m.a("attention.sliding_window") or 0)
+    hf.update(num_local_experts=E, num_experts_per_tok=k, router_jitter_noise=0.01,
+              attention_bias="blk.0.attn_q.bias" in shapes, lm_head_bias="output.bias" in shapes,
+              sliding_window=W or None)
+    if "rope_factors_short.weight" in vectors:
+        ms = float(m.a("rope.scaling.attn_factor") or 1.0)
+        hf["rope_scaling"] = dict(
+            rope_type="longrope", short_mscale=ms, long_mscale=ms,
+            original_max_position_embeddings=int(m.need("rope.scaling.original_context_length")),
+            short_factor=[float(v) for v in vectors["rope_factors_short.weight"]],
+            long_factor=[float(v) for v in vectors.get("rope_factors_long.weight", [])])
 
 
 def _rope_scaling(m: Meta, where: str) -> dict:
@@ -236,7 +258,8 @@ def tensor_names(m: Meta, hf: dict, names: list[str], shapes: dict) -> dict:
     permutation to undo, "kv_b" = MLA's attn_k_b + attn_v_b put back together."""
     out: dict[str, tuple] = {}
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+           "output.weight": "lm_head.weight", "output_norm.bias": "model.norm.bias",
+           "output.bias": "lm_head.bias"}
     L = hf["num_hidden_layers"]
     for g in names:
         if g in top:

@@ -222,7 +222,9 @@ class GGUFSource:
         shapes = {t.name: tuple(int(x) for x in reversed([int(v) for v in t.shape]))
                   for rd in self.readers for t in rd.tensors}
         self.arch = self.meta.arch
-        self.hf = gf.hf_config(self.meta, shapes, str(self.path))
+        vectors = {t.name: np.asarray(t.data, np.float32) for rd in self.readers
+                   for t in rd.tensors if t.name.startswith("rope_factors")}
+        self.hf = gf.hf_config(self.meta, shapes, str(self.path), vectors)
         names = gf.tensor_names(self.meta, self.hf, tensor_names, shapes)
         self.ck = GGUFCheckpoint(self.readers, names, self.arch, self.meta)
         self.add_bos = self.meta.get("tokenizer.ggml.add_bos_token")

@@ -28,7 +28,9 @@ names, permutations and model metadata are llama.cpp's): the tiny models' byte-l
 tokenizer has no known pre-tokenizer hash, so `get_vocab_base_pre` answers "gpt-2"; there
 is no sentencepiece tokenizer.model, so that attempt says FileNotFoundError (llama's
 fallback to the BPE vocab); GLM-4.5's and ERNIE-4.5's set_vocab (which need their own
-special tokens / a sentencepiece model) are the plain GPT-2 BPE one.
+special tokens / a sentencepiece model) are the plain GPT-2 BPE one. Phi-3.5-MoE's model
+folder says `PhiMoEForCausalLM` (the published name, the one llama.cpp registers) and
+`GPT2Tokenizer` (llama.cpp's Phi-3 vocab reads sentencepiece unless told so).
 
 Widths: the "small" cases (hidden 32, 2 layers) carry the float, Q8_0, Q4_0 and Q4_1
 files; the "kq" cases use widths that are multiples of 256 so that every matrix gets the
@@ -137,6 +139,10 @@ CASES = {
     "gpt_oss": ("gpt_oss", SMALL, dict(intermediate_size=32, num_local_experts=4,
                                        num_experts_per_tok=2, head_dim=16, sliding_window=4),
                 {"F32": F_FLOAT["F32"], "MXFP4_MOE": ("quantize", "MXFP4_MOE")}),
+    # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and lm_head biases, LongRoPE (equal
+    # mscales, the value llama.cpp writes as rope.scaling.attn_factor), a window of 8
+    "phimoe": ("phimoe", SMALL, dict(intermediate_size=32, num_local_experts=4, head_dim=16),
+               {"F32": F_FLOAT["F32"], "Q8_0": F_FLOAT["Q8_0"]}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
@@ -188,6 +194,8 @@ def make_model(fam: str, widths: dict, over: dict, seed: int = 0):
                                        tr.LlamaForCausalLM, seed)
     if fam == "gpt_oss":
         return make_gpt_oss(kw, seed)
+    if fam == "phimoe":
+        return make_phimoe(kw, seed)
     if fam in hf_helpers_more.MORE_FAMILIES:
         return hf_helpers_more.make_more_model(fam, seed, **kw)
     return hf_helpers.make_hf_model(fam, seed, **kw)
@@ -208,6 +216,24 @@ def make_gpt_oss(kw: dict, seed: int):
             lyr.mlp.experts.gate_up_proj.mul_(4.0)
             lyr.mlp.router.bias.normal_(0.0, 0.5)
     return model
+
+
+def make_phimoe(kw: dict, seed: int):
+    """A tiny random Phi-3.5-MoE (LongRoPE over 16 -> 64 positions)."""
+    import math
+    hf_helpers, _ = _helpers()
+    torch, tr = hf_helpers._imports()
+    D, orig, longest = kw.pop("head_dim"), 16, 64
+    rng = np.random.default_rng(seed + 7)
+    mscale = math.sqrt(1 + math.log(longest / orig) / math.log(orig))   # what llama.cpp writes
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_mscale": mscale,
+            "long_mscale": mscale, "original_max_position_embeddings": orig,
+            "short_factor": [float(v) for v in 1.0 + rng.random(D // 2) * 3],
+            "long_factor": [float(v) for v in 4.0 + rng.random(D // 2) * 8]}
+    cfg = tr.PhimoeConfig(**dict(kw, max_position_embeddings=longest, attention_bias=True,
+                                 lm_head_bias=True, sliding_window=8, router_jitter_noise=0.01,
+                                 num_experts_per_tok=2, rope_parameters=rope))
+    return hf_helpers.random_model(cfg, tr.PhimoeForCausalLM, seed)
 
 
 def run_convert(src: Path, hf_dir: Path, outtype: str, out: Path, extra=()) -> None:
@@ -248,7 +274,8 @@ def tensor_types(path: Path) -> dict:
 def check_types(path: Path, kind: str) -> None:
     types_ = tensor_types(path)
     mats = {n: t for n, t in types_.items() if not n.endswith((".bias", "_norm.weight", "norm.weight"))
-            and "ffn_gate_inp" not in n and "exp_probs_b" not in n and "shexp_gate" not in n}
+            and "ffn_gate_inp" not in n and "exp_probs_b" not in n and "shexp_gate" not in n
+            and not n.startswith("rope_factors")}
     bad = {n: t for n, t in mats.items() if t not in EXPECTED_TYPES[kind]}
     if bad:
         raise SystemExit(f"{path.name}: unexpected tensor types {bad}")
@@ -303,6 +330,12 @@ def make_case(name: str, src: Path, bindir: Path, lib: LlamaLib, work: Path) -> 
     hf_dir = work / name
     hf_helpers.save(model, hf_dir)
     write_tokenizer(hf_dir)
+    if fam == "phimoe":     # the published name (llama.cpp's); its Phi-3 vocab reads GPT-2 BPE
+        for fname, key, value in (("config.json", "architectures", ["PhiMoEForCausalLM"]),
+                                  ("tokenizer_config.json", "tokenizer_class", "GPT2Tokenizer")):
+            cfg = json.loads((hf_dir / fname).read_text())
+            cfg[key] = value
+            (hf_dir / fname).write_text(json.dumps(cfg, indent=1))
     rec = {}
     for i, ids in enumerate(PROMPTS):
         rec[f"ids_{i}"] = np.array(ids, np.int32)
