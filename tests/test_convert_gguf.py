@@ -22,7 +22,7 @@ from colibri_core.errors import ConfigError  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "gguf"
 FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                "granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe")
+                "granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe", "llama4")
 
 
 def _engine(out):
@@ -164,6 +164,19 @@ def test_phimoe_q8_0_follows_transformers(tmp_path):
     llama = token_error([d[f"Q8_0__{i}"] for i in range(n)], ref)
     print(f"phimoe Q8_0: logit error {ours:.4f}, llama.cpp {llama:.4f}")
     assert ours <= 0.02 and ours < 0.1 * llama
+
+
+def test_llama4_rope_freqs_refused():
+    """A Llama 4 GGUF with llama3 rope scaling keeps only per-frequency factors
+    (rope_freqs.weight): refused in one line naming the tensor, not run without them."""
+    import gguf
+    from colibri_core.convert import gguf_families as gf
+    rd = gguf.GGUFReader(str(DATA / "llama4-F32.gguf"))
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in rd.tensors}
+    gf.hf_config(gf.Meta(dict(rd.fields)), shapes, "x.gguf")
+    with pytest.raises(ConfigError, match=r"x.gguf: GGUF llama4 with rope_freqs.weight") as e:
+        gf.hf_config(gf.Meta(dict(rd.fields)), dict(shapes, **{"rope_freqs.weight": (8,)}), "x.gguf")
+    assert "\n" not in str(e.value)
 
 
 KQ_CASES = [("mixtral_kq", "Q4_K_M"), ("qwen3_moe_kq", "Q4_K_M"), ("mixtral_kq5", "Q5_K_M"),

@@ -10,6 +10,7 @@ Architectures (GGUF `general.architecture` -> transformers class):
   ernie4_5-moe -> Ernie4_5_MoeForCausalLM   gpt-oss -> GptOssForCausalLM (its MXFP4 experts
   kept as they are stored: gguf_reader's raw, gptoss.expert_ffn)
   phimoe -> PhimoeForCausalLM (LongRoPE's factors from the rope_factors_* tensors)
+  llama4 -> Llama4ForCausalLM (the text model)
 What a GGUF does not record is what llama.cpp itself assumes for the architecture (e.g.
 Qwen3-MoE's renormalised top-k, Qwen2-MoE's and OLMoE's not renormalised), so the model
 runs as llama.cpp runs the same file.
@@ -35,7 +36,8 @@ ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
          "deepseek2": "DeepseekV2ForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
          "glm4moe": "Glm4MoeForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
-         "gpt-oss": "GptOssForCausalLM", "phimoe": "PhimoeForCausalLM"}
+         "gpt-oss": "GptOssForCausalLM", "phimoe": "PhimoeForCausalLM",
+         "llama4": "Llama4ForCausalLM"}
 
 
 class Meta:
@@ -167,7 +169,29 @@ def hf_config(m: Meta, shapes: dict, where: str, vectors: Optional[dict] = None)
         hf["rope_parameters"] = dict(rp, rope_theta=hf["rope_theta"], truncate=False)
     elif arch == "phimoe":
         _phimoe(m, hf, shapes, vectors or {}, E, k)
+    elif arch == "llama4":
+        _llama4(m, hf, shapes, E, k, eff, ff, where)
     return hf
+
+
+def _llama4(m: Meta, hf: dict, shapes: dict, E: int, k: int, eff, ff, where: str) -> None:
+    # llama.cpp's llama4 graph fixes what the file does not say (transformers' defaults
+    # too): chunks of 8192, floor_scale 8192, attn_scale 0.1, every fourth layer NoPE and
+    # unchunked, the q/k L2 norm unless 128 experts (Maverick); attention.sliding_window 0
+    # turns chunking and NoPE off (MobileLLM). q/k rows are stored unpermuted
+    if "rope_freqs.weight" in shapes:
+        raise ConfigError(f"{where}: GGUF llama4 with rope_freqs.weight (llama3 rope scaling, "
+                          f"as Llama 4 Scout's) is not supported: the file keeps per-frequency "
+                          f"factors, not the llama3 parameters Colibri runs; convert the "
+                          f"checkpoint folder")
+    hf.update(num_local_experts=E, num_experts_per_tok=k, intermediate_size=int(eff or ff),
+              intermediate_size_mlp=int(ff), use_qk_norm=E != 128,
+              interleave_moe_layer_step=int(m.a("interleave_moe_layer_step") or 1),
+              head_dim=int(m.a("attention.key_length") or hf["hidden_size"] // hf["num_attention_heads"]),
+              attention_bias="blk.0.attn_q.bias" in shapes)
+    sw = m.a("attention.sliding_window")
+    if sw is not None and int(sw) == 0:
+        hf.update(attention_chunk_size=None, no_rope_layers=[1] * hf["num_hidden_layers"])
 
 
 def _phimoe(m: Meta, hf: dict, shapes: dict, vectors: dict, E: int, k: int) -> None:

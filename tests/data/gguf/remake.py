@@ -30,7 +30,8 @@ is no sentencepiece tokenizer.model, so that attempt says FileNotFoundError (lla
 fallback to the BPE vocab); GLM-4.5's and ERNIE-4.5's set_vocab (which need their own
 special tokens / a sentencepiece model) are the plain GPT-2 BPE one. Phi-3.5-MoE's model
 folder says `PhiMoEForCausalLM` (the published name, the one llama.cpp registers) and
-`GPT2Tokenizer` (llama.cpp's Phi-3 vocab reads sentencepiece unless told so).
+`GPT2Tokenizer` (llama.cpp's Phi-3 vocab reads sentencepiece unless told so). Llama 4 is
+converted as `Llama4ForCausalLM` (the text model; llama.cpp's converter registers it).
 
 Widths: the "small" cases (hidden 32, 2 layers) carry the float, Q8_0, Q4_0 and Q4_1
 files; the "kq" cases use widths that are multiples of 256 so that every matrix gets the
@@ -143,6 +144,14 @@ CASES = {
     # mscales, the value llama.cpp writes as rope.scaling.attn_factor), a window of 8
     "phimoe": ("phimoe", SMALL, dict(intermediate_size=32, num_local_experts=4, head_dim=16),
                {"F32": F_FLOAT["F32"], "Q8_0": F_FLOAT["Q8_0"]}),
+    # Llama 4 (text): dense and MoE layers interleaved, the shared expert, the fourth layer
+    # NoPE, q/k norms; chunk 8192, floor_scale 8192 and attn_scale 0.1 are what llama.cpp's
+    # graph fixes (the file does not say)
+    "llama4": ("llama4", dict(SMALL, num_hidden_layers=4), dict(
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=16,
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=False), {"F32": F_FLOAT["F32"], "Q8_0": F_FLOAT["Q8_0"]}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
@@ -196,6 +205,9 @@ def make_model(fam: str, widths: dict, over: dict, seed: int = 0):
         return make_gpt_oss(kw, seed)
     if fam == "phimoe":
         return make_phimoe(kw, seed)
+    if fam == "llama4":
+        _, tr = hf_helpers._imports()
+        return hf_helpers.random_model(tr.Llama4TextConfig(**kw), tr.Llama4ForCausalLM, seed)
     if fam in hf_helpers_more.MORE_FAMILIES:
         return hf_helpers_more.make_more_model(fam, seed, **kw)
     return hf_helpers.make_hf_model(fam, seed, **kw)
