@@ -19,27 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quant import (DEFAULT_GROUP, DEFAULT_Q4_CLIP, NIBBLE_BLOCK, _q4_codes, pack_nibbles,
-                    padded_cols, quantize_act_q8, row_blocks, unpack_nibbles)
+from .quant import (DEFAULT_GROUP, DEFAULT_Q4_CLIP, NIBBLE_BLOCK, AsymTensor, dequantize_asym,
+                    matvec_asym_q8_ref, pack_nibbles, quantize_asym_rows, unpack_nibbles)
 
 Q5_BLOCK_BYTES = 40      # bytes per 64 values: 32 of low nibbles, 8 of fifth bits
 Q5_QMAX = 31
 
 
 @dataclass(frozen=True)
-class Q5Tensor:
-    """A 5-bit matrix in the on-disk layout (arrays may be views into a mapped file)."""
-
-    data: np.ndarray    # uint8 [R, Cp*5/8]  40 bytes per 64 values (above)
-    scales: np.ndarray  # float32 [R, NG]
-    zeros: np.ndarray   # uint8 [R, NG], 0..31
-    rows: int
-    cols: int
-    group: int
-
-    @property
-    def cols_padded(self) -> int:
-        return padded_cols(self.cols, self.group)
+class Q5Tensor(AsymTensor):
+    """A 5-bit matrix: data uint8 [R, Cp*5/8], 40 bytes per 64 values (the layout above);
+    zeros 0..31."""
 
 
 def pack_q5(q: np.ndarray) -> np.ndarray:
@@ -76,26 +66,13 @@ def quantize_q5(w: np.ndarray, group: int = DEFAULT_GROUP, clip: str = DEFAULT_Q
 def quantize_q5_rows(read, rows: int, cols: int, group: int = DEFAULT_GROUP,
                      clip: str = DEFAULT_Q4_CLIP, group_codes=None) -> Q5Tensor:
     """As quant.quantize_rows for q5: `read(r0, r1)` gives rows r0..r1."""
-    ng = padded_cols(cols, group) // group
-    data = np.empty((rows, ng * group * 5 // 8), np.uint8)
-    scales = np.empty((rows, ng), np.float32)
-    zeros = np.empty((rows, ng), np.uint8)
-    for r0, r1 in row_blocks(rows, cols):
-        w = np.asarray(read(r0, r1), dtype=np.float64)
-        if w.shape != (r1 - r0, cols):
-            raise ValueError(f"quantize_q5_rows: rows {r0}..{r1} read as shape {w.shape}, "
-                             f"expected {(r1 - r0, cols)}")
-        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, Q5_QMAX, group_codes)
-        data[r0:r1] = pack_q5(q)
-    return Q5Tensor(data, scales, zeros, rows, cols, group)
+    return quantize_asym_rows(Q5Tensor, 5, pack_q5, read, rows, cols, group, clip,
+                              group_codes, "quantize_q5_rows")
 
 
 def dequantize_q5(t: Q5Tensor) -> np.ndarray:
     """Q5Tensor -> float64 [R, C]."""
-    q = unpack_q5(np.asarray(t.data)).astype(np.float64)
-    z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
-    s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
-    return ((q - z) * s)[:, : t.cols]
+    return dequantize_asym(t, unpack_q5(np.asarray(t.data)))
 
 
 def matvec_q5_ref(t: Q5Tensor, x: np.ndarray) -> np.ndarray:
@@ -107,12 +84,4 @@ def matvec_q5_q8_ref(t: Q5Tensor, x: np.ndarray) -> np.ndarray:
     """Reference of the int8-activation path (the kernels' arithmetic): x quantized per
     group (quant.quantize_act_q8), exact integer dots per group, then
     scale_w * scale_x * (dot - zero * xsum) summed over the groups."""
-    xq, xs, xsum = quantize_act_q8(x, t.group)
-    q = unpack_q5(np.asarray(t.data)).astype(np.int64)
-    ng = t.cols_padded // t.group
-    qg = q.reshape(t.rows, ng, t.group)
-    xg = xq.astype(np.int64).reshape(xq.shape[0], ng, t.group)
-    dots = np.einsum("rgk,ngk->nrg", qg, xg)
-    corr = dots - np.asarray(t.zeros, np.int64)[None] * xsum.astype(np.int64)[:, None, :]
-    y = (corr * np.asarray(t.scales, np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(2)
-    return y if np.ndim(x) == 2 else y[0]
+    return matvec_asym_q8_ref(t, unpack_q5(np.asarray(t.data)), x)

@@ -29,12 +29,14 @@ def check_group(group: int, what: str = "") -> None:
 
 
 @dataclass(frozen=True)
-class Q4Tensor:
-    """An INT4 matrix in the on-disk layout (arrays may be views into a mapped file)."""
+class AsymTensor:
+    """An asymmetric group-quantized matrix (q4, q5, q6) in the on-disk layout (arrays may
+    be views into a mapped file): value = (q - zero) * scale per group, q in 0..qmax; the
+    subclass names the packing of `data`."""
 
-    data: np.ndarray    # uint8 [R, Cp/2]  packed nibbles, FORMAT.md nibble order
+    data: np.ndarray    # uint8 [R, Cp*bits/8]  packed codes (the subclass's layout)
     scales: np.ndarray  # float32 [R, NG]
-    zeros: np.ndarray   # uint8 [R, NG]
+    zeros: np.ndarray   # uint8 [R, NG], 0..qmax
     rows: int
     cols: int
     group: int
@@ -42,6 +44,11 @@ class Q4Tensor:
     @property
     def cols_padded(self) -> int:
         return padded_cols(self.cols, self.group)
+
+
+@dataclass(frozen=True)
+class Q4Tensor(AsymTensor):
+    """An INT4 matrix: data uint8 [R, Cp/2], packed nibbles in FORMAT.md nibble order."""
 
 
 @dataclass(frozen=True)
@@ -54,19 +61,8 @@ class Q8Tensor:
 
 
 @dataclass(frozen=True)
-class Q6Tensor:
-    """A 6-bit matrix in the on-disk layout: q4's asymmetric groups with 64 levels."""
-
-    data: np.ndarray    # uint8 [R, Cp*3/4]  48 bytes per 64 values, FORMAT.md `q6` order
-    scales: np.ndarray  # float32 [R, NG]
-    zeros: np.ndarray   # uint8 [R, NG], 0..63
-    rows: int
-    cols: int
-    group: int
-
-    @property
-    def cols_padded(self) -> int:
-        return padded_cols(self.cols, self.group)
+class Q6Tensor(AsymTensor):
+    """A 6-bit matrix: data uint8 [R, Cp*3/4], 48 bytes per 64 values, FORMAT.md `q6` order."""
 
 
 # ----------------------------------------------------------------------------- nibbles
@@ -150,26 +146,44 @@ def quantize_rows(kind: str, read, rows: int, cols: int, group: int = DEFAULT_GR
     check_group(group)
     if kind not in ("q4", "q6", "q8"):
         raise ValueError(f"quantize_rows: kind {kind!r} is not q4, q6 or q8")
+    if kind != "q8":
+        cls, bits, pack = (Q4Tensor, 4, pack_nibbles) if kind == "q4" else (Q6Tensor, 6, pack_q6)
+        return quantize_asym_rows(cls, bits, pack, read, rows, cols, group, clip, group_codes)
     ng = padded_cols(cols, group) // group
-    width = {"q4": ng * group // 2, "q6": ng * group * 3 // 4, "q8": ng * group}[kind]
-    data = np.empty((rows, width), np.int8 if kind == "q8" else np.uint8)
+    data = np.empty((rows, ng * group), np.int8)
+    scales = np.empty((rows, ng), np.float32)
+    for r0, r1 in row_blocks(rows, cols):
+        data[r0:r1], scales[r0:r1] = _q8_codes(_read_block(read, r0, r1, cols, "quantize_rows"),
+                                               group)
+    return Q8Tensor(data, scales, rows, cols, group)
+
+
+def quantize_asym_rows(cls, bits: int, pack, read, rows: int, cols: int,
+                       group: int = DEFAULT_GROUP, clip: str = DEFAULT_Q4_CLIP,
+                       group_codes=None, who: str = "quantize_rows"):
+    """quantize_rows for an AsymTensor class `cls` of `bits` bits (q4, q5, q6): codes
+    0..2^bits-1 by `clip` (_q4_codes), packed by `pack` ([R, Cp] -> [R, Cp*bits/8])."""
+    check_group(group)
+    ng = padded_cols(cols, group) // group
+    data = np.empty((rows, ng * group * bits // 8), np.uint8)
     scales = np.empty((rows, ng), np.float32)
     zeros = np.empty((rows, ng), np.uint8)
     for r0, r1 in row_blocks(rows, cols):
-        w = np.asarray(read(r0, r1), dtype=np.float64)
-        if w.shape != (r1 - r0, cols):
-            raise ValueError(f"quantize_rows: rows {r0}..{r1} read as shape {w.shape}, "
-                             f"expected {(r1 - r0, cols)}")
-        if kind == "q8":
-            data[r0:r1], scales[r0:r1] = _q8_codes(w, group)
-            continue
-        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, 15 if kind == "q4" else 63,
+        w = _read_block(read, r0, r1, cols, who)
+        q, scales[r0:r1], zeros[r0:r1] = _q4_codes(w, group, clip, (1 << bits) - 1,
                                                    group_codes or q4_group_codes)
-        data[r0:r1] = pack_nibbles(q) if kind == "q4" else pack_q6(q)
+        data[r0:r1] = pack(q)
         del q, w
-    if kind == "q8":
-        return Q8Tensor(data, scales, rows, cols, group)
-    return (Q4Tensor if kind == "q4" else Q6Tensor)(data, scales, zeros, rows, cols, group)
+    return cls(data, scales, zeros, rows, cols, group)
+
+
+def _read_block(read, r0: int, r1: int, cols: int, who: str) -> np.ndarray:
+    """Rows r0..r1 from `read` as float64, refusing a block of the wrong shape."""
+    w = np.asarray(read(r0, r1), dtype=np.float64)
+    if w.shape != (r1 - r0, cols):
+        raise ValueError(f"{who}: rows {r0}..{r1} read as shape {w.shape}, "
+                         f"expected {(r1 - r0, cols)}")
+    return w
 
 
 def fake_quant_q4(w: np.ndarray, group: int = DEFAULT_GROUP,
@@ -298,10 +312,14 @@ def _params_chunk(b: np.ndarray, clip: str, qmax: float = 15.0):
 
 def dequantize_q4(t: Q4Tensor) -> np.ndarray:
     """Q4Tensor -> float64 [R, C]."""
-    q = unpack_nibbles(np.asarray(t.data)).astype(np.float64)
+    return dequantize_asym(t, unpack_nibbles(np.asarray(t.data)))
+
+
+def dequantize_asym(t: AsymTensor, q: np.ndarray) -> np.ndarray:
+    """(q - zero) * scale per group of t's unpacked codes q [R, Cp] -> float64 [R, C]."""
     z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
     s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
-    return ((q - z) * s)[:, : t.cols]
+    return ((q.astype(np.float64) - z) * s)[:, : t.cols]
 
 
 # ----------------------------------------------------------------------------- q6
@@ -348,10 +366,7 @@ def quantize_q6(w: np.ndarray, group: int = DEFAULT_GROUP,
 
 def dequantize_q6(t: Q6Tensor) -> np.ndarray:
     """Q6Tensor -> float64 [R, C]."""
-    q = unpack_q6(np.asarray(t.data)).astype(np.float64)
-    z = np.repeat(np.asarray(t.zeros, dtype=np.float64), t.group, axis=1)
-    s = np.repeat(np.asarray(t.scales, dtype=np.float64), t.group, axis=1)
-    return ((q - z) * s)[:, : t.cols]
+    return dequantize_asym(t, unpack_q6(np.asarray(t.data)))
 
 
 def matvec_q6_ref(t: Q6Tensor, x: np.ndarray) -> np.ndarray:
@@ -362,21 +377,13 @@ def matvec_q6_ref(t: Q6Tensor, x: np.ndarray) -> np.ndarray:
 def matvec_q6_q8_ref(t: Q6Tensor, x: np.ndarray) -> np.ndarray:
     """Reference of the q6 int8-activation path: exact integer dots per group, then
     scale_w * scale_x * (dot - zero * xsum), as matvec_q4_q8_ref."""
-    xq, xs, xsum = quantize_act_q8(x, t.group)
-    q = unpack_q6(np.asarray(t.data)).astype(np.int64)
-    ng = t.cols_padded // t.group
-    qg = q.reshape(t.rows, ng, t.group)
-    xg = xq.astype(np.int64).reshape(xq.shape[0], ng, t.group)
-    dots = np.einsum("rgk,ngk->nrg", qg, xg)
-    corr = dots - np.asarray(t.zeros, np.int64)[None] * xsum.astype(np.int64)[:, None, :]
-    y = (corr * np.asarray(t.scales, np.float64)[None] * xs.astype(np.float64)[:, None, :]).sum(2)
-    return y if np.ndim(x) == 2 else y[0]
+    return matvec_asym_q8_ref(t, unpack_q6(np.asarray(t.data)), x)
 
 
 def bits_per_weight(t) -> float:
     """Stored bits per weight of a quantized matrix (data, scales and zero points over
     rows * cols: padding included), or of a float array."""
-    if isinstance(t, (Q4Tensor, Q6Tensor, Q8Tensor)):
+    if isinstance(t, (AsymTensor, Q8Tensor)):
         n = t.data.nbytes + t.scales.nbytes + (t.zeros.nbytes if hasattr(t, "zeros") else 0)
         return 8.0 * n / (t.rows * t.cols)
     return 8.0 * np.asarray(t).itemsize
@@ -457,10 +464,15 @@ def matvec_q4_ref(t: Q4Tensor, x: np.ndarray) -> np.ndarray:
 
 def matvec_q4_q8_ref(t: Q4Tensor, x: np.ndarray) -> np.ndarray:
     """Reference of the int8-activation path: exact integer dot products per group."""
+    return matvec_asym_q8_ref(t, unpack_nibbles(np.asarray(t.data)), x)
+
+
+def matvec_asym_q8_ref(t: AsymTensor, q: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The int8-activation path (the kernels' arithmetic) of t, unpacked codes q [R, Cp]: exact
+    integer dots per group, then scale_w * scale_x * (dot - zero * xsum) over the groups."""
     xq, xs, xsum = quantize_act_q8(x, t.group)
-    q = unpack_nibbles(np.asarray(t.data)).astype(np.int64)      # [R, Cp]
     ng = t.cols_padded // t.group
-    qg = q.reshape(t.rows, ng, t.group)
+    qg = q.astype(np.int64).reshape(t.rows, ng, t.group)
     xg = xq.astype(np.int64).reshape(xq.shape[0], ng, t.group)
     dots = np.einsum("rgk,ngk->nrg", qg, xg)                      # [N, R, NG]
     corr = dots - np.asarray(t.zeros, np.int64)[None] * xsum.astype(np.int64)[:, None, :]
