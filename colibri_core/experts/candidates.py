@@ -90,6 +90,8 @@ class ShadowTap:
         self.step: dict = {}           # name -> chosen [n] bool, this forward
         self.pass_id = -1              # the pass whose rows `step` holds (rows=)
         self.hits: dict = {}           # id(cache) -> (weakref to it, set of names)
+        self.keep_layers: frozenset = frozenset()   # the layers whose input rows are kept
+        self.rows: dict = {}           # id(cache) -> (weakref, {layer: {start pos: rows}})
 
     def __call__(self, layer, xn, logits, kt, es, rows=None) -> None:
         """rows=(t0, n, pass): these are rows t0.. of forward pass `pass` of n tokens (a
@@ -130,6 +132,35 @@ class ShadowTap:
                         got = hits[id(cache)] = (weakref.ref(cache), set())
                     got[1].add(name)
         self.step = {}
+
+    def want(self, cache) -> None:
+        """A scored job's cache (at admission): keep its rows' input of the candidates'
+        first layers, so that its shadow pass starts there (server/candidates.py)."""
+        if len(self.rows) > 256:                   # caches of jobs that never finished
+            for key in [k for k, (r, _) in self.rows.items() if r() is None]:
+                del self.rows[key]
+        self.rows[id(cache)] = (weakref.ref(cache), {})
+
+    def keep(self, layer: int, x, spans) -> None:
+        """Before `layer` runs (forward/pipeline.py): the wanted caches' rows of x, by
+        their first position (a pass retried alone overwrites its own)."""
+        for t0, t1, cache in spans:
+            got = self.rows.get(id(cache))
+            if got is not None and got[0]() is cache:
+                got[1].setdefault(layer, {})[cache.length] = x[t0:t1].copy()
+
+    def take_rows(self, cache, n: int) -> dict:
+        """{layer: [n, H] rows} of a finished job's n positions (the layers kept whole)."""
+        got = self.rows.pop(id(cache), None)
+        if got is None or got[0]() is not cache:
+            return {}
+        out = {}
+        for layer, parts in got[1].items():
+            rows = [parts[p] for p in sorted(parts)]
+            if sum(map(len, rows)) == n and all(p == sum(map(len, rows[:i])) for i, p in
+                                                 enumerate(sorted(parts))):
+                out[layer] = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        return out
 
     def take(self, cache) -> tuple:
         got = self.hits.pop(id(cache), None)
@@ -205,7 +236,7 @@ class Candidates:
             tap.live = live
             tap.watch = [(e.name, min(e.hot.layers), np.asarray(e.hot.router_row, np.float32),
                           float(e.hot.router_bias), e.hot.slot) for e in active]
-            tap.layers = frozenset(w[1] for w in tap.watch)
+            tap.layers = tap.keep_layers = frozenset(w[1] for w in tap.watch)
             model.moe_tap = tap if tap.watch else None
 
     def _free_slot(self, name: str) -> None:

@@ -204,6 +204,31 @@ class Model:
             self.moe_tap.done(spans)
         return out
 
+    def forward_from(self, layer: int, xs: Sequence[np.ndarray], caches, ks, es) -> list:
+        """Layers layer.. only, of new sequences from their residual-stream input at that
+        layer (xs[i] [n_i, H], kept by a live pass: experts/candidates.py's tap): all their
+        logits, the bits the whole pass under `es` gives where the layers before `layer`
+        compute the same under both sets (a candidate's shadow pass). Their caches hold
+        K/V of layers layer.. only."""
+        spans, t = [], 0
+        for x, cache in zip(xs, caches):
+            if cache.length + len(x) > cache.capacity:
+                raise RequestError(f"sequence needs {cache.length + len(x)} positions, its "
+                                   f"cache holds {cache.capacity}")
+            spans.append((t, t + len(x), cache))
+            t += len(x)
+        for k in ks:
+            self._check_k(k)
+        kt = np.repeat(np.asarray(ks, np.int32), [len(x) for x in xs])
+        self.file_check.check()
+        out = self.pipeline.run(np.zeros(t, np.int64), spans, kt, es, True, start=layer,
+                                x_in=np.concatenate(xs).astype(np.float32, copy=False))
+        self.residency.step_done()
+        self.file_check.check()
+        if self.route_sink is not None:
+            self.route_sink(spans)
+        return out
+
     def decode_step(self, token: int, cache, k: int, expert_set: Optional[ExpertSet] = None) -> np.ndarray:
         """Logits [V] of one new token of one sequence: a buffer the next step overwrites
         (copy it to keep it)."""

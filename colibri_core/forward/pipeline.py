@@ -97,6 +97,7 @@ class Pipeline(MoELayer):
         self._runs: Optional[list] = None
         self._mix: Optional[MixedTables] = None
         self.passes = 0                             # run() calls: forward passes done
+        self.layers_run = 0                         # layers those passes ran
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
         self.last_n = 0                             # tokens of the last step
@@ -268,14 +269,15 @@ class Pipeline(MoELayer):
         return got
 
     def run(self, ids: np.ndarray, spans: list, kt: np.ndarray, es, all_logits=False,
-            reuse: bool = False) -> list:
+            reuse: bool = False, start: int = 0, x_in: np.ndarray | None = None) -> list:
         """ids [n] token ids; spans [(t0, t1, cache)] each sequence's tokens; kt [n] the
         k of each token (or one int for all); es the expert set, or one per span (the
         sets mixable(): one union per MoE layer, mixedsets.py). Returns per sequence the logits of its last
         token [V], or of all its tokens [n_i, V] where all_logits says so (one bool for
         every sequence, or one per sequence); the caches' lengths advance. reuse: the
         logits are views of a buffer the next step overwrites (the decode loop copies
-        nothing)."""
+        nothing). start/x_in: run layers start.. only, from x_in [n, H] (that layer's
+        residual-stream input; ids unused): a shadow pass from the candidate's layer."""
         model, sc = self.model, self.scratch
         n = len(ids)
         kmax = kt if isinstance(kt, int) else (int(kt.max()) if n else 1)
@@ -293,11 +295,14 @@ class Pipeline(MoELayer):
         s = sc.s
         x = sc.prefix("x", n)
         res = model.residency
-        if res.active:                              # the embedding's rows, under a budget
-            res.embed_touch(ids)
-        self._embed(ids, x)
-        if self.cfg.embedding_multiplier != 1.0:    # Granite
-            x *= np.float32(self.cfg.embedding_multiplier)
+        if x_in is not None:
+            np.copyto(x, x_in)
+        else:
+            if res.active:                          # the embedding's rows, under a budget
+                res.embed_touch(ids)
+            self._embed(ids, x)
+            if self.cfg.embedding_multiplier != 1.0:    # Granite
+                x *= np.float32(self.cfg.embedding_multiplier)
         tok = sc.tok
         for t0, t1, cache in spans:
             if t1 - t0 == 1:                        # a decode token: no views, no arrays
@@ -316,8 +321,15 @@ class Pipeline(MoELayer):
         hooks = model.hooks
         if res.active:
             res.begin_forward(n, [c for _, _, c in spans])
+        tap = model.moe_tap
+        keep = tap.keep_layers if tap is not None and x_in is None else ()
         for i, L in enumerate(self.layers):
             lw = L.lw
+            if lw.index < start:
+                continue
+            self.layers_run += 1
+            if lw.index in keep:                    # the shadow's from-layer input rows
+                tap.keep(lw.index, x, spans)
             if hooks is not None and hooks.before_layer is not None:
                 hooks.before_layer(layer=lw.index, hidden=x)
             if L.attn is not None:

@@ -41,6 +41,7 @@ class ScoreJob(Job):
         self.routes: list = []
         self.tap = tap            # the shadow's routing tap (candidates.py), or None
         self.shadow: tuple = ()   # the shadow candidates its routing chose (their names)
+        self.hidden: dict = {}    # {layer: its rows' input there} (the tap's, for a shadow)
 
     @property
     def es(self):
@@ -50,6 +51,8 @@ class ScoreJob(Job):
     def es(self, value) -> None:        # the scheduler's pin at admission: first one wins
         if self._box[0] is None:
             self._box[0] = value
+        if getattr(self, "tap", None) is not None and self.cache is not None and self.fed == 0:
+            self.tap.want(self.cache)    # admitted: its cache is allocated
 
     def after_step(self, logits, es, final: bool) -> None:
         if self.sink is not None:
@@ -59,6 +62,8 @@ class ScoreJob(Job):
         if final:
             if self.tap is not None:
                 self.shadow = self.tap.take(self.cache)
+                rows = self.tap.take_rows(self.cache, len(self.tokens))   # freed either way
+                self.hidden = rows if self.shadow else {}
             self.result = logits if not self.all_logits else (
                 self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts, axis=0))
             self.parts = []
@@ -69,12 +74,14 @@ class ScoreJob(Job):
 class Scored:
     """One scored sequence: its logits ([V], or [n, V] with all_positions), the expert
     set that computed it ({generation, id}), its k and its token ids; `shadow`: the
-    candidates in shadow whose slot its routing chose under the live set (candidates.py)."""
+    candidates in shadow whose slot its routing chose under the live set (candidates.py);
+    `hidden` ({layer: rows}) where it did: its input of their first layers."""
     logits: np.ndarray
     expert_set: dict
     k: int
     tokens: list
     shadow: tuple = ()
+    hidden: Optional[dict] = None
 
 
 class _Closer:
@@ -136,7 +143,8 @@ def score(eng, sequences: Sequence[Sequence[int]], experts_per_token: Optional[i
         req.cancel()                 # interrupted while waiting: not wanted any more
     if any(j.result is None for j in req.jobs):
         raise RequestCancelled(f"score_batch {rid} was cancelled before it finished")
-    out = [Scored(j.result, set_name(j.es), k, p, j.shadow) for j, p in zip(req.jobs, prepared)]
+    out = [Scored(j.result, set_name(j.es), k, p, j.shadow, j.hidden)
+           for j, p in zip(req.jobs, prepared)]
     if audit is not None:
         when = now_iso()                 # the call's answer time, one for its items
         # rendered here, not on the writer: a thread of its own took as much CPU and more

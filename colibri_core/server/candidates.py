@@ -2,13 +2,14 @@
 scored items, the routes that upload, configure, promote, drop and demote candidates and
 take labelled feedback, and their rows in `/v1/experts` and `/metrics`.
 
-The shadow pass is the simplest correct one: after a `/v1/score` call answered, the
-items whose routing chose a shadowed candidate's slot (Scored.shadow) are scored again,
-whole, under the candidate's set, by one thread of this module, queued (at most
-SHADOW_QUEUE calls wait; more are counted as `skipped`), as their own engine request
-(`REQUEST_ID#shadow:NAME`), sharing the scheduler's steps with live traffic. Their
-outputs go to the candidate's gate (gates.py) and never into an answer. (Recomputing
-from the candidate's layer on only, from the live pass's hidden state, is not done.)
+The shadow pass: after a `/v1/score` call answered, the items whose routing chose a
+shadowed candidate's slot (Scored.shadow) are scored again under the candidate's set, by
+one thread of this module, queued (at most SHADOW_QUEUE calls wait; more are counted as
+`skipped`): from the candidate's first layer on only, from the input rows of that layer
+the live pass kept (Scored.hidden; Model.forward_from, run between two of the
+scheduler's steps, `REQUEST_ID#shadow:NAME` in the audit log), or whole, as their own
+engine request, where rows are missing (the live set changed the layers before it).
+Their outputs go to the candidate's gate (gates.py) and never into an answer.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse
 from ..experts.candidates import CandidateError
 from ..files import write_atomic
 from ..model.ops import log_softmax
+from ..runtime.audit import now_iso, score_lines
 from .errors import ApiError, bad_request
 from .limits import LIMITS, check_upload, read_body, read_json
 
@@ -50,6 +52,7 @@ class ShadowRunner:
     def __init__(self, engine):
         self.engine = engine
         self.q: queue.Queue = queue.Queue(SHADOW_QUEUE)
+        self.passes = {"from_layer": 0, "whole": 0}   # shadow calls each way (tests)
         self.thread = threading.Thread(target=self._run, name="colibri-shadow", daemon=True)
         self.thread.start()
 
@@ -65,12 +68,17 @@ class ShadowRunner:
             job = self.q.get()
             if job is None:
                 return
-            cand, es, items, seqs, live, rid, experts = job
+            cand, es, items, part, live, rid, experts = job
+            seqs = [s for s, _ in part]
             try:
-                scored = self.engine.score([s for _, _, s in seqs], experts_per_token=experts,
-                                           all_positions=True, request_id=f"{rid}#shadow:"
-                                           f"{cand.name}", expert_set=es)
-                got = item_scores(items, seqs, [x.logits for x in scored])
+                outs = self.from_layer(cand, es, part, f"{rid}#shadow:{cand.name}")
+                if outs is None:
+                    scored = self.engine.score([s for _, _, s in seqs], experts_per_token=experts,
+                                               all_positions=True, request_id=f"{rid}#shadow:"
+                                               f"{cand.name}", expert_set=es)
+                    outs = [x.logits for x in scored]
+                    self.passes["whole"] += 1
+                got = item_scores(items, seqs, outs)
                 for ii, cand_scores in got.items():
                     cand.gate.record_shadow((rid, ii), live[ii], cand_scores)
             except Exception as exc:  # noqa: BLE001 - a shadow never fails a request
@@ -79,6 +87,54 @@ class ShadowRunner:
                 cand.gate.count("skipped", len({s[0] for s in seqs}))
             finally:
                 cand.gate.count("pending", -1)
+
+
+    def from_layer(self, cand, es, part, rid: str):
+        """The logits of `part`'s sequences from the candidate's first layer on, from the
+        live pass's input rows there, in passes of at most max_batch_tokens run between two
+        scheduler steps; None where a sequence's rows are missing."""
+        layer = min(cand.hot.layers)
+        xs = [(x.hidden or {}).get(layer) for _, x in part]
+        if any(h is None or len(h) != len(x.tokens) for h, (_, x) in zip(xs, part)):
+            return None
+        eng, cap = self.engine, max(1, self.engine.config.max_batch_tokens)
+        groups, cur, n = [], [], 0
+        for i, h in enumerate(xs):
+            if cur and n + len(h) > cap:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(i)
+            n += len(h)
+        groups.append(cur)
+        outs: list = []
+        for g in groups:
+            got = eng.scheduler.call(lambda g=g: self._pass(layer, [xs[i] for i in g],
+                                                            [part[i][1] for i in g], es, rid))
+            if got is None:
+                raise RuntimeError("the engine closed")
+            outs += got
+        self.passes["from_layer"] += 1
+        return outs
+
+    def _pass(self, layer, xs, scored, es, rid) -> list:
+        """On the scheduler's thread: one Model.forward_from in caches of the KV pool
+        (unpooled ones when it has no room), its audit lines."""
+        eng = self.engine
+        kv, model = eng.kv_pool, eng.model
+        pooled = kv.free_tokens >= sum(map(len, xs)) + len(xs)
+        caches = [kv.alloc(len(h)) if pooled else model.new_cache(len(h)) for h in xs]
+        try:
+            outs = model.forward_from(layer, xs, caches, [x.k for x in scored], es)
+            sink = model.route_sink if eng.audit is not None else None
+            if sink is not None:
+                eng.audit.put_many(score_lines(rid, [(x.tokens, es, o, sink.take(c)) for x, o, c
+                                                     in zip(scored, outs, caches)],
+                                               scored[0].k, True, now_iso()))
+            return outs
+        finally:
+            if pooled:
+                for c in caches:
+                    kv.free(c)
 
 
 def runner(engine) -> ShadowRunner:
@@ -114,7 +170,7 @@ def after_score(engine, items, seqs, scored, request_id: str, experts) -> None:
         if not shadow or c.es is None:
             continue
         want = set(shadow)
-        part = [s for s in seqs if s[0] in want]
+        part = [(s, x) for s, x in zip(seqs, scored) if s[0] in want]
         c.gate.count("pending")
         if not runner(engine).put((c, c.es, items, part, live, request_id, experts)):
             c.gate.count("pending", -1)
