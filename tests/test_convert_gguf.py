@@ -8,6 +8,7 @@ by Colibri: a wrong name map, a missed q/k permutation or a wrong config field c
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def _convert(name: str, tmp_path, **kw):
     return out, cfg, report
 
 
-@pytest.mark.parametrize("case", FAMILY_CASES + ("phimoe",))
+@pytest.mark.parametrize("case", FAMILY_CASES + ("phimoe", "llama4_rope"))
 def test_f32_gguf_matches_transformers(case, tmp_path):
     """An F32 GGUF converts to f32 sections and runs within 1e-4 (max relative logit error)
     of transformers on the model llama.cpp's converter read."""
@@ -166,17 +167,40 @@ def test_phimoe_q8_0_follows_transformers(tmp_path):
     assert ours <= 0.02 and ours < 0.1 * llama
 
 
-def test_llama4_rope_freqs_refused():
-    """A Llama 4 GGUF with llama3 rope scaling keeps only per-frequency factors
-    (rope_freqs.weight): refused in one line naming the tensor, not run without them."""
+def test_llama4_rope_freqs_recovered():
+    """llama.cpp keeps llama3 rope scaling only as per-frequency factors (rope_freqs.weight);
+    the parameters come back from them: those remake.py's llama4_rope model was made with."""
     import gguf
     from colibri_core.convert import gguf_families as gf
-    rd = gguf.GGUFReader(str(DATA / "llama4-F32.gguf"))
-    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in rd.tensors}
-    gf.hf_config(gf.Meta(dict(rd.fields)), shapes, "x.gguf")
-    with pytest.raises(ConfigError, match=r"x.gguf: GGUF llama4 with rope_freqs.weight") as e:
-        gf.hf_config(gf.Meta(dict(rd.fields)), dict(shapes, **{"rope_freqs.weight": (8,)}), "x.gguf")
-    assert "\n" not in str(e.value)
+    rd = gguf.GGUFReader(str(DATA / "llama4_rope-F32.gguf"))
+    f = np.asarray(next(t for t in rd.tensors if t.name == "rope_freqs.weight").data, np.float64)
+    assert 1.0 < f.max() and ((f > 1) & (f < f.max())).sum() == 2     # two in the blend band
+    rs = gf.llama3_from_factors(f, 10000.0, None, "x.gguf")
+    assert rs == dict(rope_type="llama3", factor=16.0, original_max_position_embeddings=4096,
+                      low_freq_factor=1.0, high_freq_factor=8.0)
+    # Scout's kind: low = high = 1, no blend band (1 below the context's wavelength, 16 above)
+    wl = 2 * np.pi * 500000.0 ** (np.arange(0, 128, 2) / 128)
+    scout = gf.llama3_from_factors(np.where(wl > 8192, 16.0, 1.0), 500000.0, None, "x.gguf")
+    assert scout == dict(rope_type="llama3", factor=16.0, original_max_position_embeddings=8192,
+                         low_freq_factor=1.0, high_freq_factor=1.0)
+
+
+def test_llama4_rope_freqs_that_fit_no_llama3_refused(tmp_path):
+    """Factors no llama3 parameters give back are refused in one line naming the tensor,
+    and nothing is written: a third blend-band factor off the line the other two give (a
+    fit alone finds parameters for it; the recomputed factors do not match)."""
+    import gguf
+    src = tmp_path / "bad.gguf"
+    shutil.copy(DATA / "llama4_rope-F32.gguf", src)
+    rd = gguf.GGUFReader(str(src), "r+")
+    t = next(t for t in rd.tensors if t.name == "rope_freqs.weight")
+    t.data[6] = 12.0                                   # 16 in the file
+    rd.data.flush()
+    del rd, t
+    with pytest.raises(ConfigError, match=r"bad.gguf: GGUF rope_freqs.weight \(8 factors, "
+                                          r"largest 16\) fits no llama3 rope parameters") as e:
+        convert(src, tmp_path / "out", bits=None)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
 KQ_CASES = [("mixtral_kq", "Q4_K_M"), ("qwen3_moe_kq", "Q4_K_M"), ("mixtral_kq5", "Q5_K_M"),

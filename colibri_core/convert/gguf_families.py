@@ -10,7 +10,8 @@ Architectures (GGUF `general.architecture` -> transformers class):
   ernie4_5-moe -> Ernie4_5_MoeForCausalLM   gpt-oss -> GptOssForCausalLM (its MXFP4 experts
   kept as they are stored: gguf_reader's raw, gptoss.expert_ffn)
   phimoe -> PhimoeForCausalLM (LongRoPE's factors from the rope_factors_* tensors)
-  llama4 -> Llama4ForCausalLM (the text model)
+  llama4 -> Llama4ForCausalLM (the text model; llama3 rope scaling recovered from the
+  rope_freqs factors: llama3_from_factors)
 What a GGUF does not record is what llama.cpp itself assumes for the architecture (e.g.
 Qwen3-MoE's renormalised top-k, Qwen2-MoE's and OLMoE's not renormalised), so the model
 runs as llama.cpp runs the same file.
@@ -170,28 +171,82 @@ def hf_config(m: Meta, shapes: dict, where: str, vectors: Optional[dict] = None)
     elif arch == "phimoe":
         _phimoe(m, hf, shapes, vectors or {}, E, k)
     elif arch == "llama4":
-        _llama4(m, hf, shapes, E, k, eff, ff, where)
+        _llama4(m, hf, shapes, vectors or {}, E, k, eff, ff, where)
     return hf
 
 
-def _llama4(m: Meta, hf: dict, shapes: dict, E: int, k: int, eff, ff, where: str) -> None:
+def _llama4(m: Meta, hf: dict, shapes: dict, vectors: dict, E: int, k: int, eff, ff,
+            where: str) -> None:
     # llama.cpp's llama4 graph fixes what the file does not say (transformers' defaults
     # too): chunks of 8192, floor_scale 8192, attn_scale 0.1, every fourth layer NoPE and
     # unchunked, the q/k L2 norm unless 128 experts (Maverick); attention.sliding_window 0
     # turns chunking and NoPE off (MobileLLM). q/k rows are stored unpermuted
-    if "rope_freqs.weight" in shapes:
-        raise ConfigError(f"{where}: GGUF llama4 with rope_freqs.weight (llama3 rope scaling, "
-                          f"as Llama 4 Scout's) is not supported: the file keeps per-frequency "
-                          f"factors, not the llama3 parameters Colibri runs; convert the "
-                          f"checkpoint folder")
+    hd = int(m.a("attention.key_length") or hf["hidden_size"] // hf["num_attention_heads"])
+    if "rope_freqs.weight" in shapes:                   # llama3 scaling (Llama 4 Scout)
+        f = np.asarray(vectors.get("rope_freqs.weight", []), np.float64).ravel()
+        if 2 * f.size != hd:
+            raise ConfigError(f"{where}: GGUF rope_freqs.weight has {f.size} factors, expected "
+                              f"{hd // 2} (head_dim / 2)")
+        rs = llama3_from_factors(f, hf["rope_theta"], m.a("rope.scaling.original_context_length"),
+                                 where)
+        if rs is not None:
+            hf["rope_scaling"] = rs
     hf.update(num_local_experts=E, num_experts_per_tok=k, intermediate_size=int(eff or ff),
               intermediate_size_mlp=int(ff), use_qk_norm=E != 128,
               interleave_moe_layer_step=int(m.a("interleave_moe_layer_step") or 1),
-              head_dim=int(m.a("attention.key_length") or hf["hidden_size"] // hf["num_attention_heads"]),
+              head_dim=hd,
               attention_bias="blk.0.attn_q.bias" in shapes)
     sw = m.a("attention.sliding_window")
     if sw is not None and int(sw) == 0:
         hf.update(attention_chunk_size=None, no_rope_layers=[1] * hf["num_hidden_layers"])
+
+
+def llama3_from_factors(f: np.ndarray, theta: float, ctx_meta, where: str) -> Optional[dict]:
+    """The llama3 rope parameters whose per-frequency factors (llama.cpp's rope_freqs: 1 for
+    short wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) in the blend band,
+    s linear in 1 / wavelength) are `f`; only the band's edges (context / low_freq_factor,
+    context / high_freq_factor) are in the factors, so the context is the file's
+    original_context_length, else low_freq_factor 1. Verified: Colibri's own llama3 code must
+    give back `f` to float32 rounding, else one line refuses the file."""
+    from ..model.ops import _llama3_inv_freq
+    from ..modelconfig import RopeScaling
+    F = float(f.max())
+    if F == 1.0 and f.min() == 1.0:
+        return None                                        # no scaling at all
+    dim = 2 * f.size
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wl = 2 * np.pi / inv
+    tol = 1e-6
+    band = (f > 1 + tol) & (f < F * (1 - tol))
+    long_ = ~band & (f >= F * (1 - tol))
+    try:
+        if band.sum() >= 2:                                # s = a / wavelength + b
+            s = (1 / f[band] - 1 / F) / (1 - 1 / F)
+            a, b = np.polyfit(1 / wl[band], s, 1)
+            lo_wl, hi_wl = -a / b, 1 / (1 / (-a / b) + 1 / a)
+        else:                                              # an edge between two neighbours:
+            below, above = wl[~long_].max(), wl[long_].min()   # a power of two if one fits
+            p2 = 2.0 ** np.floor(np.log2(above))
+            lo_wl = p2 if below < p2 < above else float(np.sqrt(below * above))
+            hi_wl = lo_wl
+            if band.any():                                 # one band point fixes the other
+                s = (1 / f[band][0] - 1 / F) / (1 - 1 / F)
+                hi_wl = 1 / (1 / lo_wl + (1 / wl[band][0] - 1 / lo_wl) / s)
+        ctx = int(ctx_meta) if ctx_meta else int(round(lo_wl))
+        ulp = np.spacing(f.astype(np.float32))
+        for digits in (4, None):                           # the published round values first
+            rs = dict(rope_type="llama3", factor=F, original_max_position_embeddings=ctx,
+                      low_freq_factor=float(round(ctx / lo_wl, digits) if digits else ctx / lo_wl),
+                      high_freq_factor=float(round(ctx / hi_wl, digits) if digits else ctx / hi_wl))
+            back = inv / _llama3_inv_freq(inv, RopeScaling(type="llama3", **{
+                k: v for k, v in rs.items() if k != "rope_type"}))
+            if np.all(np.abs(back.astype(np.float32) - f) <= 8 * ulp):
+                return rs
+    except (ValueError, ZeroDivisionError, FloatingPointError):
+        pass
+    raise ConfigError(f"{where}: GGUF rope_freqs.weight ({f.size} factors, largest {F:g}) fits "
+                      f"no llama3 rope parameters (expected 1 for short wavelengths, the "
+                      f"largest for long ones, llama3's blend between)")
 
 
 def _phimoe(m: Meta, hf: dict, shapes: dict, vectors: dict, E: int, k: int) -> None:

@@ -223,7 +223,7 @@ class GGUFSource:
                   for rd in self.readers for t in rd.tensors}
         self.arch = self.meta.arch
         vectors = {t.name: np.asarray(t.data, np.float32) for rd in self.readers
-                   for t in rd.tensors if t.name.startswith("rope_factors")}
+                   for t in rd.tensors if t.name.startswith(("rope_factors", "rope_freqs"))}
         self.hf = gf.hf_config(self.meta, shapes, str(self.path), vectors)
         names = gf.tensor_names(self.meta, self.hf, tensor_names, shapes)
         self.ck = GGUFCheckpoint(self.readers, names, self.arch, self.meta)

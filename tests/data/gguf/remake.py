@@ -152,6 +152,16 @@ CASES = {
         num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=16,
         attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, max_position_embeddings=64,
         rms_norm_eps=1e-6, tie_word_embeddings=False), {"F32": F_FLOAT["F32"], "Q8_0": F_FLOAT["Q8_0"]}),
+    # Llama 4 with llama3 rope scaling (Scout's kind): llama.cpp writes only rope_freqs.weight;
+    # theta 10000 over head_dim 16 puts two of the 8 frequencies in the blend band. F32 only
+    # (the file's size; fewer than 4 layers abort in libllama)
+    "llama4_rope": ("llama4", dict(SMALL, num_hidden_layers=4), dict(
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=16, rope_theta=10000.0,
+        rope_scaling=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0,
+                          high_freq_factor=8.0, original_max_position_embeddings=4096),
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=False), {"F32": F_FLOAT["F32"]}),
     # a dense Llama (architecture llama without experts): refused
     "llama_dense": ("llama", SMALL, dict(intermediate_size=64), {"Q8_0": ("convert", "q8_0")}),
     **{f"{fam}_kq": (fam, KQ, KQ_FAMILY[fam],
@@ -287,7 +297,7 @@ def check_types(path: Path, kind: str) -> None:
     types_ = tensor_types(path)
     mats = {n: t for n, t in types_.items() if not n.endswith((".bias", "_norm.weight", "norm.weight"))
             and "ffn_gate_inp" not in n and "exp_probs_b" not in n and "shexp_gate" not in n
-            and not n.startswith("rope_factors")}
+            and not n.startswith(("rope_factors", "rope_freqs"))}
     bad = {n: t for n, t in mats.items() if t not in EXPECTED_TYPES[kind]}
     if bad:
         raise SystemExit(f"{path.name}: unexpected tensor types {bad}")
