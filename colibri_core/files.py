@@ -25,6 +25,7 @@ one, never a part.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
@@ -96,6 +97,20 @@ def read_text(path: PathLike, error: ErrorType = ModelFormatError) -> str:
     except UnicodeDecodeError as e:
         raise error(f"{path}: cannot read it as UTF-8 text (invalid byte at offset "
                     f"{e.start})") from None
+
+
+def read_json_lines(path: PathLike, bad_line: Callable[[int], Exception]) -> list:
+    """The JSON values of a JSON-lines file, blank lines skipped; a line that is not JSON
+    raises bad_line(its number, from 1). Opening errors (OSError) are the caller's."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    raise bad_line(n) from None
+    return rows
 
 
 @contextlib.contextmanager

@@ -2,31 +2,24 @@
 docs/SERVE.md "Training a candidate"), followed until it is built or has failed."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 
+from ..files import read_json_lines
 from .args import int_at_least
 from .candidates import _answer, _call, server_options
 
 
 def read_examples(path: str) -> list:
     """The examples of a local JSON-lines file (the server checks each one's fields)."""
-    rows = []
+    def bad_line(n):
+        return SystemExit(f"colibri: --examples {path} line {n}: not JSON; expected one "
+                          f"example {{\"prompt\": [token ids], \"target\": token id, "
+                          f"\"route\": true|false}} per line")
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        raise SystemExit(f"colibri: --examples {path} line {n}: not JSON; "
-                                         f"expected one example {{\"prompt\": [token ids], "
-                                         f"\"target\": token id, \"route\": true|false}} "
-                                         f"per line") from None
+        return read_json_lines(path, bad_line)
     except OSError as e:
         raise SystemExit(f"colibri: --examples {path}: {e.strerror}") from None
-    return rows
 
 
 def new_lines(seen: list, log: list) -> list:

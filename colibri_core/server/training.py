@@ -30,7 +30,7 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from ..files import write_atomic
+from ..files import read_json_lines, write_atomic
 from .errors import ApiError, bad_request
 from .limits import EXPERT_NAME_RE, LIMITS, read_json
 
@@ -214,16 +214,9 @@ def read_examples_file(trainer: Trainer, path) -> list:
             not os.path.isfile(real):
         raise bad_request(f"path={path!r:.80}: expected a regular file under the server's "
                           f"--train-data-dir", param="path")
-    rows = []
-    with open(real, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    raise bad_request(f"path {path!r:.80} line {n}: not JSON; expected one "
-                                      f"example {EXAMPLE} per line", param="path") from None
-    return rows
+    return read_json_lines(real, lambda n: bad_request(
+        f"path {path!r:.80} line {n}: not JSON; expected one example {EXAMPLE} per line",
+        param="path"))
 
 
 def _int(body, key, lo, hi, default):
