@@ -1,6 +1,7 @@
 """A live `colibri serve` in a subprocess, on 127.0.0.1 and a free port, for the tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -110,3 +111,24 @@ async def stream_completion(url: str, prompt, n: int):
                         text.append(ch["text"])
                         gens.append(gen)
             return text, gens
+
+
+@contextlib.contextmanager
+def training_server(tmp: Path, config, key: str):
+    """A live server that may train experts (--allow-expert-training, a one-hash allow-list,
+    --train-data-dir tmp/data, experts in tmp/experts with shadow/) on `config`, API key
+    `key`: yields {"url", "experts", "data", "tmp"}."""
+    experts = tmp / "experts"
+    experts.mkdir(mode=0o700)
+    (experts / "shadow").mkdir(mode=0o700)
+    data = tmp / "data"
+    data.mkdir()
+    allow = tmp / "allow.txt"
+    allow.write_text("0" * 64 + "\n")
+    srv = LiveServer("--config", str(config), "--allow-expert-training", "--expert-allowlist",
+                     str(allow), "--train-data-dir", str(data), experts_dir=experts,
+                     env={"COLIBRI_API_KEY": key})
+    try:
+        yield {"url": srv.url, "experts": experts, "data": data, "tmp": tmp}
+    finally:
+        srv.stop()

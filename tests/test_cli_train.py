@@ -12,27 +12,14 @@ import sys
 import httpx
 import pytest
 
-from server_helpers import LiveServer, wait_until
+from server_helpers import training_server, wait_until
 from test_server_training import AUTH, CONFIG, KEY, examples
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cli_train")
-    experts = tmp / "experts"
-    experts.mkdir(mode=0o700)
-    (experts / "shadow").mkdir(mode=0o700)
-    data = tmp / "data"
-    data.mkdir()
-    allow = tmp / "allow.txt"
-    allow.write_text("0" * 64 + "\n")
-    srv = LiveServer("--config", str(CONFIG), "--allow-expert-training", "--expert-allowlist",
-                     str(allow), "--train-data-dir", str(data), experts_dir=experts,
-                     env={"COLIBRI_API_KEY": KEY})
-    try:
-        yield {"url": srv.url, "experts": experts, "data": data, "tmp": tmp}
-    finally:
-        srv.stop()
+    with training_server(tmp_path_factory.mktemp("cli_train"), CONFIG, KEY) as w:
+        yield w
 
 
 def colibri(*args, key=KEY, timeout=300):

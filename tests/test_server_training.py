@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_helpers import LiveServer, wait_until
+from server_helpers import LiveServer, training_server, wait_until
 
 FRAUD_DIR = Path(__file__).resolve().parent.parent / "examples" / "fraud"
 sys.path.insert(0, str(FRAUD_DIR))
@@ -38,21 +38,8 @@ def examples(n: int, seed: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
-    experts = tmp / "experts"
-    experts.mkdir(mode=0o700)
-    (experts / "shadow").mkdir(mode=0o700)
-    data = tmp / "data"
-    data.mkdir()
-    allow = tmp / "allow.txt"
-    allow.write_text("0" * 64 + "\n")
-    srv = LiveServer("--config", str(CONFIG), "--allow-expert-training", "--expert-allowlist",
-                     str(allow), "--train-data-dir", str(data), experts_dir=experts,
-                     env={"COLIBRI_API_KEY": KEY})
-    try:
-        yield {"url": srv.url, "experts": experts, "data": data, "tmp": tmp}
-    finally:
-        srv.stop()
+    with training_server(tmp_path_factory.mktemp("train"), CONFIG, KEY) as w:
+        yield w
 
 
 def post(url, body, status, path="/v1/experts/train", headers=AUTH):
