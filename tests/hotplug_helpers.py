@@ -1,6 +1,7 @@
-"""Shared pieces of the hot-plug rule tests (tests/test_hotplug_rules.py,
+"""Shared pieces of the hot-plug tests (tests/test_hotplug_rules.py,
 tests/test_hotplug_bundle.py): an event recorder, a manager factory, safe drops, waits
-with long deadlines (never a timed assertion), and a reference-design expert source."""
+with long deadlines (never a timed assertion), a reference-design expert source, and a built
+expert for tiny_model_dir (tiny_model_expert)."""
 from __future__ import annotations
 
 import os
@@ -178,3 +179,21 @@ def make_manager(tmp_path, folder):
     yield make
     for m in made:
         m.close()
+
+
+TINY_H = 128             # tiny_model_dir's hidden size (MoE layers 1 and 2, 4 experts)
+
+
+def tiny_model_expert(tmp_path: Path, name: str, seed: int, bias: float = 0.0) -> Path:
+    """A built q4 expert `name` for tiny_model_dir's layer 1 (random weights from `seed`,
+    intermediate 64, router row 0 and bias `bias`: 50 has every token choose it)."""
+    from colibri_core.experts.hotplug.authoring.builder import build_expert
+    rng = np.random.default_rng(seed)
+    npz, h, i = tmp_path / f"{name}.npz", TINY_H, 64
+    np.savez(npz, w1=rng.standard_normal((i, h)) / np.sqrt(h),
+             w3=rng.standard_normal((i, h)) / np.sqrt(h),
+             w2=rng.standard_normal((h, i)) / np.sqrt(i), router_row=np.zeros(h, np.float32),
+             router_bias=np.float32(bias))
+    so = tmp_path / f"{name}.so"
+    build_expert(npz, so, layer=1, name=name, version="1", portable=True)
+    return so

@@ -15,6 +15,7 @@ from colibri_core.runtime.audit import input_digest, output_digest, routing_arra
 from colibri_core.engine import Engine
 from colibri_core.errors import AuditLogError, ConfigError
 from colibri_core.replay import replay
+from hotplug_helpers import tiny_model_expert
 
 H = 128          # tiny_model_dir: hidden 128, MoE layers 1 and 2, 4 experts, top-2, vocab 256
 
@@ -47,17 +48,7 @@ def _hot_engine(tmp_path, **kw):
 
 def _router_bias_hot(tmp_path, name="hot", bias=50.0, seed=3):
     """A q4 expert routed by every token of layer 1 (router bias 50)."""
-    from colibri_core.experts.hotplug.authoring.builder import build_expert
-    rng = np.random.default_rng(seed)
-    npz = tmp_path / f"{name}.npz"
-    I = 64
-    np.savez(npz, w1=rng.standard_normal((I, H)) / np.sqrt(H),
-             w3=rng.standard_normal((I, H)) / np.sqrt(H),
-             w2=rng.standard_normal((H, I)) / np.sqrt(I), router_row=np.zeros(H, np.float32),
-             router_bias=np.float32(bias))
-    so = tmp_path / f"{name}.so"
-    build_expert(npz, so, layer=1, name=name, version="1", portable=True)
-    return so
+    return tiny_model_expert(tmp_path, name, seed, bias)
 
 
 def test_a_batch_that_straddles_a_change_names_each_items_set(tiny_model_dir, tmp_path):

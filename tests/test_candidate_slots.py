@@ -6,25 +6,8 @@ import os
 import shutil
 import time
 
-import numpy as np
-
 from colibri_core.engine import Engine
-
-H = 128                                            # the tiny model's hidden size
-
-
-def _expert(tmp_path, name, seed):
-    from colibri_core.experts.hotplug.authoring.builder import build_expert
-    rng = np.random.default_rng(seed)
-    npz = tmp_path / f"{name}.npz"
-    I = 64
-    np.savez(npz, w1=rng.standard_normal((I, H)) / np.sqrt(H),
-             w3=rng.standard_normal((I, H)) / np.sqrt(H),
-             w2=rng.standard_normal((H, I)) / np.sqrt(I), router_row=np.zeros(H, np.float32),
-             router_bias=np.float32(0.0))
-    so = tmp_path / f"{name}.so"
-    build_expert(npz, so, layer=1, name=name, version="1", portable=True)
-    return so
+from hotplug_helpers import tiny_model_expert
 
 
 def _put(so, folder, name):
@@ -53,7 +36,7 @@ def test_a_dropped_candidate_frees_its_slot(tiny_model_dir, tmp_path):
     watched = tmp_path / "watched"
     (watched / "shadow").mkdir(parents=True, mode=0o700)
     watched.chmod(0o700)
-    cand, other = _expert(tmp_path, "cand", 1), _expert(tmp_path, "other", 2)
+    cand, other = tiny_model_expert(tmp_path, "cand", 1), tiny_model_expert(tmp_path, "other", 2)
     with Engine.from_model_dir(tiny_model_dir, experts_dir=str(watched), threads=1) as eng:
         first = eng.model_cfg.num_experts
         live_book, shadow_book = eng.hotplug.book, eng.candidates.manager.book
@@ -85,9 +68,9 @@ def test_a_candidate_of_a_live_name_keeps_the_slot(tiny_model_dir, tmp_path):
     watched = tmp_path / "watched"
     (watched / "shadow").mkdir(parents=True, mode=0o700)
     watched.chmod(0o700)
-    v1 = _expert(tmp_path, "name", 3)
+    v1 = tiny_model_expert(tmp_path, "name", 3)
     (tmp_path / "v2").mkdir()
-    v2 = _expert(tmp_path / "v2", "name", 4)
+    v2 = tiny_model_expert(tmp_path / "v2", "name", 4)
     with Engine.from_model_dir(tiny_model_dir, experts_dir=str(watched), threads=1) as eng:
         first = eng.model_cfg.num_experts
         _put(v1, watched, "name")
