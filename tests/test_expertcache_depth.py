@@ -9,31 +9,23 @@ import pytest
 from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.experts.expertcache import BudgetResidency
-from colibri_core.experts.residency import MiB
+from residency_helpers import experts_mb, five_moe_layer_model, unbudgeted_reference
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(1, 500, 12)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from colibri_core.model.testing import write_random_model
-    d = tmp_path_factory.mktemp("depth") / "m"
-    write_random_model(d, seed=5, vocab=512, hidden=256, layers=("dense",) + ("moe",) * 5,
-                       experts=16, top_k=2, inter=512, moe_inter=1024, shared=0, heads=4,
-                       kv_heads=2, context=128)
-    return d
+    return five_moe_layer_model(tmp_path_factory.mktemp("depth") / "m", 5)
 
 
 def quarter(d):
-    return sum(p.stat().st_size for p in d.glob("expert_*.bin")) / 4 / MiB
+    return experts_mb(d, 0.25)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    with Engine(model_dir, EngineConfig()) as eng:
-        g = eng.generate(PROMPT, max_new_tokens=8, temperature=0.0)
-        g.run()
-        return g.token_ids, eng.next_token_logits(PROMPT[:6], all_positions=True)
+    return unbudgeted_reference(model_dir, PROMPT)
 
 
 @pytest.mark.parametrize("mode", ["mmap", "copy"])

@@ -13,7 +13,7 @@ import pytest
 from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.experts.expertcache import BudgetResidency
-from colibri_core.experts.residency import MiB
+from residency_helpers import experts_mb, five_moe_layer_model, unbudgeted_reference
 
 PROMPT = [int(t) for t in np.random.default_rng(12).integers(1, 500, 12)]
 E, K = 16, 2
@@ -21,16 +21,7 @@ E, K = 16, 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from colibri_core.model.testing import write_random_model
-    d = tmp_path_factory.mktemp("farguess") / "m"
-    write_random_model(d, seed=6, vocab=512, hidden=256, layers=("dense",) + ("moe",) * 5,
-                       experts=E, top_k=K, inter=512, moe_inter=1024, shared=0, heads=4,
-                       kv_heads=2, context=128)
-    return d
-
-
-def experts_mb(d, share):
-    return sum(p.stat().st_size for p in d.glob("expert_*.bin")) * share / MiB
+    return five_moe_layer_model(tmp_path_factory.mktemp("farguess") / "m", 6, E, K)
 
 
 def test_far_guesses_evict_only_cold_experts_in_policy_order(model_dir):
@@ -107,10 +98,7 @@ def test_precision_counts_far_guesses_by_depth(model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    with Engine(model_dir, EngineConfig()) as eng:
-        g = eng.generate(PROMPT, max_new_tokens=8, temperature=0.0)
-        g.run()
-        return g.token_ids, eng.next_token_logits(PROMPT[:6], all_positions=True)
+    return unbudgeted_reference(model_dir, PROMPT)
 
 
 @pytest.mark.parametrize("mode", ["mmap", "copy"])
