@@ -182,3 +182,22 @@ def route_c(logits, k, *, scoring, norm, scaling, bias=None, select_bias=None,
                            fp(w), 0)
     del keep
     return rc, ids, w
+
+
+def assert_decodes_as_reference(m, ref, prompt, c, r, last, steps: int, bound: float):
+    """After `prompt` is in m's cache c and the reference model ref's cache r (`last`: the
+    reference's logits of its last position), `steps` greedy decode steps whose logits are
+    within `bound` (relative) of ref's; then batch invariance: the next step alone and
+    beside another sequence, bit for bit."""
+    tok = int(last.argmax())
+    for _ in range(steps):
+        a = m.decode_step(tok, c, m.cfg.top_k).copy()
+        b = ref.forward([np.array([tok])], [r])[0]
+        assert rel(a, b) < bound
+        tok = int(b.argmax())
+    x1, x2 = m.new_cache(32), m.new_cache(32)
+    m.forward([prompt], [x1])
+    m.forward([prompt], [x2])
+    alone = m.forward([[tok]], [x1])[0].copy()
+    crowd = m.forward([[tok], prompt[:3]], [x2, m.new_cache(32)])[0]
+    assert np.array_equal(alone, crowd)

@@ -362,7 +362,7 @@ def test_every_configuration_runs_the_c_pipeline_and_matches_the_reference(model
     """The configurations that once ran numpy blocks at run time, end to end through the C
     calls: a prompt and decode steps against the reference model, and a sequence's logits
     alone and beside another (batch invariance)."""
-    from pipeline_kernel_helpers import VARIANTS
+    from pipeline_kernel_helpers import VARIANTS, assert_decodes_as_reference
     variant, over = E2E[name]
     kw, change = VARIANTS[variant] if variant else ({}, None)
     d = models["mixed_shared_odd"]
@@ -382,19 +382,7 @@ def test_every_configuration_runs_the_c_pipeline_and_matches_the_reference(model
         bound = 1e-4 if floats else 0.03
         assert rel(a, b) < bound
         m.forward([prompt[:4]], [c2])
-        tok = int(b[-1].argmax())
-        for _ in range(4):
-            a = m.decode_step(tok, c, m.cfg.top_k).copy()
-            b = ref.forward([np.array([tok])], [r])[0]
-            assert rel(a, b) < bound
-            tok = int(b.argmax())
-        # batch invariance: the same step alone and beside another sequence
-        x1, x2 = m.new_cache(32), m.new_cache(32)
-        m.forward([prompt], [x1])
-        m.forward([prompt], [x2])
-        alone = m.forward([[tok]], [x1])[0].copy()
-        crowd = m.forward([[tok], prompt[:3]], [x2, m.new_cache(32)])[0]
-        assert np.array_equal(alone, crowd)
+        assert_decodes_as_reference(m, ref, prompt, c, r, b[-1], 4, bound)
 
 
 def _gate_up_scales(w):

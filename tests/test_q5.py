@@ -131,6 +131,7 @@ def test_q5_ffns_and_attention_through_the_c_pipeline(tmp_path):
     from colibri_core.forward.reference import ReferenceModel
     from colibri_core.model import ops
     from colibri_core.model.testing import write_random_model
+    from pipeline_kernel_helpers import assert_decodes_as_reference
     d = tmp_path / "m"
     write_random_model(d, seed=21, vocab=300, context=64, hidden=192, layers=("dense", "moe"),
                        experts=4, top_k=2, inter=320, moe_inter=160, shared=96, heads=4,
@@ -152,18 +153,7 @@ def test_q5_ffns_and_attention_through_the_c_pipeline(tmp_path):
         b = ref.forward([prompt], [r], all_logits=True)[0]
         rel = lambda u, v: float(np.linalg.norm(u - v) / np.linalg.norm(v))   # noqa: E731
         assert rel(a, b) < 0.03
-        tok = int(b[-1].argmax())
-        for _ in range(3):
-            a = m.decode_step(tok, c, m.cfg.top_k).copy()
-            b = ref.forward([np.array([tok])], [r])[0]
-            assert rel(a, b) < 0.03
-            tok = int(b.argmax())
-        x1, x2 = m.new_cache(32), m.new_cache(32)
-        m.forward([prompt], [x1])
-        m.forward([prompt], [x2])
-        alone = m.forward([[tok]], [x1])[0].copy()
-        crowd = m.forward([[tok], prompt[:3]], [x2, m.new_cache(32)])[0]
-        assert np.array_equal(alone, crowd)
+        assert_decodes_as_reference(m, ref, prompt, c, r, b[-1], 3, 0.03)
         m.w.embed = quantize_q5(ops.float_matrix(m.w.embed), 64)
         with pytest.raises(ConfigError, match="^embed: q5 runs in matrix products only") as e:
             Pipeline(m)
