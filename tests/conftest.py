@@ -17,6 +17,18 @@ def tiny_model_dir(tmp_path_factory):
     return d / "m"
 
 
+@pytest.fixture(scope="session")
+def shared_table_model_dir(tmp_path_factory):
+    """A small random model whose 24 expert files share one section table (read only):
+    hidden 64, group 64, layer 0 dense, layers 1-3 MoE (8 experts, top-2, no shared one)."""
+    from colibri_core.model.testing import write_random_model
+    d = tmp_path_factory.mktemp("shared_table") / "m"
+    write_random_model(d, hidden=64, heads=2, kv_heads=1, inter=64, moe_inter=64, vocab=64,
+                       group=64, shared=0, context=64, experts=8, top_k=2,
+                       layers=("dense", "moe", "moe", "moe"))
+    return d
+
+
 @pytest.fixture
 def model(tiny_model_dir, tmp_path):
     """A private copy of the tiny model, free to damage."""

@@ -14,17 +14,7 @@ import pytest
 
 from colibri_core.errors import ModelFormatError
 from colibri_core.format import modelfile
-from colibri_core.model.testing import write_random_model
 from colibri_core.model.weights import load_model
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tables") / "m"
-    write_random_model(d, hidden=64, heads=2, kv_heads=1, inter=64, moe_inter=64, vocab=64,
-                       group=64, shared=0, context=64, experts=8, top_k=2,
-                       layers=("dense", "moe", "moe", "moe"))
-    return d
 
 
 def _table(path):
@@ -34,12 +24,12 @@ def _table(path):
     return raw, {s["name"]: s for s in json.loads(raw[16:16 + n])["sections"]}
 
 
-def test_expert_tables_are_parsed_once(model, monkeypatch):
+def test_expert_tables_are_parsed_once(shared_table_model_dir, monkeypatch):
     calls = []
     real = modelfile.parse_table
     monkeypatch.setattr(modelfile, "parse_table", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     getattr(modelfile, "_TABLES", {}).clear()
-    m = load_model(model)
+    m = load_model(shared_table_model_dir)
     try:
         experts = [x for L in m.layers for x in L.experts]
         assert len(experts) == 24
@@ -54,11 +44,11 @@ def test_expert_tables_are_parsed_once(model, monkeypatch):
         m.close()
 
 
-def test_a_different_table_or_size_is_checked_in_full(model, tmp_path):
+def test_a_different_table_or_size_is_checked_in_full(shared_table_model_dir, tmp_path):
     getattr(modelfile, "_TABLES", {}).clear()
-    load_model(model).close()                   # the shared table is now remembered
+    load_model(shared_table_model_dir).close()  # the shared table is now remembered
     bad = tmp_path / "bad"
-    shutil.copytree(model, bad)
+    shutil.copytree(shared_table_model_dir, bad)
     victim = bad / "expert_2_5.bin"
     raw, tab = _table(victim)
     off = tab["w3"]["parts"]["data"][0]

@@ -84,17 +84,7 @@ def resident_bytes_of(path, off: int) -> bool:
 
 # ----------------------------------------------------------------------------- expert tables
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    from colibri_core.model.testing import write_random_model
-    d = tmp_path_factory.mktemp("warm") / "m"
-    write_random_model(d, hidden=64, heads=2, kv_heads=1, inter=64, moe_inter=64, vocab=64,
-                       group=64, shared=0, context=64, experts=8, top_k=2,
-                       layers=("dense", "moe", "moe", "moe"))
-    return d
-
-
-def test_a_shared_expert_table_is_checked_once(moe_model, monkeypatch):
+def test_a_shared_expert_table_is_checked_once(shared_table_model_dir, monkeypatch):
     """The 24 expert files share one table: its shapes are checked against the config once,
     and every file still gets views of its own bytes."""
     from colibri_core.format import modelfile
@@ -106,7 +96,7 @@ def test_a_shared_expert_table_is_checked_once(moe_model, monkeypatch):
                         lambda f, h, i: calls.append(f.path) or real(f, h, i))
     modelfile._TABLES.clear()
     weights._CHECKED_TABLES.clear()
-    m = load_model(moe_model)
+    m = load_model(shared_table_model_dir)
     try:
         experts = [x for L in m.layers for x in L.experts]
         assert len(experts) == 24 and len(calls) == 1, calls
@@ -119,12 +109,12 @@ def test_a_shared_expert_table_is_checked_once(moe_model, monkeypatch):
         m.close()
 
 
-def test_a_checked_table_is_still_refused_for_another_shape(moe_model):
+def test_a_checked_table_is_still_refused_for_another_shape(shared_table_model_dir):
     """A table checked for one (hidden, inter) is checked again for another, and refused
     naming the file and the section."""
     from colibri_core.errors import ModelFormatError
     from colibri_core.model.weights import expert_ffn, load_model
-    m = load_model(moe_model)
+    m = load_model(shared_table_model_dir)
     try:
         f = m.layers[1].experts[0].file
         assert expert_ffn(f, 64, 64) is not None            # the checked shape
