@@ -108,3 +108,31 @@ def test_from_layer_equals_whole_pass_on_the_fraud_model(tmp_path):
     with _engine_with(tmp_path, so, make=lambda d: Engine.from_config(
             CONFIG, experts_dir=d)) as eng:
         _check(eng, seqs)
+        _through_the_server(eng, [tx.token_ids() for tx in txns], FRAUD)
+
+
+def _through_the_server(eng, prompts, label):
+    """A /v1/score call's after_score: the routed items' shadow goes from the layer, and
+    the gate's figures are those of the whole second pass, worked out here."""
+    from types import SimpleNamespace
+    from colibri_core.server.candidates import after_score, item_scores, runner, stop
+    items = [SimpleNamespace(prompt_ids=p) for p in prompts]
+    seqs = [(ii, 0, p + [label]) for ii, p in enumerate(prompts)]
+    scored = eng.score([s for _, _, s in seqs], all_positions=True)
+    entry = _entry(eng)
+    routed = [i for i, x in enumerate(scored) if entry.name in x.shadow]
+    whole = eng.score([seqs[i][2] for i in routed], all_positions=True, expert_set=entry.es)
+    live = item_scores(items, seqs, [x.logits for x in scored])
+    cand = item_scores(items, [seqs[i] for i in routed], [w.logits for w in whole])
+    want = max(abs(cand[i][0] - live[i][0]) for i in routed)
+    before = dict(runner(eng).passes)
+    after_score(eng, items, seqs, scored, "srv-1", None)
+    t0 = time.monotonic()
+    while entry.gate.report()["pending"]:
+        assert time.monotonic() - t0 < 60, "the shadow pass never finished"
+        time.sleep(0.02)
+    rep = entry.gate.report()
+    stop(eng)                                     # the runner's thread
+    assert runner(eng).passes["from_layer"] == before["from_layer"] + 1
+    assert runner(eng).passes["whole"] == before["whole"]
+    assert rep["routed"] == len(routed) and rep["score_delta_max"] == want
