@@ -260,18 +260,23 @@
         for (int k = 0; k < K; k++) res[(k / NT) * ldr + k % NT] = acc[k];               \
     }
 
+/* decode (one token): rt rows (1..4) in one TILE call, then return; the q6 and mxfp4
+ * dispatches share it */
+#define CK_DECODE_ROWS_(TILE)                                                            \
+    if (nt == 1) {                                                                       \
+        switch (rt) {                                                                    \
+        case 4: TILE(w, r0, a, t0, res, 1, 4, 1); break;                                 \
+        case 3: TILE(w, r0, a, t0, res, 1, 3, 1); break;                                 \
+        case 2: TILE(w, r0, a, t0, res, 1, 2, 1); break;                                 \
+        default: TILE(w, r0, a, t0, res, 1, 1, 1); break;                                \
+        }                                                                                \
+        return;                                                                          \
+    }
+
 #define CK_DEFINE_Q6_I8(ATTR, NAME, TILE)                                                \
     ATTR void NAME(const ck_q6 *w, int64_t r0, int rt, const ck_act *a, int64_t t0,      \
                    int nt, float *res) {                                                 \
-        if (nt == 1) {                                                                   \
-            switch (rt) {                                                                \
-            case 4: TILE(w, r0, a, t0, res, 1, 4, 1); break;                             \
-            case 3: TILE(w, r0, a, t0, res, 1, 3, 1); break;                             \
-            case 2: TILE(w, r0, a, t0, res, 1, 2, 1); break;                             \
-            default: TILE(w, r0, a, t0, res, 1, 1, 1); break;                            \
-            }                                                                            \
-            return;                                                                      \
-        }                                                                                \
+        CK_DECODE_ROWS_(TILE)                                                            \
         for (int r = 0; r < rt; r++) {                                                   \
             switch (nt) {                                                                \
             case 4: TILE(w, r0 + r, a, t0, res + r * nt, nt, 1, 4); break;               \
@@ -358,15 +363,7 @@
 #define CK_DEFINE_MX_I8(ATTR, NAME, TILE, BR)                                            \
     ATTR void NAME(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0,      \
                    int nt, float *res) {                                                 \
-        if (nt == 1) {                                                                   \
-            switch (rt) {                                                                \
-            case 4: TILE(w, r0, a, t0, res, 1, 4, 1); break;                             \
-            case 3: TILE(w, r0, a, t0, res, 1, 3, 1); break;                             \
-            case 2: TILE(w, r0, a, t0, res, 1, 2, 1); break;                             \
-            default: TILE(w, r0, a, t0, res, 1, 1, 1); break;                            \
-            }                                                                            \
-            return;                                                                      \
-        }                                                                                \
+        CK_DECODE_ROWS_(TILE)                                                            \
         for (int r = 0; r < rt;) {                                                       \
             const int br = r + BR <= rt ? BR : r + 2 <= rt ? 2 : 1;                      \
             if (br == 4) {                                                               \
