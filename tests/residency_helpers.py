@@ -3,6 +3,8 @@ tests/test_far_guess_rule.py): a random model with five MoE layers after a dense
 experts' size, and the unbudgeted engine's greedy tokens and logits (the reference)."""
 from __future__ import annotations
 
+import numpy as np
+
 from colibri_core.config import EngineConfig
 from colibri_core.engine import Engine
 from colibri_core.experts.residency import MiB
@@ -30,3 +32,12 @@ def unbudgeted_reference(model_dir, prompt, new_tokens: int = 8):
         g = eng.generate(prompt, max_new_tokens=new_tokens, temperature=0.0)
         g.run()
         return g.token_ids, eng.next_token_logits(prompt[:6], all_positions=True)
+
+
+def assert_same_output(eng, reference, prompt, new_tokens: int = 8):
+    """eng's greedy tokens and prompt[:6]'s logits equal unbudgeted_reference's, bit for bit."""
+    toks, logits = reference
+    g = eng.generate(prompt, max_new_tokens=new_tokens, temperature=0.0)
+    g.run()
+    assert g.token_ids == toks
+    assert np.array_equal(eng.next_token_logits(prompt[:6], all_positions=True), logits)

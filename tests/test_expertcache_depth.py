@@ -9,7 +9,8 @@ import pytest
 from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.experts.expertcache import BudgetResidency
-from residency_helpers import experts_mb, five_moe_layer_model, unbudgeted_reference
+from residency_helpers import (assert_same_output, experts_mb, five_moe_layer_model,
+                               unbudgeted_reference)
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(1, 500, 12)]
 
@@ -31,15 +32,11 @@ def reference(model_dir):
 @pytest.mark.parametrize("mode", ["mmap", "copy"])
 @pytest.mark.parametrize("depth", [1, 3])
 def test_guessing_layers_ahead_changes_no_output(model_dir, reference, mode, depth):
-    toks, logits = reference
     cfg = EngineConfig(max_resident_mb=quarter(model_dir), load_mode=mode,
                        residency=ResidencyConfig(speculative=True, speculative_layers=depth,
                                                  debug_poison=True))
     with Engine(model_dir, cfg) as eng:
-        g = eng.generate(PROMPT, max_new_tokens=8, temperature=0.0)
-        g.run()
-        assert g.token_ids == toks
-        assert np.array_equal(eng.next_token_logits(PROMPT[:6], all_positions=True), logits)
+        assert_same_output(eng, reference, PROMPT)
         assert eng.memory_report(page_cache=False)["speculation"]["guessed"] > 0
 
 

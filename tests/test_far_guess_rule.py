@@ -13,7 +13,8 @@ import pytest
 from colibri_core.config import EngineConfig, ResidencyConfig
 from colibri_core.engine import Engine
 from colibri_core.experts.expertcache import BudgetResidency
-from residency_helpers import experts_mb, five_moe_layer_model, unbudgeted_reference
+from residency_helpers import (assert_same_output, experts_mb, five_moe_layer_model,
+                               unbudgeted_reference)
 
 PROMPT = [int(t) for t in np.random.default_rng(12).integers(1, 500, 12)]
 E, K = 16, 2
@@ -104,7 +105,6 @@ def reference(model_dir):
 @pytest.mark.parametrize("mode", ["mmap", "copy"])
 def test_rule_changes_no_output_and_every_far_victim_was_cold(model_dir, reference, mode,
                                                               monkeypatch):
-    toks, logits = reference
     victims, uses, born = [], {}, {}
     admit, acquire, spec_layer, evict = (BudgetResidency._admit, BudgetResidency.acquire,
                                          BudgetResidency._speculate_layer, BudgetResidency._evict)
@@ -142,10 +142,7 @@ def test_rule_changes_no_output_and_every_far_victim_was_cold(model_dir, referen
                        residency=ResidencyConfig(speculative=True, speculative_layers=3,
                                                  debug_poison=True))
     with Engine(model_dir, cfg) as eng:
-        g = eng.generate(PROMPT, max_new_tokens=8, temperature=0.0)
-        g.run()
-        assert g.token_ids == toks
-        assert np.array_equal(eng.next_token_logits(PROMPT[:6], all_positions=True), logits)
+        assert_same_output(eng, reference, PROMPT)
         assert eng.memory_report(page_cache=False)["speculation"]["far_skipped"] > 0
     assert victims                                # far guesses did evict
     for pending_guess, pins, margin, p, n_uses, forwards in victims:
