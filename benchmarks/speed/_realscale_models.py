@@ -1,11 +1,12 @@
 """Random-weight models of published MoE shapes at full size, for bench_realscale.py:
-Colibri's format at the converter's default precisions, and llama.cpp Q4_0 GGUFs.
+Colibri's format at the converter's default precisions, and llama.cpp GGUFs.
 
-    python -m benchmarks.speed._realscale_models write olmoe-1b-7b [--dir D] [--gguf]
+    python -m benchmarks.speed._realscale_models write olmoe-1b-7b [--dir D] [--no-gguf]
     python -m benchmarks.speed._realscale_models delete olmoe-1b-7b [--dir D]
     python -m benchmarks.speed._realscale_models sizes
 
-Shapes are the published Hugging Face configs (SHAPES), mapped to Colibri's ModelConfig
+Shapes (SHAPES: OLMoE-1B-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral-8x7B, gpt-oss-20b)
+are the published Hugging Face configs, mapped to Colibri's ModelConfig
 by the converter's own code (convert.families.model_config_fields), so a shape is what
 `colibri convert` would make of the real checkpoint. Weights are not quantized floats
 (7-30 B of them would take hours): the quantized bytes are drawn directly -- random
@@ -14,9 +15,11 @@ variance x fan-in), so that every product keeps its input's scale and the logits
 finite (bench_realscale.py asserts that at every step). Colibri's precisions are the
 converter's defaults for --bits 4: experts, dense and shared FFNs and q/o projections
 q4 (group 128), k/v projections and the embedding q8, the lm_head q6, norms and routers
-f32. The GGUF is what llama-quantize Q4_0 makes: every matrix Q4_0, `output` Q6_K, norms
-and routers (`ffn_gate_inp`) F32, no tokenizer (`tokenizer.ggml.model = none`);
-DeepSeek-V2-Lite's in llama.cpp's `deepseek2` layout (_realscale_deepseek2.py).
+f32 (gpt-oss's experts MXFP4, as its checkpoint ships them). The GGUF is what
+llama-quantize Q4_0 makes: every matrix Q4_0, `output` Q6_K, norms and routers
+(`ffn_gate_inp`) F32, no tokenizer (`tokenizer.ggml.model = none`); DeepSeek-V2-Lite's in
+llama.cpp's `deepseek2` layout (_realscale_deepseek2.py); gpt-oss-20b's as ggml-org's MXFP4
+release, experts MXFP4 and the other matrices Q8_0 (_realscale_gptoss.py).
 
 Routers are random (N(0, 1/hidden) rows): they route near-uniformly, so every expert is
 used about equally -- unlike a trained model, whose routing is skewed. Say so beside
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.speed import _realscale_gptoss as gptoss
 
 DEFAULT_DIR = Path(os.environ.get("COLIBRI_REALSCALE_DIR", "/work/realscale_models"))
 SPARE_DISK = 10 << 30
@@ -90,8 +94,10 @@ SHAPES["mixtral-8x7b"] = {   # mistralai/Mixtral-8x7B-v0.1
     "vocab_size": 32000, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-05, "sliding_window": None, "hidden_act": "silu",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+SHAPES["gpt-oss-20b"] = gptoss.SHAPE      # openai/gpt-oss-20b (_realscale_gptoss.py)
 GGUF_ARCH = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "llama",
-             "deepseek-v2-lite": "deepseek2"}
+             "deepseek-v2-lite": "deepseek2", "gpt-oss-20b": "gpt-oss"}
+GGUF_FTYPE = {"gpt-oss": "MOSTLY_MXFP4_MOE"}       # llama-bench's "MXFP4 MoE"; others Q4_0
 
 
 def log(*a):
@@ -156,6 +162,9 @@ class Draw:
     def router(self, E: int, H: int) -> np.ndarray:
         return (self.rng.standard_normal((E, H), np.float32) / np.sqrt(H)).astype(np.float32)
 
+    def small(self, *shape) -> np.ndarray:              # biases and sinks: N(0, 0.02^2)
+        return (0.02 * self.rng.standard_normal(shape)).astype(np.float32)
+
 
 def _main_sections(cfg, dr: Draw):
     from colibri_core.model.mla import mla_shapes
@@ -176,6 +185,8 @@ def _main_sections(cfg, dr: Draw):
             yield p + "wk", dr.mat("q8", nkv * hd, H)
             yield p + "wv", dr.mat("q8", nkv * hd, H)
             yield p + "wo", dr.mat("q4", H, nh * hd)
+            if cfg.attention_sinks:                 # gpt-oss: biases on q/k/v/o, sinks
+                yield from gptoss.attention_vectors(cfg, dr, p)
             if cfg.qk_norm == "per_head":
                 yield p + "q_norm", dr.norm(hd)
                 yield p + "k_norm", dr.norm(hd)
@@ -199,6 +210,9 @@ def _main_sections(cfg, dr: Draw):
 def _experts(cfg, dr: Draw):
     from colibri_core.model.weights import FFNWeights
     H, I = cfg.hidden_size, cfg.expert_intermediate
+    if cfg.architecture == "gpt_oss":                   # MXFP4 with biases
+        yield from gptoss.experts(cfg, dr)
+        return
     for L in cfg.moe_layers:
         for e in range(cfg.num_experts):
             yield L, e, FFNWeights(dr.mat("q4", I, H), dr.mat("q4", I, H), dr.mat("q4", H, I))
@@ -215,8 +229,11 @@ def colibri_bytes(cfg) -> int:
         return r(data) + r(rows * cp // GROUP * 4) + (r(rows * cp // GROUP) if kind != "q8" else 0)
     H, I = cfg.hidden_size, cfg.expert_intermediate
     expert = 4096 + 2 * mat("q4", I, H) + mat("q4", H, I)
-    n_exp = len(cfg.moe_layers) * cfg.num_experts
     est = 0
+    if cfg.architecture == "gpt_oss":      # MXFP4 experts; the routers' biases, a table page
+        expert = gptoss.expert_bytes(cfg, r)
+        est = r(4 * cfg.num_experts) * len(cfg.moe_layers) + 4096
+    n_exp = len(cfg.moe_layers) * cfg.num_experts
     for name, t in _shapes_only(cfg):
         est += mat(*t) if isinstance(t, tuple) else r(4 * t)
     return est + n_exp * expert + (64 << 10) + 4096 + r(4 * cfg.num_experts * H) * len(cfg.moe_layers)
@@ -230,6 +247,7 @@ def _shapes_only(cfg):
 
         def norm(self, n):
             return n
+        small = norm
     return _main_sections(cfg, _S())
 
 
@@ -263,6 +281,8 @@ def write_colibri(shape: str, out: Path, seed: int = 0) -> Path:
     t = time.perf_counter()
     routing = [(f"layer.{L}.router", dr.router(cfg.num_experts, cfg.hidden_size))
                for L in cfg.moe_layers]
+    if cfg.architecture == "gpt_oss":
+        routing += gptoss.routing_extra(cfg, dr)
     write_model_dir(tmp, cfg, _main_sections(cfg, dr), routing, _experts(cfg, dr))
     check_written(p for p in tmp.iterdir() if p.suffix == ".bin")
     os.replace(tmp, out)
@@ -305,6 +325,9 @@ def _gguf_tensors(cfg, dr: Draw):
     hd, nh, nkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
     f32 = lambda n: (lambda: np.ones(n, np.float32))                      # noqa: E731
     q4 = lambda r, c, g=1.0: (lambda: q4_0_rows(dr, r, c, g))              # noqa: E731
+    if cfg.architecture == "gpt_oss":
+        yield from gptoss.gguf_tensors(cfg, dr, f32)
+        return
     yield "token_embd.weight", "Q4_0", (V, H), q4(V, H, np.sqrt(H))
     if cfg.attention == "mla":
         from benchmarks.speed._realscale_deepseek2 import gguf_tensors
@@ -331,13 +354,23 @@ def _gguf_tensors(cfg, dr: Draw):
     yield "output.weight", "Q6_K", (V, H), (lambda: q6_k_rows(dr, V, H))
 
 
+# (values, bytes) per block of each GGUF type written (gguf's GGML_QUANT_SIZES)
+GGUF_BLOCKS = {"F32": (1, 4), "Q4_0": (32, 18), "Q6_K": (256, 210), "Q8_0": (32, 34),
+               "MXFP4": (32, 17)}
+
+
+def gguf_tensor_bytes(t: str, shape) -> int:
+    bs, ts = GGUF_BLOCKS[t]
+    return int(np.prod(shape)) // bs * ts
+
+
 def gguf_bytes(cfg) -> int:
-    per = {"F32": lambda n: 4 * n, "Q4_0": lambda n: n // 32 * 18, "Q6_K": lambda n: n // 256 * 210}
-    return sum(per[t](int(np.prod(s))) for _, t, s, _ in _gguf_tensors(cfg, None)) + (1 << 20)
+    return sum(gguf_tensor_bytes(t, s) for _, t, s, _ in _gguf_tensors(cfg, None)) + (1 << 20)
 
 
 def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
-    """The shape as a Q4_0 GGUF for llama.cpp's graph of its architecture (GGUF_ARCH)."""
+    """The shape as a GGUF for llama.cpp's graph of its architecture (GGUF_ARCH): Q4_0, or
+    gpt-oss's MXFP4 experts with Q8_0 matrices."""
     from benchmarks.peers._llamacpp_tools import import_gguf
     gguf = import_gguf()
     if out.exists():
@@ -364,6 +397,8 @@ def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
         w.add_key_length(cfg.head_size)
         w.add_value_length(cfg.head_size)
         w.add_rope_dimension_count(cfg.head_size)
+    if arch == "gpt-oss":
+        gptoss.gguf_metadata(w, gguf, cfg, hf)
     w.add_rope_freq_base(float(cfg.rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
@@ -371,19 +406,17 @@ def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
     if arch == "qwen3moe":
         w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(getattr(gguf.LlamaFileType, GGUF_FTYPE.get(arch, "MOSTLY_Q4_0")))
     w.add_tokenizer_model("none")
     dr = Draw(seed)
     plan = list(_gguf_tensors(cfg, dr))
     for name, t, shp, _ in plan:
-        qt = getattr(gguf.GGMLQuantizationType, t)
         if t == "F32":
-            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+            w.add_tensor_info(name, shp, np.dtype(np.float32), gguf_tensor_bytes(t, shp))
         else:
-            bs, ts = gguf.GGML_QUANT_SIZES[qt]
-            byte_shape = (*shp[:-1], shp[-1] // bs * ts)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8),
-                              int(np.prod(byte_shape)), raw_dtype=qt)
+            bs, ts = GGUF_BLOCKS[t]
+            w.add_tensor_info(name, (*shp[:-1], shp[-1] // bs * ts), np.dtype(np.uint8),
+                              gguf_tensor_bytes(t, shp), raw_dtype=gguf.GGMLQuantizationType[t])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -406,7 +439,8 @@ def write_gguf(shape: str, out: Path, seed: int = 1) -> Path:
 # ----------------------------------------------------------------------------- files
 
 def paths(shape: str, root: Path = DEFAULT_DIR) -> dict:
-    return {"colibri": root / shape, "gguf": root / f"{shape}-q4_0.gguf"}
+    kind = "mxfp4" if GGUF_ARCH.get(shape) == "gpt-oss" else "q4_0"
+    return {"colibri": root / shape, "gguf": root / f"{shape}-{kind}.gguf"}
 
 
 def delete(shape: str, root: Path = DEFAULT_DIR) -> None:

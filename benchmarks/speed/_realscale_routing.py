@@ -44,18 +44,23 @@ def routers(cfg, variant: str, seed: int = 7) -> dict:
 
 def set_routing(shape: str, variant: str, root: Path = DEFAULT_DIR) -> dict:
     """Write `variant`'s routers into both files of `shape` in place: Colibri's
-    routing.bin (rewritten; config.json's size and sha256 of it updated) and the GGUF's
-    ffn_gate_inp tensors (F32, overwritten where they lie). -> {MoE layer: router}."""
+    routing.bin (rewritten, its other sections kept; config.json's size and sha256 of it
+    updated) and the GGUF's ffn_gate_inp tensors (F32, overwritten where they lie).
+    -> {MoE layer: router}."""
     from colibri_core.format.container import sha256_file
     from colibri_core.files import write_atomic
     from colibri_core.format.writer import write_container
+    from colibri_core.format.modelfile import ContainerFile
     from benchmarks.peers._llamacpp_tools import import_gguf
     cfg = model_config(shape)
     rs = routers(cfg, variant)
     p = paths(shape, root)
     mdir = p["colibri"]
     rb = mdir / "routing.bin"
-    write_container(rb, [(f"layer.{L}.router", R) for L, R in rs.items()])
+    cf = ContainerFile(rb)              # its other sections kept (gpt-oss's router biases)
+    keep = [(n, np.array(cf.tensor(n))) for n in cf.sections if not n.endswith(".router")]
+    cf.close()
+    write_container(rb, [(f"layer.{L}.router", R) for L, R in rs.items()] + keep)
     cj = mdir / "config.json"
     data = json.loads(cj.read_text())
     data["files"]["routing.bin"] = {"size": rb.stat().st_size, "sha256": sha256_file(rb)}

@@ -175,11 +175,10 @@ def warm(paths) -> None:
 
 def gguf_floor_bytes(cfg) -> float:
     """Bytes of the GGUF one decode token reads: every tensor but the embedding (one row)
-    and the expert tensors (top-k of E)."""
-    per = {"F32": lambda n: 4 * n, "Q4_0": lambda n: n // 32 * 18, "Q6_K": lambda n: n // 256 * 210}
+    and the expert tensors and their biases (top-k of E)."""
     total = 0.0
     for name, t, shape, _ in RM._gguf_tensors(cfg, None):
-        n = per[t](int(np.prod(shape)))
+        n = RM.gguf_tensor_bytes(t, shape)
         if name == "token_embd.weight":
             n /= shape[0]
         elif "_exps" in name:
