@@ -131,6 +131,7 @@ def test_shard_serve_tokens_equal_one_engine_and_every_shard_computes(served, re
     page = served.metrics()
     shards = served.shards()
     assert len({s["node"] for s in shards}) == 2          # two nodes of the cluster
+    assert [s["channel"] for s in shards] == ["unix", "unix"]   # the driver's host
     for s in (0, 1):
         sent = metric(page, "colibri_expert_shard_pairs_sent_total", f'node="{shards[s]["node"][:12]}",shard="{s}"')
         done = metric(page, "colibri_expert_shard_pairs_computed_total", f'node="{shards[s]["node"][:12]}",shard="{s}"')

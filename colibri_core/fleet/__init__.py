@@ -13,6 +13,7 @@
     expertplan.py  expert parallelism (issue 40): which shard holds each routed expert
     expertshard.py   the step over expert shards, bit for bit one engine's
     shardactor.py    expert shards as Ray actors (faults: 503, Ray's restart, slow counts)
+    shardchannel.py  a shard's socket: the per-layer data path (Unix socket or TCP)
     shardserve.py    `colibri serve --ray --expert-shards N`: this process the driver
 
 Ray (`pip install 'colibri[ray]'`) is imported only by the functions that use it: without

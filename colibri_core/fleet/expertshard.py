@@ -127,7 +127,7 @@ class ExpertShard:
         return out
 
     # the executor's protocol: start every shard's work, then collect (a Ray actor's
-    # adapter, fleet/shardactor.py, returns an ObjectRef and gets it)
+    # adapter, fleet/shardactor.py, sends it on the shard's socket and reads the answer)
     def submit(self, layer, xn, experts, weights):
         return self.compute(layer, xn, experts, weights)
 

@@ -42,8 +42,9 @@ class Shards:
         self._computed = [0] * len(shards)
 
     def stats(self) -> dict:
-        """Per shard: sent, computed (its own count; the last known while it does not
-        answer), slow, failures, restarts, up; and the pairs the driver computed."""
+        """Per shard: its channel ("unix", "tcp"; "" while down), sent, computed (its
+        own count; the last known while it does not answer), slow, failures, restarts,
+        up; and the pairs the driver computed."""
         import ray
         refs = [s.actor.count.remote() if s.poll() else None for s in self.shards]
         live = [r for r in refs if r is not None]
@@ -57,7 +58,8 @@ class Shards:
                     pass
         ex = self.executor
         driver = self._driver_pairs()
-        return {"shards": [{"shard": i, "node": s.node, "pid": s.pid, "sent": ex.sent[i],
+        return {"shards": [{"shard": i, "node": s.node, "pid": s.pid, "channel": s.channel,
+                            "sent": ex.sent[i],
                             "computed": self._computed[i], "slow": s.slow,
                             "failures": s.failures, "restarts": s.restarts, "up": s.up}
                            for i, s in enumerate(self.shards)],
