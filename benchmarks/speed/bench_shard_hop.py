@@ -2,15 +2,18 @@
 larger than one machine"): a driver sends [rows, H] float32 to an actor and gets
 [rows, H] back: plain actor calls (.remote + ray.get) to an actor on another node of a
 local multi-node cluster, to two at once (what one MoE layer of a two-shard step waits
-for) and to one on the driver's node; with --compiled, Ray Compiled Graphs (ray.dag,
+for) and to one on the driver's node; through the shard's own socket
+(fleet/shardchannel.py, what RayShard uses) to an actor on another node, over its Unix
+socket and over TCP, one and two at once; with --compiled, Ray Compiled Graphs (ray.dag,
 experimental_compile) to the same.
 
     python -m benchmarks.speed.bench_shard_hop [--calls 300] [--hidden 1024] [--compiled]
 
 The cluster is Ray's own test cluster (ray.cluster_utils.Cluster) on this machine: a head
 and two worker nodes of 1 CPU each, 200 MB object stores, the loopback address. Medians
-per payload; then the least-squares line latency = a + b * bytes over the payloads (a:
-the per-hop cost, b: the per-byte cost on loopback). Writes benchmarks/out/shard_hop.json.
+per payload, the kinds one after the other per payload; then the least-squares line
+latency = a + b * bytes over the payloads (a: the per-hop cost, b: the per-byte cost).
+Writes benchmarks/out/shard_hop.json.
 """
 from __future__ import annotations
 
@@ -29,10 +32,26 @@ ROWS = (1, 4, 16, 64, 256)
 
 
 class Echo:
-    """A shard stand-in: gives back a fresh array of the payload's shape (no compute)."""
+    """A shard stand-in: gives back a fresh array of the payload's shape (no compute);
+    also on its socket (a request's experts and weights: one int64 and float32 a row)."""
+
+    def __init__(self):
+        import ray
+        from colibri_core.fleet.shardchannel import ChannelServer
+        self._server = ChannelServer(lambda layer, x, e, w: self.compute(x),
+                                     ray.util.get_node_ip_address())
 
     def compute(self, x):
         return x + np.float32(1.0)
+
+    def address(self):
+        return self._server.address
+
+
+def _sockets(chans, x, ids, w):
+    hs = [c.send(0, x, ids, w) for c in chans]      # every send before any read
+    for c, h in zip(chans, hs):
+        c.recv(h, 60.0, 60.0)
 
 
 def _time(fn, calls: int) -> float:
@@ -60,6 +79,7 @@ def main(argv=None) -> int:
     import ray
     from ray.dag import InputNode, MultiOutputNode
     from colibri_core.fleet.localcluster import local_cluster
+    from colibri_core.fleet.shardchannel import Channel
     out = {"ray": ray.__version__, "hidden": a.hidden, "calls": a.calls, "rows": {}}
     xs = {rows: np.random.default_rng(rows).standard_normal((rows, a.hidden)).astype(np.float32)
           for rows in ROWS}
@@ -69,9 +89,18 @@ def main(argv=None) -> int:
         shards = [actor.options(num_cpus=1, resources={f"shard{i}": 1}).remote() for i in range(2)]
         local = [actor.options(num_cpus=0).remote() for _ in range(2)]
         ray.get([s.compute.remote(np.zeros(1, np.float32)) for s in shards + local])
+        addrs = ray.get([s.address.remote() for s in shards])
+        unix = [Channel(ad, "auto") for ad in addrs]
+        tcp = [Channel(ad, "tcp") for ad in addrs]
+        assert [c.kind for c in unix + tcp] == ["unix"] * 2 + ["tcp"] * 2
         plain = {"actor_1": lambda x: ray.get(shards[0].compute.remote(x)),
                  "actor_2": lambda x: ray.get([s.compute.remote(x) for s in shards]),
-                 "local_actor_1": lambda x: ray.get(local[0].compute.remote(x))}
+                 "local_actor_1": lambda x: ray.get(local[0].compute.remote(x)),
+                 "socket_1": lambda x: _sockets(unix[:1], x, *ew[len(x)]),
+                 "socket_2": lambda x: _sockets(unix, x, *ew[len(x)]),
+                 "tcp_1": lambda x: _sockets(tcp[:1], x, *ew[len(x)]),
+                 "tcp_2": lambda x: _sockets(tcp, x, *ew[len(x)])}
+        ew = {rows: (np.zeros(rows, np.int64), np.ones(rows, np.float32)) for rows in ROWS}
         for rows, x in xs.items():
             out["rows"][rows] = {"bytes_each_way": x.nbytes,
                                  **{k: _time(lambda: f(x), a.calls) for k, f in plain.items()}}

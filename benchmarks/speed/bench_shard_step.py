@@ -1,10 +1,14 @@
 """Decode through expert shards (issue 40): per-token latency of one engine, of the same
 model with its routed experts on two in-process shards (fleet/expertshard.py: the
 executor's own cost, no transport) and on two Ray actors on two nodes of Ray's test
-cluster (fleet/localcluster.py: 1 CPU, 200 MB, loopback; fleet/shardactor.py); with
---compiled also through Ray Compiled Graphs (one graph per shard actor: its compute, the
-executor's submit = execute, result = get) to two actors on the worker nodes and two on
-the driver's node. The added latency per MoE layer = (sharded - one) / MoE layers.
+cluster (fleet/localcluster.py: 1 CPU, 200 MB, loopback; fleet/shardactor.py): through
+each shard's socket (fleet/shardchannel.py; all nodes are on this host: the Unix
+socket, and with `ray_tcp` TCP on loopback) and, on the same actors, through plain Ray
+actor calls per layer (`ray_plain`: the data path before the socket, commit 68cedaf, as
+a measurement adapter); with --compiled also through Ray Compiled Graphs (one graph per
+shard actor: its compute, the executor's submit = execute, result = get) to two actors
+on the worker nodes and two on the driver's node. The added latency per MoE layer =
+(sharded - one) / MoE layers.
 
     python -m benchmarks.speed.bench_shard_step [--model builtin|bench|DIR] [--tokens 48]
         [--rounds 3] [--compiled]
@@ -30,6 +34,22 @@ def _p50(eng, prompt, n):
         lat.append(ev.latency_s)
         toks.append(ev.token_id)
     return float(np.median(lat[1:])) * 1e3, toks
+
+
+class PlainShard:
+    """A shard actor's compute as a plain Ray call per layer, as RayShard did before its
+    socket (a measurement: no fault handling)."""
+
+    def __init__(self, shard):
+        import ray
+        self._ray, self.actor, self.deadline_s = ray, shard.actor, shard.deadline_s
+
+    def submit(self, layer, xn, experts, weights):
+        return self.actor.compute.remote(layer, xn, experts, weights)
+
+    def result(self, ref):
+        self._ray.wait([ref], timeout=self.deadline_s)     # the slow count's wait
+        return self._ray.get(ref)
 
 
 class CompiledShard:
@@ -75,15 +95,19 @@ def main(argv=None) -> int:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         cfg = EngineConfig(threads=1)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        where = {"ray": lambda s: {"resources": {f"shard{s}": 0.5}}}
+        node = lambda s: {"resources": {f"shard{s}": 0.25}}   # noqa: E731
+        where = {"ray": node, "ray_tcp": lambda s: {**node(s), "transport": "tcp"}}
         if a.compiled:
-            where.update(compiled_nodes=lambda s: {"resources": {f"shard{s}": 0.5}},
+            where.update(compiled_nodes=node,
                          compiled_here=lambda s: {"scheduling_strategy": here})
-        engines = {k: Engine(m, cfg) for k in ("one", "inprocess", *where)}
+        engines = {k: Engine(m, cfg) for k in ("one", "inprocess", "ray_plain", *where)}
         ShardedExperts(engines["inprocess"].model.pipeline, owners,
                        [ExpertShard(m, s, owners) for s in range(2)]).install()
         for k, opts in where.items():
             shards = [RayShard(m, s, owners, cpus=0, **opts(s)).ready() for s in range(2)]
+            if k == "ray":                          # the same actors, plain calls
+                ShardedExperts(engines["ray_plain"].model.pipeline, owners,
+                               [PlainShard(s) for s in shards]).install()
             if k.startswith("compiled"):
                 shards = [CompiledShard(s) for s in shards]
             ShardedExperts(engines[k].model.pipeline, owners, shards).install()
