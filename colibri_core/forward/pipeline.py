@@ -97,6 +97,7 @@ class Pipeline(MoELayer):
         self._runs: Optional[list] = None
         self._mix: Optional[MixedTables] = None
         self.passes = 0                             # run() calls: forward passes done
+        self.mixed_passes = 0                       # of them, passes of several expert sets
         self.layers_run = 0                         # layers those passes ran
         self._cache_addr: dict = {}
         self._logits1 = None                        # the decode loop's logits buffer
@@ -290,6 +291,7 @@ class Pipeline(MoELayer):
             if len(distinct) > 1:
                 self._mix = self._mixed_for(distinct)
                 self._runs = runs_of(spans, per)
+                self.mixed_passes += 1
             es = per[0].es
         t = self._last_tables = self.tables_for(es)
         s = sc.s

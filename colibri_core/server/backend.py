@@ -196,6 +196,7 @@ class LocalBackend:
                 "queue_depth": eng.scheduler.queued, "batch_size": eng.scheduler.running,
                 "requests_running": self.calls.running, "adoptions": book.adoptions,
                 "refusals": book.refusal_counts(), "routed": book.routed_by_name(),
+                "mixed_set_steps": eng.model.pipeline.mixed_passes,
                 "kv_pool": {"free_tokens": eng.kv_pool.free_tokens,
                             "capacity_tokens": eng.kv_pool.capacity_tokens},
                 "prefix_cache": prefix.stats() if (prefix := eng.scheduler.prefix) else None,

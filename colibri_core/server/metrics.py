@@ -39,6 +39,11 @@ class _ExpertCollector:
         a = CounterMetricFamily("colibri_expert_adoptions", "Hot-plugged experts adopted")
         a.add_metric([], snap.get("adoptions", 0))
         yield a
+        m = CounterMetricFamily("colibri_mixed_set_steps", "Steps whose sequences ran under "
+                                "more than one expert set in one forward pass (a pinned "
+                                "snapshot's, a canary's, the live set's)")
+        m.add_metric([], snap.get("mixed_set_steps", 0))
+        yield m
         ref = CounterMetricFamily("colibri_expert_refusals", "Expert files refused, by reason",
                                   labels=["reason"])
         for reason, n in sorted(snap.get("refusals", {}).items()):
