@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from colibri_core.hookspecs import hookimpl
 from colibri_core.fleet.expertplan import PlanError, check_plan, load_plan, place, read_load
 from colibri_core.fleet.expertshard import ExpertShard
 from shard_helpers import one_and_sharded
@@ -143,6 +144,47 @@ def test_shard_step_driver_computes_no_routed_expert(sharded, monkeypatch):
     before = list(ex.sent)
     drv.score_batch([[1, 2, 3, 4]])
     assert calls == [] and sum(ex.sent) > sum(before)
+
+
+class OddRouting:
+    """Rows the router never makes: unused slots first, between and everywhere, an expert
+    twice in one token, ids not ascending; distinct weights (the add order shows)."""
+
+    @hookimpl
+    def colibri_routing(self, layer, expert_ids, weights, scores, logits):
+        ids = np.array(expert_ids, np.int64)
+        w = np.array(weights, np.float32) * np.float32(1.37)
+        for t in range(len(ids)):
+            kind = (t + layer) % 4
+            if kind == 0:
+                ids[t, 1:] = -1                     # k 1
+            elif kind == 1 and ids.shape[1] > 1:
+                ids[t, 0], ids[t, 1] = -1, ids[t, -1]   # unused first, then a repeat
+            elif kind == 2:
+                ids[t] = ids[t, ::-1]               # descending
+            else:
+                ids[t] = -1                         # no routed expert at all
+        return ids, w
+
+
+def test_shard_step_odd_routing_bit_identical():
+    """Tokens with k 0..4 in one step, a repeated expert, unused slots first: the same
+    bits as one engine, on 2 shards (a step where one shard gets no pair among them)."""
+    m = _model_dir()
+    owners = check_plan(place(m, 2), m)
+    with one_and_sharded(m, owners, [ExpertShard(m, s, owners) for s in range(2)]) as (one, drv, ex):
+        for eng in (one, drv):
+            eng.register_plugin(OddRouting())
+        rng = np.random.default_rng(1)
+        seqs = [rng.integers(1, 1000, size=n).tolist() for n in (1, 2, 5, 23)]
+        for k in (1, 2, 4):
+            want = one.score_batch(seqs, experts_per_token=k, all_positions=True)
+            got = drv.score_batch(seqs, experts_per_token=k, all_positions=True)
+            for w, g in zip(want, got):
+                assert np.array_equal(w.view(np.uint32), g.view(np.uint32)), k
+        for n in (1, 3):                            # decode: one token a step
+            want = one.generate(seqs[3][:n], max_new_tokens=12, temperature=0).run().token_ids
+            assert drv.generate(seqs[3][:n], max_new_tokens=12, temperature=0).run().token_ids == want
 
 
 def test_shard_refuses_an_expert_it_does_not_hold(sharded):

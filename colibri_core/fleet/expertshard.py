@@ -5,15 +5,19 @@ the routed experts of every MoE layer computed on expert shards, the rest on the
                     given a layer's (token row, expert, weight) pairs it returns each pair's
                     weighted output, unsummed
     ShardedExperts  the driver's expert executor (Pipeline.experts): sends each shard the
-                    pairs of its experts, adds what comes back in ascending expert id, then
-                    runs the shared expert itself
+                    pairs of its experts, runs the shared expert itself meanwhile, then adds
+                    what came back in ascending expert id and the shared expert's output
 
 Bit-exactness: ck_step_experts adds, per token, x + y_e * w_e over its experts in
 ascending id and then the shared expert, every product rounded to float32 before the add
 (no contraction: kernels/build.py). A shard computes each pair as its own row (row p =
 the pair's token's xn), so it returns round(y_e * w_e) -- a row's result does not depend
 on the other rows (the pipeline is batch-invariant) -- and the driver's float32 adds in
-the same order give the single-machine pipeline's bits.
+the same order give the single-machine pipeline's bits; so does the shared expert
+computed into zeros and added last. The executor's per-layer work is a fixed number of
+numpy calls (no per-pair Python): a token's pairs sorted by expert id within its row,
+owners by one lookup in a per-layer table, then kmax adds of [n, H] (rank r of every
+token at once).
 
 A shard is a plain object here; anything with its submit / result / plug (shardactor.py's
 Ray actor adapter) stands in for it.
@@ -103,16 +107,17 @@ class ExpertShard:
         if own is None:
             raise ValueError(f"expert shard {self.index}: layer {layer} is not a MoE layer")
         experts = np.ascontiguousarray(experts, np.int64)
-        bad = experts[~own[np.clip(experts, -1, len(own) - 1)] | (experts < 0)]
-        if bad.size:
-            raise ValueError(f"expert shard {self.index}: layer {layer} expert {int(bad[0])} "
-                             f"is not placed here")
         p = len(experts)
         xn = np.ascontiguousarray(xn, np.float32)
-        w = np.ascontiguousarray(weights, np.float32)
         out = np.zeros((p, xn.shape[1]), np.float32)
         if p == 0:
             return out
+        # an id past the table clips to its last entry, always False
+        if experts.min() < 0 or not own.take(experts, mode="clip").all():
+            bad = experts[(experts < 0) | ~own.take(experts, mode="clip")]
+            raise ValueError(f"expert shard {self.index}: layer {layer} expert {int(bad[0])} "
+                             f"is not placed here")
+        w = np.ascontiguousarray(weights, np.float32)
         with self._lock:
             if self.held:
                 self._bind()
@@ -208,6 +213,9 @@ class ShardedExperts:
         self._es = None                             # the expert set the shards hold
         self._held: list[dict] = [{} for _ in shards]   # per shard: hot name -> sha256
         self._bytes: dict = {}                      # sha256 -> a hot expert's file
+        self._tabs: dict = {}                       # layer -> _owner_table's arrays
+        self._tok: tuple = (None, None)             # _tokens' last (n, kmax), answer
+        self._out = np.empty(0, np.float32)         # the pairs' outputs, grown as needed
 
     def install(self) -> "ShardedExperts":
         self.pipe.experts = self
@@ -216,11 +224,31 @@ class ShardedExperts:
     def uninstall(self) -> None:
         self.pipe.experts = self.pipe._experts
 
-    def owner(self, layer: int, e: int, t: int) -> int:
-        own = self.owners[layer]
-        if e >= len(own):
-            return hot_owner(e, len(self.shards))
-        return own[e][t % len(own[e])]
+    def _owner_table(self, layer: int, top: int) -> tuple:
+        """(primary [E'], owners [E', R], replicas [E'] or None when none is replicated)
+        of a layer's expert ids < E' (>= top): the plan's, hot-plugged slots hot_owner's."""
+        tab = self._tabs.get(layer)
+        if tab is None or len(tab[0]) < top:
+            own = self.owners[layer]
+            size = max(len(own), top)
+            reps = np.array([len(o) for o in own] + [1] * (size - len(own)), np.int64)
+            table = np.zeros((size, int(reps.max())), np.int64)
+            for e, o in enumerate(own):
+                table[e, :len(o)] = o
+            table[len(own):, 0] = hot_owner(np.arange(len(own), size), len(self.shards))
+            tab = self._tabs[layer] = (np.ascontiguousarray(table[:, 0]), table,
+                                       reps if table.shape[1] > 1 else None)
+        return tab
+
+    def owner_of(self, layer: int, e: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The shard of each pair (expert e >= 0, token t): the expert's primary, or a
+        replicated expert's owners in turn by token (t % replicas)."""
+        prim, table, reps = self._owner_table(layer, 0)
+        try:
+            return prim[e] if reps is None else table[e, t % reps[e]]
+        except IndexError:                          # a hot-plugged slot beyond the table
+            prim, table, reps = self._owner_table(layer, int(e.max()) + 1)
+            return prim[e] if reps is None else table[e, t % reps[e]]
 
     def sync(self, es) -> None:
         """Every hot-plugged expert of set `es` on its owner shard (and only there)."""
@@ -264,38 +292,65 @@ class ShardedExperts:
                                "memory budget and expert timing/prefetch plugins are not "
                                "supported across shards yet")
         layer = L.index
-        ids = idv[:, :kmax]
-        t_idx, j_idx = np.nonzero(ids >= 0)
-        e_idx = ids[t_idx, j_idx]
-        order = np.lexsort((j_idx, t_idx, e_idx))   # ascending expert, then token, slot
-        t_idx, j_idx, e_idx = t_idx[order], j_idx[order], e_idx[order]
-        owner = np.array([self.owner(layer, e, t) for e, t in zip(e_idx.tolist(), t_idx.tolist())],
-                         np.int64)
-        sels = [np.flatnonzero(owner == s) for s in range(len(self.shards))]
+        # a token's pairs in ascending expert id, a repeated expert in slot order: the
+        # order ck_step_experts adds them in (pairs flat, token-major: n * kmax)
+        tok, base = self._tokens(n, kmax)
+        if kmax > 1:
+            order = idv.argsort(axis=1, kind="stable")
+            order += base
+            order = order.reshape(-1)
+            ids, wts = idv.reshape(-1)[order], wv.reshape(-1)[order]
+        else:
+            ids, wts = idv.reshape(-1), wv.reshape(-1)
+        valid = ids >= 0                            # -1: no expert (they sort first)
+        full = valid.all()
+        pos = None if full else valid.nonzero()[0]
+        e_p, t_p, w_p = (ids, tok, wts) if full else (ids[pos], tok[pos], wts[pos])
+        owner = self.owner_of(layer, e_p, t_p)
+        sels = [(owner == s).nonzero()[0] for s in range(len(self.shards))]
         for s, sel in enumerate(sels):              # every routed pair goes to a shard
             self.sent[s] += sel.size                # (counted even if the step then fails)
         es = pipe._last_tables.es
         if es is not self._es or any(getattr(s, "restarted", False) for s in self.shards):
             self.sync(es)
-        xn, x = sc.xn[:n], sc.x[:n]
-        w = wv[t_idx, j_idx]
-        out = np.empty((len(e_idx), x.shape[1]), np.float32)
-        calls = [(sel, shard, shard.submit(layer, xn[t_idx[sel]], e_idx[sel], w[sel]))
+        xn, x = sc.prefix("xn", n), sc.prefix("x", n)
+        H = x.shape[1]
+        if self._out.size < n * kmax * H:
+            self._out = np.empty(n * kmax * H, np.float32)
+        out = self._out[:n * kmax * H].reshape(n * kmax, H)
+        calls = [(sel, shard, shard.submit(layer, xn[t_p[sel]], e_p[sel], w_p[sel]))
                  for sel, shard in zip(sels, self.shards) if sel.size]
-        for sel, shard, h in calls:
-            out[sel] = shard.result(h)
-        # x + c per pair in ascending expert id: a token appears at most once per expert
-        # and slot, so one expert's adds touch distinct rows unless a slot repeats it
-        for e in np.unique(e_idx):
-            rows = np.flatnonzero(e_idx == e)
-            np.add.at(x, t_idx[rows], out[rows])
         block = L.block
-        if block.shared != ffi.NULL:                # the shared expert, after the routed
+        shared = None
+        if block.shared != ffi.NULL:                # while the shards compute: the shared
+            shared = np.zeros((n, H), np.float32)   # expert into rows of its own, added last
             run_ids = sc.rows("run_ids", -1, n, kmax)
             run_ids[...] = -1
             _, _, p_w = sc.p_layer[i]
             pipe._check(lib.ck_step_experts(block, sc.p_xn, n, sc.p_run_ids, p_w, kmax,
-                                            sc.p_x, sc.s))
+                                            _f32(shared), sc.s))
+        for sel, shard, h in calls:
+            out[sel if full else pos[sel]] = shard.result(h)
+        # x + c per pair, a token's in the order above: rank r of every token at once
+        out = out.reshape(n, kmax, H)
+        if full:
+            for r in range(kmax):
+                x += out[:, r]
+        else:
+            valid = valid.reshape(n, kmax)
+            for r in range(kmax):
+                m = valid[:, r]
+                x[m] += out[m, r]
+        if shared is not None:
+            x += shared
+
+    def _tokens(self, n: int, kmax: int) -> tuple:
+        """([n * kmax] each flat pair's token row, [n, 1] each row's first flat pair),
+        cached for the last step size."""
+        if self._tok[0] != (n, kmax):
+            rows = np.arange(n, dtype=np.int64)
+            self._tok = ((n, kmax), (np.repeat(rows, kmax), rows[:, None] * kmax))
+        return self._tok[1]
 
 
 def _write(path: str, data: bytes) -> None:
