@@ -66,11 +66,14 @@ class Engine:
             from .experts.residency import derive_budget
             config, _ = derive_budget(self.model_dir, config)
             self.config = config
+        plan = None
         if config.max_resident_mb is not None and os.path.isfile(self.model_dir / "config.json"):
             from .experts.residency import check_budget
-            check_budget(self.model_dir, config)    # too small a budget: refused before loading
-        # Copy-in under a budget: expert files are read into the cache's slots, not at load.
-        lazy = config.max_resident_mb is not None and config.load_mode == "copy"
+            plan = check_budget(self.model_dir, config)   # too small: refused before loading
+        # Copy-in under a budget: expert files are read into the cache's slots, not at load
+        # (a budget holding the whole model reads them at load, as without one).
+        lazy = (config.max_resident_mb is not None and config.load_mode == "copy"
+                and not (plan is not None and plan.holds_whole_model))
         self.weights = load_model(self.model_dir, config.load_mode, lazy_experts=lazy)
         try:            # a failure from here on leaves nothing open: no mapping, no thread
             self._build(config, plugin_manager)

@@ -281,11 +281,11 @@ def test_hot_plugged_expert_runs_outside_the_budget(model_dir, reference):
 def test_cli_reports_memory(model_dir):
     from colibri_core.config import builtin_model_dir
     r = subprocess.run([sys.executable, "-m", "colibri_core", "run", "--prompt", "The assert",
-                        "-n", "6", "--temperature", "0", "--max-resident-mb", "8",
+                        "-n", "6", "--temperature", "0", "--max-resident-mb", "7",
                         "--speculative"], capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode == 0, r.stderr
     line = [l for l in r.stderr.splitlines() if l.startswith("colibri: memory:")]
-    assert line and "budget 8 MB" in line[0] and "hit rate" in line[0] and "MB/token" in line[0]
+    assert line and "budget 7 MB" in line[0] and "hit rate" in line[0] and "MB/token" in line[0]
     r = subprocess.run([sys.executable, "-m", "colibri_core", "run", "--model", str(model_dir),
                         "--max-resident-mb", "1"], capture_output=True, text=True, timeout=120,
                        cwd="/")

@@ -123,7 +123,7 @@ def test_budget_report_shows_what_exists(size):
     budget = next(x for x in r.stderr.splitlines() if x.startswith("colibri: budget"))
     cache = float(budget.split("expert cache ")[1].split()[0])
     if cache >= total:
-        assert f"holds all of them, {cache - total:.1f} MB of the budget unused" in line
+        assert f"holds the whole model ({cache - total:.1f} MB of it unused)" in line
     else:
         held = int(line.split("holds ")[1].split()[0])
         assert 2 <= held < len(names)

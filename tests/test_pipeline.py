@@ -112,9 +112,15 @@ def test_a_sequence_gets_the_same_logits_alone_batched_and_chunked(models, confi
         assert np.array_equal(whole, np.concatenate(singles))
 
 
-def test_generation_is_the_same_with_a_budget_that_holds_the_model(models):
+def test_generation_is_the_same_with_a_budget_one_expert_short_of_the_model(models):
+    """The expert cache holding every expert but about one (a budget that holds the whole
+    model runs the plain path: test_whole_budget.py)."""
+    from colibri_core.experts.residency import MiB, check_budget
     d = models["mixed_shared_odd"]
-    with Engine(d, EngineConfig()) as plain, Engine(d, EngineConfig(max_resident_mb=64)) as budget:
+    mb, step = 64.0, check_budget(d, EngineConfig(max_resident_mb=64)).expert_bytes / 2 / MiB
+    while check_budget(d, EngineConfig(max_resident_mb=mb)).holds_whole_model:
+        mb -= step
+    with Engine(d, EngineConfig()) as plain, Engine(d, EngineConfig(max_resident_mb=mb)) as budget:
         assert budget.model.residency.active
         a = plain.generate([3, 4, 5], max_new_tokens=20, temperature=0).run().token_ids
         b = budget.generate([3, 4, 5], max_new_tokens=20, temperature=0).run().token_ids

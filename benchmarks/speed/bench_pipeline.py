@@ -118,20 +118,24 @@ def batch_step(eng, tokens: list, caches: list) -> list:
 
 def child_decode(job: dict, eng) -> dict:
     from colibri_core.memstat import proc_read_bytes
+    from colibri_core.runtime.sampler import SamplingParams
     rng = np.random.default_rng(job.get("seed", 0))
     prompt = rng.integers(1, eng.model_cfg.vocab_size - 1, PROMPT).tolist()
     eng.generate(prompt[:8], max_new_tokens=4, temperature=0.0).run()     # warm-up
     lat, snap = [], None
-    for ev in eng.generate(prompt, max_new_tokens=job["tokens"] + 1, temperature=0.0):
+    greedy = SamplingParams(temperature=0.0, ignore_eos=bool(job.get("ignore_eos")))
+    for ev in eng.generate(prompt, max_new_tokens=job["tokens"] + 1 + job.get("warmup", 0),
+                           sampling=greedy):
         lat.append(ev.latency_s)
         if snap is None:               # after the prefill: decode-only counters from here
             snap = (eng.memory_report(page_cache=False), proc_read_bytes() or 0)
     rep, read = eng.memory_report(page_cache=False), proc_read_bytes() or 0
+    skip = 1 + job.get("warmup", 0)    # the first token carries the prefill
     n = len(lat) - 1
-    out = {**pcts(lat[1:]), "first_token_ms": lat[0] * 1e3}
+    out = {**pcts(lat[skip:]), "first_token_ms": lat[0] * 1e3}
     if rep.get("budget"):
         d = {k: rep[k] - snap[0][k] for k in ("hits", "misses", "loaded_bytes", "stall_s")}
-        out.update(budget=rep["budget"], capacity=rep["capacity"],
+        out.update(budget=rep["budget"], capacity=rep["capacity"], whole_model=bool(rep.get("whole_model")),
                    experts_total=rep["plan"]["experts_total"],
                    hit_rate=d["hits"] / (d["hits"] + d["misses"]) if d["hits"] + d["misses"] else None,
                    loaded_per_token=d["loaded_bytes"] / n, stall_ms_per_token=d["stall_s"] / n * 1e3,
@@ -257,7 +261,8 @@ def configs(a, mix: Path, ds: Path | None) -> list[dict]:
 
 def run_child(job: dict) -> dict:
     model = Path(job["model"])
-    if job.get("settings", {}).get("max_resident_mb"):
+    state = job.get("cache", "cold" if job.get("settings", {}).get("max_resident_mb") else "warm")
+    if state == "cold":       # the job's page-cache state; default: budget dropped, plain read
         drop_cache(model)
     else:
         warm_cache(model)

@@ -63,7 +63,10 @@ def _budget_lines(eng) -> list[str]:
         each = plan.experts_total / plan.n_experts
         have = (f"colibri: experts: the model has {plan.n_experts} routed experts, "
                 f"{plan.experts_total / MiB:.1f} MB ({each / MiB:.2f} MB each); ")
-        if cap >= plan.experts_total:
+        if plan.holds_whole_model:
+            have += (f"the budget holds the whole model ({(cap - plan.experts_total) / MiB:.1f} "
+                     f"MB of it unused): run as without one, nothing to evict")
+        elif cap >= plan.experts_total:
             have += (f"the cache holds all of them, {(cap - plan.experts_total) / MiB:.1f} MB "
                      f"of the budget unused")
         else:
@@ -140,7 +143,8 @@ def _memory_line(eng, read0, n_tokens: int) -> str:
     parts.append(f"model page cache {sum(pc.values()) / MiB:.0f} MB "
                  f"(experts {pc.get('expert_files', 0) / MiB:.0f})")
     if r.get("budget"):
-        parts.append(f"expert cache {r['expert_cache_bytes'] / MiB:.0f}/{r['capacity'] / MiB:.0f} MB")
+        parts.append(f"expert cache {r['expert_cache_bytes'] / MiB:.0f}/{r['capacity'] / MiB:.0f} MB"
+                     + (" (the whole model)" if r.get("whole_model") else ""))
         if r.get("hit_rate") is not None:
             parts.append(f"hit rate {100 * r['hit_rate']:.1f}%")
         spec = r.get("speculation")

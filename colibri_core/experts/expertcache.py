@@ -428,13 +428,19 @@ class BudgetResidency(Speculation, Residency):
 
 def make_residency(weights: ModelWeights, engine: EngineConfig, advice: Optional[int]) -> Residency:
     """The engine's residency: the free default (residency.Residency), or under
-    max_resident_mb this module's budgeted expert cache."""
-    if engine.max_resident_mb is None:
-        res = Residency(weights, advice)
-        if engine.preload != "none" and engine.load_mode == "mmap":
-            res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
-        return res
-    main = next((f for f in weights.files if f.path.name == "model.bin"), None)
-    embed = layout_of(main.sections) if main is not None else None
-    plan = plan_budget(weights.cfg, engine, model_file_sizes(weights.path, weights.cfg), embed)
-    return BudgetResidency(weights, engine, plan, embed, main)
+    max_resident_mb this module's budgeted expert cache -- unless the budget holds the
+    whole model: then nothing is ever evicted, and the default's path (its preload into
+    2 MB folios, one C call per MoE layer, the model's files left in the page cache)
+    runs under the plan's KV pool and prefill chunks (issue 30: a cache that only ever
+    hits cost 1.2-1.3x plain per token)."""
+    plan = embed = main = None
+    if engine.max_resident_mb is not None:
+        main = next((f for f in weights.files if f.path.name == "model.bin"), None)
+        embed = layout_of(main.sections) if main is not None else None
+        plan = plan_budget(weights.cfg, engine, model_file_sizes(weights.path, weights.cfg), embed)
+        if not plan.holds_whole_model:
+            return BudgetResidency(weights, engine, plan, embed, main)
+    res = Residency(weights, advice, plan)
+    if engine.preload != "none" and engine.load_mode == "mmap":
+        res.preload(MADV_POPULATE_READ if engine.preload == "populate" else MADV_WILLNEED)
+    return res

@@ -42,7 +42,9 @@ experts i+1.. load; a pinned entry is never evicted. When a layer's experts do n
 MoE layer's router to the hidden state after this layer and loads its guesses early.
 
 The default (no budget) is `Residency`: the madvise prefetch of EngineConfig.prefetch and
-nothing else, one tuple and two method calls per MoE layer. This module plans the budget
+nothing else, one tuple and two method calls per MoE layer. A budget that holds the whole
+model (`BudgetPlan.holds_whole_model`: every file, the embedding at its full size) runs it
+too, under the plan's KV pool and prefill chunks: nothing would ever be evicted. This module plans the budget
 and holds `Residency`; the cache itself (`BudgetResidency`) and the choice between the two
 (`make_residency`) are in expertcache.py.
 """
@@ -177,6 +179,12 @@ class BudgetPlan:
     def capacity_experts(self) -> int:
         return self.capacity // self.expert_bytes if self.expert_bytes else 0
 
+    @property
+    def holds_whole_model(self) -> bool:
+        """Every file fits: the expert cache takes every expert file and the embedding
+        fits at its full size (what `dense` does not count of it comes out of the cache)."""
+        return self.capacity - (self.embed_total - self.embed_reserve) >= self.experts_total
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -300,17 +308,21 @@ def derive_budget(model_dir, engine: EngineConfig,
 # ----------------------------------------------------------------------------- no budget
 
 class Residency:
-    """No budget: the madvise prefetch of EngineConfig.prefetch (one call per routed
-    expert, up front) and nothing else."""
+    """No budget, or a budget that holds the whole model (`plan`: its plan; nothing to
+    evict, so nothing to count per step): the madvise prefetch of EngineConfig.prefetch
+    (one call per routed expert, up front) and nothing else."""
 
     active = False
     speculative = False
-    chunk_tokens: Optional[int] = None
-    plan: Optional[BudgetPlan] = None
 
-    def __init__(self, weights: ModelWeights, advice: Optional[int]):
+    def __init__(self, weights: ModelWeights, advice: Optional[int],
+                 plan: Optional[BudgetPlan] = None):
         self.weights = weights
         self._advice = advice
+        self.plan = plan
+        # under a budget: its prefill chunks (activations) and its expert cache's size
+        self.chunk_tokens = plan.chunk_tokens if plan is not None else None
+        self.capacity = plan.capacity if plan is not None else 0
         self._read0 = proc_read_bytes()
         # Files already advised: a repeated MADV_WILLNEED on a resident 4 MB expert costs
         # ~60 us (the kernel walks its page cache), 1 ms of a 10 ms decode step.
@@ -340,7 +352,8 @@ class Residency:
         first forward step is done (step_done): the first token faults in only what it
         reads, and shares the CPUs with no preload (on 2 CPUs, populating Qwen3-30B-A3B's
         6,146 files beside the first forward made that forward the largest part of a warm
-        load). Not under a memory budget, whose faults must read no more than they need."""
+        load). Not under a memory budget that does not hold the whole model: its faults
+        must read no more than they need."""
         for f in self.weights.files:
             f.madvise(MADV_HUGEPAGE)
         self._preload = preload_files(self.weights.files)
@@ -413,6 +426,12 @@ class Residency:
         """Memory and I/O figures (bytes). page_cache: also measure the model files'
         page-cache residency (one mincore per file)."""
         r = {"budget": None, **proc_memory()}
+        p = self.plan
+        if p is not None and not self.active:   # the whole model held: nothing loaded since
+            r.update(budget=p.budget, plan=p.as_dict(), capacity=p.capacity, whole_model=True,
+                     expert_cache_bytes=p.experts_total, expert_cache_peak=p.experts_total,
+                     hits=0, misses=0, hit_rate=None, loads=0, loaded_bytes=0, evictions=0,
+                     stall_s=0.0)
         rb = proc_read_bytes()
         r["read_bytes"] = None if rb is None or self._read0 is None else rb - self._read0
         if page_cache:
