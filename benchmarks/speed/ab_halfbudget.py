@@ -24,7 +24,7 @@ import sys
 
 from benchmarks.common import OUT, git_commit, machine
 from benchmarks.speed._pipeline_inputs import cold_read_rate, model_bytes
-from benchmarks.speed.bench_pipeline import KV_TOKENS, run_child
+from benchmarks.speed.bench_pipeline import KV_TOKENS, run_rounds
 
 MiB = 1 << 20
 SPEC3 = {"speculative": True, "speculative_layers": 3}
@@ -73,14 +73,10 @@ def main(argv=None) -> None:
            "max_resident_mb": half, "read_before": cold_read_rate(mix, io),
            "runs": {j["name"]: [] for j in jobs}}
     log(f"cold read, {io} threads: {res['read_before']['GBps']:.2f} GB/s")
-    for r in range(a.rounds):
-        for j in (jobs if r % 2 == 0 else jobs[::-1]):
-            got = run_child(j)
-            res["runs"][j["name"]].append(got)
-            log(f"round {r} {j['name']:16s} " + (
-                f"p50 {got['p50_ms']:.2f} ms, hit {got.get('hit_rate')}, loaded "
-                f"{got.get('loaded_per_token', 0) / MiB:.1f} MiB/tok, stall "
-                f"{got.get('stall_ms_per_token', 0):.1f} ms" if "p50_ms" in got else got.get("error")))
+    run_rounds(jobs, a.rounds, res["runs"], lambda got: (
+        f"p50 {got['p50_ms']:.2f} ms, hit {got.get('hit_rate')}, loaded "
+        f"{got.get('loaded_per_token', 0) / MiB:.1f} MiB/tok, stall "
+        f"{got.get('stall_ms_per_token', 0):.1f} ms"))
     res["read_after"] = cold_read_rate(mix, io)
     res["load_after"] = os.getloadavg()
     rate = min(res["read_before"]["GBps"], res["read_after"]["GBps"]) * 1e9

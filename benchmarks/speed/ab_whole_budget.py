@@ -14,8 +14,9 @@ the model's own files: _pipeline_inputs.drop_cache; never drop_caches). Each run
 fresh child (bench_pipeline.run_child/child_decode: a 64-token prompt of fixed random
 ids, greedy, EOS ignored); the per-token p50 leaves out the first token and `--warmup`
 more. The order alternates every other round. Per state: medians over rounds of plain's
-and the budget's p50, the ratio budget / plain of the medians, the per-round ratios and
-the rounds where the budget is more than 5 % slower. Writes
+and the budget's p50, the ratio budget / plain of the medians, the per-round ratios (and
+their median: paired, steadier on a loaded machine) and the rounds where the budget is
+more than 5 % slower. Writes
 benchmarks/out/ab_whole_budget.json.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.common import OUT, git_commit, machine
 from benchmarks.speed._pipeline_inputs import model_bytes
-from benchmarks.speed.bench_pipeline import KV_TOKENS, run_child
+from benchmarks.speed.bench_pipeline import KV_TOKENS, run_rounds
 
 MiB = 1 << 20
 STATES = ("cached", "dropped")
@@ -87,7 +88,7 @@ def summarize(res: dict, modes: list) -> dict:
             ratios = [b / p for p, b in pairs]
             out[f"{mode}, {state}"] = {
                 "plain_ms": med(plain), "budget_ms": med(ok), "ratio": med(ok) / med(plain),
-                "round_ratios": [round(r, 3) for r in ratios],
+                "round_ratios": [round(r, 3) for r in ratios], "median_round_ratio": statistics.median(ratios),
                 "slower_rounds": sum(r > SLOWER for r in ratios), "rounds": len(ratios),
                 "hit_rate": (statistics.median(b["hit_rate"] for b in ok)
                              if all(b.get("hit_rate") is not None for b in ok) else None),
@@ -99,11 +100,11 @@ def summarize(res: dict, modes: list) -> dict:
 
 def table(summary: dict) -> str:
     rows = ["| mode, page cache | plain ms/token | budget ms/token | budget / plain | per round "
-            "| rounds > 5 % slower | budget's path | MiB loaded / token |",
+            "(median) | rounds > 5 % slower | budget's path | MiB loaded / token |",
             "|---|---|---|---|---|---|---|---|"]
     for k, s in summary.items():
         rows.append(f"| {k} | {s['plain_ms']:.2f} | {s['budget_ms']:.2f} | {s['ratio']:.3f} "
-                    f"| {', '.join(f'{r:.2f}' for r in s['round_ratios'])} "
+                    f"| {', '.join(f'{r:.2f}' for r in s['round_ratios'])} ({s['median_round_ratio']:.2f}) "
                     f"| {s['slower_rounds']} of {s['rounds']} | " + ("plain (whole model)"
                     if s["whole_model_path"] else f"expert cache, hit rate {s['hit_rate'] or 0:.3f}")
                     + f" | {s['loaded_mib_per_token']:.2f} |")
@@ -140,13 +141,8 @@ def main(argv=None) -> None:
            "budget_mb": {j["name"]: j["settings"]["max_resident_mb"] for j in jobs if "settings" in j},
            "runs": {j["name"]: [] for j in jobs}}
     log(f"model {res['model_mib']:.1f} MiB of files; budgets {res['budget_mb']}")
-    for r in range(a.rounds):
-        for j in (jobs if r % 2 == 0 else jobs[::-1]):
-            got = run_child(j)
-            res["runs"][j["name"]].append(got)
-            log(f"round {r} {j['name']:22s} " + (
-                f"p50 {got['p50_ms']:.2f} ms, hit {got.get('hit_rate')}, load {os.getloadavg()[0]:.1f}"
-                if "p50_ms" in got else got.get("error", "?")))
+    run_rounds(jobs, a.rounds, res["runs"], lambda got: f"p50 {got['p50_ms']:.2f} ms, whole model "
+               f"{got.get('whole_model')}, load {os.getloadavg()[0]:.1f}")
     res["load_after"] = os.getloadavg()
     res["backend"] = next((x["backend"] for rows in res["runs"].values() for x in rows if "backend" in x), "?")
     res["summary"] = summarize(res, a.modes)

@@ -284,6 +284,16 @@ def run_child(job: dict) -> dict:
     return res
 
 
+def run_rounds(jobs: list, rounds: int, runs: dict, line) -> None:
+    """Every job once a round, each a fresh child (run_child), the order reversed every
+    other round; results appended to runs[job name], logged with line(result)."""
+    for r in range(rounds):
+        for j in (jobs if r % 2 == 0 else jobs[::-1]):
+            got = run_child(j)
+            runs[j["name"]].append(got)
+            log(f"round {r} {j['name']:22s} " + (line(got) if "p50_ms" in got else got.get("error", "?")))
+
+
 def run_llama(tools: dict, gguf: Path, threads: int, quick: bool) -> dict:
     args = list(LLAMA_ARGS)
     if quick:
