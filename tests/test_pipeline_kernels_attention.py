@@ -77,15 +77,20 @@ def _mla_awq(w, rng):
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v3_plain_q", "deepseek_v2",
                                         "deepseek_v3_over_budget", "deepseek_v2_float_act",
-                                        "deepseek_v3_awq", "deepseek_v3_awq_over_budget"])
+                                        "deepseek_v3_awq", "deepseek_v3_awq_over_budget",
+                                        "deepseek_v2_odd_heads"])
 def mla_eng(request, tmp_path_factory):
     """over_budget: W_UK / W_UV past the float budget, read from wkv_b's quantized rows;
-    awq: activation scales on every MLA matrix (wkv_b's divided out of its columns)."""
+    awq: activation scales on every MLA matrix (wkv_b's divided out of its columns);
+    odd_heads: 6 heads (one group, 2 heads past the AVX2 kernel's 4-head block) and a
+    rope part of 12 (not a multiple of 8)."""
     from hf_helpers import make_hf_model, save, write_tokenizer
     from colibri_core.forward import pipeline as P
     from colibri_core.convert import convert
     name = request.param
     over = {"q_lora_rank": None, "rope_interleave": False} if name.endswith("plain_q") else {}
+    if name.endswith("odd_heads"):
+        over = {"num_attention_heads": 6, "num_key_value_heads": 6, "qk_rope_head_dim": 12}
     hf = make_hf_model(name.split("_")[0] + "_" + name.split("_")[1], seed=2, **over)
     d = tmp_path_factory.mktemp(name)
     src = save(hf, d / "hf")
@@ -153,3 +158,15 @@ def test_mla_rows_are_batch_invariant(mla_eng):
         b_x, b_xn = run_mla(p, L, x, [crowd] + [others[i % 8] for i in range(63)],
                             [5] + [i // 8 for i in range(63)])
         assert np.array_equal(a_x[0], b_x[0]) and np.array_equal(a_xn[0], b_xn[0])
+
+
+@pytest.mark.parametrize("backend", ["scalar", "auto"])
+def test_mla_backends_match_the_reference(mla_eng, backend):
+    """The backends with an `mla` kernel (AVX2, AVX-512: ck_avx2_mla) and those without
+    (scalar, NEON: ck_step_mla.c's per-head loop) against the same reference."""
+    from colibri_core import kernels as K
+    K.set_backend(backend)
+    try:
+        test_mla_attention_matches_the_reference_block(mla_eng)
+    finally:
+        K.set_backend("auto")

@@ -431,6 +431,52 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
     }
 }
 
+/* MLA (ck_internal.h's `mla`): ck_avx2_attn's blocking, scores over latent c [r] + rope
+ * key [R]; past g, a 4-head block reads the last head's rows again and drops their dots */
+AVX2_API void ck_avx2_mla(const float *ql, const float *qp, int64_t ldq, int g, int64_t r, int64_t R,
+                          const float *c, const float *kp, int64_t len, float scale, float *s, float *out) {
+    const int64_t r8 = r / 8 * 8, R8 = R / 8 * 8;
+    for (int64_t p = 0; p < len; p++) {
+        const float *cr = c + p * r, *kr = kp + p * R;
+        if (p + 4 < len)
+            for (int64_t i = 0; i < r; i += 16) _mm_prefetch((const char *)(cr + 4 * r + i), _MM_HINT_T0);
+        for (int h = 0; h < g; h += 4) {
+            const float *q[4], *e[4];
+            for (int u = 0; u < 4; u++) {
+                const int hu = h + u < g ? h + u : g - 1;
+                q[u] = ql + hu * r; e[u] = qp + hu * ldq;
+            }
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t i = 0; i < r8; i += 8) {
+                __m256 kv = _mm256_loadu_ps(cr + i);
+                for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q[u] + i), kv, a[u]);
+            }
+            for (int64_t i = 0; i < R8; i += 8) {
+                __m256 kv = _mm256_loadu_ps(kr + i);
+                for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(e[u] + i), kv, a[u]);
+            }
+            __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            float dots[4];
+            _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            for (int u = 0; u < 4 && h + u < g; u++) {
+                float d = dots[u];
+                for (int64_t i = r8; i < r; i++) d += ck_ldf(q[u] + i) * ck_ldf(cr + i);
+                for (int64_t i = R8; i < R; i++) d += ck_ldf(e[u] + i) * ck_ldf(kr + i);
+                s[(h + u) * len + p] = d * scale;
+            }
+        }
+    }
+    for (int h = 0; h < g; h++) softmax_row(s + h * len, len);
+    for (int h0 = 0; h0 < g; h0 += 4) {
+        switch (g - h0 < 4 ? g - h0 : 4) {
+        case 4: attn_values(s, h0, r, c, r, len, out, 4); break;
+        case 3: attn_values(s, h0, r, c, r, len, out, 3); break;
+        case 2: attn_values(s, h0, r, c, r, len, out, 2); break;
+        default: attn_values(s, h0, r, c, r, len, out, 1); break;
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ mxfp4, int8 act */
 
 /* c + the integer dots of one 64-value step (ck_tiles.h's CK_DEFINE_MX_I8_TILE): unsigned
@@ -446,7 +492,7 @@ CK_DEFINE_MX_I8(AVX2_FN, mx_i8, mx_i8_tile, 2)
 
 const ck_backend_t ck_backend_avx2 = {"avx2", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8,
                                      ck_avx2_q8_f32, q6_i8, ck_scalar_q6_f32, ck_avx2_attn,
-                                     4, 4, .mx_i8 = mx_i8};
+                                     4, 4, .mx_i8 = mx_i8, .mla = ck_avx2_mla};
 
 #else
 typedef int ck_avx2_unused; /* not x86: nothing to compile here */

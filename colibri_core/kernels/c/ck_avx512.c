@@ -331,6 +331,7 @@ CK_DEFINE_MX_I8(VNNI_FN, mx_i8, mx_i8_tile, 4)
 const ck_backend_t ck_backend_avx512vnni = {
     "avx512vnni", ck_avx2_act_quant, q4_i8, ck_avx2_q4_f32, q8_i8, ck_avx2_q8_f32,
     q6_i8, ck_scalar_q6_f32, ck_avx2_attn, 4, 4, q4_unpack, q4_panels, q6_unpack, mx_i8,
+    ck_avx2_mla,
 };
 
 #else

@@ -138,6 +138,12 @@ typedef struct {
      * activations: ck_scalar_mx_f32 on every backend, the parity path) */
     void (*mx_i8)(const ck_mx *w, int64_t r0, int rt, const ck_act *a, int64_t t0, int nt,
                   float *res);
+    /* MLA's absorbed attention of g heads sharing one latent cache (ck_step_mla.c; NULL:
+     * its portable loop): scores ql[h] . c_p + qp[h] . kp_p (ql [g, r]; qp rows ldq
+     * apart, [R] each; c rows r floats, kp rows R), times scale, softmax, out [g, r] =
+     * sum_p s[h, p] c_p; s: [g, len] scratch */
+    void (*mla)(const float *ql, const float *qp, int64_t ldq, int g, int64_t r, int64_t R,
+                const float *c, const float *kp, int64_t len, float scale, float *s, float *out);
 } ck_backend_t;
 
 extern const ck_backend_t ck_backend_scalar;
@@ -171,6 +177,8 @@ void ck_avx2_q8_f32(const ck_q8 *w, int64_t r0, int rt, const ck_xf *x, int64_t 
                     float *res);
 void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, const float *v, int64_t ld,
                   int64_t len, float scale, float *s, float *out);
+void ck_avx2_mla(const float *ql, const float *qp, int64_t ldq, int g, int64_t r, int64_t R,
+              const float *c, const float *kp, int64_t len, float scale, float *s, float *out);
 #endif
 #if defined(__aarch64__)
 extern const ck_backend_t ck_backend_neon;        /* ARMv8.0 NEON */

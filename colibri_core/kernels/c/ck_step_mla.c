@@ -142,27 +142,53 @@ static void mla_token_chunk(void *p, int64_t t) {
     for (int64_t h = 0; h < nh; h++) mla_rope(q + h * (N + R) + N, cs, sn, half, L->interleave);
 }
 
-/* token t = i / nh, head h = i % nh: its q_nope absorbed into latent space through W_UK
- * (a loop of its own so that a decode token's heads run on every thread) */
+/* W_UK / W_UV loops: item i = head i / blocks, tokens of block i % blocks; each row of
+ * wkv_b is read (or dequantized) once for the block's MLA_TB tokens, not once per token
+ * (per token the arithmetic is the same whatever the block: batch invariant) */
+#define MLA_TB 16
+static inline int64_t mla_blocks(const mla_ctx *c) { return (c->n + MLA_TB - 1) / MLA_TB; }
+
+/* q_nope absorbed into latent space through W_UK (rows h*(N+V) .. +N): q_lat [r] */
 static void mla_absorb_chunk(void *p, int64_t i) {
     mla_ctx *c = p;
     const ck_mla_layer *L = c->L;
-    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
-    const int64_t t = i / nh, h = i % nh;
-    const float *qh = mla_q(c, t) + h * (N + R);
-    float *o = mla_qlat(c, t) + h * r, buf[r];
-    for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
-    for (int64_t k = 0; k < N; k++) {                   /* W_UK: rows h*(N+V) .. +N */
-        const float a = qh[k], *w = wkv_b_row(L, h * (N + V) + k, buf);
-        for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
+    const int64_t N = L->nope, R = L->rope, r = L->r, V = L->v, nb = mla_blocks(c);
+    const int64_t h = i / nb, t0 = i % nb * MLA_TB, t1 = min64(t0 + MLA_TB, c->n);
+    float buf[r];
+    for (int64_t t = t0; t < t1; t++) {
+        float *o = mla_qlat(c, t) + h * r;
+        for (int64_t j = 0; j < r; j++) o[j] = 0.0f;
+    }
+    for (int64_t k = 0; k < N; k++) {
+        const float *w = wkv_b_row(L, h * (N + V) + k, buf);
+        for (int64_t t = t0; t < t1; t++) {
+            const float a = mla_q(c, t)[h * (N + R) + k];
+            float *o = mla_qlat(c, t) + h * r;
+            for (int64_t j = 0; j < r; j++) o[j] += a * w[j];
+        }
     }
 }
 
-/* token t = i / nh, head h = i % nh: scores over rows 0..pos, o_lat, then out = W_UV o_lat */
+/* out [V] = W_UV (rows h*(N+V)+N .. +V) o_lat */
+static void mla_uv_chunk(void *p, int64_t i) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t N = L->nope, r = L->r, V = L->v, nb = mla_blocks(c);
+    const int64_t h = i / nb, t0 = i % nb * MLA_TB, t1 = min64(t0 + MLA_TB, c->n);
+    float buf[r];
+    for (int64_t k = 0; k < V; k++) {
+        const float *w = wkv_b_row(L, h * (N + V) + N + k, buf);
+        for (int64_t t = t0; t < t1; t++)
+            mla_out(c, t)[h * V + k] = dot_f32(w, mla_olat(c, t) + h * r, r);
+    }
+}
+
+/* token t = i / nh, head h = i % nh: scores over rows 0..pos, then o_lat
+ * (backends without an `mla` kernel: scalar, NEON) */
 static void mla_head_chunk(void *p, int64_t i) {
     mla_ctx *c = p;
     const ck_mla_layer *L = c->L;
-    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r, V = L->v;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r;
     const int64_t t = i / nh, h = i % nh;
     const int64_t *tk = c->tok + CK_TOK_COLS * t;
     const int64_t cap = tk[3] / r, len = tk[0] + 1;
@@ -188,8 +214,28 @@ static void mla_head_chunk(void *p, int64_t i) {
         for (int64_t k = 0; k < r; k++) o[k] += pj * row[k];
     }
     if (sc != stack) free(sc);
-    float *out = mla_out(c, t) + h * V, buf[r];              /* W_UV: rows h*(N+V)+N .. +V */
-    for (int64_t k = 0; k < V; k++) out[k] = dot_f32(wkv_b_row(L, h * (N + V) + N + k, buf), o, r);
+}
+
+/* the backend's MLA kernel (ck_internal.h) on MLA_HG heads of token t = i / groups: each
+ * latent row is read once for the group */
+#define MLA_HG 8
+static void mla_group_chunk(void *p, int64_t i) {
+    mla_ctx *c = p;
+    const ck_mla_layer *L = c->L;
+    const int64_t nh = L->nh, N = L->nope, R = L->rope, r = L->r;
+    const int64_t groups = (nh + MLA_HG - 1) / MLA_HG, t = i / groups, h0 = i % groups * MLA_HG;
+    const int g = (int)min64(MLA_HG, nh - h0);
+    const int64_t *tk = c->tok + CK_TOK_COLS * t;
+    const int64_t cap = tk[3] / r, len = tk[0] + 1;
+    const float *cc = (const float *)(uintptr_t)tk[1] + c->layer * cap * r;
+    const float *kp = (const float *)(uintptr_t)tk[2] + c->layer * cap * R;
+    float stack[g * len <= 16384 ? g * len : 1];
+    float *sc = g * len <= 16384 ? stack : malloc((size_t)(g * len) * sizeof(float));
+    if (!sc) { c->s->failed = 1; return; }
+    float *o = mla_olat(c, t) + h0 * r;
+    c->be->mla(mla_qlat(c, t) + h0 * r, mla_q(c, t) + h0 * (N + R) + N, N + R, g, r, R, cc, kp,
+               len, L->scale, sc, o);
+    if (sc != stack) free(sc);
 }
 
 typedef struct { const mla_ctx *c; const float *w; int64_t off, cols; float eps; } lnorm_ctx;
@@ -234,13 +280,19 @@ int ck_step_mla_attention(const ck_mla_layer *a, int64_t layer, float *x, int64_
         mla_project(&c, 1, &a->wq_b, ab, mla_q(&c, 0), c.per, NULL, NULL, NULL, 0, nth);
     }
     ck_pool_for(mla_token_chunk, &c, n, n >= 4 ? nth : 1);
-    ck_pool_for(mla_absorb_chunk, &c, n * a->nh,
-                nthreads(s, CK_ATTN_MAC_COST * n * a->nh * a->nope * a->r));
+    const int64_t uk_work = CK_ATTN_MAC_COST * n * a->nh * a->nope * a->r;
+    ck_pool_for(mla_absorb_chunk, &c, a->nh * mla_blocks(&c), nthreads(s, uk_work));
     int64_t ctx_work = 0;
     for (int64_t t = 0; t < n; t++) ctx_work += a->nh * (a->r + a->rope) * 2 * (tok[CK_TOK_COLS * t] + 1);
     s->failed = 0;
-    ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
+    if (be->mla)
+        ck_pool_for(mla_group_chunk, &c, n * ((a->nh + MLA_HG - 1) / MLA_HG),
+                    nthreads(s, CK_ATTN_MAC_COST * ctx_work));
+    else
+        ck_pool_for(mla_head_chunk, &c, n * a->nh, nthreads(s, CK_ATTN_MAC_COST * ctx_work));
     if (s->failed) return CK_E_MEMORY;
+    ck_pool_for(mla_uv_chunk, &c, a->nh * mla_blocks(&c),
+                nthreads(s, CK_ATTN_MAC_COST * n * a->nh * a->v * a->r));
     /* o projection of out [n, nh*v], quantized per token */
     act_set B = {0};
     c.w[0] = to_w(&a->wo);
