@@ -379,6 +379,21 @@ AVX2_INL void attn_values(const float *s, int h0, int64_t d, const float *v, int
         }
 }
 
+/* the g heads' softmax over their scores s [g, len], then out = s v in blocks of 4 heads
+ * (ck_avx2_attn and ck_avx2_mla: v rows of d values, ld apart) */
+AVX2_INL void softmax_values(float *s, int g, int64_t d, const float *v, int64_t ld,
+                             int64_t len, float *out) {
+    for (int h = 0; h < g; h++) softmax_row(s + h * len, len);
+    for (int h0 = 0; h0 < g; h0 += 4) {
+        switch (g - h0 < 4 ? g - h0 : 4) {
+        case 4: attn_values(s, h0, d, v, ld, len, out, 4); break;
+        case 3: attn_values(s, h0, d, v, ld, len, out, 3); break;
+        case 2: attn_values(s, h0, d, v, ld, len, out, 2); break;
+        default: attn_values(s, h0, d, v, ld, len, out, 1); break;
+        }
+    }
+}
+
 /* Scores: four heads sharing a key row are dotted with it together and reduced by one
  * hadd tree (a horizontal sum per head and position cost more than the dot itself). */
 AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, const float *v,
@@ -420,15 +435,7 @@ AVX2_API void ck_avx2_attn(const float *q, int g, int64_t d, const float *k, con
             s[h * len + p] = dot * scale;
         }
     }
-    for (int h = 0; h < g; h++) softmax_row(s + h * len, len);
-    for (int h0 = 0; h0 < g; h0 += 4) {
-        switch (g - h0 < 4 ? g - h0 : 4) {
-        case 4: attn_values(s, h0, d, v, ld, len, out, 4); break;
-        case 3: attn_values(s, h0, d, v, ld, len, out, 3); break;
-        case 2: attn_values(s, h0, d, v, ld, len, out, 2); break;
-        default: attn_values(s, h0, d, v, ld, len, out, 1); break;
-        }
-    }
+    softmax_values(s, g, d, v, ld, len, out);
 }
 
 /* MLA (ck_internal.h's `mla`): ck_avx2_attn's blocking, scores over latent c [r] + rope
@@ -466,15 +473,7 @@ AVX2_API void ck_avx2_mla(const float *ql, const float *qp, int64_t ldq, int g, 
             }
         }
     }
-    for (int h = 0; h < g; h++) softmax_row(s + h * len, len);
-    for (int h0 = 0; h0 < g; h0 += 4) {
-        switch (g - h0 < 4 ? g - h0 : 4) {
-        case 4: attn_values(s, h0, r, c, r, len, out, 4); break;
-        case 3: attn_values(s, h0, r, c, r, len, out, 3); break;
-        case 2: attn_values(s, h0, r, c, r, len, out, 2); break;
-        default: attn_values(s, h0, r, c, r, len, out, 1); break;
-        }
-    }
+    softmax_values(s, g, r, c, r, len, out);
 }
 
 /* ------------------------------------------------------------------ mxfp4, int8 act */
