@@ -28,7 +28,7 @@ tensors through the eval callback of _llama_decode.c, over warm-up and timed tok
 
 Colibri: `process_limit_mb` = the cgroup's limit less --margin-mb (the engine measures its
 own overhead and budgets the rest), `kv_pool_tokens` 128; settings by name (SETTINGS).
-llama.cpp: _llama_decode.c (libllama of _llamacpp_tools.py), mmap, no repack (its
+llama.cpp: _llama_decode.c (built and run by _llama_driver.py), mmap, no repack (its
 repacked copy is anonymous memory the size of the experts: the default load is run once
 with --llama-default to show what it does under the limit).
 
@@ -61,6 +61,7 @@ from benchmarks.common import OUT, REPO, git_commit, machine
 from benchmarks.robustness.cgroups import Cgroup
 from benchmarks.speed import _realscale_models as RM
 from benchmarks.speed import _realscale_routing as RR
+from benchmarks.speed._llama_driver import IDS, build_driver, llama_cmd, llama_row, write_ids
 
 MiB = 1 << 20
 PROMPT = 1
@@ -74,8 +75,7 @@ SETTINGS = {
     "copy-spec3-any": {"load_mode": "copy", "residency": {"speculative": True, "speculative_layers": 3,
                                                           "far_guess_margin": 0}},
 }
-DRIVER_SRC = REPO / "benchmarks" / "speed" / "_llama_decode.c"
-DRIVER = REPO / "build" / "outofmem" / "_llama_decode"
+
 
 
 def log(*a):
@@ -176,20 +176,6 @@ def child_read(job: dict) -> None:
 
 # ----------------------------------------------------------------------------- parent
 
-def build_driver() -> Path:
-    from benchmarks.peers._llamacpp_tools import ensure_tools
-    tools = ensure_tools(("llama-bench",), build=False)
-    bindir = Path(tools["llama-bench"]).parent
-    src = next((REPO / "build" / "llamacpp" / "src").glob("*/vendor/llama.cpp"))
-    if DRIVER.exists() and DRIVER.stat().st_mtime >= DRIVER_SRC.stat().st_mtime:
-        return DRIVER
-    DRIVER.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["gcc", "-O2", "-o", str(DRIVER), str(DRIVER_SRC), f"-I{src}/include",
-                    f"-I{src}/ggml/include", f"-L{bindir}", "-lllama", "-lggml", "-lggml-base",
-                    f"-Wl,-rpath,{bindir}"], check=True)
-    return DRIVER
-
-
 def drop(files) -> int:
     from colibri_core.memstat import drop_file_cache, file_cache_bytes
     for f in files:
@@ -241,31 +227,6 @@ def in_cgroup(cmd: list, limit: int, timeout: int) -> dict:
 
 def colibri_cmd(job: dict) -> list:
     return [sys.executable, "-m", "benchmarks.speed.bench_outofmem", "--child", json.dumps(job)]
-
-
-IDS = OUT / "outofmem_ids.txt"
-
-
-def write_ids(V: int) -> Path:
-    OUT.mkdir(exist_ok=True)
-    IDS.write_text(" ".join(map(str, np.random.default_rng(31).integers(1, V - 1, 4096))) + "\n")
-    return IDS
-
-
-def llama_cmd(gguf: Path, a, repack: int = 0) -> list:
-    return [str(DRIVER), str(gguf), str(a.threads), str(a.warmup), str(a.tokens), "1",
-            str(repack), "1", str(IDS)]
-
-
-def llama_row(row: dict, expert_bytes_per_token: float, n_tokens: int) -> dict:
-    """The driver's output as the Colibri child's fields."""
-    if "runs" not in row:
-        return row
-    r = row.pop("runs")[0]
-    row.update(s_per_token=r["s"] / n_tokens, tok_s=r["tok_s"], read_per_token=r["read"] / n_tokens)
-    row["hit_rate"] = max(0.0, 1 - row["read_per_token"] / expert_bytes_per_token)
-    row["routed"] = {str(i): c for i, c in enumerate(row.pop("routed", []))}
-    return row
 
 
 def top8_share(routed: dict, k: int = 8) -> dict:
