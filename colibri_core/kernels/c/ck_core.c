@@ -1,6 +1,6 @@
-/* ck_core.c -- backend dispatch, threads, cycle counter, and the general drivers
- * (matmul, fused expert FFN, decode attention: tests, benchmarks, the aarch64 driver)
- * that split work into row x token tiles (kv heads for attention), run them as parallel
+/* ck_core.c -- backend dispatch, threads, and the general drivers (matmul, fused expert
+ * FFN: tests, benchmarks, the aarch64 driver; decode attention's is in ck_step_attn.c,
+ * the cycle counter in ck_pool.c) that split work into row x token tiles, run them as parallel
  * loops on ck_pool.c's threads, the pipeline step's, and apply the epilogues.
  *
  * Parallelism is over output rows only: a thread owns a contiguous row range and runs
@@ -11,11 +11,7 @@
 #include <math.h>
 #include <sched.h>
 #include <stdlib.h>
-#include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <x86intrin.h>
-#endif
 #include "ck_internal.h"
 
 /* Below this many multiply-adds (rows * cp * n) a call stays on one thread. Measured on
@@ -122,30 +118,6 @@ int ck_set_backend(int b) {
 
 void ck_set_threads(int n) { ck_init(); g_threads = n < 1 ? 1 : n; }
 int ck_get_threads(void) { ck_init(); return g_threads; }
-
-uint64_t ck_rdtsc(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    return __rdtsc();
-#elif defined(__aarch64__)
-    uint64_t v;
-    __asm__ __volatile__("mrs %0, cntvct_el0" : "=r"(v));
-    return v;
-#else
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-#endif
-}
-
-const char *ck_cycle_counter_name(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    return "rdtsc";
-#elif defined(__aarch64__)
-    return "cntvct_el0";
-#else
-    return "clock_gettime_ns";
-#endif
-}
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -495,36 +467,6 @@ int ck_expert_ffn(const ck_ffn *f, const float *x, int64_t n, float *out, const 
     act_buf_free(&hb);
     free(tail);
     return ok ? 0 : -1;
-}
-
-/* ------------------------------------------------------------------ attention */
-
-typedef struct {
-    const ck_backend_t *be;
-    const float *q, *k, *v;
-    float *out, *scores;
-    int64_t nh, d, nkv, len;
-    float scale;
-} attn_ctx;
-
-static void attn_head(void *p, int64_t j) {   /* one kv head and its g query heads */
-    const attn_ctx *c = p;
-    const int g = (int)(c->nh / c->nkv);
-    c->be->attn(c->q + j * g * c->d, g, c->d, c->k + j * c->d, c->v + j * c->d,
-                c->nkv * c->d, c->len, c->scale, c->scores + j * g * c->len,
-                c->out + j * g * c->d);
-}
-
-int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
-                        int64_t nkv, int64_t len, float scale, float *out) {
-    ck_init();
-    float *s = malloc((size_t)(nh * len) * sizeof(float));
-    if (!s) return -1;
-    attn_ctx c = {g_be, q, k, v, out, s, nh, d, nkv, len, scale};
-    int nth = nthreads_for(2 * nh * len * d);
-    ck_pool_for(attn_head, &c, nkv, nth);
-    free(s);
-    return 0;
 }
 
 const ck_backend_t *ck_active_backend(void) { ck_init(); return g_be; }

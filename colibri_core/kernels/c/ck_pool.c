@@ -21,7 +21,37 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
 #include "ck_internal.h"
+
+/* ck.h's cycle counter: the pool times its loops with it (ck_pool_stats), the Python side
+ * its stages */
+uint64_t ck_rdtsc(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return __rdtsc();
+#elif defined(__aarch64__)
+    uint64_t v;
+    __asm__ __volatile__("mrs %0, cntvct_el0" : "=r"(v));
+    return v;
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+#endif
+}
+
+const char *ck_cycle_counter_name(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return "rdtsc";
+#elif defined(__aarch64__)
+    return "cntvct_el0";
+#else
+    return "clock_gettime_ns";
+#endif
+}
 
 #define MAX_THREADS 64
 #define SPIN_ROUNDS 40000          /* ~100-200 us of pause instructions */

@@ -395,3 +395,34 @@ int ck_step_attention(const ck_attn_layer *a, int64_t layer, float *x, int64_t n
     return 0;
 }
 
+/* ------------------------------------------------------------------ ck_attention_decode
+ *
+ * ck.h's standalone decode attention (tests, benchmarks): the active backend's attn per kv
+ * head and its query heads, kv heads spread over the pool's threads */
+
+typedef struct {
+    const ck_backend_t *be;
+    const float *q, *k, *v;
+    float *out, *scores;
+    int64_t nh, d, nkv, len;
+    float scale;
+} decode_attn_ctx;
+
+static void decode_attn_head(void *p, int64_t j) {   /* one kv head and its g query heads */
+    const decode_attn_ctx *c = p;
+    const int g = (int)(c->nh / c->nkv);
+    c->be->attn(c->q + j * g * c->d, g, c->d, c->k + j * c->d, c->v + j * c->d,
+                c->nkv * c->d, c->len, c->scale, c->scores + j * g * c->len,
+                c->out + j * g * c->d);
+}
+
+int ck_attention_decode(const float *q, int64_t nh, int64_t d, const float *k, const float *v,
+                        int64_t nkv, int64_t len, float scale, float *out) {
+    float *s = malloc((size_t)(nh * len) * sizeof(float));
+    if (!s) return -1;
+    decode_attn_ctx c = {ck_active_backend(), q, k, v, out, s, nh, d, nkv, len, scale};
+    int nth = ck_threads_for(2 * nh * len * d);
+    ck_pool_for(decode_attn_head, &c, nkv, nth);
+    free(s);
+    return 0;
+}
